@@ -1,0 +1,14 @@
+"""pagellm: a fast LLM inference and serving engine."""
+
+from importlib.metadata import PackageNotFoundError, version
+
+from pagellm.engine.llm import LLM
+from pagellm.engine.outputs import CompletionOutput, RequestOutput
+from pagellm.sampling.params import SamplingParams
+
+try:
+    __version__ = version("pagellm")
+except PackageNotFoundError:  # running from a source tree that was not installed
+    __version__ = "0.0.0"
+
+__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams", "__version__"]

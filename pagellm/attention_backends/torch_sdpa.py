@@ -1,0 +1,210 @@
+"""TORCH_SDPA: paged attention with torch's `scaled_dot_product_attention`, on any device.
+
+The reference backend, and the fallback where nothing faster fits. K/V are gathered from the paged cache
+through the block tables; all single-token (decode) requests share one padded SDPA call with their query
+heads grouped by KV head, and every other request (a prefill chunk) gets one SDPA call against its whole
+context. Gather indices and masks depend only on the step and the sliding window, so they are built once per
+step and window, and shared by all layers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from pagellm.core.attention import AttentionBackend, AttentionBatch
+from pagellm.plugins import hookimpl
+
+PAGELLM_PLUGIN_API = "1.0"
+
+
+@dataclass
+class _Prefill:
+    tokens: slice  # the request's query tokens in the flat batch
+    slots: torch.Tensor | None  # cache slots of the context it reads; None: only its own new k/v
+    mask: torch.Tensor | None  # [Q, C], True = attend; None: plain causal over its own k/v
+
+
+@dataclass
+class _Decode:
+    tokens: slice | torch.Tensor  # the single-token requests' tokens in the flat batch
+    slots: torch.Tensor  # [B * W] cache slots, padded with slot 0
+    mask: torch.Tensor  # [B, 1, 1, W], False on padding
+
+
+@dataclass
+class _Plan:
+    prefills: list[_Prefill]
+    decode: _Decode | None
+
+
+@dataclass
+class TorchSDPAMetadata:
+    batch: AttentionBatch
+    store_slots: torch.Tensor  # where the new k/v go
+    store_tokens: torch.Tensor | None  # which tokens have a slot, when some have none; None: all
+    plans: dict[tuple[int | None, int], _Plan] = field(default_factory=dict)
+
+    def plan(self, sliding_window: int | None, block_size: int) -> _Plan:
+        """Gather indices and masks, built by the first layer that asks and reused by the others."""
+        key = (sliding_window, block_size)
+        if key not in self.plans:
+            self.plans[key] = _make_plan(self.batch, sliding_window, block_size)
+        return self.plans[key]
+
+
+class TorchSDPABackend(AttentionBackend):
+    name = "TORCH_SDPA"
+    supports_sliding_window = True
+    supports_logits_soft_cap = True
+
+    @classmethod
+    def build_metadata(cls, batch: AttentionBatch) -> TorchSDPAMetadata:
+        """Drop the tokens that store nothing here, so `forward` writes with one index_copy_ per layer."""
+        slots = batch.slot_mapping
+        skip = slots < 0
+        tokens = None
+        if bool(skip.any()):  # one host sync per step, none per layer
+            tokens = (~skip).nonzero().squeeze(1)
+            slots = slots[tokens]
+        return TorchSDPAMetadata(batch, slots, tokens)
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: TorchSDPAMetadata,
+    ) -> torch.Tensor:
+        s = self.spec
+        k_cache = kv_cache[0].view(-1, s.num_kv_heads, s.head_size)  # [num_blocks * block_size, kv, d]
+        v_cache = kv_cache[1].view(-1, s.num_kv_heads, s.head_size)
+        new_k, new_v = (
+            (k, v) if metadata.store_tokens is None else (k[metadata.store_tokens], v[metadata.store_tokens])
+        )
+        k_cache.index_copy_(0, metadata.store_slots, new_k.to(k_cache.dtype))
+        v_cache.index_copy_(0, metadata.store_slots, new_v.to(v_cache.dtype))
+
+        plan = metadata.plan(s.sliding_window, kv_cache.shape[2])
+        out = torch.zeros_like(q)
+        for p in plan.prefills:
+            if p.slots is None:
+                ctx_k, ctx_v = k[p.tokens], v[p.tokens]
+            else:
+                ctx_k = k_cache.index_select(0, p.slots).to(q.dtype)
+                ctx_v = v_cache.index_select(0, p.slots).to(q.dtype)
+            o = self._attend(
+                q[p.tokens].transpose(0, 1), ctx_k.transpose(0, 1), ctx_v.transpose(0, 1), p.mask
+            )
+            out[p.tokens] = o.transpose(0, 1)
+        if plan.decode is not None:
+            d = plan.decode
+            batch_size, width = d.mask.shape[0], d.mask.shape[-1]
+            group = s.num_heads // s.num_kv_heads
+            dq = q[d.tokens].reshape(batch_size, s.num_kv_heads, group, s.head_size)
+            dk = k_cache.index_select(0, d.slots).view(batch_size, width, s.num_kv_heads, s.head_size)
+            dv = v_cache.index_select(0, d.slots).view(batch_size, width, s.num_kv_heads, s.head_size)
+            o = self._attend(dq, dk.transpose(1, 2).to(q.dtype), dv.transpose(1, 2).to(q.dtype), d.mask)
+            out[d.tokens] = o.reshape(batch_size, s.num_heads, s.head_size)
+        return out
+
+    def _attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
+    ) -> torch.Tensor:
+        """q: [..., H, Q, d], k/v: [..., KV, C, d]; mask None means causal with Q == C."""
+        cap, scale = self.spec.logits_soft_cap, self.spec.softmax_scale
+        if cap is None:
+            gqa = q.shape[-3] != k.shape[-3]
+            return F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=gqa
+            )
+        return _soft_capped_attention(q, k, v, mask, scale, cap)
+
+
+def _soft_capped_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float, cap: float
+) -> torch.Tensor:
+    """SDPA cannot cap logits, so this is the same attention in plain float32 ops with cap * tanh(s / cap)."""
+    group = q.shape[-3] // k.shape[-3]
+    k = k.float().repeat_interleave(group, dim=-3)
+    v = v.float().repeat_interleave(group, dim=-3)
+    scores = q.float() @ k.transpose(-1, -2) * scale
+    scores = cap * torch.tanh(scores / cap)
+    if mask is None:
+        mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return (scores.softmax(-1) @ v).to(q.dtype)
+
+
+def _make_plan(batch: AttentionBatch, sliding_window: int | None, block_size: int) -> _Plan:
+    """Split the step into prefill chunks and decodes; build their cache gather indices and masks.
+
+    Query token j of a request with L tokens of context and Q query tokens sits at position L - Q + j and
+    sees positions <= that, and > that - sliding_window when set. Context older than every query's window
+    is not gathered at all."""
+    device = batch.block_tables.device
+    starts = batch.query_start_loc_cpu.tolist()
+    seq_lens = batch.seq_lens_cpu.tolist()
+    window = sliding_window or 0
+    prefills, decode_reqs = [], []
+    for i, seq_len in enumerate(seq_lens):
+        query_len = starts[i + 1] - starts[i]
+        if query_len == 0:
+            continue
+        if query_len == 1:
+            decode_reqs.append(i)
+            continue
+        tokens = slice(starts[i], starts[i + 1])
+        if query_len == seq_len:  # nothing cached: attend over its own new k/v
+            mask = None
+            if window and window < query_len:
+                pos = torch.arange(query_len, device=device)
+                mask = _window_mask(pos, pos, window)
+            prefills.append(_Prefill(tokens, None, mask))
+            continue
+        first = max(0, seq_len - query_len - window + 1) if window else 0
+        pos = torch.arange(first, seq_len, device=device)
+        slots = batch.block_tables[i, pos // block_size].long() * block_size + pos % block_size
+        query_pos = torch.arange(seq_len - query_len, seq_len, device=device)
+        prefills.append(_Prefill(tokens, slots, _window_mask(query_pos, pos, window)))
+    return _Plan(prefills, _make_decode(batch, decode_reqs, starts, seq_lens, window, block_size))
+
+
+def _window_mask(query_pos: torch.Tensor, key_pos: torch.Tensor, window: int) -> torch.Tensor:
+    diff = query_pos[:, None] - key_pos[None, :]
+    mask = diff >= 0
+    return mask & (diff < window) if window else mask
+
+
+def _make_decode(
+    batch: AttentionBatch,
+    reqs: list[int],
+    starts: list[int],
+    seq_lens: list[int],
+    window: int,
+    block_size: int,
+) -> _Decode | None:
+    if not reqs:
+        return None
+    device = batch.block_tables.device
+    lens = [seq_lens[i] for i in reqs]
+    firsts = [max(0, n - window) if window else 0 for n in lens]
+    width = max(n - f for n, f in zip(lens, firsts, strict=True))
+    pos = torch.tensor(firsts, device=device)[:, None] + torch.arange(width, device=device)
+    valid = pos < torch.tensor(lens, device=device)[:, None]
+    rows = torch.tensor(reqs, device=device)
+    columns = (pos // block_size).clamp(max=batch.block_tables.shape[1] - 1)
+    blocks = batch.block_tables[rows[:, None], columns].long()
+    slots = torch.where(valid, blocks * block_size + pos % block_size, 0)
+    token_ids = [starts[i] for i in reqs]
+    contiguous = token_ids == list(range(token_ids[0], token_ids[0] + len(token_ids)))
+    tokens = slice(token_ids[0], token_ids[-1] + 1) if contiguous else torch.tensor(token_ids, device=device)
+    return _Decode(tokens, slots.view(-1), valid[:, None, None, :])
+
+
+@hookimpl
+def pagellm_attention_backends() -> list[type[AttentionBackend]]:
+    return [TorchSDPABackend]

@@ -1,0 +1,1 @@
+"""The small core: interfaces, config and selection. Imports nothing else of pagellm."""

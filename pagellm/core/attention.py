@@ -1,0 +1,152 @@
+"""The `AttentionBackend` interface: one paged-attention implementation.
+
+The class holds the facts (what it runs on) and the per-step metadata builder; an instance is one
+attention layer's implementation. Tensor conventions, for every backend:
+
+- q: [num_tokens, num_heads, head_size]; k, v: [num_tokens, num_kv_heads, head_size]
+- the batch is flat: request i owns tokens query_start_loc[i]:query_start_loc[i+1]; its query tokens are
+  the last ones of its sequence of seq_lens[i] tokens (prefill chunks and single-token decodes mixed)
+- kv_cache: a tensor of the backend's own `kv_cache_shape`; `forward` writes the new k/v into it at
+  `slot_mapping` (slot = block_id * block_size + offset; negative = do not store) and reads the context
+  through `block_tables`
+- forward returns [num_tokens, num_heads, head_size]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+
+if TYPE_CHECKING:
+    from pagellm.core.platform import Platform
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """The shapes and features a model asks of its attention layers."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_size: int
+    dtype: torch.dtype
+    block_size: int = 16
+    kv_cache_dtype: torch.dtype | None = None  # None: same as dtype
+    sliding_window: int | None = None  # attend to at most this many most recent tokens (incl. itself)
+    logits_soft_cap: float | None = None
+    alibi: bool = False
+    scale: float | None = None  # None: head_size ** -0.5
+
+    @property
+    def cache_dtype(self) -> torch.dtype:
+        return self.kv_cache_dtype or self.dtype
+
+    @property
+    def softmax_scale(self) -> float:
+        return self.scale if self.scale is not None else self.head_size**-0.5
+
+    def shape_key(self) -> str:
+        """Identifies the shapes for the selector's timing cache."""
+        return (
+            f"h{self.num_heads}-kv{self.num_kv_heads}-d{self.head_size}-{str(self.dtype).removeprefix('torch.')}"
+            f"-bs{self.block_size}-sw{self.sliding_window}"
+        )
+
+
+@dataclass
+class AttentionBatch:
+    """What every backend gets from the model runner once per step (device tensors unless `_cpu`)."""
+
+    query_start_loc: torch.Tensor  # int32 [num_reqs + 1]
+    seq_lens: torch.Tensor  # int32 [num_reqs]: tokens in context after this step (cached + new)
+    block_tables: torch.Tensor  # int32 [num_reqs, max_blocks_per_req]
+    slot_mapping: torch.Tensor  # int64 [num_tokens]
+    query_start_loc_cpu: torch.Tensor  # the same, on the host, so backends need not sync
+    seq_lens_cpu: torch.Tensor
+    max_query_len: int
+    max_seq_len: int
+
+    @property
+    def num_reqs(self) -> int:
+        return self.seq_lens_cpu.shape[0]
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.query_start_loc_cpu[-1])
+
+    @property
+    def is_pure_decode(self) -> bool:
+        return self.max_query_len == 1
+
+
+class AttentionBackend:
+    """One paged-attention implementation. Subclass, fill the facts, implement the four methods."""
+
+    name: ClassVar[str]
+    """Upper-case name users pass to `--attention-backend`."""
+    version: ClassVar[str] = "1"
+    """Bump when speed changes, so the selector's timing cache is refreshed."""
+    device_types: ClassVar[tuple[str, ...] | None] = None
+    """torch device types it runs on; None: any."""
+    dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float16, torch.bfloat16, torch.float32)
+    head_sizes: ClassVar[tuple[int, ...] | None] = None  # None: any
+    block_sizes: ClassVar[tuple[int, ...] | None] = None  # None: any
+    supports_sliding_window: ClassVar[bool] = False
+    supports_logits_soft_cap: ClassVar[bool] = False
+    supports_alibi: ClassVar[bool] = False
+
+    @classmethod
+    def unsupported_reasons(cls, spec: AttentionSpec, platform: type[Platform]) -> list[str]:
+        """Every reason this backend cannot run `spec` on `platform`; empty means compatible.
+
+        The default checks the class facts; override to add more (a missing package, a capability),
+        calling super()."""
+        reasons = []
+        if cls.device_types is not None and platform.device_type not in cls.device_types:
+            reasons.append(f"runs on device types {', '.join(cls.device_types)}, not {platform.device_type}")
+        if spec.dtype not in cls.dtypes:
+            reasons.append(
+                f"dtype {_dtype_name(spec.dtype)} not in {', '.join(map(_dtype_name, cls.dtypes))}"
+            )
+        if spec.cache_dtype not in cls.dtypes:
+            reasons.append(f"KV-cache dtype {_dtype_name(spec.cache_dtype)} not supported")
+        if cls.head_sizes is not None and spec.head_size not in cls.head_sizes:
+            reasons.append(f"head size {spec.head_size} not in {list(cls.head_sizes)}")
+        if cls.block_sizes is not None and spec.block_size not in cls.block_sizes:
+            reasons.append(f"block size {spec.block_size} not in {list(cls.block_sizes)}")
+        if spec.sliding_window is not None and not cls.supports_sliding_window:
+            reasons.append("no sliding-window support")
+        if spec.logits_soft_cap is not None and not cls.supports_logits_soft_cap:
+            reasons.append("no logits soft-cap support")
+        if spec.alibi and not cls.supports_alibi:
+            reasons.append("no ALiBi support")
+        return reasons
+
+    @classmethod
+    def kv_cache_shape(cls, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple:
+        """Shape of one layer's KV cache tensor."""
+        return (2, num_blocks, block_size, num_kv_heads, head_size)
+
+    @classmethod
+    def build_metadata(cls, batch: AttentionBatch) -> Any:
+        """Turn the step's batch into what `forward` needs; called once per step, shared by all layers."""
+        return batch
+
+    def __init__(self, spec: AttentionSpec):
+        self.spec = spec
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: Any,
+    ) -> torch.Tensor:
+        """Store k/v into kv_cache at the slot mapping, then attend; see the module docstring."""
+        raise NotImplementedError
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")

@@ -1,0 +1,25 @@
+"""pagellm's exception types. Every message says what to change."""
+
+
+class PagellmError(Exception):
+    """Base of every error pagellm raises on purpose."""
+
+
+class ConfigError(PagellmError, ValueError):
+    """A setting that cannot work; the message names the setting and the fix."""
+
+
+class DeviceUnavailableError(ConfigError):
+    """The requested device does not exist or cannot be used on this machine."""
+
+
+class BackendUnsupportedError(ConfigError):
+    """The requested attention backend does not exist or cannot run this model here."""
+
+
+class QuantizationUnsupportedError(ConfigError):
+    """The requested quantization method does not exist or cannot run here."""
+
+
+class PluginError(PagellmError):
+    """A plugin failed to load, declares an incompatible API version, or clashes with another."""

@@ -1,0 +1,117 @@
+"""The `Platform` interface: one subclass per device family (cuda, rocm, xpu, cpu, tpu, or a vendor's).
+
+Everything is a classmethod: a platform is a set of facts and queries about the machine, not an object
+with state. `availability()` must stay cheap and side-effect free: it may import modules and read files,
+but never create a device context or start a runtime (that broke Ray and forked workers in other engines).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+
+if TYPE_CHECKING:
+    from pagellm.core.config import EngineConfig
+
+GiB = 1 << 30
+
+
+@dataclass(frozen=True)
+class Availability:
+    """Whether a platform can run here, and always why (or why not)."""
+
+    ok: bool
+    reason: str
+
+    @classmethod
+    def yes(cls, reason: str) -> Availability:
+        return cls(True, reason)
+
+    @classmethod
+    def no(cls, reason: str) -> Availability:
+        return cls(False, reason)
+
+    def __bool__(self) -> bool:
+        return self.ok
+
+
+class Platform:
+    """A device family. Subclass it, fill the facts, override the queries your device answers differently."""
+
+    name: ClassVar[str]
+    """Name users pass to `--device` (lower case): `cuda`, `cpu`, or a vendor's."""
+    device_type: ClassVar[str]
+    """torch device type: `cuda`, `xpu`, `cpu`, `xla`, ..."""
+    dist_backend: ClassVar[str] = "gloo"
+    """torch.distributed backend for tensor parallelism: `nccl`, `gloo`, `xccl`, ..."""
+    priority: ClassVar[int] = 0
+    """Auto-detection picks the available platform with the highest priority."""
+    supported_dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float32,)
+    default_dtype: ClassVar[torch.dtype] = torch.float32
+    """dtype used for `--dtype auto` when the checkpoint's own dtype is not supported here."""
+    attention_backends: ClassVar[tuple[str, ...]] = ()
+    """Attention backend names in order of preference; may name backends from other packages."""
+    quantization_methods: ClassVar[tuple[str, ...] | None] = None
+    """Quantization method names this platform runs; None means every method that accepts the platform."""
+
+    @classmethod
+    def availability(cls) -> Availability:
+        raise NotImplementedError
+
+    @classmethod
+    def device(cls, index: int = 0) -> torch.device:
+        return torch.device(cls.device_type, index) if cls.device_type != "cpu" else torch.device("cpu")
+
+    @classmethod
+    def device_name(cls, index: int = 0) -> str:
+        return cls.name
+
+    @classmethod
+    def device_capability(cls, index: int = 0) -> tuple[int, int] | None:
+        """(major, minor) where the device family has versions (CUDA compute capability); else None."""
+        return None
+
+    @classmethod
+    def device_count(cls) -> int:
+        return 1
+
+    @classmethod
+    def total_memory(cls, index: int = 0) -> int:
+        raise NotImplementedError
+
+    @classmethod
+    def free_memory(cls, index: int = 0) -> int:
+        raise NotImplementedError
+
+    @classmethod
+    def kv_cache_bytes(cls, config: EngineConfig, model_bytes: int, peak_bytes: int) -> int:
+        """Bytes the KV cache may take, given the measured weight and peak activation memory.
+
+        Accelerators: `gpu_memory_utilization` of total memory, less what the model took at its peak.
+        """
+        budget = int(cls.total_memory() * config.gpu_memory_utilization) - peak_bytes
+        return max(budget, 0)
+
+    @classmethod
+    def preferred_attention_backends(cls) -> list[str]:
+        return list(cls.attention_backends)
+
+    @classmethod
+    def supports_quantization(cls, name: str) -> bool:
+        return cls.quantization_methods is None or name in cls.quantization_methods
+
+    @classmethod
+    def check_and_update_config(cls, config: EngineConfig) -> None:
+        """Apply this platform's defaults to `config` and raise ConfigError for settings it cannot run."""
+
+    @classmethod
+    def synchronize(cls) -> None:
+        """Wait for queued device work (for timing)."""
+
+    @classmethod
+    def describe(cls) -> dict[str, str]:
+        """Facts for `pagellm env` and the start-up log (device name, memory, ISA, ...). Cheap to call
+        only when the platform is available."""
+        return {"device": cls.device_name()}

@@ -1,0 +1,235 @@
+"""Start-up selection of the device platform and the attention backend (DESIGN.md §4).
+
+Every rejection carries a reason; an explicit choice that cannot work is an error that lists the
+alternatives; `auto` takes the best available platform and the fastest compatible backend.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pagellm.core.attention import AttentionBackend, AttentionSpec
+from pagellm.core.errors import BackendUnsupportedError, DeviceUnavailableError, QuantizationUnsupportedError
+from pagellm.core.platform import Availability, Platform
+from pagellm.core.quant import QuantMethod
+from pagellm.core.registry import Registry
+
+logger = logging.getLogger("pagellm.selector")
+
+AUTO = "auto"
+
+
+@dataclass
+class PlatformChoice:
+    platform: type[Platform]
+    availability: dict[str, Availability]
+    explanation: list[str]
+
+
+@dataclass
+class BackendChoice:
+    backend: type[AttentionBackend]
+    rejected: dict[str, list[str]]  # backend name -> reasons, for every incompatible backend
+    timings: dict[str, float] = field(default_factory=dict)  # seconds per timed step, when measured
+    explanation: list[str] = field(default_factory=list)
+
+
+def platform_availability(registry: Registry) -> dict[str, Availability]:
+    """Availability of every registered platform; a probe that raises counts as unavailable."""
+    result = {}
+    for name, platform in sorted(registry.platforms.items()):
+        try:
+            result[name] = platform.availability()
+        except Exception as exc:  # a broken probe must not hide the other platforms
+            result[name] = Availability.no(f"availability check raised {type(exc).__name__}: {exc}")
+    return result
+
+
+def select_platform(registry: Registry, requested: str | None = AUTO) -> PlatformChoice:
+    requested = (requested or AUTO).strip().lower()
+    availability = platform_availability(registry)
+    available = [n for n, a in availability.items() if a.ok]
+    if requested != AUTO:
+        if requested not in registry.platforms:
+            raise DeviceUnavailableError(
+                f"Device {requested!r} is not a registered platform. {_platform_summary(availability)} "
+                f"Choose one of: {', '.join(available + [AUTO])} (or install the plugin that provides {requested!r})."
+            )
+        if not availability[requested].ok:
+            raise DeviceUnavailableError(
+                f"Device {requested!r} is unavailable: {availability[requested].reason}. "
+                f"{_platform_summary(availability, skip=requested)} "
+                f"Use --device {available[0] if available else AUTO} instead, or fix the cause above."
+            )
+        return PlatformChoice(
+            registry.platforms[requested], availability, [f"device {requested} (requested)"]
+        )
+    if not available:
+        raise DeviceUnavailableError(f"No device platform is available. {_platform_summary(availability)}")
+    ranked = sorted(available, key=lambda n: (-registry.platforms[n].priority, n))
+    chosen = ranked[0]
+    explanation = [
+        f"device {chosen} (auto: highest-priority available platform; {availability[chosen].reason})"
+    ]
+    explanation += [f"  also available, lower priority: {n}" for n in ranked[1:]]
+    explanation += [f"  unavailable: {n}: {a.reason}" for n, a in availability.items() if not a.ok]
+    return PlatformChoice(registry.platforms[chosen], availability, explanation)
+
+
+def _platform_summary(availability: dict[str, Availability], skip: str | None = None) -> str:
+    parts = [
+        f"{name} ({'available' if a.ok else 'unavailable: ' + a.reason})"
+        for name, a in availability.items()
+        if name != skip
+    ]
+    return "Platforms found: " + ("; ".join(parts) if parts else "none") + "."
+
+
+def backend_ranking(registry: Registry, platform: type[Platform]) -> list[str]:
+    """Every registered backend: the platform's preference order first, then the rest by name."""
+    preferred = [n for n in platform.preferred_attention_backends() if n in registry.attention_backends]
+    return preferred + sorted(n for n in registry.attention_backends if n not in preferred)
+
+
+def backend_reasons(
+    registry: Registry, platform: type[Platform], spec: AttentionSpec
+) -> dict[str, list[str]]:
+    """name -> reasons it cannot run `spec` on `platform`, in ranking order (empty list: compatible)."""
+    result = {}
+    for name in backend_ranking(registry, platform):
+        try:
+            result[name] = registry.attention_backends[name].unsupported_reasons(spec, platform)
+        except Exception as exc:
+            result[name] = [f"compatibility check raised {type(exc).__name__}: {exc}"]
+    return result
+
+
+Timer = Callable[[type[AttentionBackend], AttentionSpec, type[Platform]], float]
+
+
+def select_attention_backend(
+    registry: Registry,
+    platform: type[Platform],
+    spec: AttentionSpec,
+    requested: str | None = AUTO,
+    timer: Timer | None = None,
+    cache: TimingCache | None = None,
+) -> BackendChoice:
+    """Pick the attention backend. `timer` measures one backend on `spec` (seconds, lower is better);
+    without one, auto takes the first compatible backend in the platform's preference order."""
+    requested = (requested or AUTO).strip()
+    reasons = backend_reasons(registry, platform, spec)
+    compatible = [n for n, r in reasons.items() if not r]
+    rejected = {n: r for n, r in reasons.items() if r}
+    if requested.lower() != AUTO:
+        name = requested.upper()
+        if name not in registry.attention_backends:
+            raise BackendUnsupportedError(
+                f"Attention backend {requested!r} does not exist. Registered backends: "
+                f"{', '.join(reasons) or 'none'}; compatible here: {', '.join(compatible) or 'none'}. "
+                f"Use --attention-backend {compatible[0] if compatible else AUTO}."
+            )
+        if rejected.get(name):
+            raise BackendUnsupportedError(
+                f"Attention backend {name} cannot run this model on {platform.name}: "
+                f"{'; '.join(rejected[name])}. Compatible here: {', '.join(compatible) or 'none'}. "
+                f"Use --attention-backend {compatible[0] if compatible else AUTO}."
+            )
+        return BackendChoice(
+            registry.attention_backends[name], rejected, {}, [f"attention backend {name} (requested)"]
+        )
+    if not compatible:
+        detail = "; ".join(f"{n}: {', '.join(r)}" for n, r in rejected.items())
+        raise BackendUnsupportedError(
+            f"No attention backend can run this model on {platform.name} ({spec.shape_key()}). {detail or 'none registered'}."
+        )
+    timings: dict[str, float] = {}
+    chosen = compatible[0]
+    how = "the only compatible backend" if len(compatible) == 1 else "first compatible in preference order"
+    if len(compatible) > 1 and timer is not None:
+        for name in compatible:
+            timings[name] = _timed(registry.attention_backends[name], spec, platform, timer, cache)
+        chosen = min(compatible, key=lambda n: timings[n])
+        how = "fastest measured: " + ", ".join(f"{n} {t * 1e3:.2f} ms" for n, t in timings.items())
+    explanation = [f"attention backend {chosen} (auto: {how})"]
+    ranking = list(reasons)
+    for name in ranking[: ranking.index(chosen)]:
+        if name in rejected:
+            explanation.append(f"  rejected {name}: {'; '.join(rejected[name])}")
+        else:
+            explanation.append(f"  slower: {name}")
+    return BackendChoice(registry.attention_backends[chosen], rejected, timings, explanation)
+
+
+def _timed(backend, spec, platform, timer: Timer, cache: TimingCache | None) -> float:
+    key = "|".join([platform.name, platform.device_name(), backend.name, backend.version, spec.shape_key()])
+    if cache is not None and (hit := cache.get(key)) is not None:
+        return hit
+    seconds = timer(backend, spec, platform)
+    if cache is not None:
+        cache.put(key, seconds)
+    return seconds
+
+
+class TimingCache:
+    """Backend timings on disk (JSON), keyed by platform, device, backend, backend version and shapes."""
+
+    def __init__(self, path: str | os.PathLike | None = None):
+        if path is None:
+            root = os.environ.get("PAGELLM_CACHE_DIR") or os.path.join(
+                os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "pagellm"
+            )
+            path = os.path.join(root, "attention_timings.json")
+        self.path = Path(path)
+
+    def _load(self) -> dict[str, float]:
+        try:
+            return json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return {}
+
+    def get(self, key: str) -> float | None:
+        return self._load().get(key)
+
+    def put(self, key: str, seconds: float) -> None:
+        data = self._load()
+        data[key] = seconds
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
+        tmp.replace(self.path)
+
+
+def select_quant_method(
+    registry: Registry, platform: type[Platform], requested: str | None, checkpoint_config: dict | None
+) -> type[QuantMethod] | None:
+    """The quantization method from --quantization or the checkpoint's quantization_config, or None."""
+    name = requested
+    if name is None and checkpoint_config:
+        matches = [
+            n for n, m in sorted(registry.quant_methods.items()) if m.matches_checkpoint(checkpoint_config)
+        ]
+        if not matches:
+            raise QuantizationUnsupportedError(
+                f"the checkpoint is quantized as {checkpoint_config.get('quant_method')!r}, which no installed "
+                f"quantization method reads; installed: {', '.join(sorted(registry.quant_methods)) or 'none'}"
+            )
+        name = matches[0]
+    if name is None:
+        return None
+    if name not in registry.quant_methods:
+        raise QuantizationUnsupportedError(
+            f"quantization method {name!r} does not exist; installed: {', '.join(sorted(registry.quant_methods)) or 'none'}"
+        )
+    method = registry.quant_methods[name]
+    reasons = method.unsupported_reasons(platform)
+    if reasons:
+        raise QuantizationUnsupportedError(
+            f"quantization {name} cannot run on {platform.name}: {'; '.join(reasons)}"
+        )
+    return method

@@ -1,0 +1,106 @@
+"""`LLM`: the offline API, called the way vLLM users call it."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm import tqdm
+
+from pagellm.core.config import EngineConfig
+from pagellm.engine.llm_engine import LLMEngine
+from pagellm.engine.outputs import RequestOutput
+from pagellm.sampling.params import SamplingParams
+
+Prompt = str | dict[str, Any]
+Message = dict[str, Any]
+
+
+class LLM:
+    """LLM(model=..., dtype=..., device=..., attention_backend=..., block_size=..., ...): every keyword is an
+    EngineConfig field (the same names as the CLI flags)."""
+
+    def __init__(self, model: str | None = None, **kwargs: Any):
+        self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **kwargs))
+
+    def get_tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt (a string, or {"prompt_token_ids": [...]}); outputs in prompt order.
+
+        Every prompt is validated before any runs, so one bad prompt fails the call with nothing queued."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            params_list = [self.engine.default_sampling_params()] * len(prompts)
+        elif isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(
+                    f"got {len(params_list)} sampling_params for {len(prompts)} prompts; pass one or one each"
+                )
+        for prompt, params in zip(prompts, params_list, strict=True):
+            self.engine.validate(self.engine.tokenize(prompt)[1], params)
+        ids = [
+            self.engine.add_request(prompt, params, priority=priority[i] if priority else 0)
+            for i, (prompt, params) in enumerate(zip(prompts, params_list, strict=True))
+        ]
+        return self._run(ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[Message] | list[list[Message]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation or a list of them, using the tokenizer's chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [
+            {"prompt_token_ids": self.apply_chat_template(c, chat_template, add_generation_prompt)}
+            for c in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def apply_chat_template(
+        self,
+        conversation: list[Message],
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[int]:
+        ids = self.engine.tokenizer.apply_chat_template(
+            conversation,
+            chat_template=chat_template,
+            add_generation_prompt=add_generation_prompt,
+            tokenize=True,
+        )
+        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        wanted = set(request_ids)
+        bar = tqdm(total=len(request_ids), desc="Generating", disable=not use_tqdm, unit="req")
+        try:
+            while len(finished) < len(wanted):
+                for output in self.engine.step():
+                    if output.finished and output.request_id in wanted:
+                        finished[output.request_id] = output
+                        bar.update(1)
+        except BaseException:
+            for request_id in wanted - set(finished):
+                self.engine.abort_request(request_id)
+            raise
+        finally:
+            bar.close()
+        return [finished[i] for i in request_ids]

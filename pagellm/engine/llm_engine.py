@@ -1,0 +1,222 @@
+"""`LLMEngine`: the synchronous engine loop that `LLM` and `AsyncLLM` drive.
+
+add_request -> processor (tokenize, validate) -> scheduler -> each step(): schedule, run the model,
+update the scheduler, detokenize and apply stop strings -> RequestOutputs.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import replace
+from typing import Any
+
+from pagellm.core.config import EngineConfig
+from pagellm.core.errors import ConfigError
+from pagellm.core.platform import GiB
+from pagellm.engine.output_processor import OutputProcessor
+from pagellm.engine.outputs import RequestOutput
+from pagellm.engine.request import Request, RequestStatus
+from pagellm.engine.scheduler import Scheduler
+from pagellm.engine.setup import EngineSetup, resolve_engine
+from pagellm.sampling.params import SamplingParams
+
+logger = logging.getLogger("pagellm")
+
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+_GENERATION_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+class PromptTooLongError(ConfigError):
+    """A prompt (plus any requested output) does not fit the model's context."""
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        started = time.monotonic()
+        self.config = config
+        self.setup: EngineSetup = resolve_engine(config)
+        for line in self.setup.explanation:
+            logger.info(line)
+        self.tokenizer, weights = _load_tokenizer_and_weights(self.setup)
+        self.eos_token_ids = _eos_token_ids(self.setup, self.tokenizer)
+        self.default_params = _generation_defaults(self.setup) if config.generation_config == "auto" else {}
+        from pagellm.worker.model_runner import ModelRunner
+
+        self.runner = ModelRunner(self.setup, weights, self.eos_token_ids)
+        self.max_model_len = self.setup.max_model_len
+        budget = config.max_num_batched_tokens or max(DEFAULT_MAX_NUM_BATCHED_TOKENS, config.max_num_seqs)
+        self.scheduler = Scheduler(
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=budget,
+            max_model_len=self.max_model_len,
+            block_size=config.block_size,
+            num_blocks=self.runner.num_blocks,
+            enable_prefix_caching=config.enable_prefix_caching,
+            enable_chunked_prefill=config.enable_chunked_prefill,
+            policy=config.scheduling_policy,
+        )
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self._ids = itertools.count()
+        usable_tokens = (self.runner.num_blocks - 1) * config.block_size
+        logger.info(
+            "pagellm ready in %.1fs: platform %s (%s), backend %s, dtype %s, weights %.2f GiB, KV cache %d blocks "
+            "of %d tokens (%.2f GiB), max concurrency %.1f requests of %d tokens",
+            time.monotonic() - started,
+            self.setup.platform.name,
+            self.setup.platform.device_name(),
+            self.setup.backend.name,
+            str(self.setup.dtype).removeprefix("torch."),
+            self.runner.model_bytes / GiB,
+            self.runner.num_blocks,
+            config.block_size,
+            self.runner.num_blocks * self.runner.block_bytes() / GiB,
+            usable_tokens / self.max_model_len,
+            self.max_model_len,
+        )
+
+    # -- requests -------------------------------------------------------------------------------------
+
+    def default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the model's generation_config.json defaults (unless --generation-config pagellm)."""
+        return SamplingParams(**self.default_params)
+
+    def tokenize(self, prompt: str | dict | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
+            prompt = prompt["prompt"]
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
+        return None, [int(t) for t in prompt]
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Reject what cannot run, with a message that says what to change."""
+        if not prompt_token_ids:
+            raise ConfigError("the prompt is empty; give at least one token")
+        vocab = self.setup.hf_config.vocab_size
+        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ConfigError(
+                f"prompt token id {bad[0]} is out of range for the vocabulary of {vocab} tokens"
+            )
+        params.validate_token_ids(vocab)
+        n = len(prompt_token_ids)
+        if n >= self.max_model_len:
+            raise PromptTooLongError(
+                f"the prompt has {n} tokens but this model's context is {self.max_model_len} tokens "
+                f"(max_model_len), which must also hold at least one output token; shorten the prompt"
+            )
+        if params.max_tokens is not None and n + params.max_tokens > self.max_model_len:
+            raise PromptTooLongError(
+                f"the prompt has {n} tokens and max_tokens is {params.max_tokens}, but the context is "
+                f"{self.max_model_len} tokens (max_model_len); lower max_tokens to at most {self.max_model_len - n} "
+                f"or shorten the prompt"
+            )
+
+    def add_request(
+        self,
+        prompt: str | dict | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+        arrival_time: float | None = None,
+    ) -> str:
+        """Queue a request; returns its id. Raises ConfigError (nothing queued) for invalid input."""
+        params = params or self.default_sampling_params()
+        text, prompt_token_ids = self.tokenize(prompt)
+        self.validate(prompt_token_ids, params)
+        request_id = request_id if request_id is not None else str(next(self._ids))
+        if request_id in self.output_processor.parents:
+            raise ConfigError(f"request id {request_id!r} is already running")
+        children = []
+        for i in range(params.n):
+            child_params = params
+            if params.n > 1:
+                child_params = replace(params, n=1, seed=None if params.seed is None else params.seed + i)
+            child_id = request_id if params.n == 1 else f"{request_id}#{i}"
+            children.append(
+                Request(child_id, prompt_token_ids, child_params, self.eos_token_ids, arrival_time, priority)
+            )
+        self.output_processor.add(request_id, text, children, params)
+        for child in children:
+            self.scheduler.add_request(child)
+        return request_id
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Abort a request (all its samples) in any state; its KV blocks are freed at once."""
+        for child_id in self.output_processor.child_ids(request_id):
+            self.scheduler.abort_request(child_id)
+        self.runner.release(self.output_processor.child_ids(request_id))
+        return self.output_processor.abort(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # -- the loop ---------------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        out = self.scheduler.schedule()
+        self.runner.forget(out.preempted)
+        self.runner.release(out.finished_ids)
+        if out.is_empty:
+            return []
+        result = self.runner.execute(out)
+        updated = self.scheduler.update_from_output(out, result.sampled)
+        outputs, stopped = self.output_processor.process(updated, result.logprobs, result.prompt_logprobs)
+        for request_id, stop_string in stopped:
+            self.scheduler.finish_request(request_id, RequestStatus.FINISHED_STOPPED, stop_string)
+        return outputs
+
+    def stats(self) -> Any:
+        return self.scheduler.stats()
+
+
+def _load_tokenizer_and_weights(setup: EngineSetup):
+    from transformers import AutoTokenizer
+
+    source = setup.source
+    if source.gguf_file:
+        from pagellm.models.gguf import iter_gguf_weights
+
+        tokenizer = AutoTokenizer.from_pretrained(source.directory, gguf_file=source.gguf_file)
+        return tokenizer, iter_gguf_weights(source.gguf_path, setup.hf_config)
+    from pagellm.models.loader import iter_checkpoint_weights
+
+    tokenizer = AutoTokenizer.from_pretrained(setup.config.tokenizer or source.directory)
+    return tokenizer, iter_checkpoint_weights(source.directory)
+
+
+def _eos_token_ids(setup: EngineSetup, tokenizer) -> set[int]:
+    ids = set()
+    for value in (getattr(setup.hf_config, "eos_token_id", None), tokenizer.eos_token_id):
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(int(v) for v in value)
+    generation = _generation_config(setup)
+    if generation is not None:
+        value = generation.eos_token_id
+        ids.update([value] if isinstance(value, int) else list(value or []))
+    return ids
+
+
+def _generation_config(setup: EngineSetup):
+    if setup.source.gguf_file:
+        return None
+    from transformers import GenerationConfig
+
+    try:
+        return GenerationConfig.from_pretrained(setup.source.directory)
+    except OSError:
+        return None
+
+
+def _generation_defaults(setup: EngineSetup) -> dict[str, Any]:
+    """Sampling defaults the model's authors set in generation_config.json, as vLLM applies them."""
+    generation = _generation_config(setup)
+    if generation is None:
+        return {}
+    diff = generation.to_diff_dict()
+    return {k: diff[k] for k in _GENERATION_DEFAULTS if k in diff and diff[k] is not None}

@@ -1,0 +1,179 @@
+"""Turns the scheduler's updated requests into `RequestOutput`s: detokenizes incrementally, applies stop
+strings, gathers the n samples of a parent request, and records timing."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from pagellm.engine.detokenizer import IncrementalDetokenizer
+from pagellm.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from pagellm.engine.request import Request
+from pagellm.sampling.params import SamplingParams
+
+
+@dataclass
+class _Child:
+    index: int
+    request: Request
+    detokenizer: IncrementalDetokenizer
+    logprobs: list[dict[int, Logprob]] | None
+    sent_tokens: int = 0  # output tokens already given to the detokenizer
+    delta_tokens: int = 0  # output tokens already returned, for output_kind="delta"
+    finished: bool = False
+
+
+@dataclass
+class ParentState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    children: list[_Child] = field(default_factory=list)
+    prompt_logprobs: list | None = None
+    metrics: RequestMetrics | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finished for c in self.children)
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Any):
+        self.tokenizer = tokenizer
+        self.parents: dict[str, ParentState] = {}
+        self.child_to_parent: dict[str, tuple[ParentState, _Child]] = {}
+
+    def add(
+        self, request_id: str, prompt: str | None, children: list[Request], params: SamplingParams
+    ) -> None:
+        parent = ParentState(request_id, prompt, list(children[0].prompt_token_ids), params)
+        parent.metrics = RequestMetrics(arrival_time=children[0].arrival_time)
+        if params.prompt_logprobs is not None:
+            parent.prompt_logprobs = []
+        for i, child in enumerate(children):
+            detok = IncrementalDetokenizer(self.tokenizer, child.prompt_token_ids, child.sampling_params)
+            state = _Child(i, child, detok, [] if params.logprobs is not None else None)
+            parent.children.append(state)
+            self.child_to_parent[child.request_id] = (parent, state)
+        self.parents[request_id] = parent
+
+    def child_ids(self, request_id: str) -> list[str]:
+        parent = self.parents.get(request_id)
+        return [c.request.request_id for c in parent.children] if parent else []
+
+    def process(
+        self,
+        updated: list[Request],
+        logprobs: dict[str, list[dict[int, tuple[float, int]]]],
+        prompt_logprobs: dict[str, list],
+    ) -> tuple[list[RequestOutput], list[tuple[str, str]]]:
+        """New outputs for the parents touched this step, and (child id, stop string) for each stop string
+        matched (the engine finishes those in the scheduler)."""
+        touched: dict[str, ParentState] = {}
+        stopped: list[tuple[str, str]] = []
+        for request in updated:
+            entry = self.child_to_parent.get(request.request_id)
+            if entry is None:
+                continue
+            parent, child = entry
+            touched[parent.request_id] = parent
+            if (
+                parent.prompt_logprobs is not None
+                and request.request_id in prompt_logprobs
+                and child.index == 0
+            ):
+                parent.prompt_logprobs += [self._logprobs(e) for e in prompt_logprobs[request.request_id]]
+            new_tokens = request.output_token_ids[child.sent_tokens :]
+            child.sent_tokens = request.num_output_tokens
+            if child.logprobs is not None and request.request_id in logprobs:
+                child.logprobs += [self._logprobs(e) for e in logprobs[request.request_id]]
+            # EOS or a stop token id ended it: that token's text is not part of the output
+            stop_token = request.finish_reason == "stop" and not isinstance(request.stop_reason, str)
+            matched = child.detokenizer.update(new_tokens, stop_terminated=stop_token)
+            if matched is not None and not request.is_finished:
+                request.stop_reason = matched
+                stopped.append((request.request_id, matched))
+                child.finished = True
+            elif request.is_finished:
+                child.finished = True
+        now = time.monotonic()
+        outputs = []
+        for parent in touched.values():
+            metrics = parent.metrics
+            first = parent.children[0].request
+            metrics.first_scheduled_time = metrics.first_scheduled_time or first.first_scheduled_time
+            metrics.first_token_time = metrics.first_token_time or first.first_token_time
+            metrics.num_cached_tokens = first.num_cached_tokens
+            if parent.finished:
+                metrics.finished_time = now
+            outputs.append(self._output(parent))
+            if parent.finished:
+                self._drop(parent)
+        return outputs, stopped
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        parent = self.parents.get(request_id)
+        if parent is None:
+            return None
+        for child in parent.children:
+            child.finished = True
+        parent.metrics.finished_time = time.monotonic()
+        output = self._output(parent, aborted=True)
+        self._drop(parent)
+        return output
+
+    def _drop(self, parent: ParentState) -> None:
+        self.parents.pop(parent.request_id, None)
+        for child in parent.children:
+            self.child_to_parent.pop(child.request.request_id, None)
+
+    def _output(self, parent: ParentState, aborted: bool = False) -> RequestOutput:
+        delta = parent.params.output_kind == "delta"
+        completions = []
+        for child in parent.children:
+            r = child.request
+            finish = (
+                "abort" if aborted and not r.is_finished else (r.finish_reason if child.finished else None)
+            )
+            if child.finished and finish is None:
+                finish = "stop"
+            detok = child.detokenizer
+            if delta:
+                text = detok.get_delta(finished=child.finished)
+                token_ids = r.output_token_ids[child.delta_tokens :]
+                logprobs = child.logprobs[child.delta_tokens :] if child.logprobs is not None else None
+                child.delta_tokens = r.num_output_tokens
+            else:
+                text = detok.visible_text(finished=child.finished)
+                token_ids = list(r.output_token_ids)
+                logprobs = list(child.logprobs) if child.logprobs is not None else None
+            completions.append(
+                CompletionOutput(
+                    child.index,
+                    text,
+                    token_ids,
+                    logprobs,
+                    finish,
+                    r.stop_reason if finish == "stop" else None,
+                )
+            )
+        return RequestOutput(
+            request_id=parent.request_id,
+            prompt=parent.prompt,
+            prompt_token_ids=parent.prompt_token_ids,
+            outputs=completions,
+            finished=parent.finished or aborted,
+            prompt_logprobs=parent.prompt_logprobs,
+            metrics=parent.metrics,
+            num_cached_tokens=parent.metrics.num_cached_tokens,
+        )
+
+    def _logprobs(self, entry: dict[int, tuple[float, int]] | None) -> dict[int, Logprob] | None:
+        if entry is None:
+            return None
+        return {
+            t: Logprob(lp, rank, self.tokenizer.decode([t], skip_special_tokens=False))
+            for t, (lp, rank) in entry.items()
+        }

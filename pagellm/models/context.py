@@ -1,0 +1,39 @@
+"""The per-step forward context: what attention layers need besides their inputs.
+
+The model runner sets it around each forward; `Attention` layers read it. This keeps model code free of
+batch plumbing (the same idea as nano-vllm's context).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass
+class ForwardContext:
+    metadata: Any  # what the attention backend's build_metadata returned for this step
+    kv_caches: list[torch.Tensor]  # one per attention layer, indexed by Attention.layer_idx
+
+
+_context: ForwardContext | None = None
+
+
+def get_forward_context() -> ForwardContext:
+    if _context is None:
+        raise RuntimeError("attention layer called outside set_forward_context(); the model runner sets it")
+    return _context
+
+
+@contextmanager
+def set_forward_context(metadata: Any, kv_caches: list[torch.Tensor]) -> Iterator[None]:
+    global _context
+    previous, _context = _context, ForwardContext(metadata, kv_caches)
+    try:
+        yield
+    finally:
+        _context = previous

@@ -1,0 +1,80 @@
+"""GGUF checkpoints (llama.cpp's single-file format) as a Hugging Face config, tokenizer and weights.
+
+transformers reads the config and tokenizer and knows llama.cpp's tensor names and layouts (including the
+reversal of its q/k row permutation); this module streams the tensors through that knowledge one at a time,
+dequantized to float32, so the model loads them like any checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from pagellm.core.errors import ConfigError
+
+
+def load_gguf(path: str | os.PathLike) -> tuple[Any, Any, Iterator[tuple[str, torch.Tensor]]]:
+    """(HF config, tokenizer, lazy iterator of (HF tensor name, float32 tensor)) for a .gguf file.
+
+    The config's `architectures` is filled from its model type (GGUF files do not name the class)."""
+    from transformers import AutoConfig, AutoTokenizer
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"GGUF file {path} does not exist")
+    try:
+        config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    except ValueError as exc:
+        raise ConfigError(f"transformers cannot read the GGUF file {path}: {exc}") from exc
+    if not getattr(config, "architectures", None):
+        config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type, config.model_type)]
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    return config, tokenizer, iter_gguf_weights(path, config)
+
+
+def iter_gguf_weights(path: str | os.PathLike, hf_config) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, float32 tensor) for every tensor of the GGUF file that the HF model of `hf_config` has."""
+    from gguf import GGUFReader, dequantize
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, read_field
+
+    reader = GGUFReader(str(path))
+    architecture = read_field(reader, "general.architecture")[0]
+    processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=hf_config.to_dict())
+    names = _gguf_to_hf_names(architecture, hf_config)
+    for tensor in reader.tensors:
+        result = processor.process(
+            weights=dequantize(tensor.data, tensor.tensor_type),
+            name=tensor.name,
+            tensor_key_mapping=names,
+            parsed_parameters={"tensors": {}},
+        )
+        if result.name in names:
+            yield names[result.name], torch.from_numpy(np.array(result.weights, dtype=np.float32))
+
+
+def _gguf_to_hf_names(architecture: str, hf_config) -> dict[str, str]:
+    """GGUF tensor name -> HF name, from gguf's table of HF module names per llama.cpp architecture.
+
+    transformers' own `get_gguf_hf_weights_map` does the same but walks every submodule (seconds)."""
+    from gguf import MODEL_ARCH_NAMES, get_tensor_name_map
+    from transformers import AutoModelForCausalLM
+
+    arch = next((key for key, name in MODEL_ARCH_NAMES.items() if name == architecture), None)
+    if arch is None:
+        raise ConfigError(f"GGUF architecture {architecture!r} is unknown to the installed gguf package")
+    table = get_tensor_name_map(arch, hf_config.num_hidden_layers)
+    with torch.device("meta"):
+        hf_names = AutoModelForCausalLM.from_config(hf_config).state_dict()
+    names = {}
+    for hf_name in hf_names:
+        module, _, suffix = hf_name.rpartition(".")
+        gguf_module = table.get_name(module)
+        if gguf_module is not None:
+            names[f"{gguf_module}.{suffix}"] = hf_name
+    return names

@@ -1,0 +1,64 @@
+"""`Linear`: the one linear layer every model uses, so a quantization method can replace its weights."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagellm.core.errors import ConfigError
+from pagellm.core.quant import QuantMethod
+
+
+class Linear(nn.Module):
+    """y = x W^T + b. With a quant method, the method owns the weight parameters and the matmul.
+
+    A fused layer (q/k/v, gate/up) stacks several checkpoint tensors along the output dimension;
+    `output_sizes` lists their sizes and `load_shard` copies one into its rows.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        dtype: torch.dtype,
+        quant_method: QuantMethod | None = None,
+        output_sizes: list[int] | None = None,
+    ):
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        self.output_sizes = output_sizes or [out_features]
+        self.quant_method = quant_method
+        if quant_method is not None:
+            quant_method.create_weights(self, in_features, out_features, dtype)
+        else:
+            self.weight = _parameter(torch.empty(out_features, in_features, dtype=dtype))
+        self.bias = _parameter(torch.empty(out_features, dtype=dtype)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quant_method is not None:
+            return self.quant_method.apply(self, x, self.bias)
+        return F.linear(x, self.weight, self.bias)
+
+    def load_shard(self, param: nn.Parameter, tensor: torch.Tensor, shard: int) -> None:
+        """Copy checkpoint tensor `shard` of a fused layer into its slice of `param`.
+
+        The slice is taken along `param.output_dim` (default 0) and scaled to the parameter's size there,
+        so packed formats (several values per element) slice correctly too."""
+        dim = getattr(param, "output_dim", 0)
+        scale = param.shape[dim] / self.out_features
+        start = int(sum(self.output_sizes[:shard]) * scale)
+        size = int(self.output_sizes[shard] * scale)
+        target = param.data.narrow(dim, start, size)
+        if target.shape != tensor.shape:
+            raise ConfigError(
+                f"fused shard {shard} has checkpoint shape {tuple(tensor.shape)}, the model expects "
+                f"{tuple(target.shape)}; the config does not match the weights"
+            )
+        target.copy_(tensor)
+
+
+def _parameter(data: torch.Tensor) -> nn.Parameter:
+    return nn.Parameter(data, requires_grad=False)

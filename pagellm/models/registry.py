@@ -1,0 +1,17 @@
+"""The built-in model architectures, registered through the `models` entry point like any plugin's."""
+
+from pagellm.plugins import hookimpl
+
+PAGELLM_PLUGIN_API = "1.0"
+
+
+@hookimpl
+def pagellm_models() -> dict[str, str]:
+    return {
+        "LlamaForCausalLM": "pagellm.models.llama:LlamaForCausalLM",
+        "MistralForCausalLM": "pagellm.models.llama:MistralForCausalLM",
+        "Qwen2ForCausalLM": "pagellm.models.llama:Qwen2ForCausalLM",
+        "Qwen3ForCausalLM": "pagellm.models.llama:Qwen3ForCausalLM",
+        "GPT2LMHeadModel": "pagellm.models.gpt2:GPT2LMHeadModel",
+        "OPTForCausalLM": "pagellm.models.opt:OPTForCausalLM",
+    }

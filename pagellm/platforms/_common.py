@@ -1,0 +1,132 @@
+"""What the built-in platforms share: machine-dependent facts, the GPU-style torch runtime queries, and
+the config checks every accelerator makes."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+
+from pagellm.core.errors import ConfigError
+from pagellm.core.platform import GiB, Platform
+
+if TYPE_CHECKING:
+    from pagellm.core.config import EngineConfig
+
+
+class classproperty:
+    """A read-only class attribute computed on each access, for facts that depend on the machine
+    (a CPU's ISA, a GPU's compute capability) but that callers read like the plain `Platform` facts."""
+
+    def __init__(self, fget: Callable[[Any], Any]):
+        self.fget = fget
+        self.__doc__ = fget.__doc__
+
+    def __get__(self, obj: Any, owner: type) -> Any:
+        return self.fget(owner)
+
+
+def hidden_by(variables: tuple[str, ...]) -> str | None:
+    """Which device-mask environment variable is set, as a reason, if any (the first one set)."""
+    for name in variables:
+        value = os.environ.get(name)
+        if value is not None:
+            return f"{name} is empty" if not value.strip() else f"{name}={value!r}"
+    return None
+
+
+def gib(n: int) -> str:
+    return f"{n / GiB:.1f} GiB"
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def check_memory_utilization(config: EngineConfig) -> None:
+    if not 0 < config.gpu_memory_utilization <= 1:
+        raise ConfigError(
+            f"gpu_memory_utilization must be in (0, 1], got {config.gpu_memory_utilization}; "
+            f"pass --gpu-memory-utilization 0.9 (the fraction of device memory pagellm may use)"
+        )
+
+
+def check_dtype(platform: type[Platform], config: EngineConfig) -> None:
+    """Refuse an explicit --dtype the device cannot compute in (`auto` is resolved elsewhere)."""
+    if config.dtype == "auto":
+        return
+    if getattr(torch, config.dtype) in platform.supported_dtypes:
+        return
+    capability = platform.device_capability()
+    device = platform.device_name()
+    if capability is not None:
+        device += f" (compute capability {capability[0]}.{capability[1]})"
+    supported = ", ".join(dtype_name(d) for d in platform.supported_dtypes)
+    raise ConfigError(
+        f"dtype {config.dtype} is not supported by {device}; supported here: {supported}. "
+        f"Use --dtype {dtype_name(platform.default_dtype)}."
+    )
+
+
+def check_tensor_parallel(platform: type[Platform], config: EngineConfig) -> None:
+    """Tensor parallelism stays on one host: refused up front rather than as a bad device ordinal later."""
+    count = platform.device_count()
+    if config.tensor_parallel_size > count:
+        raise ConfigError(
+            f"tensor_parallel_size {config.tensor_parallel_size} is more than the {count} {platform.name} "
+            f"device(s) visible here; pass --tensor-parallel-size {count} or less"
+        )
+
+
+class TorchRuntimePlatform(Platform):
+    """Device queries through a torch runtime module with the `torch.cuda` API (torch.cuda, torch.xpu).
+
+    Not registered itself: CUDA, ROCm and XPU subclass it and add their facts and `availability()`.
+    """
+
+    runtime: ClassVar[str]
+    """Attribute of `torch` that drives the device: `cuda` (also for ROCm) or `xpu`."""
+
+    @classmethod
+    def _runtime(cls) -> Any:
+        return getattr(torch, cls.runtime)
+
+    @classmethod
+    def device_name(cls, index: int = 0) -> str:
+        return cls._runtime().get_device_name(index)
+
+    @classmethod
+    def device_count(cls) -> int:
+        return cls._runtime().device_count()
+
+    @classmethod
+    def total_memory(cls, index: int = 0) -> int:
+        return cls._runtime().get_device_properties(index).total_memory
+
+    @classmethod
+    def free_memory(cls, index: int = 0) -> int:
+        return cls._runtime().mem_get_info(index)[0]
+
+    @classmethod
+    def synchronize(cls) -> None:
+        cls._runtime().synchronize()
+
+    @classmethod
+    def check_and_update_config(cls, config: EngineConfig) -> None:
+        check_memory_utilization(config)
+        check_dtype(cls, config)
+        check_tensor_parallel(cls, config)
+
+    @classmethod
+    def describe(cls) -> dict[str, str]:
+        facts = {"device": cls.device_name(), "device_count": str(cls.device_count())}
+        capability = cls.device_capability()
+        if capability is not None:
+            facts["capability"] = f"{capability[0]}.{capability[1]}"
+        free, total = cls._runtime().mem_get_info(0)
+        facts["memory_total"] = gib(total)
+        facts["memory_free"] = gib(free)
+        facts["default_dtype"] = dtype_name(cls.default_dtype)
+        return facts

@@ -1,0 +1,152 @@
+"""The host CPU: always available; the KV cache takes `--kv-cache-space` GiB of RAM."""
+
+from __future__ import annotations
+
+import os
+import platform as pyplatform
+from typing import TYPE_CHECKING
+
+import torch
+
+from pagellm.core.errors import ConfigError
+from pagellm.core.platform import Availability, GiB, Platform
+from pagellm.platforms._common import classproperty, dtype_name, gib
+from pagellm.plugins.hookspecs import hookimpl
+
+if TYPE_CHECKING:
+    from pagellm.core.config import EngineConfig
+
+PAGELLM_PLUGIN_API = "1.0"
+
+DEFAULT_KV_CACHE_SPACE = 4.0
+"""GiB of RAM for the KV cache when --kv-cache-space is not given."""
+
+ISA_FEATURES = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
+"""x86 flags that decide which kernels are fast here; reported by `describe()`."""
+
+BF16_FEATURES = {"avx512_bf16", "amx_bf16"}
+"""With either, bfloat16 matmuls run natively and beat float32; without, bfloat16 is emulated and slower."""
+
+
+def _read_text(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+def _cpuinfo_field(name: str) -> str | None:
+    """The first `name : value` line of /proc/cpuinfo (the boot CPU's)."""
+    for line in _read_text("/proc/cpuinfo").splitlines():
+        key, sep, value = line.partition(":")
+        if sep and key.strip() == name:
+            return value.strip()
+    return None
+
+
+def _cpu_model() -> str:
+    return _cpuinfo_field("model name") or pyplatform.processor() or pyplatform.machine() or "unknown CPU"
+
+
+def _cpu_flags() -> set[str]:
+    return set((_cpuinfo_field("flags") or "").split())
+
+
+def _usable_cores() -> int:
+    """Cores this process may run on (taskset, cgroups cpusets), not the machine's total."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def _meminfo() -> dict[str, int]:
+    """/proc/meminfo in bytes, or from sysconf where there is no /proc."""
+    values = {}
+    for line in _read_text("/proc/meminfo").splitlines():
+        key, _, rest = line.partition(":")
+        parts = rest.split()
+        if parts and parts[0].isdigit():
+            values[key] = int(parts[0]) * (1024 if parts[1:] == ["kB"] else 1)
+    if "MemTotal" in values and "MemAvailable" in values:
+        return values
+    page = os.sysconf("SC_PAGE_SIZE")
+    return {
+        "MemTotal": page * os.sysconf("SC_PHYS_PAGES"),
+        "MemAvailable": page * os.sysconf("SC_AVPHYS_PAGES"),
+    }
+
+
+class CpuPlatform(Platform):
+    name = "cpu"
+    device_type = "cpu"
+    dist_backend = "gloo"
+    priority = 0
+    supported_dtypes = (torch.float32, torch.bfloat16, torch.float16)
+    attention_backends = ("CPU_ATTN", "FLEX_ATTENTION", "TORCH_SDPA")
+    quantization_methods = ("fp8", "int8", "awq", "gptq", "gguf")
+
+    @classproperty
+    def default_dtype(cls) -> torch.dtype:
+        """bfloat16 where the CPU computes it natively, else float32."""
+        return torch.bfloat16 if _cpu_flags() & BF16_FEATURES else torch.float32
+
+    @classmethod
+    def availability(cls) -> Availability:
+        return Availability.yes(f"{_cpu_model()}, {_usable_cores()} core(s) usable")
+
+    @classmethod
+    def device_name(cls, index: int = 0) -> str:
+        return _cpu_model()
+
+    @classmethod
+    def total_memory(cls, index: int = 0) -> int:
+        return _meminfo()["MemTotal"]
+
+    @classmethod
+    def free_memory(cls, index: int = 0) -> int:
+        """MemAvailable: free RAM plus what the kernel can reclaim (page cache) without swapping."""
+        return _meminfo()["MemAvailable"]
+
+    @classmethod
+    def kv_cache_bytes(cls, config: EngineConfig, model_bytes: int, peak_bytes: int) -> int:
+        """`kv_cache_space` GiB, refused when more than the memory available now (the model is loaded)."""
+        space = DEFAULT_KV_CACHE_SPACE if config.kv_cache_space is None else config.kv_cache_space
+        wanted = int(space * GiB)
+        available = cls.free_memory()
+        if wanted > available:
+            raise ConfigError(
+                f"kv_cache_space {space:g} GiB is more than the {gib(available)} of memory available now; "
+                f"lower --kv-cache-space to {available / GiB:.1f} or less"
+            )
+        return wanted
+
+    @classmethod
+    def check_and_update_config(cls, config: EngineConfig) -> None:
+        if config.kv_cache_space is None:
+            config.kv_cache_space = DEFAULT_KV_CACHE_SPACE
+        if config.kv_cache_space <= 0:
+            raise ConfigError(
+                f"kv_cache_space must be more than 0 GiB, got {config.kv_cache_space:g}; "
+                f"pass --kv-cache-space {DEFAULT_KV_CACHE_SPACE:g}"
+            )
+
+    @classmethod
+    def describe(cls) -> dict[str, str]:
+        flags = _cpu_flags()
+        memory = _meminfo()
+        facts = {
+            "device": _cpu_model(),
+            "cores_usable": str(_usable_cores()),
+            "torch_threads": str(torch.get_num_threads()),
+            "memory_total": gib(memory["MemTotal"]),
+            "memory_available": gib(memory["MemAvailable"]),
+            "default_dtype": dtype_name(cls.default_dtype),
+        }
+        facts.update({feature: "yes" if feature in flags else "no" for feature in ISA_FEATURES})
+        return facts
+
+
+@hookimpl
+def pagellm_platforms() -> list[type[Platform]]:
+    return [CpuPlatform]

@@ -1,0 +1,71 @@
+"""NVIDIA GPUs through a CUDA build of torch."""
+
+from __future__ import annotations
+
+import torch
+
+from pagellm.core.platform import Availability, Platform
+from pagellm.platforms._common import TorchRuntimePlatform, classproperty, hidden_by
+from pagellm.plugins.hookspecs import hookimpl
+
+PAGELLM_PLUGIN_API = "1.0"
+
+BF16_CAPABILITY = (8, 0)
+"""bfloat16 arithmetic needs Ampere or newer."""
+
+
+def _torch_cuda_version() -> str | None:
+    return torch.version.cuda
+
+
+def _torch_hip_version() -> str | None:
+    return getattr(torch.version, "hip", None)
+
+
+def _cuda_device_count() -> int:
+    """Visible devices; torch asks NVML first, so this creates no CUDA context."""
+    return torch.cuda.device_count()
+
+
+class CudaPlatform(TorchRuntimePlatform):
+    name = "cuda"
+    device_type = "cuda"
+    runtime = "cuda"
+    dist_backend = "nccl"
+    priority = 100
+    attention_backends = ("FLASH_ATTN", "TRITON_ATTN", "FLEX_ATTENTION", "TORCH_SDPA")
+    quantization_methods = None
+
+    @classmethod
+    def availability(cls) -> Availability:
+        hip = _torch_hip_version()
+        if hip:
+            return Availability.no(f"this torch is a ROCm build (HIP {hip}); use --device rocm")
+        cuda = _torch_cuda_version()
+        if not cuda:
+            return Availability.no(f"torch was built without CUDA (torch {torch.__version__})")
+        count = _cuda_device_count()
+        if count == 0:
+            why = hidden_by(("CUDA_VISIBLE_DEVICES",)) or f"torch {torch.__version__} found no driver or GPU"
+            return Availability.no(f"no NVIDIA device visible ({why})")
+        return Availability.yes(f"found {count} NVIDIA device(s) (CUDA {cuda})")
+
+    @classmethod
+    def device_capability(cls, index: int = 0) -> tuple[int, int] | None:
+        return torch.cuda.get_device_capability(index)
+
+    @classproperty
+    def supported_dtypes(cls) -> tuple[torch.dtype, ...]:
+        """bfloat16 only from compute capability 8.0; reads the device only when one is available."""
+        if cls.availability().ok and cls.device_capability() < BF16_CAPABILITY:
+            return (torch.float16, torch.float32)
+        return (torch.bfloat16, torch.float16, torch.float32)
+
+    @classproperty
+    def default_dtype(cls) -> torch.dtype:
+        return cls.supported_dtypes[0]
+
+
+@hookimpl
+def pagellm_platforms() -> list[type[Platform]]:
+    return [CudaPlatform]

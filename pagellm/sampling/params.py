@@ -1,0 +1,107 @@
+"""`SamplingParams`: how one request chooses its tokens and when it stops (vLLM's names and defaults)."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+_GREEDY_EPS = 1e-5
+MAX_LOGPROBS = 20
+OUTPUT_KINDS = ("cumulative", "delta", "final_only")
+_LOGPROBS_RANGE = f"must be in [0, {MAX_LOGPROBS}]"
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    logit_bias: dict[int, float] | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    output_kind: str = "cumulative"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        elif self.stop is None:
+            self.stop = []
+        else:
+            self.stop = list(self.stop)
+        self.stop_token_ids = [int(t) for t in self.stop_token_ids or []]
+        if self.logit_bias:
+            # JSON object keys arrive as strings.
+            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+        self._validate()
+
+    def _validate(self) -> None:
+        max_tokens = self.max_tokens
+        bias = self.logit_bias or {}
+        rules = (
+            ("n", self.n >= 1, "must be >= 1"),
+            ("temperature", self.temperature >= 0, "must be >= 0"),
+            ("top_p", 0 < self.top_p <= 1, "must be in (0, 1]"),
+            ("top_k", self.top_k >= -1, "must be -1 or 0 (off) or >= 1"),
+            ("min_p", 0 <= self.min_p <= 1, "must be in [0, 1]"),
+            ("presence_penalty", -2 <= self.presence_penalty <= 2, "must be in [-2, 2]"),
+            ("frequency_penalty", -2 <= self.frequency_penalty <= 2, "must be in [-2, 2]"),
+            ("repetition_penalty", self.repetition_penalty > 0, "must be > 0"),
+            ("max_tokens", max_tokens is None or max_tokens >= 1, "must be >= 1"),
+            ("min_tokens", self.min_tokens >= 0, "must be >= 0"),
+            (
+                "min_tokens",
+                max_tokens is None or self.min_tokens <= max_tokens,
+                f"must be <= max_tokens ({max_tokens})",
+            ),
+            ("logprobs", self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, _LOGPROBS_RANGE),
+            (
+                "prompt_logprobs",
+                self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
+                _LOGPROBS_RANGE,
+            ),
+            ("stop", all(self.stop), "strings must be non-empty"),
+            ("stop_token_ids", all(t >= 0 for t in self.stop_token_ids), "must be token ids >= 0"),
+            ("logit_bias", all(t >= 0 for t in bias), "keys must be token ids >= 0"),
+            ("logit_bias", all(-100 <= v <= 100 for v in bias.values()), "values must be in [-100, 100]"),
+            ("output_kind", self.output_kind in OUTPUT_KINDS, f"must be one of {', '.join(OUTPUT_KINDS)}"),
+        )
+        for name, ok, rule in rules:
+            if not ok:
+                raise ValueError(f"{name} {rule}, got {getattr(self, name)!r}")
+
+    def validate_token_ids(self, vocab_size: int) -> None:
+        """Refuse token ids the model cannot produce; the engine calls this once it knows the vocabulary."""
+        for name, ids in (("stop_token_ids", self.stop_token_ids), ("logit_bias", self.logit_bias or {})):
+            bad = sorted(t for t in ids if t >= vocab_size)
+            if bad:
+                raise ValueError(f"{name} token ids must be < the vocabulary size {vocab_size}, got {bad}")
+
+    @property
+    def greedy(self) -> bool:
+        """Temperature near zero means argmax; the other sampling knobs are then ignored."""
+        return self.temperature < _GREEDY_EPS
+
+    def all_stop_token_ids(self, eos_token_ids: Iterable[int]) -> set[int]:
+        """Token ids that finish this request: `stop_token_ids`, and the model's EOS unless `ignore_eos`."""
+        ids = set(self.stop_token_ids)
+        if not self.ignore_eos:
+            ids.update(eos_token_ids)
+        return ids
+
+    def clone(self) -> SamplingParams:
+        return copy.deepcopy(self)

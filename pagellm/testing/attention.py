@@ -1,0 +1,154 @@
+"""Attention test helpers: random paged batches, a plain reference, and a conformance check for backends.
+
+Any backend, ours or a vendor's, is checked the same way: `check_backend(MyBackend, spec, device, cases)`
+returns the largest difference from `reference_attention`; the caller picks the tolerance for the dtype.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from pagellm.core.attention import AttentionBackend, AttentionBatch, AttentionSpec
+
+SPARE_BLOCKS = 4
+"""Blocks no request owns, so a backend that reads outside its block table reads the wrong data."""
+
+
+def blocks_needed(seq_lens: Sequence[int], block_size: int) -> int:
+    """Blocks the requests own together, plus `SPARE_BLOCKS`: the default `num_blocks`."""
+    return sum(math.ceil(n / block_size) for n in seq_lens) + SPARE_BLOCKS
+
+
+def make_paged_batch(
+    seq_lens: Sequence[int],
+    query_lens: Sequence[int],
+    block_size: int,
+    num_blocks: int | None = None,
+    device: torch.device | str = "cpu",
+    block_tables: torch.Tensor | None = None,
+    generator: torch.Generator | None = None,
+) -> AttentionBatch:
+    """A step in which request i has seq_lens[i] tokens of context, the last query_lens[i] of them new.
+
+    Each request gets randomly drawn, shuffled blocks out of `num_blocks` (default `blocks_needed`), so
+    block ids are neither contiguous nor ordered; unused table entries are 0. Pass `block_tables` to keep
+    an earlier step's assignment (a later chunk of the same requests)."""
+    assert all(0 < q <= s for q, s in zip(query_lens, seq_lens, strict=True)), "need 0 < query_len <= seq_len"
+    per_req = [math.ceil(n / block_size) for n in seq_lens]
+    if block_tables is None:
+        num_blocks = num_blocks or blocks_needed(seq_lens, block_size)
+        ids = torch.randperm(num_blocks, generator=generator).tolist()
+        block_tables = torch.zeros(len(seq_lens), max(per_req), dtype=torch.int32)
+        for i, n in enumerate(per_req):
+            block_tables[i, :n] = torch.tensor(ids[:n], dtype=torch.int32)
+            ids = ids[n:]
+    block_tables = block_tables.to("cpu", torch.int32)
+    slots = []
+    for i, (seq_len, query_len) in enumerate(zip(seq_lens, query_lens, strict=True)):
+        pos = torch.arange(seq_len - query_len, seq_len)
+        slots.append(block_tables[i, pos // block_size].long() * block_size + pos % block_size)
+    query_start_loc = torch.tensor([0, *query_lens], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    seq_lens_t = torch.tensor(list(seq_lens), dtype=torch.int32)
+    return AttentionBatch(
+        query_start_loc=query_start_loc.to(device),
+        seq_lens=seq_lens_t.to(device),
+        block_tables=block_tables.to(device),
+        slot_mapping=torch.cat(slots).to(device),
+        query_start_loc_cpu=query_start_loc,
+        seq_lens_cpu=seq_lens_t,
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+    )
+
+
+def reference_attention(
+    q: torch.Tensor,
+    k_full: torch.Tensor,
+    v_full: torch.Tensor,
+    query_lens: Sequence[int],
+    seq_lens: Sequence[int],
+    sliding_window: int | None = None,
+    scale: float | None = None,
+    logits_soft_cap: float | None = None,
+) -> torch.Tensor:
+    """Plain causal attention per sequence in float32, no paging: the answer every backend must give.
+
+    q: [sum(query_lens), H, d], each request's query tokens in order; k_full, v_full: [sum(seq_lens), KV, d],
+    each request's whole sequence in order. Returns float32 [sum(query_lens), H, d]."""
+    scale = scale if scale is not None else q.shape[-1] ** -0.5
+    group = q.shape[1] // k_full.shape[1]
+    outs, q_start, kv_start = [], 0, 0
+    for query_len, seq_len in zip(query_lens, seq_lens, strict=True):
+        qi = q[q_start : q_start + query_len].float().transpose(0, 1)  # [H, Q, d]
+        ki = k_full[kv_start : kv_start + seq_len].float().repeat_interleave(group, dim=1).transpose(0, 1)
+        vi = v_full[kv_start : kv_start + seq_len].float().repeat_interleave(group, dim=1).transpose(0, 1)
+        scores = qi @ ki.transpose(-1, -2) * scale
+        if logits_soft_cap is not None:
+            scores = logits_soft_cap * torch.tanh(scores / logits_soft_cap)
+        diff = torch.arange(seq_len - query_len, seq_len)[:, None] - torch.arange(seq_len)[None, :]
+        visible = diff >= 0
+        if sliding_window is not None:
+            visible &= diff < sliding_window
+        scores = scores.masked_fill(~visible.to(scores.device), float("-inf"))
+        outs.append((scores.softmax(-1) @ vi).transpose(0, 1))
+        q_start += query_len
+        kv_start += seq_len
+    return torch.cat(outs)
+
+
+def check_backend(
+    backend_cls: type[AttentionBackend],
+    spec: AttentionSpec,
+    device: torch.device | str,
+    cases: Sequence[tuple[Sequence[int], Sequence[int]]],
+    seed: int = 0,
+) -> float:
+    """Largest absolute difference between the backend and `reference_attention` over `cases`.
+
+    Each case is (seq_lens, query_lens). The cached part of every sequence is first written by the
+    backend's own forward, as one prefill step over it (whose output is checked too); then the case's step
+    runs with the same block tables, so the backend's cache layout is its own business."""
+    worst = 0.0
+    for case, (seq_lens, query_lens) in enumerate(cases):
+        gen = torch.Generator().manual_seed(seed + case)
+        total = sum(seq_lens)
+        q = torch.randn(total, spec.num_heads, spec.head_size, generator=gen).to(device, spec.dtype)
+        k = torch.randn(total, spec.num_kv_heads, spec.head_size, generator=gen).to(device, spec.dtype)
+        v = torch.randn(total, spec.num_kv_heads, spec.head_size, generator=gen).to(device, spec.dtype)
+        num_blocks = blocks_needed(seq_lens, spec.block_size)
+        batch = make_paged_batch(seq_lens, query_lens, spec.block_size, num_blocks, device, generator=gen)
+        shape = backend_cls.kv_cache_shape(num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size)
+        kv_cache = torch.zeros(shape, dtype=spec.cache_dtype, device=device)
+        impl = backend_cls(spec)
+        starts = [sum(seq_lens[:i]) for i in range(len(seq_lens))]
+        cached = [s - n for s, n in zip(seq_lens, query_lens, strict=True)]
+        rows = [i for i, n in enumerate(cached) if n]
+        steps = []
+        if rows:
+            lens = [cached[i] for i in rows]
+            tables = batch.block_tables[rows]
+            prefill = make_paged_batch(lens, lens, spec.block_size, device=device, block_tables=tables)
+            steps.append((prefill, [starts[i] for i in rows], lens, lens))
+        steps.append((batch, starts, list(seq_lens), list(query_lens)))
+        for step, step_starts, step_seq_lens, step_query_lens in steps:
+            queries, context = [], []
+            for start, seq_len, query_len in zip(step_starts, step_seq_lens, step_query_lens, strict=True):
+                queries += range(start + seq_len - query_len, start + seq_len)
+                context += range(start, start + seq_len)
+            queries, context = torch.tensor(queries, device=device), torch.tensor(context, device=device)
+            out = impl.forward(q[queries], k[queries], v[queries], kv_cache, backend_cls.build_metadata(step))
+            expected = reference_attention(
+                q[queries],
+                k[context],
+                v[context],
+                step_query_lens,
+                step_seq_lens,
+                spec.sliding_window,
+                spec.softmax_scale,
+                spec.logits_soft_cap,
+            )
+            worst = max(worst, (out.float() - expected).abs().max().item())
+    return worst

@@ -1,0 +1,210 @@
+"""The model runner: loads the model, owns the KV cache, and runs one scheduled step.
+
+Per step it gathers the flat batch (token ids, positions, slot mapping, block tables, query offsets)
+from the persistent `InputBatch`, runs the model under the backend's metadata, computes logits only for
+the positions that sample (or that asked for prompt logprobs), and samples on the device.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from pagellm.core.attention import AttentionBatch
+from pagellm.core.errors import ConfigError
+from pagellm.core.platform import GiB
+from pagellm.engine.scheduler import SchedulerOutput
+from pagellm.engine.setup import EngineSetup
+from pagellm.models.base import ModelInit
+from pagellm.models.context import set_forward_context
+from pagellm.models.loader import load_model, model_weight_bytes
+from pagellm.sampling.sampler import (
+    LogprobsTensors,
+    Sampler,
+    SamplingRequest,
+    build_sampling_batch,
+    compute_prompt_logprobs,
+    make_generator,
+)
+from pagellm.worker.input_batch import InputBatch
+
+logger = logging.getLogger("pagellm")
+
+
+@dataclass
+class StepResult:
+    sampled: dict[str, list[int]] = field(default_factory=dict)
+    # request id -> (token id -> (logprob, rank)) for the sampled token and the top-k, per new token
+    logprobs: dict[str, list[dict[int, tuple[float, int]]]] = field(default_factory=dict)
+    # request id -> one entry per prompt position computed this step (None for the first prompt token)
+    prompt_logprobs: dict[str, list[dict[int, tuple[float, int]] | None]] = field(default_factory=dict)
+
+
+class ModelRunner:
+    def __init__(
+        self, setup: EngineSetup, weights: Iterable[tuple[str, torch.Tensor]], eos_token_ids: Iterable[int]
+    ):
+        config = setup.config
+        self.setup = setup
+        self.device = setup.platform.device()
+        self.block_size = config.block_size
+        self.eos_token_ids = set(eos_token_ids)
+        quant = (
+            setup.quant_method(getattr(setup.hf_config, "quantization_config", None))
+            if setup.quant_method
+            else None
+        )
+        init = ModelInit(setup.hf_config, setup.dtype, setup.backend, config.block_size, quant)
+        torch.set_default_dtype(setup.dtype)
+        try:
+            self.model = load_model(setup.model_class_path, init, weights, self.device)
+        finally:
+            torch.set_default_dtype(torch.float32)
+        self.model_bytes = model_weight_bytes(self.model)
+        self.layers = self.model.attention_layers()
+        self.num_blocks = self._num_blocks()
+        spec = setup.spec
+        shape = setup.backend.kv_cache_shape(
+            self.num_blocks, self.block_size, spec.num_kv_heads, spec.head_size
+        )
+        self.kv_caches = [torch.zeros(shape, dtype=spec.cache_dtype, device=self.device) for _ in self.layers]
+        self.input_batch = InputBatch(config.max_num_seqs, setup.max_model_len, self.block_size)
+        self.generators: dict[str, torch.Generator | None] = {}
+        self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(config.seed))
+
+    def block_bytes(self) -> int:
+        spec = self.setup.spec
+        shape = self.setup.backend.kv_cache_shape(1, self.block_size, spec.num_kv_heads, spec.head_size)
+        elem = torch.empty((), dtype=spec.cache_dtype).element_size()
+        return int(np.prod(shape)) * elem * len(self.layers)
+
+    def _num_blocks(self) -> int:
+        config = self.setup.config
+        if config.num_kv_blocks is not None:
+            return config.num_kv_blocks
+        platform = self.setup.platform
+        peak = (
+            self.model_bytes
+            if platform.device_type == "cpu"
+            else platform.total_memory() - platform.free_memory()
+        )
+        budget = platform.kv_cache_bytes(config, self.model_bytes, peak)
+        num_blocks = budget // self.block_bytes()
+        if num_blocks < 2:
+            raise ConfigError(
+                f"no memory left for the KV cache ({budget / GiB:.2f} GiB after the model's "
+                f"{self.model_bytes / GiB:.2f} GiB); raise --kv-cache-space or --gpu-memory-utilization"
+            )
+        return int(num_blocks)
+
+    def forget(self, request_ids: Iterable[str]) -> None:
+        """Drop per-request state of finished or preempted requests."""
+        for request_id in request_ids:
+            self.input_batch.remove(request_id)
+
+    def release(self, request_ids: Iterable[str]) -> None:
+        """Drop everything of finished requests, their seeded generator included."""
+        for request_id in request_ids:
+            self.input_batch.remove(request_id)
+            self.generators.pop(request_id, None)
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> StepResult:
+        batch = self.input_batch
+        rows, counts, starts = [], [], []
+        sampling, prompt_lp = [], []  # (index in batch, request)
+        for i, request in enumerate(out.scheduled):
+            rid = request.request_id
+            row = batch.row(rid)
+            batch.sync(row, request.all_token_ids, out.block_ids[rid])
+            n = out.num_scheduled_tokens[rid]
+            start = request.num_computed_tokens
+            rows.append(row)
+            counts.append(n)
+            starts.append(start)
+            if start + n == request.num_tokens:
+                sampling.append((i, request))
+                if rid not in self.generators:
+                    self.generators[rid] = make_generator(request.sampling_params, self.device)
+            if request.sampling_params.prompt_logprobs is not None and start < request.num_prompt_tokens:
+                prompt_lp.append((i, request))
+        counts_np = np.asarray(counts, dtype=np.int64)
+        cu = np.zeros(len(counts) + 1, dtype=np.int64)
+        np.cumsum(counts_np, out=cu[1:])
+        num_tokens = int(cu[-1])
+        token_rows = np.repeat(np.asarray(rows, dtype=np.int64), counts_np)
+        positions = np.arange(num_tokens, dtype=np.int64) - np.repeat(cu[:-1] - np.asarray(starts), counts_np)
+        input_ids = batch.token_ids[token_rows, positions]
+        bs = self.block_size
+        slots = batch.block_table[token_rows, positions // bs].astype(np.int64) * bs + positions % bs
+        seq_lens = np.asarray(starts, dtype=np.int64) + counts_np
+        max_blocks = int(-(-seq_lens.max() // bs))
+        block_tables = batch.block_table[rows, :max_blocks]
+        attn = AttentionBatch(
+            query_start_loc=self._dev(cu.astype(np.int32)),
+            seq_lens=self._dev(seq_lens.astype(np.int32)),
+            block_tables=self._dev(block_tables),
+            slot_mapping=self._dev(slots),
+            query_start_loc_cpu=torch.from_numpy(cu.astype(np.int32)),
+            seq_lens_cpu=torch.from_numpy(seq_lens.astype(np.int32)),
+            max_query_len=int(counts_np.max()),
+            max_seq_len=int(seq_lens.max()),
+        )
+        metadata = self.setup.backend.build_metadata(attn)
+        with set_forward_context(metadata, self.kv_caches):
+            hidden = self.model(self._dev(input_ids), self._dev(positions))
+        result = StepResult()
+        if prompt_lp:
+            self._prompt_logprobs(hidden, prompt_lp, cu, starts, result)
+        if not sampling:
+            return result
+        index = torch.tensor([int(cu[i + 1]) - 1 for i, _ in sampling], device=self.device)
+        logits = self.model.compute_logits(hidden.index_select(0, index))
+        requests = [
+            SamplingRequest(
+                r.sampling_params, r.prompt_token_ids, r.output_token_ids, self.generators[r.request_id]
+            )
+            for _, r in sampling
+        ]
+        sampled = self.sampler(logits, build_sampling_batch(requests, self.eos_token_ids, self.device))
+        token_ids = sampled.token_ids.tolist()
+        for j, (_, request) in enumerate(sampling):
+            result.sampled[request.request_id] = [token_ids[j]]
+        if sampled.logprobs is not None:
+            for j, (_, request) in enumerate(sampling):
+                k = request.sampling_params.logprobs
+                if k is not None:
+                    result.logprobs[request.request_id] = [
+                        _row_logprobs(sampled.logprobs, j, k, token_ids[j])
+                    ]
+        return result
+
+    def _prompt_logprobs(self, hidden, prompt_lp, cu, starts, result: StepResult) -> None:
+        for i, request in prompt_lp:
+            start, end = starts[i], min(starts[i] + int(cu[i + 1] - cu[i]), request.num_prompt_tokens)
+            # position p predicts prompt token p + 1
+            last = min(end, request.num_prompt_tokens - 1)
+            entries: list = [None] if start == 0 else []
+            if last > start:
+                logits = self.model.compute_logits(hidden[int(cu[i]) : int(cu[i]) + last - start])
+                targets = torch.tensor(request.prompt_token_ids[start + 1 : last + 1], device=self.device)
+                k = request.sampling_params.prompt_logprobs
+                tensors = compute_prompt_logprobs(logits, targets, k)
+                entries += [_row_logprobs(tensors, j, k, int(targets[j])) for j in range(last - start)]
+            result.prompt_logprobs[request.request_id] = entries
+
+    def _dev(self, array: np.ndarray) -> torch.Tensor:
+        tensor = torch.from_numpy(np.ascontiguousarray(array))
+        return tensor if self.device.type == "cpu" else tensor.to(self.device, non_blocking=True)
+
+
+def _row_logprobs(t: LogprobsTensors, row: int, k: int, token_id: int) -> dict[int, tuple[float, int]]:
+    """The chosen token first, then the top k: token id -> (logprob, rank)."""
+    entry = {token_id: (float(t.token_logprobs[row]), int(t.token_ranks[row]))}
+    for j in range(min(k, t.topk_ids.shape[1])):
+        entry.setdefault(int(t.topk_ids[row, j]), (float(t.topk_logprobs[row, j]), j + 1))
+    return entry

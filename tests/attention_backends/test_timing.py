@@ -1,0 +1,52 @@
+import torch
+
+from pagellm.attention_backends.timing import time_backend
+from pagellm.attention_backends.torch_sdpa import TorchSDPABackend
+from pagellm.core.attention import AttentionSpec
+from pagellm.core.platform import Availability, Platform
+from pagellm.core.registry import Registry
+from pagellm.core.selector import TimingCache, select_attention_backend
+
+SPEC = AttentionSpec(num_heads=4, num_kv_heads=2, head_size=32, dtype=torch.float32)
+
+
+class _CPU(Platform):
+    name = "testcpu"
+    device_type = "cpu"
+    attention_backends = ("TORCH_SDPA",)
+
+    @classmethod
+    def availability(cls) -> Availability:
+        return Availability.yes("always, in tests")
+
+
+class _OtherSDPA(TorchSDPABackend):
+    name = "OTHER_SDPA"
+
+
+def test_time_backend_returns_seconds():
+    seconds = time_backend(TorchSDPABackend, SPEC, _CPU)
+    assert isinstance(seconds, float)
+    assert 0 < seconds < 5
+
+
+def test_selector_times_each_backend_once_and_caches(tmp_path):
+    registry = Registry()
+    registry.add("attention_backends", "TORCH_SDPA", TorchSDPABackend, "test")
+    registry.add("attention_backends", "OTHER_SDPA", _OtherSDPA, "test")
+    calls = []
+
+    def timer(backend, spec, platform):
+        calls.append(backend.name)
+        return time_backend(backend, spec, platform)
+
+    cache = TimingCache(tmp_path / "timings.json")
+    first = select_attention_backend(registry, _CPU, SPEC, timer=timer, cache=cache)
+    assert sorted(calls) == ["OTHER_SDPA", "TORCH_SDPA"]
+    assert cache.path.exists()
+    assert set(first.timings) == {"OTHER_SDPA", "TORCH_SDPA"}
+
+    second = select_attention_backend(registry, _CPU, SPEC, timer=timer, cache=TimingCache(cache.path))
+    assert len(calls) == 2
+    assert second.timings == first.timings
+    assert second.backend is first.backend

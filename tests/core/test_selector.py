@@ -1,0 +1,186 @@
+"""Selection rules of DESIGN.md §4, on a registry of fake platforms and backends."""
+
+import logging
+
+import pytest
+import torch
+
+from pagellm.core.attention import AttentionBackend, AttentionSpec
+from pagellm.core.errors import BackendUnsupportedError, DeviceUnavailableError, QuantizationUnsupportedError
+from pagellm.core.platform import Availability, Platform
+from pagellm.core.quant import QuantMethod
+from pagellm.core.registry import Registry
+from pagellm.core.selector import (
+    TimingCache,
+    select_attention_backend,
+    select_platform,
+    select_quant_method,
+)
+
+
+class Host(Platform):
+    name, device_type, priority = "host", "cpu", 0
+    attention_backends = ("FAST", "SLOW", "REF")
+
+    @classmethod
+    def availability(cls):
+        return Availability.yes("always here")
+
+
+class Accel(Platform):
+    name, device_type, priority = "accel", "cuda", 100
+
+    @classmethod
+    def availability(cls):
+        return Availability.no("no accel device nodes")
+
+
+class Second(Platform):
+    name, device_type, priority = "second", "cpu", 50
+
+    @classmethod
+    def availability(cls):
+        return Availability.yes("second device present")
+
+
+class Broken(Platform):
+    name, device_type = "broken", "cpu"
+
+    @classmethod
+    def availability(cls):
+        raise RuntimeError("probe exploded")
+
+
+class Ref(AttentionBackend):
+    name = "REF"
+
+
+class Fast(AttentionBackend):
+    name = "FAST"
+    head_sizes = (128,)
+
+
+class Slow(AttentionBackend):
+    name = "SLOW"
+    device_types = ("cpu",)
+
+
+class GpuOnly(AttentionBackend):
+    name = "GPU_ONLY"
+    device_types = ("cuda",)
+
+
+class Quant(QuantMethod):
+    name = "q4"
+    platforms = ("accel",)
+
+
+def registry(*platforms):
+    r = Registry()
+    for p in platforms:
+        r.add("platforms", p.name, p, "test")
+    for b in (Ref, Fast, Slow, GpuOnly):
+        r.add("attention_backends", b.name, b, "test")
+    r.add("quant_methods", Quant.name, Quant, "test")
+    return r
+
+
+SPEC = AttentionSpec(num_heads=4, num_kv_heads=2, head_size=64, dtype=torch.float32)
+
+
+def test_auto_picks_highest_priority_available_and_lists_the_rest():
+    choice = select_platform(registry(Host, Accel, Second))
+    assert choice.platform is Second
+    text = "\n".join(choice.explanation)
+    assert "also available, lower priority: host" in text
+    assert "accel: no accel device nodes" in text
+
+
+def test_named_unavailable_device_explains_and_lists_alternatives():
+    with pytest.raises(DeviceUnavailableError) as err:
+        select_platform(registry(Host, Accel), "accel")
+    msg = str(err.value)
+    assert "'accel' is unavailable: no accel device nodes" in msg
+    assert "host (available)" in msg and "--device host" in msg
+
+
+def test_unknown_device_lists_registered_platforms():
+    with pytest.raises(DeviceUnavailableError, match="not a registered platform.*host \\(available\\)"):
+        select_platform(registry(Host), "nope")
+
+
+def test_named_device_is_case_insensitive_and_probe_errors_are_reasons():
+    assert select_platform(registry(Host, Broken), "HOST").platform is Host
+    with pytest.raises(DeviceUnavailableError, match="probe exploded"):
+        select_platform(registry(Host, Broken), "broken")
+
+
+def test_no_platform_available():
+    with pytest.raises(DeviceUnavailableError, match="No device platform is available.*accel"):
+        select_platform(registry(Accel))
+
+
+def test_auto_backend_takes_first_compatible_and_says_why_better_ones_were_rejected():
+    choice = select_attention_backend(registry(Host), Host, SPEC)
+    assert choice.backend is Slow
+    text = "\n".join(choice.explanation)
+    assert "rejected FAST: head size 64 not in [128]" in text
+    assert (
+        "GPU_ONLY" in choice.rejected
+        and "runs on device types cuda, not cpu" in choice.rejected["GPU_ONLY"][0]
+    )
+
+
+def test_auto_backend_times_compatible_ones_and_caches(tmp_path):
+    calls = []
+
+    def timer(backend, spec, platform):
+        calls.append(backend.name)
+        return {"SLOW": 0.002, "REF": 0.001}[backend.name]
+
+    cache = TimingCache(tmp_path / "t.json")
+    choice = select_attention_backend(registry(Host), Host, SPEC, timer=timer, cache=cache)
+    assert choice.backend is Ref and set(calls) == {"SLOW", "REF"}
+    assert "fastest measured" in choice.explanation[0] and "slower: SLOW" in "\n".join(choice.explanation)
+    again = select_attention_backend(
+        registry(Host), Host, SPEC, timer=timer, cache=TimingCache(tmp_path / "t.json")
+    )
+    assert again.backend is Ref and len(calls) == 2  # served from the on-disk cache
+
+
+def test_named_backend_incompatible_or_unknown_is_an_error_with_reasons():
+    with pytest.raises(BackendUnsupportedError) as err:
+        select_attention_backend(registry(Host), Host, SPEC, "fast")
+    assert "head size 64 not in [128]" in str(err.value) and "Compatible here: SLOW, REF" in str(err.value)
+    with pytest.raises(BackendUnsupportedError, match="does not exist.*Registered backends"):
+        select_attention_backend(registry(Host), Host, SPEC, "MISSING")
+    assert select_attention_backend(registry(Host), Host, SPEC, "ref").backend is Ref
+
+
+def test_spec_features_are_checked():
+    windowed = AttentionSpec(num_heads=4, num_kv_heads=2, head_size=64, dtype=torch.float32, sliding_window=8)
+    assert "no sliding-window support" in Ref.unsupported_reasons(windowed, Host)
+
+
+def test_quant_method_reasons_and_checkpoint_detection():
+    r = registry(Host, Accel)
+    with pytest.raises(QuantizationUnsupportedError, match="runs on accel, not host"):
+        select_quant_method(r, Host, "q4", None)
+    with pytest.raises(QuantizationUnsupportedError, match="'awq', which no installed"):
+        select_quant_method(r, Host, None, {"quant_method": "awq"})
+    with pytest.raises(QuantizationUnsupportedError, match="does not exist"):
+        select_quant_method(r, Host, "nope", None)
+    assert select_quant_method(r, Accel, None, {"quant_method": "q4"}) is Quant
+    assert select_quant_method(r, Host, None, None) is None
+
+
+def test_duplicate_names_name_both_owners():
+    r = registry(Host)
+    with pytest.raises(Exception, match="registered twice: by test and by other-dist"):
+        r.add("platforms", "host", Host, "other-dist")
+
+
+def test_backend_log_is_info(caplog):
+    caplog.set_level(logging.INFO)
+    choice = select_attention_backend(registry(Host), Host, SPEC)
+    assert choice.explanation  # the engine logs these lines at INFO at start-up

@@ -1,0 +1,78 @@
+"""Run a pagellm model the way the model runner does: flat batches, a paged KV cache, TORCH_SDPA."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from pagellm.attention_backends.torch_sdpa import TorchSDPABackend
+from pagellm.core.attention import AttentionBatch
+from pagellm.models.base import CausalLM, ModelInit
+from pagellm.models.context import set_forward_context
+from pagellm.models.loader import iter_checkpoint_weights, load_model, resolve_model_class
+from pagellm.models.registry import pagellm_models
+
+BLOCK_SIZE = 4
+NUM_BLOCKS = 32
+
+
+def load_pagellm(model_dir: Path, dtype: torch.dtype = torch.float32, **init_kwargs) -> CausalLM:
+    config = AutoConfig.from_pretrained(model_dir)
+    init = ModelInit(config, dtype, TorchSDPABackend, block_size=BLOCK_SIZE, **init_kwargs)
+    return load_model(resolve_model_class(config, pagellm_models()), init, iter_checkpoint_weights(model_dir), "cpu")
+
+
+def load_reference(model_dir: Path) -> torch.nn.Module:
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+@torch.no_grad()
+def reference_logits(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
+    """transformers' logits at every position of one sequence: [len(ids), vocab]."""
+    return model(torch.tensor([ids])).logits[0].float()
+
+
+class PagedRunner:
+    """Several sequences sharing one paged KV cache; each sequence owns blocks in a scrambled order, so a
+    model or backend that ignored the block table would read the wrong context."""
+
+    def __init__(self, model: CausalLM, num_seqs: int = 2):
+        self.model = model
+        self.caches = [
+            torch.zeros(TorchSDPABackend.kv_cache_shape(NUM_BLOCKS, BLOCK_SIZE, a.spec.num_kv_heads, a.spec.head_size))
+            for a in model.attention_layers()
+        ]
+        order = torch.randperm(NUM_BLOCKS, generator=torch.Generator().manual_seed(0)).to(torch.int32)
+        self.block_tables = order.view(num_seqs, NUM_BLOCKS // num_seqs)
+        self.lens = [0] * num_seqs
+
+    @torch.no_grad()
+    def step(self, chunks: dict[int, list[int]]) -> dict[int, torch.Tensor]:
+        """Run new tokens of several sequences in one flat batch; returns each one's logits [len, vocab]."""
+        seqs = sorted(chunks)
+        ids, positions, slots, starts, seq_lens = [], [], [], [0], []
+        for s in seqs:
+            new = chunks[s]
+            pos = list(range(self.lens[s], self.lens[s] + len(new)))
+            ids += new
+            positions += pos
+            slots += [int(self.block_tables[s, p // BLOCK_SIZE]) * BLOCK_SIZE + p % BLOCK_SIZE for p in pos]
+            self.lens[s] += len(new)
+            starts.append(starts[-1] + len(new))
+            seq_lens.append(self.lens[s])
+        batch = AttentionBatch(
+            query_start_loc=torch.tensor(starts, dtype=torch.int32),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+            block_tables=self.block_tables[seqs],
+            slot_mapping=torch.tensor(slots, dtype=torch.int64),
+            query_start_loc_cpu=torch.tensor(starts, dtype=torch.int32),
+            seq_lens_cpu=torch.tensor(seq_lens, dtype=torch.int32),
+            max_query_len=max(len(chunks[s]) for s in seqs),
+            max_seq_len=max(seq_lens),
+        )
+        with set_forward_context(TorchSDPABackend.build_metadata(batch), self.caches):
+            hidden = self.model(torch.tensor(ids), torch.tensor(positions))
+        logits = self.model.compute_logits(hidden)
+        return {s: logits[starts[i] : starts[i + 1]] for i, s in enumerate(seqs)}

@@ -1,0 +1,152 @@
+"""Tiny random Hugging Face checkpoints for tests, with a locally built byte-level BPE tokenizer.
+
+`make_tiny_checkpoint("llama", tmp_path)` writes a 2-layer, 64-wide model of that architecture and its
+tokenizer (ChatML chat template) to a directory and returns it. Weights are drawn with a large spread and
+norm weights and biases are randomised too, so greedy choices are decisive and every tensor matters.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gpt2", "opt")
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # ids 0, 1, 2
+PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+_CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Paged attention stores keys and values in fixed-size blocks.",
+    "Hello, world! How are you today? I am fine, thank you.",
+    "Once upon a time there was a small model that answered every question.",
+    "A scheduler decides how many tokens each request runs in one step.",
+    "def add(a, b):\n    return a + b\n",
+    "1 2 3 4 5 6 7 8 9 10 100 1000",
+]
+
+_SIZES = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=512)
+_LLAMA = dict(_SIZES, intermediate_size=128, num_key_value_heads=2, rms_norm_eps=1e-6, initializer_range=0.15)
+_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": dict(_LLAMA),
+    "mistral": dict(_LLAMA, sliding_window=None),
+    "qwen2": dict(_LLAMA),
+    "qwen3": dict(_LLAMA, head_dim=16),
+    "gpt2": dict(n_embd=64, n_layer=2, n_head=4, n_positions=512, initializer_range=0.15),
+    "opt": dict(_SIZES, ffn_dim=128, word_embed_proj_dim=64, init_std=0.15, dropout=0.0),
+}
+
+
+def make_tokenizer(vocab_size: int = 384):
+    """A byte-level BPE tokenizer trained on a fixed corpus: special tokens 0-2, then 256 bytes, then merges."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_CORPUS * 4, trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=SPECIAL_TOKENS[BOS_ID],
+        eos_token=SPECIAL_TOKENS[EOS_ID],
+        pad_token=SPECIAL_TOKENS[PAD_ID],
+        chat_template=CHAT_TEMPLATE,
+    )
+
+
+def tiny_config(arch: str, vocab_size: int, **overrides: Any):
+    """The transformers config of a tiny `arch` model; `overrides` replace any config field."""
+    import transformers
+
+    if arch not in ARCHS:
+        raise ValueError(f"unknown arch {arch!r}; choose from {', '.join(ARCHS)}")
+    config_cls = {
+        "llama": transformers.LlamaConfig,
+        "mistral": transformers.MistralConfig,
+        "qwen2": transformers.Qwen2Config,
+        "qwen3": transformers.Qwen3Config,
+        "gpt2": transformers.GPT2Config,
+        "opt": transformers.OPTConfig,
+    }[arch]
+    fields = dict(
+        _DEFAULTS[arch], vocab_size=vocab_size, bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID
+    )
+    fields.update(overrides)
+    return config_cls(**fields)
+
+
+def make_tiny_checkpoint(
+    arch: str,
+    tmp_path: str | os.PathLike,
+    *,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    max_shard_size: int | str | None = None,
+    **overrides: Any,
+) -> Path:
+    """Write a tiny random `arch` checkpoint (safetensors) and its tokenizer to `tmp_path/tiny-<arch>`.
+
+    arch: llama, mistral, qwen2, qwen3, gpt2 or opt. `overrides` are config fields (e.g.
+    tie_word_embeddings=True, sliding_window=8, rope_parameters={...}); vocab_size defaults to the
+    tokenizer's size. `max_shard_size` (e.g. "40KB") writes a sharded checkpoint with an index json.
+    """
+    from transformers import AutoModelForCausalLM
+
+    out = Path(tmp_path) / f"tiny-{arch}"
+    tokenizer = make_tokenizer()
+    overrides.setdefault("vocab_size", len(tokenizer))
+    config = tiny_config(arch, **overrides)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config)
+    _randomise_vectors(model)
+    model.to(dtype)
+    model.config.dtype = dtype
+    save = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
+    model.save_pretrained(out, **save)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def _randomise_vectors(model: torch.nn.Module) -> None:
+    """transformers initialises norm weights to 1 and biases to 0; spread them so their loading is tested."""
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() == 1:
+                param.add_(torch.randn_like(param) * 0.1)
+
+
+def write_bin_checkpoint(model_dir: str | os.PathLike, shards: int = 1) -> None:
+    """Rewrite a safetensors checkpoint as pytorch_model.bin (or `shards` files with an index json)."""
+    import json
+
+    from safetensors.torch import load_file
+
+    root = Path(model_dir)
+    state: dict[str, torch.Tensor] = {}
+    for path in sorted(root.glob("*.safetensors")):
+        state.update(load_file(path))
+        path.unlink()
+    (root / "model.safetensors.index.json").unlink(missing_ok=True)
+    if shards == 1:
+        torch.save(state, root / "pytorch_model.bin")
+        return
+    names = sorted(state)
+    weight_map = {}
+    for i in range(shards):
+        file = f"pytorch_model-{i + 1:05d}-of-{shards:05d}.bin"
+        part = names[i::shards]
+        torch.save({n: state[n] for n in part}, root / file)
+        weight_map.update(dict.fromkeys(part, file))
+    (root / "pytorch_model.bin.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))

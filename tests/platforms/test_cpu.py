@@ -1,0 +1,114 @@
+"""The CPU platform on this machine: facts, memory, the KV-cache budget and config defaults."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from pagellm.core.config import EngineConfig
+from pagellm.core.errors import ConfigError
+from pagellm.core.platform import GiB
+from pagellm.platforms import cpu
+from pagellm.platforms.cpu import CpuPlatform
+
+
+def proc_flags() -> set[str]:
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("flags"):
+                return set(line.partition(":")[2].split())
+    return set()
+
+
+def fake_meminfo(monkeypatch, total_gib: float, available_gib: float):
+    meminfo = {"MemTotal": int(total_gib * GiB), "MemAvailable": int(available_gib * GiB)}
+    monkeypatch.setattr(cpu, "_meminfo", lambda: meminfo)
+
+
+def test_available_with_model_and_cores():
+    a = CpuPlatform.availability()
+    assert a.ok
+    assert a.reason == f"{CpuPlatform.device_name()}, {len(os.sched_getaffinity(0))} core(s) usable"
+
+
+def test_describe_has_cores_threads_memory_and_isa():
+    facts = CpuPlatform.describe()
+    assert facts["cores_usable"] == str(len(os.sched_getaffinity(0)))
+    assert facts["torch_threads"] == str(torch.get_num_threads())
+    assert facts["device"] and facts["memory_total"].endswith("GiB")
+    flags = proc_flags()
+    for feature in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile"):
+        assert facts[feature] == ("yes" if feature in flags else "no")
+
+
+def test_default_dtype_matches_this_cpu():
+    native_bf16 = bool(proc_flags() & {"avx512_bf16", "amx_bf16"})
+    assert CpuPlatform.default_dtype == (torch.bfloat16 if native_bf16 else torch.float32)
+
+
+@pytest.mark.parametrize(
+    "flags, dtype",
+    [({"avx2", "avx512f"}, torch.float32), ({"avx512_bf16"}, torch.bfloat16), ({"amx_bf16"}, torch.bfloat16)],
+)
+def test_default_dtype_from_isa(monkeypatch, flags, dtype):
+    monkeypatch.setattr(cpu, "_cpu_flags", lambda: flags)
+    assert CpuPlatform.default_dtype == dtype
+    assert CpuPlatform.describe()["default_dtype"] == str(dtype).removeprefix("torch.")
+
+
+def test_memory_from_proc_meminfo():
+    total, free = CpuPlatform.total_memory(), CpuPlatform.free_memory()
+    assert 0 < free <= total
+    assert total == os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def test_meminfo_parses_kib(monkeypatch):
+    text = "MemTotal:  2048 kB\nMemFree: 10 kB\nMemAvailable: 1024 kB\nHugePages_Total: 0\n"
+    monkeypatch.setattr(cpu, "_read_text", lambda path: text)
+    assert CpuPlatform.total_memory() == 2048 * 1024
+    assert CpuPlatform.free_memory() == 1024 * 1024
+
+
+def test_meminfo_falls_back_to_sysconf_without_proc(monkeypatch):
+    monkeypatch.setattr(cpu, "_read_text", lambda path: "")
+    assert CpuPlatform.total_memory() == os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    assert 0 < CpuPlatform.free_memory() <= CpuPlatform.total_memory()
+    assert CpuPlatform.device_name()  # no /proc/cpuinfo: the model name comes from `platform`
+
+
+def test_kv_cache_bytes_honours_kv_cache_space():
+    config = EngineConfig(kv_cache_space=0.25)
+    assert CpuPlatform.kv_cache_bytes(config, model_bytes=10 << 20, peak_bytes=20 << 20) == GiB // 4
+
+
+def test_kv_cache_bytes_defaults_to_4_gib(monkeypatch):
+    fake_meminfo(monkeypatch, total_gib=16, available_gib=8)
+    assert CpuPlatform.kv_cache_bytes(EngineConfig(), 0, 0) == 4 * GiB
+
+
+def test_kv_cache_bytes_refuses_more_than_available(monkeypatch):
+    fake_meminfo(monkeypatch, total_gib=16, available_gib=3)
+    with pytest.raises(ConfigError, match=r"kv_cache_space 4 GiB .* 3.0 GiB .*lower --kv-cache-space to 3.0"):
+        CpuPlatform.kv_cache_bytes(EngineConfig(kv_cache_space=4), 0, 0)
+
+
+def test_kv_cache_bytes_refuses_more_than_this_machine_has():
+    with pytest.raises(ConfigError, match="--kv-cache-space"):
+        CpuPlatform.kv_cache_bytes(EngineConfig(kv_cache_space=1 << 20), 0, 0)
+
+
+def test_check_and_update_config_defaults_kv_cache_space():
+    config = EngineConfig(tensor_parallel_size=2, gpu_memory_utilization=5.0)
+    CpuPlatform.check_and_update_config(config)
+    assert config.kv_cache_space == 4.0
+    assert config.tensor_parallel_size == 2 and config.gpu_memory_utilization == 5.0  # not CPU settings
+    config = EngineConfig(kv_cache_space=1.5)
+    CpuPlatform.check_and_update_config(config)
+    assert config.kv_cache_space == 1.5
+
+
+def test_check_and_update_config_refuses_empty_kv_cache():
+    with pytest.raises(ConfigError, match="kv_cache_space must be more than 0"):
+        CpuPlatform.check_and_update_config(EngineConfig(kv_cache_space=0))
