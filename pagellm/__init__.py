@@ -2,6 +2,7 @@
 
 from importlib.metadata import PackageNotFoundError, version
 
+from pagellm.engine.async_llm import AsyncLLM
 from pagellm.engine.llm import LLM
 from pagellm.engine.outputs import CompletionOutput, RequestOutput
 from pagellm.sampling.params import SamplingParams
@@ -11,4 +12,4 @@ try:
 except PackageNotFoundError:  # running from a source tree that was not installed
     __version__ = "0.0.0"
 
-__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams", "__version__"]
+__all__ = ["AsyncLLM", "LLM", "CompletionOutput", "RequestOutput", "SamplingParams", "__version__"]

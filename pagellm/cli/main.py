@@ -48,10 +48,17 @@ def cli(log_level: str) -> None:
 
 
 def _register_builtin_commands() -> None:
-    from pagellm.cli import env_cmd, plugins_cmd
+    from pagellm.cli import bench_cmd, env_cmd, generate_cmd, plugins_cmd
 
-    cli.add_command(plugins_cmd.plugins)
-    cli.add_command(env_cmd.env)
+    for command in (
+        plugins_cmd.plugins,
+        env_cmd.env,
+        generate_cmd.generate,
+        generate_cmd.chat,
+        bench_cmd.bench,
+    ):
+        cli.add_command(command)
+    cli.add_command(__import__("pagellm.cli.serve_cmd", fromlist=["serve"]).serve)
 
 
 _register_builtin_commands()

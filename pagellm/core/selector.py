@@ -179,12 +179,7 @@ def _timed(backend, spec, platform, timer: Timer, cache: TimingCache | None) -> 
 class TimingCache:
     """Backend timings on disk (JSON), keyed by platform, device, backend, backend version and shapes."""
 
-    def __init__(self, path: str | os.PathLike | None = None):
-        if path is None:
-            root = os.environ.get("PAGELLM_CACHE_DIR") or os.path.join(
-                os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "pagellm"
-            )
-            path = os.path.join(root, "attention_timings.json")
+    def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
 
     def _load(self) -> dict[str, float]:

@@ -176,13 +176,9 @@ class LLMEngine:
 def _load_tokenizer_and_weights(setup: EngineSetup):
     from transformers import AutoTokenizer
 
-    source = setup.source
-    if source.gguf_file:
-        from pagellm.models.gguf import iter_gguf_weights
-
-        tokenizer = AutoTokenizer.from_pretrained(source.directory, gguf_file=source.gguf_file)
-        return tokenizer, iter_gguf_weights(source.gguf_path, setup.hf_config)
     from pagellm.models.loader import iter_checkpoint_weights
+
+    source = setup.source
 
     tokenizer = AutoTokenizer.from_pretrained(setup.config.tokenizer or source.directory)
     return tokenizer, iter_checkpoint_weights(source.directory)
@@ -203,8 +199,6 @@ def _eos_token_ids(setup: EngineSetup, tokenizer) -> set[int]:
 
 
 def _generation_config(setup: EngineSetup):
-    if setup.source.gguf_file:
-        return None
     from transformers import GenerationConfig
 
     try:

@@ -36,12 +36,12 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 @dataclass
 class ModelSource:
-    directory: str  # holds config.json / tokenizer files, or the .gguf file
-    gguf_file: str | None = None
+    directory: str  # a Hugging Face directory: config.json, tokenizer files, weights
+    gguf_original: str | None = None  # the .gguf file the directory was converted from
 
     @property
-    def gguf_path(self) -> str | None:
-        return os.path.join(self.directory, self.gguf_file) if self.gguf_file else None
+    def gguf_file(self) -> str | None:
+        return os.path.basename(self.gguf_original) if self.gguf_original else None
 
 
 @dataclass
@@ -64,12 +64,19 @@ class EngineSetup:
         return self.backend_choice.backend
 
 
+def cache_dir() -> str:
+    """pagellm's cache folder (timings, converted checkpoints): PAGELLM_CACHE_DIR or ~/.cache/pagellm."""
+    return os.environ.get("PAGELLM_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "pagellm"
+    )
+
+
 def resolve_model_source(config: EngineConfig) -> ModelSource:
     model = config.model or default_model_path()
     if model.endswith(".gguf"):
         if not os.path.isfile(model):
             raise ConfigError(f"--model {model}: no such GGUF file")
-        return ModelSource(os.path.dirname(os.path.abspath(model)), os.path.basename(model))
+        return _gguf_source(os.path.abspath(model))
     if not os.path.isdir(model):
         raise ConfigError(
             f"--model {model}: not a local directory or .gguf file (pagellm loads models from disk; "
@@ -78,7 +85,7 @@ def resolve_model_source(config: EngineConfig) -> ModelSource:
     if config.gguf_file:
         if not os.path.isfile(os.path.join(model, config.gguf_file)):
             raise ConfigError(f"--gguf-file {config.gguf_file}: not found in {model}")
-        return ModelSource(os.path.abspath(model), config.gguf_file)
+        return _gguf_source(os.path.abspath(os.path.join(model, config.gguf_file)))
     if not os.path.isfile(os.path.join(model, "config.json")):
         raise ConfigError(
             f"--model {model}: no config.json there (or pass --gguf-file for a GGUF checkpoint)"
@@ -86,10 +93,18 @@ def resolve_model_source(config: EngineConfig) -> ModelSource:
     return ModelSource(os.path.abspath(model))
 
 
+def _gguf_source(path: str) -> ModelSource:
+    """A GGUF file is read through a converted Hugging Face copy (made once, cached); the file itself stays
+    the source for methods that use its quantized tensors."""
+    from pagellm.models.gguf import gguf_checkpoint_dir
+
+    return ModelSource(str(gguf_checkpoint_dir(path, cache_dir())), gguf_original=path)
+
+
 def load_hf_config(source: ModelSource) -> Any:
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(source.directory, gguf_file=source.gguf_file)
+    return AutoConfig.from_pretrained(source.directory)
 
 
 def resolve_dtype(requested: str, hf_config: Any, platform: type[Platform], gguf: bool) -> torch.dtype:
@@ -163,7 +178,7 @@ def resolve_engine(config: EngineConfig) -> EngineSetup:
             f"model architecture {', '.join(architectures) or '(none in config)'} is not supported; "
             f"supported: {', '.join(sorted(registry.models))}"
         )
-    dtype = resolve_dtype(config.dtype, hf_config, platform, gguf=source.gguf_file is not None)
+    dtype = resolve_dtype(config.dtype, hf_config, platform, gguf=source.gguf_original is not None)
     max_model_len = resolve_max_model_len(config.max_model_len, hf_config)
     quant = select_quant_method(
         registry, platform, config.quantization, getattr(hf_config, "quantization_config", None)
@@ -175,11 +190,11 @@ def resolve_engine(config: EngineConfig) -> EngineSetup:
         spec,
         config.attention_backend,
         timer=_backend_timer(),
-        cache=TimingCache(),
+        cache=TimingCache(os.path.join(cache_dir(), "attention_timings.json")),
     )
     explanation = [
         *platform_choice.explanation,
-        f"model {source.gguf_path or source.directory} ({supported[0]}), dtype {str(dtype).removeprefix('torch.')}, "
+        f"model {source.gguf_original or source.directory} ({supported[0]}), dtype {str(dtype).removeprefix('torch.')}, "
         f"max_model_len {max_model_len}",
         f"quantization {quant.name if quant else 'none'}",
         *backend_choice.explanation,

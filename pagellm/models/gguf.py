@@ -78,3 +78,30 @@ def _gguf_to_hf_names(architecture: str, hf_config) -> dict[str, str]:
         if gguf_module is not None:
             names[f"{gguf_module}.{suffix}"] = hf_name
     return names
+
+
+def gguf_checkpoint_dir(path: str | os.PathLike, cache_root: str | os.PathLike) -> Path:
+    """A Hugging Face directory (config, tokenizer, float32 safetensors) converted from a GGUF file once.
+
+    Parsing a GGUF file's metadata takes seconds (tens of thousands of vocabulary strings) and
+    transformers parses it again for the config and the tokenizer; the converted copy loads in a fraction
+    of that. Keyed by the file's path, size and modification time."""
+    import hashlib
+
+    from safetensors.torch import save_file
+
+    path = Path(path).resolve()
+    stat = path.stat()
+    key = hashlib.sha256(f"{path}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    out = Path(cache_root) / "gguf" / f"{path.stem}-{key}"
+    if (out / "model.safetensors").exists():
+        return out
+    config, tokenizer, weights = load_gguf(path)
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    tmp.mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    save_file({name: tensor.contiguous() for name, tensor in weights}, str(tmp / "model.safetensors"))
+    if not out.exists():  # another process may have finished first
+        tmp.replace(out)
+    return out

@@ -61,7 +61,7 @@ def load_model(
         quant_method = getattr(module, "quant_method", None)
         if quant_method is not None:
             quant_method.process_weights_after_loading(module)
-    return model.eval()
+    return model.eval().requires_grad_(False)
 
 
 def copy_weights(

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from tests.models.harness import PagedRunner, load_pagellm, load_reference, reference_logits
-from tests.models.tiny import make_tiny_checkpoint
+from models_harness import PagedRunner, load_pagellm, load_reference, reference_logits
+from tiny import make_tiny_checkpoint
 
 ATOL = 1e-4
 PROMPT = [5, 77, 200, 13, 150, 42, 99, 260, 301, 7, 64, 120, 33]
@@ -85,3 +84,14 @@ def test_greedy_choices_are_decisive(tmp_path):
     logits = reference_logits(load_reference(path), PROMPT)
     top2 = logits.topk(2, dim=-1).values
     assert float((top2[:, 0] - top2[:, 1]).min()) > 1e-3
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "opt"])
+def test_bfloat16_model_stays_close_to_transformers_bfloat16(arch, tmp_path):
+    path = make_tiny_checkpoint(arch, tmp_path)
+    model = load_pagellm(path, torch.bfloat16)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    got = PagedRunner(model, num_seqs=1).step({0: PROMPT})[0]
+    assert got.dtype == torch.float32
+    expected = reference_logits(load_reference(path, torch.bfloat16), PROMPT)
+    torch.testing.assert_close(got, expected, atol=0.15, rtol=0)

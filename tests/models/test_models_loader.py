@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from models_harness import PagedRunner, load_pagellm, load_reference, reference_logits
+from tiny import make_tiny_checkpoint, write_bin_checkpoint
 from torch import nn
 from transformers import AutoConfig
 
@@ -15,8 +17,6 @@ from pagellm.models.layers.linear import Linear
 from pagellm.models.loader import iter_checkpoint_weights, load_model, model_weight_bytes, resolve_model_class
 from pagellm.models.registry import pagellm_models
 from pagellm.plugins import load_plugins
-from tests.models.harness import PagedRunner, load_pagellm, load_reference, reference_logits
-from tests.models.tiny import make_tiny_checkpoint, write_bin_checkpoint
 
 PROMPT = [5, 77, 200, 13, 150, 42, 99, 260]
 
@@ -126,7 +126,9 @@ class _RepackingMethod(QuantMethod):
         self.repacked: list[nn.Module] = []
 
     def create_weights(self, layer, in_features, out_features, params_dtype):
-        layer.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=params_dtype), requires_grad=False)
+        layer.weight = nn.Parameter(
+            torch.empty(out_features, in_features, dtype=params_dtype), requires_grad=False
+        )
 
     def process_weights_after_loading(self, layer):
         layer.weight_t = layer.weight.t().contiguous()

@@ -21,11 +21,13 @@ NUM_BLOCKS = 32
 def load_pagellm(model_dir: Path, dtype: torch.dtype = torch.float32, **init_kwargs) -> CausalLM:
     config = AutoConfig.from_pretrained(model_dir)
     init = ModelInit(config, dtype, TorchSDPABackend, block_size=BLOCK_SIZE, **init_kwargs)
-    return load_model(resolve_model_class(config, pagellm_models()), init, iter_checkpoint_weights(model_dir), "cpu")
+    return load_model(
+        resolve_model_class(config, pagellm_models()), init, iter_checkpoint_weights(model_dir), "cpu"
+    )
 
 
-def load_reference(model_dir: Path) -> torch.nn.Module:
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+def load_reference(model_dir: Path, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
 
 
 @torch.no_grad()
@@ -41,7 +43,12 @@ class PagedRunner:
     def __init__(self, model: CausalLM, num_seqs: int = 2):
         self.model = model
         self.caches = [
-            torch.zeros(TorchSDPABackend.kv_cache_shape(NUM_BLOCKS, BLOCK_SIZE, a.spec.num_kv_heads, a.spec.head_size))
+            torch.zeros(
+                TorchSDPABackend.kv_cache_shape(
+                    NUM_BLOCKS, BLOCK_SIZE, a.spec.num_kv_heads, a.spec.head_size
+                ),
+                dtype=a.spec.cache_dtype,
+            )
             for a in model.attention_layers()
         ]
         order = torch.randperm(NUM_BLOCKS, generator=torch.Generator().manual_seed(0)).to(torch.int32)

@@ -1,0 +1,274 @@
+"""CPU_ATTN: paged attention tuned for CPUs, with torch's fused CPU attention kernel doing the math.
+
+The cache keeps each KV head's blocks together, [2, num_kv_heads, num_blocks, block_size, head_size], so
+gathering a request's context copies whole blocks (block_size * head_size contiguous elements) instead of
+one token at a time, and the gathered keys come out as [kv_heads, requests, tokens, head_size], already in
+the layout the attention kernel reads. Decodes of similar length share one attention call in which the KV
+heads are the batch and the requests the heads, so there is no Python loop per decode and the group's
+query heads ride along as query rows. Softmax runs in float32 inside that kernel; bfloat16 stays bfloat16.
+Each prefill chunk gets its own call against exactly the blocks its queries can see.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from pagellm.core.attention import AttentionBackend, AttentionBatch
+from pagellm.plugins import hookimpl
+
+PAGELLM_PLUGIN_API = "1.0"
+
+DECODE_GROUP_SPREAD = 2
+"""A decode joins the current group while its block count is at most this many times the group's
+smallest: padding then costs at most half of the group's work."""
+
+
+@dataclass
+class _Prefill:
+    tokens: slice  # the request's query tokens in the flat batch
+    blocks: torch.Tensor | None  # cache blocks it reads; None: it reads only its own new k/v
+    skip: int  # positions to drop from the first gathered block (sliding window)
+    mask: torch.Tensor | None  # additive [Q, C]; None: plain causal over its own k/v
+
+
+@dataclass
+class _DecodeGroup:
+    tokens: slice | torch.Tensor  # the group's single-token requests in the flat batch
+    blocks: torch.Tensor  # [B * blocks_per_req] cache blocks, padded with block 0
+    mask: torch.Tensor | None  # additive [1, B, 1, width]; None: nothing to hide
+
+
+@dataclass
+class _Plan:
+    prefills: list[_Prefill]
+    decodes: list[_DecodeGroup]
+
+
+@dataclass
+class CpuAttnMetadata:
+    batch: AttentionBatch
+    store_slots: torch.Tensor  # where the new k/v go
+    store_tokens: torch.Tensor | None  # which tokens have a slot, when some have none; None: all
+    plans: dict[tuple, _Plan] = field(default_factory=dict)
+
+    def plan(self, sliding_window: int | None, block_size: int, dtype: torch.dtype) -> _Plan:
+        """Gather indices and masks, built by the first layer that asks and reused by the others."""
+        key = (sliding_window, block_size, dtype)
+        if key not in self.plans:
+            self.plans[key] = _make_plan(self.batch, sliding_window or 0, block_size, dtype)
+        return self.plans[key]
+
+
+class CpuAttnBackend(AttentionBackend):
+    name = "CPU_ATTN"
+    device_types = ("cpu",)
+    supports_sliding_window = True
+
+    @classmethod
+    def kv_cache_shape(cls, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple:
+        return (2, num_kv_heads, num_blocks, block_size, head_size)
+
+    @classmethod
+    def build_metadata(cls, batch: AttentionBatch) -> CpuAttnMetadata:
+        slots = batch.slot_mapping
+        skip = slots < 0
+        tokens = None
+        if bool(skip.any()):  # one host sync per step, none per layer
+            tokens = (~skip).nonzero().squeeze(1)
+            slots = slots[tokens]
+        return CpuAttnMetadata(batch, slots, tokens)
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: CpuAttnMetadata,
+    ) -> torch.Tensor:
+        s = self.spec
+        num_kv, num_blocks, block_size, head_size = kv_cache.shape[1:]
+        if metadata.store_tokens is not None:
+            k, v = k[metadata.store_tokens], v[metadata.store_tokens]
+        for cache, new in ((kv_cache[0], k), (kv_cache[1], v)):
+            cache.view(num_kv, -1, head_size).index_copy_(
+                1, metadata.store_slots, new.transpose(0, 1).to(cache.dtype)
+            )
+        k_blocks = kv_cache[0].view(num_kv, num_blocks, block_size * head_size)
+        v_blocks = kv_cache[1].view(num_kv, num_blocks, block_size * head_size)
+
+        def gather(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            """[kv_heads, len(blocks) * block_size, head_size] keys and values, in the compute dtype."""
+            shape = (num_kv, blocks.numel(), block_size * head_size)
+            gk, gv = _workspace(2 * num_kv * blocks.numel() * block_size * head_size, kv_cache).view(
+                2, *shape
+            )
+            torch.index_select(k_blocks, 1, blocks, out=gk)
+            torch.index_select(v_blocks, 1, blocks, out=gv)
+            return gk.view(num_kv, -1, head_size).to(q.dtype), gv.view(num_kv, -1, head_size).to(q.dtype)
+
+        plan = metadata.plan(s.sliding_window, block_size, q.dtype)
+        out = torch.empty_like(q)
+        scale = s.softmax_scale
+        group = s.num_heads // num_kv
+        for p in plan.prefills:
+            num_queries = p.tokens.stop - p.tokens.start
+            qt = q[p.tokens].transpose(0, 1).view(num_kv, group, num_queries, head_size)
+            if p.blocks is None:
+                ctx_k, ctx_v = k[p.tokens].transpose(0, 1), v[p.tokens].transpose(0, 1)
+            else:
+                ctx_k, ctx_v = gather(p.blocks)
+                width = p.mask.shape[-1]
+                ctx_k, ctx_v = ctx_k[:, p.skip : p.skip + width], ctx_v[:, p.skip : p.skip + width]
+            # 4-d inputs and K/V broadcast over each KV head's query heads keep torch on its fused kernel
+            # (3-d or enable_gqa fall back to the unfused math path, ten times slower)
+            expanded = (num_kv, group, *ctx_k.shape[1:])
+            o = F.scaled_dot_product_attention(
+                qt,
+                ctx_k[:, None].expand(expanded),
+                ctx_v[:, None].expand(expanded),
+                attn_mask=p.mask,
+                is_causal=p.mask is None,
+                scale=scale,
+            )
+            out[p.tokens] = o.view(s.num_heads, num_queries, head_size).transpose(0, 1)
+        for d in plan.decodes:
+            dq = q[d.tokens].view(-1, num_kv, group, head_size).transpose(0, 1)  # [KV, B, G, d]
+            batch_size = dq.shape[1]
+            dk, dv = gather(d.blocks)
+            dk = dk.view(num_kv, batch_size, -1, head_size)
+            dv = dv.view(num_kv, batch_size, -1, head_size)
+            o = F.scaled_dot_product_attention(dq, dk, dv, attn_mask=d.mask, scale=scale)
+            out[d.tokens] = o.transpose(0, 1).reshape(batch_size, s.num_heads, head_size)
+        return out
+
+
+_workspaces: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def _workspace(numel: int, like: torch.Tensor) -> torch.Tensor:
+    """A flat buffer for gathered K/V, shared by every layer and step and grown when a step needs more.
+
+    A fresh tensor of this size is page-faulted in on every call, which costs more than the copy itself;
+    layers run one after another, so one buffer serves them all."""
+    key = (like.dtype, like.device)
+    buffer = _workspaces.get(key)
+    if buffer is None or buffer.numel() < numel:
+        buffer = _workspaces[key] = torch.empty(numel, dtype=like.dtype, device=like.device)
+    return buffer[:numel]
+
+
+def _make_plan(batch: AttentionBatch, window: int, block_size: int, dtype: torch.dtype) -> _Plan:
+    """Split the step into prefill chunks and decode groups; build their block lists and masks.
+
+    Query token j of a request with L tokens of context and Q query tokens sits at position L - Q + j and
+    sees positions <= that, and > that - window when a window is set. Blocks older than every query's
+    window are not gathered."""
+    starts = batch.query_start_loc_cpu.tolist()
+    seq_lens = batch.seq_lens_cpu.tolist()
+    prefills, decodes = [], []
+    for i, seq_len in enumerate(seq_lens):
+        query_len = starts[i + 1] - starts[i]
+        if query_len == 1:
+            decodes.append(i)
+        elif query_len > 1:
+            prefills.append(_make_prefill(batch, i, starts[i], query_len, seq_len, window, block_size, dtype))
+    groups = []
+    for members in _group_decodes(decodes, seq_lens, window, block_size):
+        groups.append(_make_decode_group(batch, members, starts, seq_lens, window, block_size, dtype))
+    return _Plan(prefills, groups)
+
+
+def _make_prefill(
+    batch: AttentionBatch,
+    req: int,
+    start: int,
+    query_len: int,
+    seq_len: int,
+    window: int,
+    block_size: int,
+    dtype: torch.dtype,
+) -> _Prefill:
+    device = batch.block_tables.device
+    tokens = slice(start, start + query_len)
+    query_pos = torch.arange(seq_len - query_len, seq_len, device=device)
+    if query_len == seq_len:  # nothing cached: attend over its own new k/v
+        mask = None
+        if window and window < query_len:
+            mask = _additive(_visible(query_pos[:, None] - query_pos, window), dtype)
+        return _Prefill(tokens, None, 0, mask)
+    first = max(0, seq_len - query_len - window + 1) if window else 0
+    first_block = first // block_size
+    blocks = batch.block_tables[req, first_block : (seq_len + block_size - 1) // block_size].long()
+    key_pos = torch.arange(first, seq_len, device=device)
+    return _Prefill(
+        tokens,
+        blocks,
+        first - first_block * block_size,
+        _additive(_visible(query_pos[:, None] - key_pos, window), dtype),
+    )
+
+
+def _group_decodes(reqs: list[int], seq_lens: list[int], window: int, block_size: int) -> list[list[int]]:
+    """Decodes of similar length, so one long context does not make every short one pay its padding."""
+    span = {i: _span_blocks(seq_lens[i], window, block_size) for i in reqs}
+    groups: list[list[int]] = []
+    for i in sorted(reqs, key=lambda i: span[i]):
+        if groups and span[i] <= DECODE_GROUP_SPREAD * span[groups[-1][0]]:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
+
+
+def _span_blocks(seq_len: int, window: int, block_size: int) -> int:
+    first = max(0, seq_len - window) if window else 0
+    return (seq_len - 1) // block_size - first // block_size + 1
+
+
+def _make_decode_group(
+    batch: AttentionBatch,
+    reqs: list[int],
+    starts: list[int],
+    seq_lens: list[int],
+    window: int,
+    block_size: int,
+    dtype: torch.dtype,
+) -> _DecodeGroup:
+    device = batch.block_tables.device
+    lens = torch.tensor([seq_lens[i] for i in reqs], device=device)
+    first_blocks = (lens - window).clamp(min=0) // block_size if window else torch.zeros_like(lens)
+    per_req = max(_span_blocks(seq_lens[i], window, block_size) for i in reqs)
+    columns = first_blocks[:, None] + torch.arange(per_req, device=device)
+    in_table = columns < (lens[:, None] + block_size - 1) // block_size
+    rows = torch.tensor(reqs, device=device)
+    table = batch.block_tables[rows[:, None], columns.clamp(max=batch.block_tables.shape[1] - 1)].long()
+    blocks = torch.where(in_table, table, 0).view(-1)
+    pos = first_blocks[:, None] * block_size + torch.arange(per_req * block_size, device=device)
+    visible = _visible((lens - 1)[:, None] - pos, window)  # [B, width]
+    mask = None if bool(visible.all()) else _additive(visible, dtype)[None, :, None, :]
+    token_ids = [starts[i] for i in reqs]
+    contiguous = token_ids == list(range(token_ids[0], token_ids[0] + len(token_ids)))
+    tokens = slice(token_ids[0], token_ids[-1] + 1) if contiguous else torch.tensor(token_ids, device=device)
+    return _DecodeGroup(tokens, blocks, mask)
+
+
+def _visible(diff: torch.Tensor, window: int) -> torch.Tensor:
+    """True where a query may see a key `diff` positions before it (itself at 0)."""
+    visible = diff >= 0
+    return visible & (diff < window) if window else visible
+
+
+def _additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """0 where visible, -inf elsewhere, in the compute dtype, so the kernel adds it without converting."""
+    return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(
+        ~visible, float("-inf")
+    )
+
+
+@hookimpl
+def pagellm_attention_backends() -> list[type[AttentionBackend]]:
+    return [CpuAttnBackend]

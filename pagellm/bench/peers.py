@@ -1,0 +1,80 @@
+"""The transformers peer: `generate` on static batches, as the bench README defines it.
+
+Requests are taken in order in batches of a fixed size, left-padded; each batch runs greedily to its
+longest requested output (min_new_tokens = max_new_tokens, so EOS cannot end it early), but only the
+tokens each request asked for count. The same weights are loaded in the same dtype as pagellm's.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from pagellm.bench.throughput import ThroughputResult
+from pagellm.bench.workloads import Workload
+
+
+def load_transformers_model(directory: str, gguf_file: str | None, dtype: torch.dtype) -> Any:
+    """The model as transformers loads it; a GGUF file is dequantized into dense `dtype` weights."""
+    from transformers import AutoModelForCausalLM, GgufConfig
+
+    if gguf_file:
+        return AutoModelForCausalLM.from_pretrained(
+            directory, gguf_file=gguf_file, dtype=dtype, quantization_config=GgufConfig(dequantize=True)
+        )
+    return AutoModelForCausalLM.from_pretrained(directory, dtype=dtype)
+
+
+def _pad_id(model: Any) -> int:
+    for value in (model.generation_config.pad_token_id, model.generation_config.eos_token_id):
+        if isinstance(value, int):
+            return value
+        if value:
+            return int(value[0])
+    return 0
+
+
+def _generate(model: Any, prompts: Sequence[list[int]], new_tokens: int, pad_id: int) -> torch.Tensor:
+    width = max(len(p) for p in prompts)
+    input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        input_ids[row, width - len(prompt) :] = torch.tensor(prompt)
+        attention_mask[row, width - len(prompt) :] = 1
+    return model.generate(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        do_sample=False,
+        pad_token_id=pad_id,
+    )
+
+
+def run_static_batches(model: Any, workload: Workload, batch_size: int) -> ThroughputResult:
+    pad_id = _pad_id(model)
+    _generate(model, [list(range(1, 17))], 4, pad_id)  # warm-up, as pagellm gets one
+    start = time.perf_counter()
+    for i in range(0, workload.num_requests, batch_size):
+        prompts = workload.prompts[i : i + batch_size]
+        _generate(model, prompts, max(workload.output_lens[i : i + batch_size]), pad_id)
+    elapsed = time.perf_counter() - start
+    return ThroughputResult(
+        engine=f"transformers (batch {batch_size})",
+        num_requests=workload.num_requests,
+        input_tokens=workload.input_tokens,
+        output_tokens=workload.output_tokens,
+        elapsed_s=elapsed,
+        extra={"batch_size": batch_size},
+    )
+
+
+def run_transformers(model: Any, workload: Workload, batch_sizes: Sequence[int]) -> ThroughputResult:
+    """The best (highest output tok/s) of a static-batch run per batch size; every size's rate is kept."""
+    runs = [run_static_batches(model, workload, b) for b in batch_sizes]
+    best = max(runs, key=lambda r: r.output_tok_s)
+    best.extra["output_tok_s_by_batch_size"] = {r.extra["batch_size"]: r.output_tok_s for r in runs}
+    return best

@@ -1,0 +1,97 @@
+"""Offline throughput of pagellm on a workload: every request queued at once, greedy, EOS ignored."""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from pagellm.bench.workloads import Workload
+from pagellm.core.config import EngineConfig
+from pagellm.engine.llm import LLM
+from pagellm.sampling.params import SamplingParams
+
+
+@dataclass
+class ThroughputResult:
+    """One engine's run of a workload; `extra` holds what only some runs have (batch size, TTFT, hit rate)."""
+
+    engine: str
+    num_requests: int
+    input_tokens: int
+    output_tokens: int
+    elapsed_s: float
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def output_tok_s(self) -> float:
+        return self.output_tokens / self.elapsed_s
+
+    @property
+    def total_tok_s(self) -> float:
+        return (self.input_tokens + self.output_tokens) / self.elapsed_s
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            **dataclasses.asdict(self),
+            "output_tok_s": self.output_tok_s,
+            "total_tok_s": self.total_tok_s,
+        }
+
+
+def make_llm(config: EngineConfig) -> LLM:
+    return LLM(**dataclasses.asdict(config))
+
+
+def warm_up(llm: LLM) -> None:
+    """One short request, so one-time costs (first kernel calls, allocations) stay out of the timing.
+
+    Its token ids (1-16) are below the workloads' range (100 and up), so it never seeds the prefix cache."""
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": list(range(1, 17))}], params, use_tqdm=False)
+
+
+def run_pagellm(llm: LLM, workload: Workload, engine: str = "pagellm") -> ThroughputResult:
+    """Generate every request of `workload` in one `LLM.generate` call and time it.
+
+    Output tokens are counted from what came back, not from what was asked."""
+    prompts = [{"prompt_token_ids": p} for p in workload.prompts]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in workload.output_lens]
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    ttfts = [o.metrics.time_to_first_token for o in outputs if o.metrics is not None]
+    return ThroughputResult(
+        engine=engine,
+        num_requests=len(outputs),
+        input_tokens=workload.input_tokens,
+        output_tokens=sum(len(o.outputs[0].token_ids) for o in outputs),
+        elapsed_s=elapsed,
+        extra={"mean_ttft_s": sum(ttfts) / len(ttfts)} if ttfts else {},
+    )
+
+
+def run_prefix_comparison(config: EngineConfig, workload: Workload) -> list[ThroughputResult]:
+    """Run `workload` with prefix caching on, then off, each on a fresh engine in this process.
+
+    The hit rate is the share of prompt tokens the prefix cache served during the timed run."""
+    results = []
+    for caching in (True, False):
+        llm = make_llm(config.replace(enable_prefix_caching=caching))
+        warm_up(llm)
+        before = llm.engine.stats()
+        result = run_pagellm(llm, workload, engine=f"pagellm (prefix caching {'on' if caching else 'off'})")
+        after = llm.engine.stats()
+        queries = after.prefix_cache_queries - before.prefix_cache_queries
+        hits = after.prefix_cache_hits - before.prefix_cache_hits
+        result.extra.update(
+            prefix_cache_queries=queries,
+            prefix_cache_hits=hits,
+            prefix_cache_hit_rate=hits / queries if queries else 0.0,
+        )
+        results.append(result)
+        del llm
+        gc.collect()
+    return results

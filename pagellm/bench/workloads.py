@@ -1,0 +1,158 @@
+"""The benchmark workloads of shared/bench/README.md and its models, generated the same way every run.
+
+Requests are token ids drawn from fixed `numpy.random.RandomState` seeds, so every engine and every run
+sees identical prompts. Model S is the embedded SmolLM2 GGUF; model M is a random Qwen2 checkpoint shaped
+like Qwen2.5-0.5B that is built once (seeded) and cached on disk, with a locally built tokenizer.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+MODEL_M_CONFIG = dict(
+    hidden_size=896,
+    num_hidden_layers=24,
+    num_attention_heads=14,
+    num_key_value_heads=2,
+    intermediate_size=4864,
+    vocab_size=151936,
+    tie_word_embeddings=True,
+    rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
+    max_position_embeddings=32768,
+    rms_norm_eps=1e-6,
+    bos_token_id=151643,
+    eos_token_id=151643,
+)
+_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+
+
+@dataclass
+class Workload:
+    """A named list of requests: prompt token ids and the exact number of tokens each must generate."""
+
+    name: str
+    prompts: list[list[int]]
+    output_lens: list[int]
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.prompts)
+
+    @property
+    def input_tokens(self) -> int:
+        return sum(len(p) for p in self.prompts)
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(self.output_lens)
+
+    def describe(self) -> dict:
+        input_lens = [len(p) for p in self.prompts]
+        return {
+            "name": self.name,
+            "num_requests": self.num_requests,
+            "input_tokens": self.input_tokens,
+            "output_tokens": self.output_tokens,
+            "input_len_range": [min(input_lens), max(input_lens)],
+            "output_len_range": [min(self.output_lens), max(self.output_lens)],
+        }
+
+
+def w1(
+    vocab_size: int,
+    num_prompts: int = 64,
+    input_len: tuple[int, int] = (64, 512),
+    output_len: tuple[int, int] = (16, 256),
+    seed: int = 0,
+) -> Workload:
+    """W1 (offline throughput): all input lengths, then all output lengths, then each prompt in turn.
+
+    Lengths are drawn uniformly from the inclusive ranges; token ids from [100, vocab_size - 100)."""
+    rng = np.random.RandomState(seed)
+    input_lens = rng.randint(input_len[0], input_len[1] + 1, size=num_prompts)
+    output_lens = rng.randint(output_len[0], output_len[1] + 1, size=num_prompts)
+    prompts = [rng.randint(100, vocab_size - 100, size=int(n)).tolist() for n in input_lens]
+    return Workload("W1", prompts, [int(n) for n in output_lens])
+
+
+def w3(
+    vocab_size: int,
+    num_prompts: int = 64,
+    prefix_len: int = 1024,
+    suffix_len: int = 64,
+    output_len: int = 64,
+    seed: int = 1,
+) -> Workload:
+    """W3 (shared prefix): one prefix drawn first, then each request's unique suffix."""
+    rng = np.random.RandomState(seed)
+    prefix = rng.randint(100, vocab_size - 100, size=prefix_len).tolist()
+    prompts = [
+        prefix + rng.randint(100, vocab_size - 100, size=suffix_len).tolist() for _ in range(num_prompts)
+    ]
+    return Workload("W3", prompts, [output_len] * num_prompts)
+
+
+def resolve_model(model: str | None) -> str:
+    """What `--model` names: S (default) the embedded SmolLM2 GGUF, M the cached random Qwen2, else a path."""
+    if model in (None, "S"):
+        from pagellm.engine.default_model import default_model_path
+
+        return default_model_path()
+    if model == "M":
+        return str(model_m_path())
+    return model
+
+
+def model_m_path(cache_dir: str | os.PathLike | None = None) -> Path:
+    """Model M's directory, built on first use (about 1 GiB of bf16 weights, a minute on 2 cores)."""
+    root = cache_dir or os.environ.get("PAGELLM_CACHE_DIR") or Path.home() / ".cache" / "pagellm" / "models"
+    path = Path(root) / "M"
+    if not (path / "config.json").exists():
+        _build_model_m(path)
+    return path
+
+
+def _build_model_m(path: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    partial = path.with_name(path.name + ".partial")
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(Qwen2Config(**MODEL_M_CONFIG))
+    model.to(torch.bfloat16)
+    model.config.dtype = torch.bfloat16
+    model.save_pretrained(partial)
+    make_byte_tokenizer(MODEL_M_CONFIG["vocab_size"]).save_pretrained(partial)
+    partial.rename(path)
+
+
+def make_byte_tokenizer(vocab_size: int):
+    """A byte-level BPE tokenizer with exactly `vocab_size` ids, built without any download.
+
+    Ids: 3 special tokens, the 256 byte symbols, then merges of printable ASCII into pairs and triples,
+    so every id decodes to readable text."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    printable = [chr(c) for c in range(33, 127)] + ["Ġ"]  # "Ġ" is the byte-level symbol for a space
+    vocab = {t: i for i, t in enumerate([*_SPECIAL_TOKENS, *sorted(pre_tokenizers.ByteLevel.alphabet())])}
+    merges = []
+    pairs = [(a, b) for a in printable for b in printable]
+    triples = ((a + b, c) for a, b in pairs for c in printable)
+    for left, right in itertools.chain(pairs, triples):
+        if len(vocab) == vocab_size:
+            break
+        vocab[left + right] = len(vocab)
+        merges.append((left, right))
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(list(_SPECIAL_TOKENS))
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token=_SPECIAL_TOKENS[0], pad_token=_SPECIAL_TOKENS[0]
+    )

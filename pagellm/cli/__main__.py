@@ -1,0 +1,3 @@
+from pagellm.cli.main import main
+
+main()

@@ -1,0 +1,552 @@
+"""The OpenAI-compatible FastAPI app over an AsyncLLM.
+
+Every request is tokenized here, validated by the engine before a response starts (so bad input answers 400,
+not a broken stream), and aborted when its client disconnects, mid-stream or before its first token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from http import HTTPStatus
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response, StreamingResponse
+from pydantic import BaseModel
+from starlette.datastructures import Headers
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from pagellm.engine.async_llm import AsyncLLM, RequestStream
+from pagellm.engine.llm_engine import PromptTooLongError
+from pagellm.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from pagellm.sampling.params import SamplingParams
+from pagellm.server import errors
+from pagellm.server.metrics import PrometheusStatLogger
+from pagellm.server.protocol import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    ChatMessage,
+    ChatResponseMessage,
+    CompletionChoice,
+    CompletionChunk,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    DeltaMessage,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+    TokenLogprob,
+    TopLogprob,
+    UsageInfo,
+)
+
+logger = logging.getLogger("pagellm")
+
+OPEN_PATHS = ("/health", "/metrics")  # answered without an API key
+_MIN_LOGPROB = -9999.0  # JSON has no -inf
+
+
+def build_app(
+    llm: AsyncLLM,
+    served_model_names: Sequence[str],
+    *,
+    api_keys: Sequence[str] = (),
+    chat_template: str | None = None,
+    log_requests: bool = True,
+) -> FastAPI:
+    """The app serving `llm` under `served_model_names` (the first is the default for requests naming none).
+
+    With `api_keys`, every path but /health and /metrics needs `Authorization: Bearer <one of them>`."""
+    from pagellm import __version__
+
+    if not served_model_names:
+        raise ValueError("served_model_names needs at least one name")
+    server = _Server(llm, list(served_model_names), chat_template, log_requests)
+    app = FastAPI(title="pagellm", version=__version__, docs_url=None, redoc_url=None)
+    errors.install_handlers(app)
+    if api_keys:
+        app.add_middleware(APIKeyMiddleware, api_keys=list(api_keys))
+
+    app.get("/health")(server.health)
+    app.get("/version")(lambda: {"version": __version__})
+    app.get("/metrics")(server.metrics)
+    app.get("/v1/models")(server.models)
+    app.post("/v1/completions")(server.completions)
+    app.post("/v1/chat/completions")(server.chat_completions)
+    app.post("/tokenize")(server.tokenize)
+    app.post("/detokenize")(server.detokenize)
+    app.state.server = server
+    return app
+
+
+class APIKeyMiddleware:
+    """401 unless the request carries one of the keys; keys are compared in constant time."""
+
+    def __init__(self, app: ASGIApp, api_keys: list[str]):
+        self.app = app
+        self.keys = [k.encode() for k in api_keys]
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS or self._authorized(scope):
+            await self.app(scope, receive, send)
+            return
+        await errors.error_response(errors.invalid_api_key())(scope, receive, send)
+
+    def _authorized(self, scope: Scope) -> bool:
+        header = Headers(scope=scope).get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        given = token.strip().encode() if scheme.lower() == "bearer" else b""
+        match = False
+        for key in self.keys:  # no early exit: the time does not depend on which key matched
+            match |= hmac.compare_digest(given, key)
+        return match
+
+
+class _Server:
+    def __init__(self, llm: AsyncLLM, names: list[str], chat_template: str | None, log_requests: bool):
+        self.llm = llm
+        self.names = names
+        self.chat_template = chat_template
+        self.log_requests = log_requests
+        self.tokenizer = llm.tokenizer
+        self.stat_logger = PrometheusStatLogger(names[0])
+        llm.add_stat_logger(self.stat_logger)
+
+    # -- plain endpoints --------------------------------------------------------------------------------
+
+    async def health(self) -> Response:
+        if self.llm.is_running:
+            return Response(status_code=HTTPStatus.OK)
+        return errors.error_response(
+            errors.APIError(HTTPStatus.SERVICE_UNAVAILABLE, "the engine is not running", type="server_error")
+        )
+
+    async def metrics(self) -> Response:
+        return Response(self.stat_logger.exposition(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    async def models(self) -> ModelList:
+        root = self.llm.engine.config.model or self.names[0]
+        return ModelList(
+            data=[ModelCard(id=n, root=root, max_model_len=self.llm.max_model_len) for n in self.names]
+        )
+
+    async def tokenize(self, request: TokenizeRequest) -> TokenizeResponse:
+        self._model(request.model)
+        if request.messages is not None:
+            tokens = self._chat_prompt_ids(request.messages, None, request.add_generation_prompt)
+        elif request.prompt is not None:
+            tokens = self.tokenizer.encode(request.prompt, add_special_tokens=request.add_special_tokens)
+        else:
+            raise errors.bad_request("give either prompt or messages", "prompt")
+        return TokenizeResponse(tokens=tokens, count=len(tokens), max_model_len=self.llm.max_model_len)
+
+    async def detokenize(self, request: DetokenizeRequest) -> DetokenizeResponse:
+        self._model(request.model)
+        vocab = len(self.tokenizer)
+        bad = [t for t in request.tokens if not 0 <= t < vocab]
+        if bad:
+            raise errors.bad_request(
+                f"token id {bad[0]} is out of range for the vocabulary of {vocab}", "tokens"
+            )
+        return DetokenizeResponse(prompt=self.tokenizer.decode(request.tokens))
+
+    # -- completions ------------------------------------------------------------------------------------
+
+    async def completions(self, request: CompletionRequest, raw_request: Request) -> Any:
+        model = self._model(request.model)
+        params = self._params(request, "logprobs")
+        prompts = [self._tokenize_prompt(p) for p in request.prompts()]
+        if not prompts:
+            raise errors.bad_request(
+                "prompt is empty; give a string, a list of strings or token ids", "prompt"
+            )
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        streams = await self._add(request_id, prompts, params, request.priority, "prompt")
+        if request.stream:
+            events = self._completion_events(request, model, request_id, streams, raw_request)
+            return StreamingResponse(events, media_type="text/event-stream")
+        finals = await self._final_outputs(streams, raw_request)
+        choices = []
+        for prompt_index, output in enumerate(finals):
+            for sample in output.outputs:
+                choices.append(
+                    self._completion_choice(request, prompt_index, output, sample, echo=request.echo)
+                )
+        choices.sort(key=lambda c: c.index)
+        return CompletionResponse(id=request_id, model=model, choices=choices, usage=_usage(finals))
+
+    def _completion_choice(
+        self,
+        request: CompletionRequest,
+        prompt_index: int,
+        output: RequestOutput,
+        sample: CompletionOutput,
+        echo: bool,
+    ) -> CompletionChoice:
+        text, logprobs = sample.text, None
+        if request.logprobs is not None:
+            token_ids, entries = sample.token_ids, sample.logprobs or []
+            if echo:
+                token_ids = output.prompt_token_ids + token_ids
+                entries = (output.prompt_logprobs or [None] * len(output.prompt_token_ids)) + entries
+            logprobs = self._completion_logprobs(token_ids, entries, request.logprobs)
+        if echo:
+            text = self._prompt_text(output) + text
+        return CompletionChoice(
+            index=prompt_index * request.n + sample.index,
+            text=text,
+            logprobs=logprobs,
+            finish_reason=sample.finish_reason,
+            stop_reason=sample.stop_reason,
+        )
+
+    async def _completion_events(
+        self,
+        request: CompletionRequest,
+        model: str,
+        request_id: str,
+        streams: list[RequestStream],
+        raw_request: Request,
+    ) -> AsyncIterator[str]:
+        created = int(time.time())
+        echoed: set[int] = set()
+        finished: set[int] = set()
+        offsets: dict[int, int] = {}
+        counts = _UsageCounter(len(streams))
+        try:
+            async for prompt_index, output in self._merged(streams, raw_request):
+                counts.add(prompt_index, output)
+                for sample in output.outputs:
+                    index = prompt_index * request.n + sample.index
+                    if index in finished or not (sample.text or sample.token_ids or sample.finish_reason):
+                        continue
+                    echo = request.echo and index not in echoed
+                    echoed.add(index)
+                    choice = self._completion_choice(request, prompt_index, output, sample, echo)
+                    if choice.logprobs is not None:
+                        start = offsets.get(index, 0)
+                        choice.logprobs.text_offset = [start + o for o in choice.logprobs.text_offset]
+                        offsets[index] = start + len(choice.text)
+                    if sample.finish_reason is not None:
+                        finished.add(index)
+                    yield _sse(CompletionChunk(id=request_id, created=created, model=model, choices=[choice]))
+        except Exception as exc:
+            yield _error_event(exc)
+        if request.include_usage:
+            yield _sse(
+                CompletionChunk(id=request_id, created=created, model=model, choices=[], usage=counts.usage())
+            )
+        yield "data: [DONE]\n\n"
+
+    # -- chat completions -------------------------------------------------------------------------------
+
+    async def chat_completions(self, request: ChatCompletionRequest, raw_request: Request) -> Any:
+        model = self._model(request.model)
+        params = self._params(request, "top_logprobs")
+        ids = self._chat_prompt_ids(request.messages, request.chat_template, request.add_generation_prompt)
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        streams = await self._add(request_id, [(None, ids)], params, request.priority, "messages")
+        if request.stream:
+            events = self._chat_events(request, model, request_id, streams, raw_request)
+            return StreamingResponse(events, media_type="text/event-stream")
+        (output,) = await self._final_outputs(streams, raw_request)
+        choices = [
+            ChatChoice(
+                index=sample.index,
+                message=ChatResponseMessage(content=sample.text),
+                logprobs=self._chat_logprobs(sample, request.top_logprobs or 0) if request.logprobs else None,
+                finish_reason=sample.finish_reason,
+                stop_reason=sample.stop_reason,
+            )
+            for sample in output.outputs
+        ]
+        return ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=_usage([output]))
+
+    async def _chat_events(
+        self,
+        request: ChatCompletionRequest,
+        model: str,
+        request_id: str,
+        streams: list[RequestStream],
+        raw_request: Request,
+    ) -> AsyncIterator[str]:
+        created = int(time.time())
+
+        def chunk(index: int, delta: DeltaMessage, **fields: Any) -> str:
+            choice = ChatChunkChoice(index=index, delta=delta, **fields)
+            return _sse(ChatCompletionChunk(id=request_id, created=created, model=model, choices=[choice]))
+
+        for index in range(request.n):
+            yield chunk(index, DeltaMessage(role="assistant", content=""))
+        finished: set[int] = set()
+        counts = _UsageCounter(1)
+        try:
+            async for _, output in self._merged(streams, raw_request):
+                counts.add(0, output)
+                for sample in output.outputs:
+                    if sample.index in finished:
+                        continue
+                    if sample.text or (request.logprobs and sample.token_ids):
+                        logprobs = (
+                            self._chat_logprobs(sample, request.top_logprobs or 0)
+                            if request.logprobs
+                            else None
+                        )
+                        yield chunk(sample.index, DeltaMessage(content=sample.text), logprobs=logprobs)
+                    if sample.finish_reason is not None:
+                        finished.add(sample.index)
+                        yield chunk(sample.index, DeltaMessage(), finish_reason=sample.finish_reason)
+        except Exception as exc:
+            yield _error_event(exc)
+        if request.include_usage:
+            usage = counts.usage()
+            yield _sse(
+                ChatCompletionChunk(id=request_id, created=created, model=model, choices=[], usage=usage)
+            )
+        yield "data: [DONE]\n\n"
+
+    def _chat_prompt_ids(
+        self, messages: list[ChatMessage], template: str | None, add_generation_prompt: bool
+    ) -> list[int]:
+        template = template or self.chat_template
+        if template is None and not getattr(self.tokenizer, "chat_template", None):
+            raise errors.bad_request(
+                "this model has no chat template; start the server with --chat-template FILE", "messages"
+            )
+        conversation = [_message_dict(m) for m in messages]
+        try:
+            ids = self.tokenizer.apply_chat_template(
+                conversation,
+                chat_template=template,
+                add_generation_prompt=add_generation_prompt,
+                tokenize=True,
+            )
+        except Exception as exc:
+            raise errors.bad_request(
+                f"the chat template could not render these messages: {exc}", "messages"
+            ) from exc
+        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+    # -- shared machinery -------------------------------------------------------------------------------
+
+    def _model(self, name: str | None) -> str:
+        if name is None:
+            return self.names[0]
+        if name not in self.names:
+            raise errors.model_not_found(name)
+        return name
+
+    def _params(
+        self, request: CompletionRequest | ChatCompletionRequest, logprobs_field: str
+    ) -> SamplingParams:
+        try:
+            return request.to_sampling_params(self.llm.default_sampling_params())
+        except ValueError as exc:
+            field = str(exc).split(" ", 1)[0]
+            param = logprobs_field if field == "logprobs" else field
+            raise errors.bad_request(
+                str(exc), param if param in type(request).model_fields else None
+            ) from exc
+
+    def _tokenize_prompt(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
+        return None, list(prompt)
+
+    async def _add(
+        self,
+        request_id: str,
+        prompts: list[tuple[str | None, list[int]]],
+        params: SamplingParams,
+        priority: int,
+        prompt_field: str,
+    ) -> list[RequestStream]:
+        """Add one engine request per prompt; on any invalid prompt, abort those added and answer 400."""
+        streams: list[RequestStream] = []
+        try:
+            for i, (text, ids) in enumerate(prompts):
+                rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
+                prompt = {"prompt": text, "prompt_token_ids": ids}
+                streams.append(await self.llm.add_request(prompt, params, rid, priority))
+                if self.log_requests:
+                    logger.info("request %s: %d prompt tokens, %s", rid, len(ids), params)
+        except BaseException as exc:
+            for stream in streams:
+                stream.abort()
+            if isinstance(exc, PromptTooLongError):
+                too_long = len(ids) >= self.llm.max_model_len or params.max_tokens is None
+                raise errors.bad_request(str(exc), prompt_field if too_long else "max_tokens") from exc
+            if isinstance(exc, ValueError):
+                field = str(exc).split(" ", 1)[0]
+                raise errors.bad_request(
+                    str(exc), field if field in ("stop_token_ids", "logit_bias") else prompt_field
+                ) from exc
+            raise
+        return streams
+
+    async def _merged(
+        self, streams: list[RequestStream], raw_request: Request
+    ) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(prompt index, output) from all streams as they come. A client disconnect, an error or leaving
+        early aborts every stream (freeing its KV blocks)."""
+        merged: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+
+        async def pump(index: int, stream: RequestStream) -> None:
+            try:
+                async for output in stream:
+                    await merged.put((index, output))
+                await merged.put((index, None))
+            except Exception as exc:
+                await merged.put((index, exc))
+
+        async def watch_disconnect() -> None:
+            while (await raw_request.receive())["type"] != "http.disconnect":
+                pass
+            for stream in streams:
+                stream.abort()
+
+        tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+        tasks.append(asyncio.create_task(watch_disconnect()))
+        try:
+            remaining = len(streams)
+            while remaining:
+                index, item = await merged.get()
+                if item is None:
+                    remaining -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield index, item
+        finally:
+            for stream in streams:
+                stream.abort()
+            for task in tasks:
+                task.cancel()
+
+    async def _final_outputs(self, streams: list[RequestStream], raw_request: Request) -> list[RequestOutput]:
+        finals: list[Any] = [None] * len(streams)
+        async for index, output in self._merged(streams, raw_request):
+            finals[index] = output
+        return finals
+
+    def _prompt_text(self, output: RequestOutput) -> str:
+        if output.prompt is not None:
+            return output.prompt
+        return self.tokenizer.decode(output.prompt_token_ids)
+
+    def _token_text(self, token_id: int, entry: dict[int, Logprob] | None) -> str:
+        if entry and token_id in entry and entry[token_id].decoded_token is not None:
+            return entry[token_id].decoded_token
+        return self.tokenizer.decode([token_id])
+
+    def _completion_logprobs(
+        self, token_ids: list[int], entries: list[dict[int, Logprob] | None], k: int
+    ) -> CompletionLogprobs:
+        out = CompletionLogprobs()
+        offset = 0
+        for token_id, entry in zip(token_ids, entries, strict=False):
+            token = self._token_text(token_id, entry)
+            out.tokens.append(token)
+            out.text_offset.append(offset)
+            offset += len(token)
+            if entry is None:  # the first prompt token has no logprob
+                out.token_logprobs.append(None)
+                out.top_logprobs.append(None)
+                continue
+            out.token_logprobs.append(max(entry[token_id].logprob, _MIN_LOGPROB))
+            top = {self._token_text(t, entry): max(lp.logprob, _MIN_LOGPROB) for t, lp in _top(entry, k)}
+            top.setdefault(token, out.token_logprobs[-1])
+            out.top_logprobs.append(top)
+        return out
+
+    def _chat_logprobs(self, sample: CompletionOutput, k: int) -> ChatLogprobs:
+        content = []
+        for token_id, entry in zip(sample.token_ids, sample.logprobs or [], strict=False):
+            token = self._token_text(token_id, entry)
+            tops = [
+                TopLogprob(token=text, logprob=max(lp.logprob, _MIN_LOGPROB), bytes=list(text.encode()))
+                for text, lp in ((self._token_text(t, entry), lp) for t, lp in _top(entry, k))
+            ]
+            content.append(
+                TokenLogprob(
+                    token=token,
+                    logprob=max(entry[token_id].logprob, _MIN_LOGPROB),
+                    bytes=list(token.encode()),
+                    top_logprobs=tops,
+                )
+            )
+        return ChatLogprobs(content=content)
+
+
+class _UsageCounter:
+    """Token counts of a streamed request, from delta outputs."""
+
+    def __init__(self, num_prompts: int):
+        self.prompt_tokens = [0] * num_prompts
+        self.completion_tokens = 0
+
+    def add(self, prompt_index: int, output: RequestOutput) -> None:
+        self.prompt_tokens[prompt_index] = len(output.prompt_token_ids)
+        self.completion_tokens += sum(len(s.token_ids) for s in output.outputs)
+
+    def usage(self) -> UsageInfo:
+        prompt = sum(self.prompt_tokens)
+        return UsageInfo(
+            prompt_tokens=prompt,
+            completion_tokens=self.completion_tokens,
+            total_tokens=prompt + self.completion_tokens,
+        )
+
+
+def _usage(outputs: list[RequestOutput]) -> UsageInfo:
+    prompt = sum(len(o.prompt_token_ids) for o in outputs)
+    completion = sum(len(s.token_ids) for o in outputs for s in o.outputs)
+    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+
+def _top(entry: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
+    ranked = sorted(
+        ((t, lp) for t, lp in entry.items() if lp.rank is not None and lp.rank <= k),
+        key=lambda item: item[1].rank,
+    )
+    return ranked[:k]
+
+
+def _message_dict(message: ChatMessage) -> dict[str, Any]:
+    content = message.content
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if part.get("type") != "text":
+                raise errors.bad_request(
+                    f"content parts of type {part.get('type')!r} are not supported; send text", "messages"
+                )
+            texts.append(str(part.get("text", "")))
+        content = "\n".join(texts)
+    out = {**(message.model_extra or {}), "role": message.role, "content": content or ""}
+    if message.name is not None:
+        out["name"] = message.name
+    return out
+
+
+def _sse(body: BaseModel) -> str:
+    return f"data: {body.model_dump_json()}\n\n"
+
+
+def _error_event(exc: Exception) -> str:
+    """A stream that already answered 200 reports a later failure as an OpenAI error event."""
+    return _sse(ErrorResponse(error=errors.from_exception(exc).info))

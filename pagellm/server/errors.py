@@ -1,0 +1,98 @@
+"""OpenAI's error body ({"error": {"message", "type", "param", "code"}}) and the exception handlers that answer
+with it: 400 names the invalid field, 401 for API keys, 404 for unknown models, 500 for engine failures."""
+
+from __future__ import annotations
+
+import logging
+from http import HTTPStatus
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from pagellm.core.errors import ConfigError
+from pagellm.engine.async_llm import EngineError
+from pagellm.server.protocol import ErrorInfo, ErrorResponse
+
+logger = logging.getLogger("pagellm")
+
+
+class APIError(Exception):
+    """An error the server answers with a given status and OpenAI error body."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ):
+        super().__init__(message)
+        self.status = status
+        self.info = ErrorInfo(message=message, type=type, param=param, code=code)
+
+
+def bad_request(message: str, param: str | None = None) -> APIError:
+    return APIError(HTTPStatus.BAD_REQUEST, message, param=param)
+
+
+def model_not_found(model: str) -> APIError:
+    return APIError(
+        HTTPStatus.NOT_FOUND,
+        f"The model `{model}` does not exist; GET /v1/models lists the served ones.",
+        param="model",
+        code="model_not_found",
+    )
+
+
+def invalid_api_key() -> APIError:
+    return APIError(
+        HTTPStatus.UNAUTHORIZED,
+        "Missing or incorrect API key; send it as the header `Authorization: Bearer <key>`.",
+        code="invalid_api_key",
+    )
+
+
+def error_response(error: APIError) -> JSONResponse:
+    return JSONResponse(ErrorResponse(error=error.info).model_dump(), status_code=error.status)
+
+
+def from_exception(exc: Exception, param: str | None = None) -> APIError:
+    """The APIError an engine-side exception becomes: invalid input 400, anything else 500."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, (ConfigError, ValueError)):
+        return bad_request(str(exc), param)
+    if isinstance(exc, EngineError):
+        return APIError(HTTPStatus.INTERNAL_SERVER_ERROR, str(exc), type="server_error")
+    logger.exception("request failed", exc_info=exc)
+    return APIError(HTTPStatus.INTERNAL_SERVER_ERROR, f"internal error: {exc!r}", type="server_error")
+
+
+def install_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = exc.errors()
+        first = next((e for e in errors if len(e.get("loc", ())) > 1), None)
+        param = str(first["loc"][1]) if first else None
+        message = "; ".join(_describe(e) for e in errors) or "invalid request body"
+        return error_response(bad_request(message, param))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return error_response(APIError(exc.status_code, str(exc.detail)))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        return error_response(from_exception(exc))
+
+
+def _describe(error: dict) -> str:
+    where = ".".join(str(part) for part in error.get("loc", ())[1:])
+    return f"{where}: {error.get('msg')}" if where else str(error.get("msg"))

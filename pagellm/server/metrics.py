@@ -1,0 +1,78 @@
+"""Prometheus metrics under the `pagellm:` prefix, fed by AsyncLLM's engine thread after every turn.
+
+Each server has its own CollectorRegistry, so several apps can live in one process (tests) without clashing.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from pagellm.engine.async_llm import IterationStats
+from pagellm.engine.scheduler import SchedulerStats
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+_TOKEN_TIME_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
+
+
+class PrometheusStatLogger:
+    """An AsyncLLM stat logger that keeps the server's Prometheus metrics."""
+
+    def __init__(self, model_name: str):
+        self.registry = CollectorRegistry()
+        labels = ["model_name"]
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(f"pagellm:{name}", doc, labels, registry=self.registry).labels(model_name)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(f"pagellm:{name}", doc, labels, registry=self.registry).labels(model_name)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            metric = Histogram(f"pagellm:{name}", doc, labels, buckets=buckets, registry=self.registry)
+            return metric.labels(model_name)
+
+        self.running = gauge("num_requests_running", "Requests in the running batch.")
+        self.waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
+        self.kv_cache_usage = gauge(
+            "kv_cache_usage_perc", "Fraction of KV-cache blocks held by requests (0-1)."
+        )
+        self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        self.preemptions = counter("num_preemptions", "Requests preempted for lack of KV blocks.")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens processed.")
+        self.generation_tokens = counter("generation_tokens", "Tokens generated.")
+        self.ttft = histogram("time_to_first_token_seconds", "Time to first token.", _LATENCY_BUCKETS)
+        self.tpot = histogram("time_per_output_token_seconds", "Time per output token.", _TOKEN_TIME_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds", "End-to-end request latency.", _LATENCY_BUCKETS)
+        self.success = Counter(
+            "pagellm:request_success",
+            "Finished requests, by finish reason (stop, length, abort, error).",
+            ["model_name", "finished_reason"],
+            registry=self.registry,
+        )
+        self.model_name = model_name
+        self._last = SchedulerStats(0, 0, 0.0, 0, 0, 0)
+
+    def record(self, scheduler_stats: SchedulerStats, iteration: IterationStats) -> None:
+        s, last = scheduler_stats, self._last
+        self.running.set(s.num_running)
+        self.waiting.set(s.num_waiting)
+        self.kv_cache_usage.set(s.kv_cache_usage)
+        # the scheduler's counts are cumulative; Prometheus counters take increments
+        self.prefix_queries.inc(max(0, s.prefix_cache_queries - last.prefix_cache_queries))
+        self.prefix_hits.inc(max(0, s.prefix_cache_hits - last.prefix_cache_hits))
+        self.preemptions.inc(max(0, s.num_preemptions - last.num_preemptions))
+        self._last = s
+        self.prompt_tokens.inc(iteration.num_prompt_tokens)
+        self.generation_tokens.inc(iteration.num_generation_tokens)
+        for ttft in iteration.time_to_first_tokens:
+            self.ttft.observe(ttft)
+        for finished in iteration.finished:
+            self.e2e.observe(finished.e2e_latency)
+            if finished.time_per_output_token is not None:
+                self.tpot.observe(finished.time_per_output_token)
+            self.success.labels(self.model_name, finished.finish_reason).inc()
+
+    def exposition(self) -> bytes:
+        """The metrics in Prometheus' text format."""
+        return generate_latest(self.registry)

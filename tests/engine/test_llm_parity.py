@@ -1,0 +1,80 @@
+"""Greedy outputs equal transformers' token for token, for every architecture and every engine setting
+that changes how the work is split: chunked prefill, preemption, prefix-cache hits, tiny batches."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from pagellm import LLM
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "models"))
+from tiny import make_tiny_checkpoint  # noqa: E402
+
+from parity import Reference, assert_greedy_parity, mixed_prompts  # noqa: E402
+
+MAX_TOKENS = 16
+ARCHS = {
+    "llama": {},
+    "mistral-sliding-window": {"sliding_window": 48},
+    "qwen2": {},
+    "qwen3": {},
+    "gpt2": {},
+    "opt": {},
+}
+
+
+@pytest.fixture(scope="module", params=list(ARCHS))
+def model(request, tmp_path_factory):
+    arch = request.param
+    base = arch.split("-")[0]
+    path = make_tiny_checkpoint(base, tmp_path_factory.mktemp(arch), **ARCHS[arch])
+    return path, Reference(path, MAX_TOKENS)
+
+
+def engine(path, **overrides) -> LLM:
+    settings = dict(dtype="float32", num_kv_blocks=400, max_model_len=400)
+    settings.update(overrides)
+    return LLM(str(path), **settings)
+
+
+def test_default_settings(model):
+    path, reference = model
+    assert_greedy_parity(engine(path), reference, mixed_prompts(300))
+
+
+def test_chunked_prefill_with_a_small_token_budget(model):
+    path, reference = model
+    llm = engine(path, max_num_batched_tokens=40, max_num_seqs=8)
+    assert_greedy_parity(llm, reference, mixed_prompts(300))
+
+
+def test_preemption_under_a_tiny_kv_cache(model):
+    path, reference = model
+    llm = engine(path, num_kv_blocks=30, max_model_len=400)
+    assert_greedy_parity(llm, reference, mixed_prompts(300))
+    assert llm.engine.stats().num_preemptions > 0
+
+
+def test_shared_prefixes_hit_the_prefix_cache(model):
+    path, reference = model
+    llm = engine(path)
+    prompts = mixed_prompts(300, seed=1, shared_prefix=40)
+    assert_greedy_parity(llm, reference, prompts[:1])  # the first request fills the cache
+    assert_greedy_parity(llm, reference, prompts[1:])
+    stats = llm.engine.stats()
+    assert stats.prefix_cache_hits >= 32 * (len(prompts) - 1)  # two full 16-token blocks of the prefix each
+
+
+def test_two_sequences_at_a_time(model):
+    path, reference = model
+    assert_greedy_parity(engine(path, max_num_seqs=2), reference, mixed_prompts(300))
+
+
+def test_prefix_caching_off(model):
+    path, reference = model
+    llm = engine(path, enable_prefix_caching=False)
+    assert_greedy_parity(llm, reference, mixed_prompts(300, seed=1, shared_prefix=40))
+    assert llm.engine.stats().prefix_cache_hits == 0

