@@ -6,15 +6,12 @@ import importlib.util
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from tiny import make_tiny_checkpoint
 
 from pagellm.cli.main import cli
-
-sys.path.insert(0, str(Path(__file__).parents[1] / "models"))
-from tiny import make_tiny_checkpoint  # noqa: E402
 
 
 def run(*args: str, env: dict | None = None):

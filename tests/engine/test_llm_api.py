@@ -3,17 +3,13 @@
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from tiny import EOS_ID, make_tiny_checkpoint
 
 from pagellm import LLM, SamplingParams
 from pagellm.core.errors import ConfigError
-
-sys.path.insert(0, str(Path(__file__).parents[1] / "models"))
-from tiny import EOS_ID, make_tiny_checkpoint  # noqa: E402
 
 
 @pytest.fixture(scope="module")

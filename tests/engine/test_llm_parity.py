@@ -3,17 +3,11 @@ that changes how the work is split: chunked prefill, preemption, prefix-cache hi
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
+from parity import Reference, assert_greedy_parity, mixed_prompts
+from tiny import make_tiny_checkpoint
 
 from pagellm import LLM
-
-sys.path.insert(0, str(Path(__file__).parents[1] / "models"))
-from tiny import make_tiny_checkpoint  # noqa: E402
-
-from parity import Reference, assert_greedy_parity, mixed_prompts  # noqa: E402
 
 MAX_TOKENS = 16
 ARCHS = {

@@ -16,6 +16,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from pagellm.quantization.awq import AwqMethod
+from pagellm.quantization.fp8 import Fp8Method
+from pagellm.quantization.gptq import GptqMethod
+from pagellm.quantization.int8 import Int8Method
+
 AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
 
 Quantizer = Callable[[torch.Tensor], tuple[dict[str, torch.Tensor], torch.Tensor]]
@@ -148,3 +153,35 @@ def gptq_quantizer(bits: int, group_size: int, desc_act: bool, v2: bool) -> Quan
         return saved, deq
 
     return quantize
+
+
+GPTQ = {"quant_method": "gptq", "sym": False, "lm_head": False}
+FORMATS = {  # name: (architecture, method, quantizer, quantization_config)
+    "int8": ("llama", Int8Method, int8_quantizer, {"quant_method": "int8"}),
+    "fp8": ("qwen2", Fp8Method, fp8_quantizer, {"quant_method": "fp8", "activation_scheme": "dynamic"}),
+    "fp8-per-tensor": ("llama", Fp8Method, fp8_per_tensor_quantizer, {"quant_method": "fp8"}),
+    "awq": (
+        "qwen2",
+        AwqMethod,
+        awq_quantizer(32),
+        {"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True, "version": "gemm"},
+    ),
+    "gptq-4bit": (
+        "llama",
+        GptqMethod,
+        gptq_quantizer(4, 32, desc_act=False, v2=False),
+        dict(GPTQ, bits=4, group_size=32, desc_act=False, checkpoint_format="gptq"),
+    ),
+    "gptq-4bit-act-order-v2": (
+        "qwen3",
+        GptqMethod,
+        gptq_quantizer(4, 16, desc_act=True, v2=True),
+        dict(GPTQ, bits=4, group_size=16, desc_act=True, checkpoint_format="gptq_v2"),
+    ),
+    "gptq-8bit-act-order": (
+        "llama",
+        GptqMethod,
+        gptq_quantizer(8, 32, desc_act=True, v2=False),
+        dict(GPTQ, bits=8, group_size=32, desc_act=True),
+    ),
+}
