@@ -165,6 +165,10 @@ def _backend_timer():
 
 def resolve_engine(config: EngineConfig) -> EngineSetup:
     """Everything decided at start-up, before weights are read. Raises ConfigError with the fix."""
+    if config.tensor_parallel_size != 1:
+        raise ConfigError(
+            f"--tensor-parallel-size {config.tensor_parallel_size}: tensor parallelism is not available yet; use 1"
+        )
     registry = load_plugins()
     platform_choice = select_platform(registry, config.device)
     platform = platform_choice.platform
