@@ -48,7 +48,7 @@ def cli(log_level: str) -> None:
 
 
 def _register_builtin_commands() -> None:
-    from pagellm.cli import bench_cmd, env_cmd, generate_cmd, plugins_cmd
+    from pagellm.cli import bench_cmd, env_cmd, generate_cmd, plugins_cmd, serve_cmd
 
     for command in (
         plugins_cmd.plugins,
@@ -56,9 +56,9 @@ def _register_builtin_commands() -> None:
         generate_cmd.generate,
         generate_cmd.chat,
         bench_cmd.bench,
+        serve_cmd.serve,
     ):
         cli.add_command(command)
-    cli.add_command(__import__("pagellm.cli.serve_cmd", fromlist=["serve"]).serve)
 
 
 _register_builtin_commands()

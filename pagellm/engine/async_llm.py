@@ -112,22 +112,20 @@ class AsyncLLM:
     `add_request()` from a running event loop; call `shutdown()` when done."""
 
     def __init__(self, model: str | None = None, stat_loggers: list[StatLogger] | None = None, **kwargs: Any):
-        self._start(LLMEngine(EngineConfig.from_kwargs(model=model, **kwargs)), stat_loggers or [])
-
-    @classmethod
-    def from_config(cls, config: EngineConfig, stat_loggers: list[StatLogger] | None = None) -> AsyncLLM:
-        llm = cls.__new__(cls)
-        llm._start(LLMEngine(config), stat_loggers or [])
-        return llm
-
-    def _start(self, engine: LLMEngine, stat_loggers: list[StatLogger]) -> None:
-        self.engine = engine
-        self.stat_loggers = stat_loggers
+        self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **kwargs))
+        self.stat_loggers = list(stat_loggers or [])
         self._inbox: queue.Queue[Callable[[IterationStats], None]] = queue.Queue()
         self._requests: dict[str, _Tracked] = {}
+        self._outbox: list[tuple[RequestStream, Any]] = []  # engine thread only; see _deliver
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="pagellm-engine", daemon=True)
         self._thread.start()
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, stat_loggers: list[StatLogger] | None = None) -> AsyncLLM:
+        return cls(
+            stat_loggers=stat_loggers, **{name: getattr(config, name) for name in config.field_names()}
+        )
 
     def add_stat_logger(self, stat_logger: StatLogger) -> None:
         """Start calling `stat_logger.record` after every turn of the engine loop."""
@@ -218,6 +216,7 @@ class AsyncLLM:
             iteration = IterationStats()
             self._run(self._next_commands(wait=False), iteration)
             self._fail_all(EngineError("the engine shut down before this request finished"), iteration)
+            self._deliver()
 
     def _turn(self) -> None:
         iteration = IterationStats()
@@ -230,6 +229,14 @@ class AsyncLLM:
                 stat_logger.record(stats, iteration)
             except Exception:
                 logger.exception("stat logger %r failed", stat_logger)
+        self._deliver()
+
+    def _deliver(self) -> None:
+        """Hand the turn's outputs to their callers, after the metrics counted them: a client that saw its
+        request finish then finds it in the metrics."""
+        for stream, item in self._outbox:
+            stream.put(item)
+        self._outbox.clear()
 
     def _run(self, commands: list[Callable[[IterationStats], None]], iteration: IterationStats) -> None:
         for command in commands:
@@ -260,10 +267,10 @@ class AsyncLLM:
         try:
             self.engine.add_request(prompt, params, stream.request_id, priority, arrival)
         except Exception as exc:
-            stream.put(exc)
+            self._outbox.append((stream, exc))
             return
         self._requests[stream.request_id] = _Tracked(stream, params.output_kind == "delta")
-        stream.put(_ACCEPTED)
+        self._outbox.append((stream, _ACCEPTED))
 
     def _abort(self, request_id: str, iteration: IterationStats) -> None:
         tracked = self._requests.pop(request_id, None)
@@ -272,7 +279,7 @@ class AsyncLLM:
         output = self.engine.abort_request(request_id)
         if output is not None:
             self._observe(tracked, output, iteration)
-            tracked.stream.put(output)
+            self._outbox.append((tracked.stream, output))
 
     def _step(self, iteration: IterationStats) -> None:
         try:
@@ -286,7 +293,7 @@ class AsyncLLM:
             if tracked is None:
                 continue
             self._observe(tracked, output, iteration)
-            tracked.stream.put(output)
+            self._outbox.append((tracked.stream, output))
             if output.finished:
                 del self._requests[output.request_id]
 
@@ -300,7 +307,7 @@ class AsyncLLM:
                 output = None
             if output is not None:
                 self._observe(tracked, output, iteration, finish_reason="error")
-            tracked.stream.put(error)
+            self._outbox.append((tracked.stream, error))
 
     def _observe(
         self,

@@ -7,6 +7,7 @@ not a broken stream), and aborted when its client disconnects, mid-stream or bef
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import logging
 import time
@@ -18,6 +19,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel
+from starlette.background import BackgroundTask
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -58,6 +60,7 @@ logger = logging.getLogger("pagellm")
 
 OPEN_PATHS = ("/health", "/metrics")  # answered without an API key
 _MIN_LOGPROB = -9999.0  # JSON has no -inf
+CLIENT_CLOSED_REQUEST = 499  # nobody reads it; it keeps the log free of tracebacks
 
 
 def build_app(
@@ -89,7 +92,6 @@ def build_app(
     app.post("/v1/chat/completions")(server.chat_completions)
     app.post("/tokenize")(server.tokenize)
     app.post("/detokenize")(server.detokenize)
-    app.state.server = server
     return app
 
 
@@ -177,8 +179,9 @@ class _Server:
         request_id = f"cmpl-{uuid.uuid4().hex}"
         streams = await self._add(request_id, prompts, params, request.priority, "prompt")
         if request.stream:
-            events = self._completion_events(request, model, request_id, streams, raw_request)
-            return StreamingResponse(events, media_type="text/event-stream")
+            return _sse_response(
+                self._completion_events(request, model, request_id, streams, raw_request), streams
+            )
         finals = await self._final_outputs(streams, raw_request)
         choices = []
         for prompt_index, output in enumerate(finals):
@@ -228,22 +231,25 @@ class _Server:
         offsets: dict[int, int] = {}
         counts = _UsageCounter(len(streams))
         try:
-            async for prompt_index, output in self._merged(streams, raw_request):
-                counts.add(prompt_index, output)
-                for sample in output.outputs:
-                    index = prompt_index * request.n + sample.index
-                    if index in finished or not (sample.text or sample.token_ids or sample.finish_reason):
-                        continue
-                    echo = request.echo and index not in echoed
-                    echoed.add(index)
-                    choice = self._completion_choice(request, prompt_index, output, sample, echo)
-                    if choice.logprobs is not None:
-                        start = offsets.get(index, 0)
-                        choice.logprobs.text_offset = [start + o for o in choice.logprobs.text_offset]
-                        offsets[index] = start + len(choice.text)
-                    if sample.finish_reason is not None:
-                        finished.add(index)
-                    yield _sse(CompletionChunk(id=request_id, created=created, model=model, choices=[choice]))
+            async with contextlib.aclosing(self._merged(streams, raw_request)) as merged:
+                async for prompt_index, output in merged:
+                    counts.add(prompt_index, output)
+                    for sample in output.outputs:
+                        index = prompt_index * request.n + sample.index
+                        if index in finished or not (sample.text or sample.token_ids or sample.finish_reason):
+                            continue
+                        echo = request.echo and index not in echoed
+                        echoed.add(index)
+                        choice = self._completion_choice(request, prompt_index, output, sample, echo)
+                        if choice.logprobs is not None:
+                            start = offsets.get(index, 0)
+                            choice.logprobs.text_offset = [start + o for o in choice.logprobs.text_offset]
+                            offsets[index] = start + len(choice.text)
+                        if sample.finish_reason is not None:
+                            finished.add(index)
+                        yield _sse(
+                            CompletionChunk(id=request_id, created=created, model=model, choices=[choice])
+                        )
         except Exception as exc:
             yield _error_event(exc)
         if request.include_usage:
@@ -261,8 +267,7 @@ class _Server:
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         streams = await self._add(request_id, [(None, ids)], params, request.priority, "messages")
         if request.stream:
-            events = self._chat_events(request, model, request_id, streams, raw_request)
-            return StreamingResponse(events, media_type="text/event-stream")
+            return _sse_response(self._chat_events(request, model, request_id, streams, raw_request), streams)
         (output,) = await self._final_outputs(streams, raw_request)
         choices = [
             ChatChoice(
@@ -295,21 +300,22 @@ class _Server:
         finished: set[int] = set()
         counts = _UsageCounter(1)
         try:
-            async for _, output in self._merged(streams, raw_request):
-                counts.add(0, output)
-                for sample in output.outputs:
-                    if sample.index in finished:
-                        continue
-                    if sample.text or (request.logprobs and sample.token_ids):
-                        logprobs = (
-                            self._chat_logprobs(sample, request.top_logprobs or 0)
-                            if request.logprobs
-                            else None
-                        )
-                        yield chunk(sample.index, DeltaMessage(content=sample.text), logprobs=logprobs)
-                    if sample.finish_reason is not None:
-                        finished.add(sample.index)
-                        yield chunk(sample.index, DeltaMessage(), finish_reason=sample.finish_reason)
+            async with contextlib.aclosing(self._merged(streams, raw_request)) as merged:
+                async for _, output in merged:
+                    counts.add(0, output)
+                    for sample in output.outputs:
+                        if sample.index in finished:
+                            continue
+                        if sample.text or (request.logprobs and sample.token_ids):
+                            logprobs = (
+                                self._chat_logprobs(sample, request.top_logprobs or 0)
+                                if request.logprobs
+                                else None
+                            )
+                            yield chunk(sample.index, DeltaMessage(content=sample.text), logprobs=logprobs)
+                        if sample.finish_reason is not None:
+                            finished.add(sample.index)
+                            yield chunk(sample.index, DeltaMessage(), finish_reason=sample.finish_reason)
         except Exception as exc:
             yield _error_event(exc)
         if request.include_usage:
@@ -385,8 +391,7 @@ class _Server:
                 if self.log_requests:
                     logger.info("request %s: %d prompt tokens, %s", rid, len(ids), params)
         except BaseException as exc:
-            for stream in streams:
-                stream.abort()
+            _abort_all(streams)
             if isinstance(exc, PromptTooLongError):
                 too_long = len(ids) >= self.llm.max_model_len or params.max_tokens is None
                 raise errors.bad_request(str(exc), prompt_field if too_long else "max_tokens") from exc
@@ -416,8 +421,7 @@ class _Server:
         async def watch_disconnect() -> None:
             while (await raw_request.receive())["type"] != "http.disconnect":
                 pass
-            for stream in streams:
-                stream.abort()
+            _abort_all(streams)
 
         tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
         tasks.append(asyncio.create_task(watch_disconnect()))
@@ -432,15 +436,17 @@ class _Server:
                 else:
                     yield index, item
         finally:
-            for stream in streams:
-                stream.abort()
+            _abort_all(streams)
             for task in tasks:
                 task.cancel()
 
     async def _final_outputs(self, streams: list[RequestStream], raw_request: Request) -> list[RequestOutput]:
         finals: list[Any] = [None] * len(streams)
-        async for index, output in self._merged(streams, raw_request):
-            finals[index] = output
+        async with contextlib.aclosing(self._merged(streams, raw_request)) as merged:
+            async for index, output in merged:
+                finals[index] = output
+        if not all(o is not None and o.finished for o in finals):  # aborted: its client disconnected
+            raise errors.APIError(CLIENT_CLOSED_REQUEST, "the client disconnected before the response")
         return finals
 
     def _prompt_text(self, output: RequestOutput) -> str:
@@ -510,6 +516,27 @@ class _UsageCounter:
             completion_tokens=self.completion_tokens,
             total_tokens=prompt + self.completion_tokens,
         )
+
+
+def _sse_response(events: AsyncIterator[str], streams: list[RequestStream]) -> StreamingResponse:
+    """Server-sent events that abort their requests however the stream ends: closed mid-way, or cancelled by
+    a disconnect before it started (the background task runs after the response, whatever happened)."""
+
+    async def guarded() -> AsyncIterator[str]:
+        try:
+            async for event in events:
+                yield event
+        finally:
+            _abort_all(streams)
+
+    return StreamingResponse(
+        guarded(), media_type="text/event-stream", background=BackgroundTask(_abort_all, streams)
+    )
+
+
+def _abort_all(streams: list[RequestStream]) -> None:
+    for stream in streams:
+        stream.abort()
 
 
 def _usage(outputs: list[RequestOutput]) -> UsageInfo:

@@ -88,6 +88,11 @@ def install_handlers(app: FastAPI) -> None:
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         return error_response(APIError(exc.status_code, str(exc.detail)))
 
+    @app.exception_handler(EngineError)
+    async def _engine_error(request: Request, exc: EngineError) -> JSONResponse:
+        return error_response(from_exception(exc))
+
+    # anything else: Starlette answers with this body, then re-raises so the server logs the traceback
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         return error_response(from_exception(exc))

@@ -17,6 +17,7 @@ from server_harness import ServerProcess, metric
 from pagellm import LLM, SamplingParams
 
 API_KEY = "sk-test-key"
+SECOND_KEY = "sk-second-key"  # PAGELLM_API_KEY holds both, space-separated
 MAX_MODEL_LEN = 256
 ENGINE_ARGS = ["--dtype", "float32", "--num-kv-blocks", "512", "--max-model-len", str(MAX_MODEL_LEN)]
 PROMPTS = ["Hello, world!", "The quick brown fox", "Paged attention stores", "Once upon a time"]
@@ -29,7 +30,7 @@ def server(tiny_model_dir, tmp_path_factory):
         tiny_model_dir,
         args + ENGINE_ARGS,
         tmp_path_factory.mktemp("log") / "serve.log",
-        {"PAGELLM_API_KEY": API_KEY},
+        {"PAGELLM_API_KEY": f"{API_KEY} {SECOND_KEY}"},
     )
     yield proc
     proc.stop()
@@ -283,6 +284,8 @@ def test_error_statuses_and_bodies(server, client, http):
         response = httpx.post(f"{server.url}/v1/completions", json=body, headers=headers)
         assert _error(response, 401)["code"] == "invalid_api_key"
     assert _error(httpx.get(f"{server.url}/v1/models"), 401)
+    second = httpx.get(f"{server.url}/v1/models", headers={"Authorization": f"Bearer {SECOND_KEY}"})
+    assert second.status_code == 200
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{server.url}/v1", api_key="wrong", max_retries=0).models.list()
 
@@ -332,12 +335,12 @@ def test_disconnect_while_waiting_for_a_whole_completion(server):
     body = {
         "model": "tiny",
         "messages": [{"role": "user", "content": "Hi"}],
-        "max_tokens": 240,
+        "max_tokens": 200,
         "ignore_eos": True,
     }
     headers = {"Authorization": f"Bearer {API_KEY}"}
-    with pytest.raises(httpx.TimeoutException):  # 240 tokens take far longer than 50 ms: hang up before
-        httpx.post(f"{server.url}/v1/chat/completions", json=body, headers=headers, timeout=0.05)
+    with pytest.raises(httpx.TimeoutException):  # 200 tokens take far longer than 0.1 s: hang up before
+        httpx.post(f"{server.url}/v1/chat/completions", json=body, headers=headers, timeout=0.1)
     text = _wait_for_abort(server, before)
     assert metric(text, "pagellm:request_success_total", finished_reason="abort") == before + 1
     assert metric(text, "pagellm:kv_cache_usage_perc") == 0
