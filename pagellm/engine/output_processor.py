@@ -72,6 +72,7 @@ class OutputProcessor:
         """New outputs for the parents touched this step, and (child id, stop string) for each stop string
         matched (the engine finishes those in the scheduler)."""
         touched: dict[str, ParentState] = {}
+        moved: set[int] = set()  # ids of the children that got tokens or finished this step
         stopped: list[tuple[str, str]] = []
         for request in updated:
             entry = self.child_to_parent.get(request.request_id)
@@ -79,6 +80,7 @@ class OutputProcessor:
                 continue
             parent, child = entry
             touched[parent.request_id] = parent
+            moved.add(id(child))
             if (
                 parent.prompt_logprobs is not None
                 and request.request_id in prompt_logprobs
@@ -108,7 +110,7 @@ class OutputProcessor:
             metrics.num_cached_tokens = first.num_cached_tokens
             if parent.finished:
                 metrics.finished_time = now
-            outputs.append(self._output(parent))
+            outputs.append(self._output(parent, moved=moved))
             if parent.finished:
                 self._drop(parent)
         return outputs, stopped
@@ -129,10 +131,15 @@ class OutputProcessor:
         for child in parent.children:
             self.child_to_parent.pop(child.request.request_id, None)
 
-    def _output(self, parent: ParentState, aborted: bool = False) -> RequestOutput:
+    def _output(
+        self, parent: ParentState, aborted: bool = False, moved: set[int] | None = None
+    ) -> RequestOutput:
+        """Cumulative: every sample. Delta: only the samples that moved this step (all when aborting)."""
         delta = parent.params.output_kind == "delta"
         completions = []
         for child in parent.children:
+            if delta and moved is not None and id(child) not in moved:
+                continue
             r = child.request
             finish = (
                 "abort" if aborted and not r.is_finished else (r.finish_reason if child.finished else None)

@@ -181,3 +181,22 @@ def test_generation_config_defaults(tmp_path):
 def test_unknown_engine_setting_is_an_error(model_dir):
     with pytest.raises(ConfigError, match="unknown engine setting"):
         LLM(str(model_dir), blocksize=16)
+
+
+def test_delta_outputs_rebuild_the_cumulative_ones(llm):
+    engine = llm.engine
+    common = dict(n=2, seed=3, max_tokens=6, ignore_eos=True)
+    cumulative = llm.generate("Hello", SamplingParams(**common), use_tqdm=False)[0]
+    request_id = engine.add_request("Hello", SamplingParams(**common, output_kind="delta"))
+    texts, tokens, finished = ["", ""], [[], []], set()
+    while len(finished) < 2:
+        for output in engine.step():
+            assert output.request_id == request_id
+            for sample in output.outputs:
+                assert sample.index not in finished  # a finished sample is not repeated
+                texts[sample.index] += sample.text
+                tokens[sample.index] += sample.token_ids
+                if sample.finish_reason is not None:
+                    finished.add(sample.index)
+    assert tokens == [o.token_ids for o in cumulative.outputs]
+    assert texts == [o.text for o in cumulative.outputs]
