@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).parents[1] / "models"))
-from tiny import make_tiny_checkpoint  # noqa: E402
+from tiny import make_tiny_checkpoint
 
 
 @pytest.fixture(scope="session")

@@ -335,11 +335,11 @@ def test_disconnect_while_waiting_for_a_whole_completion(server):
     body = {
         "model": "tiny",
         "messages": [{"role": "user", "content": "Hi"}],
-        "max_tokens": 200,
+        "max_tokens": 480,
         "ignore_eos": True,
     }
     headers = {"Authorization": f"Bearer {API_KEY}"}
-    with pytest.raises(httpx.TimeoutException):  # 200 tokens take far longer than 0.1 s: hang up before
+    with pytest.raises(httpx.TimeoutException):  # 480 tokens take far longer than 0.1 s: hang up before
         httpx.post(f"{server.url}/v1/chat/completions", json=body, headers=headers, timeout=0.1)
     text = _wait_for_abort(server, before)
     assert metric(text, "pagellm:request_success_total", finished_reason="abort") == before + 1
