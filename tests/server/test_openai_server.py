@@ -18,7 +18,7 @@ from pagellm import LLM, SamplingParams
 
 API_KEY = "sk-test-key"
 SECOND_KEY = "sk-second-key"  # PAGELLM_API_KEY holds both, space-separated
-MAX_MODEL_LEN = 256
+MAX_MODEL_LEN = 512
 ENGINE_ARGS = ["--dtype", "float32", "--num-kv-blocks", "512", "--max-model-len", str(MAX_MODEL_LEN)]
 PROMPTS = ["Hello, world!", "The quick brown fox", "Paged attention stores", "Once upon a time"]
 
@@ -270,15 +270,15 @@ def test_error_statuses_and_bodies(server, client, http):
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="gpt-4", prompt="Hi")
 
-    long_prompt = list(range(3, 3 + 300))
+    long_prompt = [5] * (MAX_MODEL_LEN + 44)
     too_long = _error(http.post("/v1/completions", json={**body, "prompt": long_prompt}), 400)
-    assert "300" in too_long["message"] and str(MAX_MODEL_LEN) in too_long["message"]
+    assert str(MAX_MODEL_LEN + 44) in too_long["message"] and str(MAX_MODEL_LEN) in too_long["message"]
     assert too_long["param"] == "prompt"
-    too_many = _error(http.post("/v1/completions", json={**body, "max_tokens": 1000}), 400)
-    assert "1000" in too_many["message"] and str(MAX_MODEL_LEN) in too_many["message"]
+    too_many = _error(http.post("/v1/completions", json={**body, "max_tokens": 2000}), 400)
+    assert "2000" in too_many["message"] and str(MAX_MODEL_LEN) in too_many["message"]
     assert too_many["param"] == "max_tokens"
     with pytest.raises(openai.BadRequestError, match=str(MAX_MODEL_LEN)):
-        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x " * 300}])
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x " * MAX_MODEL_LEN}])
 
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
         response = httpx.post(f"{server.url}/v1/completions", json=body, headers=headers)
@@ -335,11 +335,11 @@ def test_disconnect_while_waiting_for_a_whole_completion(server):
     body = {
         "model": "tiny",
         "messages": [{"role": "user", "content": "Hi"}],
-        "max_tokens": 480,
+        "max_tokens": MAX_MODEL_LEN - 32,
         "ignore_eos": True,
     }
     headers = {"Authorization": f"Bearer {API_KEY}"}
-    with pytest.raises(httpx.TimeoutException):  # 480 tokens take far longer than 0.1 s: hang up before
+    with pytest.raises(httpx.TimeoutException):  # hundreds of tokens take far longer than 0.1 s: hang up before
         httpx.post(f"{server.url}/v1/chat/completions", json=body, headers=headers, timeout=0.1)
     text = _wait_for_abort(server, before)
     assert metric(text, "pagellm:request_success_total", finished_reason="abort") == before + 1
