@@ -179,8 +179,11 @@ def _load_tokenizer_and_weights(setup: EngineSetup):
     from pagellm.models.loader import iter_checkpoint_weights
 
     source = setup.source
-
     tokenizer = AutoTokenizer.from_pretrained(setup.config.tokenizer or source.directory)
+    if setup.quant_method is not None and setup.quant_method.name == "gguf" and source.gguf_original:
+        from pagellm.models.gguf import iter_gguf_weights  # packed blocks straight from the file
+
+        return tokenizer, iter_gguf_weights(source.gguf_original, setup.hf_config, raw_linear=True)
     return tokenizer, iter_checkpoint_weights(source.directory)
 
 

@@ -38,24 +38,49 @@ def load_gguf(path: str | os.PathLike) -> tuple[Any, Any, Iterator[tuple[str, to
     return config, tokenizer, iter_gguf_weights(path, config)
 
 
-def iter_gguf_weights(path: str | os.PathLike, hf_config) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, float32 tensor) for every tensor of the GGUF file that the HF model of `hf_config` has."""
+def iter_gguf_weights(
+    path: str | os.PathLike, hf_config, raw_linear: bool = False
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, float32 tensor) for every tensor of the GGUF file that the HF model of `hf_config` has.
+
+    raw_linear: decoder linear weights come as `<prefix>.qweight` (their raw GGUF bytes, uint8 [out, bytes])
+    plus `<prefix>.qweight_type` (the GGML type), for the `gguf` quantization method that keeps them packed."""
     from gguf import GGUFReader, dequantize
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, read_field
 
     reader = GGUFReader(str(path))
     architecture = read_field(reader, "general.architecture")[0]
+    if raw_linear and architecture not in _RAW_LINEAR_ARCHITECTURES:
+        raise ConfigError(
+            f"--quantization gguf keeps weights packed only for {', '.join(sorted(_RAW_LINEAR_ARCHITECTURES))} "
+            f"GGUF files, not {architecture!r}; leave --quantization unset to dequantize at load"
+        )
     processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=hf_config.to_dict())
     names = _gguf_to_hf_names(architecture, hf_config)
     for tensor in reader.tensors:
-        result = processor.process(
-            weights=dequantize(tensor.data, tensor.tensor_type),
-            name=tensor.name,
-            tensor_key_mapping=names,
-            parsed_parameters={"tensors": {}},
+        hf_name = names.get(tensor.name)
+        if hf_name is None:
+            continue
+        raw = raw_linear and ".layers." in hf_name and hf_name.endswith(".weight") and len(tensor.shape) == 2
+        data = (
+            np.ascontiguousarray(tensor.data).view(np.uint8)
+            if raw
+            else dequantize(tensor.data, tensor.tensor_type)
         )
-        if result.name in names:
-            yield names[result.name], torch.from_numpy(np.array(result.weights, dtype=np.float32))
+        # the llama processor only reorders q/k rows, as valid for rows of packed blocks as for floats
+        data = processor.process(
+            weights=data, name=tensor.name, tensor_key_mapping=names, parsed_parameters={"tensors": {}}
+        ).weights
+        if raw:
+            prefix = hf_name.removesuffix("weight")
+            yield prefix + "qweight", torch.from_numpy(np.array(data))
+            yield prefix + "qweight_type", torch.tensor(int(tensor.tensor_type))
+        else:
+            yield hf_name, torch.from_numpy(np.array(data, dtype=np.float32))
+
+
+# GGUF architectures whose tensor processor leaves weight rows intact (gpt2's transposes them)
+_RAW_LINEAR_ARCHITECTURES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 
 
 def _gguf_to_hf_names(architecture: str, hf_config) -> dict[str, str]:

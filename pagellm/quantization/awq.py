@@ -6,7 +6,8 @@ On disk, per linear layer (read by `matches_checkpoint` from `quantization_confi
 - `qzeros` int32 [in / group, out / 8]: the zero points, packed the same way;
 - `scales` float16 [in / group, out].
 weight[o, i] = (q[i, o] - zero[i // group, o]) * scale[i // group, o]. Compute dequantizes the whole weight
-into the activation dtype for each matmul (any device).
+into the activation dtype for each matmul; on CUDA, batches of up to MAX_TOKENS tokens run the fused
+Triton kernel of `packed_triton` instead.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from pagellm.core.errors import ConfigError
 from pagellm.core.quant import QuantMethod
 from pagellm.plugins.hookspecs import hookimpl
 from pagellm.quantization.packed import add_param, check_divisible, group_size_of, unpack
+from pagellm.quantization.packed_triton import MAX_TOKENS, packed_matmul, triton_runs
 
 PAGELLM_PLUGIN_API = "1.0"
 
@@ -61,8 +63,15 @@ class AwqMethod(QuantMethod):
         add_param(layer, "qzeros", (groups, out_features // PACK), torch.int32, output_dim=1)
         add_param(layer, "scales", (groups, out_features), torch.float16, output_dim=1)
 
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        layer.triton_gemm = triton_runs(layer.qweight)
+
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        y = torch.matmul(x, dequantize(layer.qweight, layer.qzeros, layer.scales, layer.group_size, x.dtype))
+        packed = (layer.qweight, layer.qzeros, layer.scales)
+        if layer.triton_gemm and x.numel() // x.shape[-1] <= MAX_TOKENS:
+            y = packed_matmul(x, *packed, None, layer.group_size, bits=BITS, zero_offset=0, awq=True)
+        else:
+            y = torch.matmul(x, dequantize(*packed, layer.group_size, x.dtype))
         return y if bias is None else y + bias
 
 

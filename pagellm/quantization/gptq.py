@@ -8,7 +8,8 @@ On disk, per linear layer (read by `matches_checkpoint` from `quantization_confi
 - `scales` float16 [groups, out];
 - `g_idx` int32 [in]: the group of each input row (with act-order, `desc_act`, not simply row // group).
 weight[o, i] = (q[i, o] - zero[g_idx[i], o]) * scale[g_idx[i], o]. Compute dequantizes the whole weight
-into the activation dtype for each matmul (any device).
+into the activation dtype for each matmul; on CUDA, batches of up to MAX_TOKENS tokens run the fused
+Triton kernel of `packed_triton` instead.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from pagellm.core.errors import ConfigError
 from pagellm.core.quant import QuantMethod
 from pagellm.plugins.hookspecs import hookimpl
 from pagellm.quantization.packed import add_param, check_divisible, group_size_of, unpack
+from pagellm.quantization.packed_triton import MAX_TOKENS, packed_matmul, triton_runs
 
 PAGELLM_PLUGIN_API = "1.0"
 
@@ -81,12 +83,16 @@ class GptqMethod(QuantMethod):
         if int(g_idx.max()) >= layer.scales.shape[0] or int(g_idx.min()) < 0:
             raise ConfigError("a gptq g_idx names a group the layer does not have")
         layer.g_idx = nn.Parameter(g_idx[0].clone(), requires_grad=False)
+        layer.triton_gemm = triton_runs(layer.qweight)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        weight = dequantize(
-            layer.qweight, layer.qzeros, layer.scales, layer.g_idx, self.bits, self.zero_offset, x.dtype
-        )
-        y = torch.matmul(x, weight)
+        packed = (layer.qweight, layer.qzeros, layer.scales, layer.g_idx)
+        if layer.triton_gemm and x.numel() // x.shape[-1] <= MAX_TOKENS:
+            y = packed_matmul(
+                x, *packed, group_size=0, bits=self.bits, zero_offset=self.zero_offset, awq=False
+            )
+        else:
+            y = torch.matmul(x, dequantize(*packed, self.bits, self.zero_offset, x.dtype))
         return y if bias is None else y + bias
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 from parity import Reference, assert_greedy_parity
 
-from pagellm import LLM
+from pagellm import LLM, SamplingParams
 from pagellm.engine.default_model import default_model_path
 
 pytestmark = [
@@ -41,3 +41,21 @@ def test_smollm2_gguf_greedy_equals_transformers():
     prompts = [tok.encode(t) for t in texts]
     prompts.append(llm.apply_chat_template([{"role": "user", "content": "What is 2 + 2?"}]))
     assert_greedy_parity(llm, GGUFReference(path, max_tokens=8), prompts)
+
+
+def test_native_gguf_quantization_gives_the_dequantized_tokens():
+    path = default_model_path()
+    prompts = [{"prompt_token_ids": [1, 504, 3575, 282, 4649, 314]}, "def fibonacci(n):"]
+    params = SamplingParams(temperature=0, max_tokens=8)
+    outputs = {}
+    for quantization in (None, "gguf"):
+        llm = LLM(path, dtype="float32", kv_cache_space=0.25, max_model_len=512, quantization=quantization)
+        outputs[quantization] = [
+            o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)
+        ]
+        if quantization == "gguf":
+            assert (
+                type(llm.engine.runner.model.model.layers[0].self_attn.qkv_proj.quant_method).__name__
+                == "GgufMethod"
+            )
+    assert outputs["gguf"] == outputs[None]

@@ -185,3 +185,26 @@ FORMATS = {  # name: (architecture, method, quantizer, quantization_config)
         dict(GPTQ, bits=8, group_size=32, desc_act=True),
     ),
 }
+
+
+def quantized_layers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    return {name: m for name, m in model.named_modules() if getattr(m, "quant_method", None) is not None}
+
+
+def quantized_linear_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the quantized layers' weight tensors (scales, zeros and indices included; biases not)."""
+    return sum(
+        t.numel() * t.element_size()
+        for m in quantized_layers(model).values()
+        for t in [*m.parameters(recurse=False), *m.buffers(recurse=False)]
+        if t is not getattr(m, "bias", None)
+    )
+
+
+def plain_linear_bytes(model: torch.nn.Module) -> int:
+    """Weight bytes of an unquantized model's decoder-layer linear layers (what a quant method replaces)."""
+    return sum(
+        m.weight.numel() * m.weight.element_size()
+        for name, m in model.named_modules()
+        if name.split(".")[-1].endswith(("proj", "fc1", "fc2")) and ".layers." in name
+    )
