@@ -1,4 +1,4 @@
-"""Shared test set-up: tests/models/tiny.py (tiny random checkpoints) is importable as `tiny` everywhere."""
+"""Shared test set-up: the helpers in tests/models (`tiny` checkpoints, the `parity` oracle) import everywhere."""
 
 import sys
 from pathlib import Path
