@@ -29,6 +29,15 @@ class _GPU(Platform):
     device_type = "cuda"
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """These tiny shapes gain nothing from a second thread, which may be busy with other work."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("kind", sorted(CASES))
 @pytest.mark.parametrize("heads", [(8, 2), (4, 4), (9, 3)], ids=["gqa", "mha", "gqa3"])
 @pytest.mark.parametrize("block_size", [16, 32])
@@ -37,7 +46,9 @@ def test_matches_reference(kind, heads, block_size):
     assert check_backend(CpuAttnBackend, spec, "cpu", CASES[kind]) < 1e-5
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"]
+)
 @pytest.mark.parametrize("sliding_window", [None, 7, 20, 33])
 def test_dtypes_and_sliding_window(dtype, sliding_window):
     spec = AttentionSpec(8, 2, 64, dtype, block_size=16, sliding_window=sliding_window)
@@ -81,3 +92,12 @@ def test_facts_and_plugin_registration(monkeypatch):
     assert cpu_attn.PAGELLM_PLUGIN_API == "1.0"
     monkeypatch.setenv("PAGELLM_PLUGINS", "cpu_attn")
     assert load_plugins().attention_backends == {"CPU_ATTN": CpuAttnBackend}
+
+
+def test_decode_groups_are_bounded(monkeypatch):
+    monkeypatch.setattr(cpu_attn, "DECODE_GROUP_TOKENS", 4 * 32)  # four requests of two blocks
+    spec = AttentionSpec(4, 2, 16, torch.float32)
+    cases = [([20, 30, 17, 25, 32, 18, 19], [1] * 7)]
+    plan = CpuAttnBackend.build_metadata(make_paged_batch(*cases[0], 16)).plan(None, 16, torch.float32)
+    assert [g.blocks.numel() for g in plan.decodes] == [4 * 2, 3 * 2]
+    assert check_backend(CpuAttnBackend, spec, "cpu", cases) < 1e-5

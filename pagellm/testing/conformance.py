@@ -1,0 +1,162 @@
+"""Attention-backend conformance suite: every registered backend against `reference_attention`.
+
+One command, run where pagellm and the backend's package are installed:
+
+    PAGELLM_DEVICE=<platform> PAGELLM_ATTENTION_BACKEND=<NAME> pytest --pyargs pagellm.testing.conformance
+
+Both variables are optional, with the same meaning as for the engine: no device means the one `--device
+auto` would pick, no backend means every registered backend, built-in or plugin (a comma-separated list
+also works). Each backend runs every case its facts claim it supports on that platform (its dtypes, head
+sizes and block sizes, GQA and MQA, sliding window and soft-cap when claimed, prefill, chunked prefill,
+decode, mixed batches, sequences ending on and around block boundaries); a case it declares unsupported
+via `unsupported_reasons` is not run. A backend with no case it can run is reported as skipped, with why.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from pagellm.core.attention import AttentionBackend, AttentionSpec
+from pagellm.core.platform import Platform
+from pagellm.core.selector import select_platform
+from pagellm.plugins import load_plugins
+from pagellm.testing.attention import check_backend
+
+Step = tuple[tuple[int, ...], tuple[int, ...]]  # (seq_lens, query_lens), as check_backend takes them
+
+TOLERANCE = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 3e-2}
+"""Largest absolute difference from the float32 reference allowed, by compute dtype."""
+
+MIXED: tuple[Step, ...] = (
+    ((17,), (17,)),  # prefill
+    ((40, 33), (8, 17)),  # chunked prefill over cached context
+    ((15, 1, 33, 70), (1, 1, 1, 1)),  # decode batch
+    ((40, 17, 5, 33), (8, 1, 1, 17)),  # prefill chunks and decodes in one step
+)
+
+
+def _block_boundary_steps(block_size: int) -> tuple[Step, ...]:
+    """Sequences and chunks that end just before, on and just after block boundaries."""
+    b = block_size
+    lens = (b - 1, b, b + 1, 2 * b)
+    return (
+        (lens, lens),
+        (lens, (1, 1, 1, 1)),
+        ((2 * b, 2 * b + 1, 3 * b), (b, b + 1, 1)),
+    )
+
+
+@dataclass(frozen=True)
+class ConformanceCase:
+    id: str
+    spec: AttentionSpec
+    steps: tuple[Step, ...]
+
+    @property
+    def tolerance(self) -> float:
+        return TOLERANCE.get(self.spec.dtype, 3e-2)
+
+
+def candidate_cases(backend: type[AttentionBackend], platform: type[Platform]) -> list[ConformanceCase]:
+    """The cases `backend`'s facts claim: one axis at a time around a base spec the backend supports."""
+    dtypes = [d for d in backend.dtypes if d in platform.supported_dtypes] or list(backend.dtypes)
+    dtype = platform.default_dtype if platform.default_dtype in dtypes else dtypes[0]
+    head_sizes = list(backend.head_sizes or (64, 80, 128))
+    head_size = 64 if 64 in head_sizes else head_sizes[0]
+    block_sizes = list(backend.block_sizes or (16, 32, 256))
+    base = AttentionSpec(8, 2, head_size, dtype)
+
+    def spec(**changes) -> AttentionSpec:
+        return dataclasses.replace(base, **changes)
+
+    # the other axes vary around a block size the backend takes (a rule beyond its facts may refuse some)
+    taken = [b for b in block_sizes if not backend.unsupported_reasons(spec(block_size=b), platform)]
+    block_size = 16 if 16 in taken else (taken or block_sizes)[0]
+    base = spec(block_size=block_size)
+
+    cases = [ConformanceCase(f"dtype-{_name(d)}", spec(dtype=d), MIXED) for d in dtypes]
+    cases += [ConformanceCase(f"head_size-{h}", spec(head_size=h), MIXED[-1:]) for h in head_sizes]
+    cases += [
+        ConformanceCase(f"block_size-{b}", spec(block_size=b), _block_boundary_steps(b)) for b in block_sizes
+    ]
+    for heads, kv_heads in ((4, 4), (8, 1), (9, 3)):
+        cases.append(
+            ConformanceCase(
+                f"heads-{heads}-kv{kv_heads}", spec(num_heads=heads, num_kv_heads=kv_heads), MIXED
+            )
+        )
+    if backend.supports_sliding_window:
+        cases += [
+            ConformanceCase(f"sliding_window-{w}", spec(sliding_window=w), MIXED)
+            for w in (7, 20)  # both shorter than most sequences in MIXED
+        ]
+    if backend.supports_logits_soft_cap:
+        cases.append(ConformanceCase("soft_cap-5", spec(logits_soft_cap=5.0), MIXED))
+    return cases
+
+
+def conformance_cases(
+    backend: type[AttentionBackend], platform: type[Platform]
+) -> tuple[list[ConformanceCase], list[str]]:
+    """The claimed cases `backend` accepts on `platform`, and every reason it gave for those it refused."""
+    runnable, refused = [], []
+    for case in candidate_cases(backend, platform):
+        reasons = backend.unsupported_reasons(case.spec, platform)
+        if reasons:
+            refused += reasons
+        else:
+            runnable.append(case)
+    return runnable, refused
+
+
+def selected() -> tuple[type[Platform], dict[str, type[AttentionBackend]]]:
+    """The platform and backends named by PAGELLM_DEVICE and PAGELLM_ATTENTION_BACKEND (default: all)."""
+    registry = load_plugins()
+    platform = select_platform(registry, os.environ.get("PAGELLM_DEVICE")).platform
+    backends = registry.attention_backends
+    wanted = os.environ.get("PAGELLM_ATTENTION_BACKEND", "").strip()
+    if wanted and wanted.lower() != "auto":
+        names = [n.strip().upper() for n in wanted.split(",") if n.strip()]
+        missing = [n for n in names if n not in backends]
+        if missing:
+            raise pytest.UsageError(
+                f"PAGELLM_ATTENTION_BACKEND names {', '.join(missing)}, which no installed plugin registers; "
+                f"registered: {', '.join(sorted(backends)) or 'none'}"
+            )
+        backends = {n: backends[n] for n in names}
+    return platform, dict(sorted(backends.items()))
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "case" not in metafunc.fixturenames:
+        return
+    platform, backends = selected()
+    params = []
+    for name, backend in backends.items():
+        runnable, refused = conformance_cases(backend, platform)
+        params += [pytest.param(backend, platform, case, id=f"{name}-{case.id}") for case in runnable]
+        if not runnable:
+            why = f"{name} runs no claimed case on {platform.name}: " + "; ".join(dict.fromkeys(refused))
+            params.append(
+                pytest.param(backend, platform, None, id=f"{name}-none", marks=pytest.mark.skip(why))
+            )
+    metafunc.parametrize("backend, platform, case", params)
+
+
+def test_matches_reference(
+    backend: type[AttentionBackend], platform: type[Platform], case: ConformanceCase
+) -> None:
+    error = check_backend(backend, case.spec, platform.device(), case.steps)
+    assert error <= case.tolerance, (
+        f"{backend.name} on {platform.name}, {case.id} ({case.spec.shape_key()}): largest difference from "
+        f"the reference {error:.3g} > {case.tolerance:g}"
+    )
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")

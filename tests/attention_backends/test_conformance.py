@@ -1,0 +1,130 @@
+import os
+import subprocess
+import sys
+
+import torch
+
+from pagellm.attention_backends.torch_sdpa import TorchSDPABackend
+from pagellm.core.attention import AttentionSpec
+from pagellm.core.platform import Platform
+from pagellm.testing.conformance import candidate_cases, conformance_cases
+
+COMMAND = [
+    sys.executable,
+    "-m",
+    "pytest",
+    "--pyargs",
+    "pagellm.testing.conformance",
+    "-q",
+    "-p",
+    "no:cacheprovider",
+]
+
+
+def run_suite(cwd, *args: str, **env: str) -> subprocess.CompletedProcess:
+    """The documented command, as a vendor runs it: outside our repo, chosen by environment variables.
+    One thread each: small shapes gain nothing from two, and the test runs beside others."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **env}
+    return subprocess.run([*COMMAND, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_vendor_backend_passes_on_its_platform(tmp_path):
+    result = run_suite(tmp_path, PAGELLM_DEVICE="vendor_sim", PAGELLM_ATTENTION_BACKEND="VENDOR_ATTN")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert " passed" in result.stdout and "failed" not in result.stdout
+
+
+WRONG_PLUGIN = '''
+import dataclasses
+
+from pagellm.attention_backends.torch_sdpa import TorchSDPABackend
+from pagellm.plugins import hookimpl
+
+PAGELLM_PLUGIN_API = "1.0"
+
+
+class WrongAttn(TorchSDPABackend):
+    """Claims sliding-window support, then attends to the whole context."""
+
+    name = "WRONG_ATTN"
+
+    def __init__(self, spec):
+        super().__init__(dataclasses.replace(spec, sliding_window=None))
+
+
+@hookimpl
+def pagellm_attention_backends():
+    return [WrongAttn]
+'''
+
+
+def test_wrong_backend_fails(tmp_path):
+    """A plugin installed the lightest way (a module and its dist-info on the path) that gets windows wrong."""
+    (tmp_path / "wrong_attn.py").write_text(WRONG_PLUGIN)
+    dist = tmp_path / "wrong_attn-0.1.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: wrong-attn\nVersion: 0.1\n")
+    (dist / "entry_points.txt").write_text("[pagellm.plugins]\nwrong_attn = wrong_attn\n")
+    path = os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))
+    result = run_suite(
+        tmp_path, PYTHONPATH=path, PAGELLM_DEVICE="cpu", PAGELLM_ATTENTION_BACKEND="WRONG_ATTN"
+    )
+    assert result.returncode == 1, result.stdout + result.stderr
+    failed = sorted(
+        line.split("[")[1].rstrip("]").split("]")[0]
+        for line in result.stdout.splitlines()
+        if line.startswith("FAILED")
+    )
+    assert failed == ["WRONG_ATTN-sliding_window-20", "WRONG_ATTN-sliding_window-7"], result.stdout
+    assert "2 failed, 13 passed" in result.stdout and "largest difference from the reference" in result.stdout
+
+
+class _CPU(Platform):
+    name = "testcpu"
+    device_type = "cpu"
+    supported_dtypes = (torch.float32, torch.bfloat16)
+    default_dtype = torch.bfloat16
+
+
+class _GPU(Platform):
+    name = "testgpu"
+    device_type = "cuda"
+
+
+def test_cases_follow_the_backends_claims():
+    class Narrow(TorchSDPABackend):
+        name = "NARROW"
+        dtypes = (torch.float16, torch.float32)
+        head_sizes = (64, 128)
+        block_sizes = (32,)
+        supports_sliding_window = False
+        supports_logits_soft_cap = False
+
+    ids = [case.id for case in candidate_cases(Narrow, _CPU)]
+    assert ids == [
+        "dtype-float32",
+        "head_size-64",
+        "head_size-128",
+        "block_size-32",
+        "heads-4-kv4",
+        "heads-8-kv1",
+        "heads-9-kv3",
+    ]
+    assert all(
+        c.spec.block_size == 32 and c.spec.dtype == torch.float32 for c in candidate_cases(Narrow, _CPU)
+    )
+    ids = [case.id for case in candidate_cases(TorchSDPABackend, _CPU)]
+    assert "sliding_window-7" in ids and "soft_cap-5" in ids and "dtype-bfloat16" in ids
+    runnable, refused = conformance_cases(TorchSDPABackend, _CPU)
+    assert len(runnable) == len(ids) and refused == []
+
+
+def test_refused_cases_carry_the_backends_reasons():
+    class CudaOnly(TorchSDPABackend):
+        name = "CUDA_ONLY"
+        device_types = ("cuda",)
+
+    runnable, refused = conformance_cases(CudaOnly, _CPU)
+    assert runnable == [] and set(refused) == {"runs on device types cuda, not cpu"}
+    spec = AttentionSpec(8, 2, 64, torch.float32)
+    assert CudaOnly.unsupported_reasons(spec, _GPU) == []
