@@ -72,3 +72,33 @@ def test_prefix_caching_off(model):
     llm = engine(path, enable_prefix_caching=False)
     assert_greedy_parity(llm, reference, mixed_prompts(300, seed=1, shared_prefix=40))
     assert llm.engine.stats().prefix_cache_hits == 0
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """Checkpoints and references built once per architecture, on demand."""
+    cache = {}
+
+    def get(arch):
+        if arch not in cache:
+            path = make_tiny_checkpoint(arch.split("-")[0], tmp_path_factory.mktemp(arch), **ARCHS[arch])
+            cache[arch] = path, Reference(path, MAX_TOKENS)
+        return cache[arch]
+
+    return get
+
+
+@pytest.mark.parametrize("backend", ["TORCH_SDPA", "CPU_ATTN", "FLEX_ATTENTION"])
+@pytest.mark.parametrize(
+    "arch",
+    [
+        "llama",
+        "mistral-sliding-window",
+        *(pytest.param(a, marks=pytest.mark.slow) for a in ("qwen2", "qwen3", "gpt2", "opt")),
+    ],
+)
+def test_every_backend_that_runs_here(checkpoints, arch, backend):
+    path, reference = checkpoints(arch)
+    llm = engine(path, attention_backend=backend, max_num_batched_tokens=64, max_num_seqs=8)
+    assert llm.engine.setup.backend.name == backend
+    assert_greedy_parity(llm, reference, mixed_prompts(300))
