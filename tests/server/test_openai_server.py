@@ -278,7 +278,9 @@ def test_error_statuses_and_bodies(server, client, http):
     assert "2000" in too_many["message"] and str(MAX_MODEL_LEN) in too_many["message"]
     assert too_many["param"] == "max_tokens"
     with pytest.raises(openai.BadRequestError, match=str(MAX_MODEL_LEN)):
-        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x " * MAX_MODEL_LEN}])
+        client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "x " * MAX_MODEL_LEN}]
+        )
 
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
         response = httpx.post(f"{server.url}/v1/completions", json=body, headers=headers)
@@ -339,7 +341,9 @@ def test_disconnect_while_waiting_for_a_whole_completion(server):
         "ignore_eos": True,
     }
     headers = {"Authorization": f"Bearer {API_KEY}"}
-    with pytest.raises(httpx.TimeoutException):  # hundreds of tokens take far longer than 0.1 s: hang up before
+    with pytest.raises(
+        httpx.TimeoutException
+    ):  # hundreds of tokens take far longer than 0.1 s: hang up before
         httpx.post(f"{server.url}/v1/chat/completions", json=body, headers=headers, timeout=0.1)
     text = _wait_for_abort(server, before)
     assert metric(text, "pagellm:request_success_total", finished_reason="abort") == before + 1

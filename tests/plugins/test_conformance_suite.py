@@ -28,7 +28,7 @@ def run_suite(cwd, *args: str, **env: str) -> subprocess.CompletedProcess:
     return subprocess.run([*COMMAND, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
 
 
-def test_vendor_backend_passes_on_its_platform(tmp_path):
+def test_vendor_backend_passes_on_its_platform(vendor_plugin, tmp_path):
     result = run_suite(tmp_path, PAGELLM_DEVICE="vendor_sim", PAGELLM_ATTENTION_BACKEND="VENDOR_ATTN")
     assert result.returncode == 0, result.stdout + result.stderr
     assert " passed" in result.stdout and "failed" not in result.stdout
