@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from pagellm.attention_backends._slots import stored_slots
 from pagellm.core.attention import AttentionBackend, AttentionBatch
 from pagellm.plugins import hookimpl
 
@@ -75,12 +76,7 @@ class CpuAttnBackend(AttentionBackend):
 
     @classmethod
     def build_metadata(cls, batch: AttentionBatch) -> CpuAttnMetadata:
-        slots = batch.slot_mapping
-        skip = slots < 0
-        tokens = None
-        if bool(skip.any()):  # one host sync per step, none per layer
-            tokens = (~skip).nonzero().squeeze(1)
-            slots = slots[tokens]
+        slots, tokens = stored_slots(batch.slot_mapping)
         return CpuAttnMetadata(batch, slots, tokens)
 
     def forward(

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pagellm.attention_backends._slots import stored_slots
 from pagellm.core.attention import AttentionBackend, AttentionBatch, AttentionSpec
 from pagellm.core.platform import Platform
 from pagellm.plugins import hookimpl
@@ -88,12 +89,7 @@ class FlashAttnBackend(AttentionBackend):
     def build_metadata(cls, batch: AttentionBatch) -> FlashAttnMetadata:
         cu_seqlens_k = torch.zeros(batch.num_reqs + 1, dtype=torch.int32, device=batch.seq_lens.device)
         torch.cumsum(batch.seq_lens, 0, out=cu_seqlens_k[1:])
-        slots = batch.slot_mapping
-        skip = slots < 0
-        tokens = None
-        if bool(skip.any()):  # one host sync per step, none per layer
-            tokens = (~skip).nonzero().squeeze(1)
-            slots = slots[tokens]
+        slots, tokens = stored_slots(batch.slot_mapping)
         return FlashAttnMetadata(batch, cu_seqlens_k, slots, tokens)
 
     def forward(

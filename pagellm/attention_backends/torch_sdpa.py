@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from pagellm.attention_backends._slots import stored_slots
 from pagellm.core.attention import AttentionBackend, AttentionBatch
 from pagellm.plugins import hookimpl
 
@@ -63,12 +64,7 @@ class TorchSDPABackend(AttentionBackend):
     @classmethod
     def build_metadata(cls, batch: AttentionBatch) -> TorchSDPAMetadata:
         """Drop the tokens that store nothing here, so `forward` writes with one index_copy_ per layer."""
-        slots = batch.slot_mapping
-        skip = slots < 0
-        tokens = None
-        if bool(skip.any()):  # one host sync per step, none per layer
-            tokens = (~skip).nonzero().squeeze(1)
-            slots = slots[tokens]
+        slots, tokens = stored_slots(batch.slot_mapping)
         return TorchSDPAMetadata(batch, slots, tokens)
 
     def forward(

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pagellm.attention_backends._slots import stored_slots
 from pagellm.core.attention import AttentionBackend, AttentionBatch, AttentionSpec
 from pagellm.core.platform import Platform
 from pagellm.plugins import hookimpl
@@ -73,12 +74,7 @@ class TritonAttnBackend(AttentionBackend):
 
     @classmethod
     def build_metadata(cls, batch: AttentionBatch) -> TritonAttnMetadata:
-        slots = batch.slot_mapping
-        skip = slots < 0
-        tokens = None
-        if bool(skip.any()):  # one host sync per step, none per layer
-            tokens = (~skip).nonzero().squeeze(1)
-            slots = slots[tokens]
+        slots, tokens = stored_slots(batch.slot_mapping)
         return TritonAttnMetadata(batch, slots, tokens)
 
     def forward(
