@@ -7,8 +7,9 @@ tokens each request asked for count. The same weights are loaded in the same dty
 
 from __future__ import annotations
 
+import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -17,15 +18,18 @@ from pagellm.bench.throughput import ThroughputResult
 from pagellm.bench.workloads import Workload
 
 
-def load_transformers_model(directory: str, gguf_file: str | None, dtype: torch.dtype) -> Any:
-    """The model as transformers loads it; a GGUF file is dequantized into dense `dtype` weights."""
+def load_transformers_model(model: str, gguf_file: str | None, dtype: torch.dtype) -> Any:
+    """The model pagellm was given (`--model`, `--gguf-file`) as transformers loads it; a GGUF file is
+    dequantized into dense `dtype` weights, as pagellm does."""
     from transformers import AutoModelForCausalLM, GgufConfig
 
+    if model.endswith(".gguf"):
+        model, gguf_file = os.path.dirname(os.path.abspath(model)), os.path.basename(model)
     if gguf_file:
         return AutoModelForCausalLM.from_pretrained(
-            directory, gguf_file=gguf_file, dtype=dtype, quantization_config=GgufConfig(dequantize=True)
+            model, gguf_file=gguf_file, dtype=dtype, quantization_config=GgufConfig(dequantize=True)
         )
-    return AutoModelForCausalLM.from_pretrained(directory, dtype=dtype)
+    return AutoModelForCausalLM.from_pretrained(model, dtype=dtype)
 
 
 def _pad_id(model: Any) -> int:
@@ -72,9 +76,20 @@ def run_static_batches(model: Any, workload: Workload, batch_size: int) -> Throu
     )
 
 
-def run_transformers(model: Any, workload: Workload, batch_sizes: Sequence[int]) -> ThroughputResult:
-    """The best (highest output tok/s) of a static-batch run per batch size; every size's rate is kept."""
-    runs = [run_static_batches(model, workload, b) for b in batch_sizes]
+def run_transformers(
+    model: Any,
+    workload: Workload,
+    batch_sizes: Sequence[int],
+    on_result: Callable[[ThroughputResult], None] | None = None,
+) -> ThroughputResult:
+    """The best (highest output tok/s) of a static-batch run per batch size; every size's rate is kept.
+
+    `on_result` sees each batch size's result as soon as it is measured."""
+    runs = []
+    for batch_size in batch_sizes:
+        runs.append(run_static_batches(model, workload, batch_size))
+        if on_result is not None:
+            on_result(runs[-1])
     best = max(runs, key=lambda r: r.output_tok_s)
     best.extra["output_tok_s_by_batch_size"] = {r.extra["batch_size"]: r.output_tok_s for r in runs}
     return best

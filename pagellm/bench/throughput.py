@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -73,10 +74,15 @@ def run_pagellm(llm: LLM, workload: Workload, engine: str = "pagellm") -> Throug
     )
 
 
-def run_prefix_comparison(config: EngineConfig, workload: Workload) -> list[ThroughputResult]:
+def run_prefix_comparison(
+    config: EngineConfig,
+    workload: Workload,
+    on_result: Callable[[ThroughputResult], None] | None = None,
+) -> list[ThroughputResult]:
     """Run `workload` with prefix caching on, then off, each on a fresh engine in this process.
 
-    The hit rate is the share of prompt tokens the prefix cache served during the timed run."""
+    The hit rate is the share of prompt tokens the prefix cache served during the timed run; `on_result`
+    sees each run's result as soon as it is measured."""
     results = []
     for caching in (True, False):
         llm = make_llm(config.replace(enable_prefix_caching=caching))
@@ -92,6 +98,8 @@ def run_prefix_comparison(config: EngineConfig, workload: Workload) -> list[Thro
             prefix_cache_hit_rate=hits / queries if queries else 0.0,
         )
         results.append(result)
+        if on_result is not None:
+            on_result(result)
         del llm
         gc.collect()
     return results

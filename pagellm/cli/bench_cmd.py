@@ -64,6 +64,15 @@ def _table(rows: list[dict[str, Any]], columns=_COLUMNS) -> str:
     return "\n".join([lines[0], "-" * len(lines[0]), *lines[1:]])
 
 
+def _progress(result) -> None:
+    """One line on stderr as each run ends, so a long benchmark shows its numbers before the table."""
+    click.echo(
+        f"{result.engine}: {result.output_tok_s:.1f} output tok/s, {result.total_tok_s:.1f} total tok/s "
+        f"({result.elapsed_s:.1f} s)",
+        err=True,
+    )
+
+
 def _versions() -> dict[str, str]:
     import importlib.metadata as md
 
@@ -147,16 +156,17 @@ def throughput(
     )
     warm_up(llm)
     results = [run_pagellm(llm, requests)]
-    source, dtype = llm.engine.setup.source, llm.engine.setup.dtype
+    _progress(results[0])
+    dtype = llm.engine.setup.dtype
     del llm
     gc.collect()
     ratio = None
     if compare == "transformers":
         from pagellm.bench.peers import load_transformers_model, run_transformers
 
-        peer_model = load_transformers_model(source.directory, source.gguf_file, dtype)
+        peer_model = load_transformers_model(config.model, config.gguf_file, dtype)
         sizes = [int(s) for s in peer_batch_sizes.split(",") if s.strip()]
-        results.append(run_transformers(peer_model, requests, sizes))
+        results.append(run_transformers(peer_model, requests, sizes, on_result=_progress))
         ratio = results[0].output_tok_s / results[1].output_tok_s
     rows = [r.as_dict() for r in results]
     click.echo(_table(rows))
@@ -211,7 +221,7 @@ def prefix(num_prompts, prefix_len, suffix_len, output_len, model, output_json, 
     config = _config(model, options)
     vocab = resolve_engine(config).hf_config.vocab_size
     requests = w3(vocab, num_prompts, prefix_len, suffix_len, output_len)
-    rows = [r.as_dict() for r in run_prefix_comparison(config, requests)]
+    rows = [r.as_dict() for r in run_prefix_comparison(config, requests, on_result=_progress)]
     columns = (
         *_COLUMNS,
         ("mean TTFT s", "mean_ttft_s", "{:.3f}"),

@@ -116,3 +116,36 @@ def test_prefix_hit_rate_on_and_off(tiny_model, tmp_path):
     assert on["extra"]["prefix_cache_hit_rate"] > 0
     assert off["extra"]["prefix_cache_hit_rate"] == 0
     assert on["extra"]["mean_ttft_s"] > 0
+
+
+def test_model_m_is_built_once_into_the_cache_dir(tmp_path, monkeypatch):
+    from pagellm.bench import workloads
+
+    small = dict(workloads.MODEL_M_CONFIG, hidden_size=32, num_hidden_layers=1, num_attention_heads=2)
+    monkeypatch.setattr(workloads, "MODEL_M_CONFIG", dict(small, intermediate_size=64, vocab_size=600))
+    monkeypatch.setenv("PAGELLM_CACHE_DIR", str(tmp_path))
+    path = workloads.resolve_model("M")
+    assert path == str(tmp_path / "M")
+    from transformers import AutoConfig, AutoTokenizer
+
+    config = AutoConfig.from_pretrained(path)
+    assert (config.model_type, config.vocab_size, config.tie_word_embeddings) == ("qwen2", 600, True)
+    assert len(AutoTokenizer.from_pretrained(path)) == 600
+    assert workloads.resolve_model("M") == path
+
+
+def test_peer_loads_a_gguf_file_dequantized(monkeypatch):
+    import torch
+    import transformers
+
+    from pagellm.bench.peers import load_transformers_model
+
+    calls = []
+    monkeypatch.setattr(
+        transformers.AutoModelForCausalLM, "from_pretrained", lambda *a, **kw: calls.append((a, kw))
+    )
+    load_transformers_model("/models/s/model.Q4_1.gguf", None, torch.bfloat16)
+    ((args, kwargs),) = calls
+    assert args == ("/models/s",)
+    assert kwargs["gguf_file"] == "model.Q4_1.gguf" and kwargs["dtype"] == torch.bfloat16
+    assert kwargs["quantization_config"].dequantize
