@@ -12,6 +12,7 @@ from typing import Any
 from pagellm.bench.workloads import Workload
 from pagellm.core.config import EngineConfig
 from pagellm.engine.llm import LLM
+from pagellm.models.loader import model_weight_bytes
 from pagellm.sampling.params import SamplingParams
 
 
@@ -70,7 +71,12 @@ def run_pagellm(llm: LLM, workload: Workload, engine: str = "pagellm") -> Throug
         input_tokens=workload.input_tokens,
         output_tokens=sum(len(o.outputs[0].token_ids) for o in outputs),
         elapsed_s=elapsed,
-        extra={"mean_ttft_s": sum(ttfts) / len(ttfts)} if ttfts else {},
+        extra={
+            "weights_mib": model_weight_bytes(llm.engine.runner.model) / 2**20,
+            "attention_backend": llm.engine.setup.backend.name,
+            "quantization": llm.engine.setup.quant_method.name if llm.engine.setup.quant_method else None,
+            **({"mean_ttft_s": sum(ttfts) / len(ttfts)} if ttfts else {}),
+        },
     )
 
 

@@ -27,6 +27,7 @@ _COLUMNS = (
     ("elapsed s", "elapsed_s", "{:.2f}"),
     ("output tok/s", "output_tok_s", "{:.1f}"),
     ("total tok/s", "total_tok_s", "{:.1f}"),
+    ("weights MiB", "weights_mib", "{:.1f}"),
 )
 
 
@@ -49,10 +50,14 @@ def _config(model: str, options: dict[str, Any]):
     return config_from_options(options, model=resolve_model(model), dtype=options.get("dtype") or "bfloat16")
 
 
+def _cell(fmt: str, value: Any) -> str:
+    return "-" if value is None else fmt.format(value)
+
+
 def _table(rows: list[dict[str, Any]], columns=_COLUMNS) -> str:
     cells = [[title for title, _, _ in columns]]
     cells += [
-        [fmt.format(row.get(key, row.get("extra", {}).get(key))) for _, key, fmt in columns] for row in rows
+        [_cell(fmt, row.get(key, row.get("extra", {}).get(key))) for _, key, fmt in columns] for row in rows
     ]
     widths = [max(len(r[i]) for r in cells) for i in range(len(columns))]
     lines = [
