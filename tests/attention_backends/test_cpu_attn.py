@@ -29,15 +29,6 @@ class _GPU(Platform):
     device_type = "cuda"
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """These tiny shapes gain nothing from a second thread, which may be busy with other work."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.mark.parametrize("kind", sorted(CASES))
 @pytest.mark.parametrize("heads", [(8, 2), (4, 4), (9, 3)], ids=["gqa", "mha", "gqa3"])
 @pytest.mark.parametrize("block_size", [16, 32])

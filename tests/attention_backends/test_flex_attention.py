@@ -30,15 +30,6 @@ class _TPU(Platform):
     device_type = "xla"
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Eager flex_attention on these tiny shapes gains nothing from a second thread, which may be busy."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.mark.parametrize("heads, block_size", [((8, 2), 16), ((4, 4), 32)], ids=["gqa-16", "mha-32"])
 def test_matches_reference(heads, block_size):
     spec = AttentionSpec(*heads, head_size=32, dtype=torch.float32, block_size=block_size)
