@@ -1,12 +1,12 @@
 """CPU_ATTN: paged attention tuned for CPUs.
 
-The cache keeps each KV head's blocks together, [2, num_kv_heads, num_blocks, block_size, head_size], so
-gathering a request's context copies whole blocks (block_size * head_size contiguous elements) instead of
-one token at a time, and the gathered keys come out as [kv_heads, requests, tokens, head_size], ready for
-batched matmuls. Decodes of similar length share two `bmm` calls (KV heads x requests as the batch, the
-query heads of a group as rows) with a float32 softmax between them, in the compute dtype otherwise:
-no Python loop per decode, and twice as fast as torch's fused kernel for so few query rows. Each prefill
-chunk gets one call of torch's fused kernel against exactly the blocks its queries can see."""
+The cache keeps each KV head's blocks together, [2, num_kv_heads, num_blocks, block_size, head_size].
+Decodes go to a native kernel (cpu_kernels/paged_attention.cpp, built on first use) that reads K/V in place
+through the block table with an online softmax, splitting long contexts so every core has work. Where the
+kernel cannot be built, decodes of similar length share two `bmm` calls over K/V gathered block by block
+(whole blocks of block_size * head_size contiguous elements), with a float32 softmax between them. Each
+prefill chunk gets one call of torch's fused kernel against exactly the blocks its queries can see: at
+that size the work is GEMM-bound and the gather is small beside it."""
 
 from __future__ import annotations
 
@@ -15,8 +15,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from pagellm.attention_backends._slots import stored_slots
-from pagellm.core.attention import AttentionBackend, AttentionBatch
+from pagellm.attention_backends import cpu_kernels
+from pagellm.attention_backends._base import PagedBackend, PagedMetadata, store_kv
+from pagellm.core.attention import AttentionBackend, AttentionBatch, AttentionSpec
 from pagellm.plugins import hookimpl
 
 PAGELLM_PLUGIN_API = "1.0"
@@ -47,37 +48,40 @@ class _DecodeGroup:
 @dataclass
 class _Plan:
     prefills: list[_Prefill]
-    decodes: list[_DecodeGroup]
+    decodes: list[_DecodeGroup]  # for the PyTorch path
+    kernel_reqs: torch.Tensor | None = None  # int32 decode requests for the native kernel
+    partition: int = 0  # context tokens per kernel work item
 
 
 @dataclass
-class CpuAttnMetadata:
-    batch: AttentionBatch
-    store_slots: torch.Tensor  # where the new k/v go
-    store_tokens: torch.Tensor | None  # which tokens have a slot, when some have none; None: all
+class CpuAttnMetadata(PagedMetadata):
     plans: dict[tuple, _Plan] = field(default_factory=dict)
 
-    def plan(self, sliding_window: int | None, block_size: int, dtype: torch.dtype) -> _Plan:
+    def plan(
+        self, sliding_window: int | None, block_size: int, dtype: torch.dtype, kernel: bool, num_kv: int
+    ) -> _Plan:
         """Gather indices and masks, built by the first layer that asks and reused by the others."""
-        key = (sliding_window, block_size, dtype)
+        key = (sliding_window, block_size, dtype, kernel)
         if key not in self.plans:
-            self.plans[key] = _make_plan(self.batch, sliding_window or 0, block_size, dtype)
+            self.plans[key] = _make_plan(self.batch, sliding_window or 0, block_size, dtype, kernel, num_kv)
         return self.plans[key]
 
 
-class CpuAttnBackend(AttentionBackend):
+class CpuAttnBackend(PagedBackend):
     name = "CPU_ATTN"
+    version = "2"  # in-place decode kernel
     device_types = ("cpu",)
     supports_sliding_window = True
+    kv_cache_dtypes = (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2)
+    metadata_type = CpuAttnMetadata
+
+    def __init__(self, spec: AttentionSpec):
+        super().__init__(spec)
+        self.kernel = cpu_kernels.load()
 
     @classmethod
     def kv_cache_shape(cls, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple:
         return (2, num_kv_heads, num_blocks, block_size, head_size)
-
-    @classmethod
-    def build_metadata(cls, batch: AttentionBatch) -> CpuAttnMetadata:
-        slots, tokens = stored_slots(batch.slot_mapping)
-        return CpuAttnMetadata(batch, slots, tokens)
 
     def forward(
         self,
@@ -89,12 +93,7 @@ class CpuAttnBackend(AttentionBackend):
     ) -> torch.Tensor:
         s = self.spec
         num_kv, num_blocks, block_size, head_size = kv_cache.shape[1:]
-        if metadata.store_tokens is not None:
-            k, v = k[metadata.store_tokens], v[metadata.store_tokens]
-        for cache, new in ((kv_cache[0], k), (kv_cache[1], v)):
-            cache.view(num_kv, -1, head_size).index_copy_(
-                1, metadata.store_slots, new.transpose(0, 1).to(cache.dtype)
-            )
+        store_kv(kv_cache, k, v, metadata, heads_first=True)
         k_blocks = kv_cache[0].view(num_kv, num_blocks, block_size * head_size)
         v_blocks = kv_cache[1].view(num_kv, num_blocks, block_size * head_size)
 
@@ -108,8 +107,28 @@ class CpuAttnBackend(AttentionBackend):
             torch.index_select(v_blocks, 1, blocks, out=gv)
             return gk.view(num_kv, -1, head_size).to(q.dtype), gv.view(num_kv, -1, head_size).to(q.dtype)
 
-        plan = metadata.plan(s.sliding_window, block_size, q.dtype)
-        out = torch.empty_like(q)
+        plan = metadata.plan(s.sliding_window, block_size, q.dtype, self.kernel is not None, num_kv)
+        q = q.contiguous()
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        if plan.kernel_reqs is not None:
+            batch = metadata.batch
+            kind, raw = _CACHE_KINDS[kv_cache.dtype], kv_cache
+            if kv_cache.dtype.itemsize == 1:
+                raw = kv_cache.view(torch.uint8)
+            self.kernel.paged_attention(
+                out,
+                q,
+                raw[0],
+                raw[1],
+                batch.block_tables,
+                batch.seq_lens_cpu,
+                batch.query_start_loc_cpu,
+                plan.kernel_reqs,
+                kind,
+                s.softmax_scale,
+                s.sliding_window or 0,
+                plan.partition,
+            )
         scale = s.softmax_scale
         group = s.num_heads // num_kv
         for p in plan.prefills:
@@ -163,8 +182,26 @@ def _workspace(numel: int, like: torch.Tensor) -> torch.Tensor:
     return buffer[:numel]
 
 
-def _make_plan(batch: AttentionBatch, window: int, block_size: int, dtype: torch.dtype) -> _Plan:
-    """Split the step into prefill chunks and decode groups; build their block lists and masks.
+_CACHE_KINDS = {
+    torch.float32: 0,
+    torch.bfloat16: 1,
+    torch.float16: 2,
+    torch.float8_e4m3fn: 3,
+    torch.float8_e5m2: 4,
+}
+"""Cache dtypes the native kernel reads, by the number it knows them by."""
+
+KERNEL_ITEMS_PER_THREAD = 4
+"""Below this many (request, KV head) pairs per thread, the kernel splits contexts into partitions."""
+MIN_PARTITION = 256
+"""Fewest context tokens per partition: smaller ones cost more to merge than they save."""
+
+
+def _make_plan(
+    batch: AttentionBatch, window: int, block_size: int, dtype: torch.dtype, kernel: bool, num_kv: int
+) -> _Plan:
+    """Split the step into prefill chunks and decodes; build the block lists and masks the PyTorch path
+    needs, or the kernel's request list and partition size.
 
     Query token j of a request with L tokens of context and Q query tokens sits at position L - Q + j and
     sees positions <= that, and > that - window when a window is set. Blocks older than every query's
@@ -178,10 +215,28 @@ def _make_plan(batch: AttentionBatch, window: int, block_size: int, dtype: torch
             decodes.append(i)
         elif query_len > 1:
             prefills.append(_make_prefill(batch, i, starts[i], query_len, seq_len, window, block_size, dtype))
+    if kernel:
+        if not decodes:
+            return _Plan(prefills, [])
+        return _Plan(
+            prefills, [], torch.tensor(decodes, dtype=torch.int32), _partition(decodes, seq_lens, num_kv)
+        )
     groups = []
     for members in _group_decodes(decodes, seq_lens, window, block_size):
         groups.append(_make_decode_group(batch, members, starts, seq_lens, window, block_size))
     return _Plan(prefills, groups)
+
+
+def _partition(decodes: list[int], seq_lens: list[int], num_kv: int) -> int:
+    """Context tokens per kernel work item: whole contexts when there are enough (request, KV head)
+    pairs to keep every thread busy, else split so there are (flash-decoding)."""
+    longest = max(seq_lens[i] for i in decodes)
+    wanted = KERNEL_ITEMS_PER_THREAD * torch.get_num_threads()
+    pairs = len(decodes) * num_kv
+    if pairs >= wanted:
+        return longest
+    splits = -(-wanted // pairs)
+    return max(MIN_PARTITION, -(-longest // splits))
 
 
 def _make_prefill(

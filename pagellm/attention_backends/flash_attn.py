@@ -13,12 +13,12 @@ multiple of 256 tokens (the check in its `mha_varlen_fwd`), so the engine must r
 from __future__ import annotations
 
 import importlib.metadata
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from pagellm.attention_backends._slots import stored_slots
-from pagellm.core.attention import AttentionBackend, AttentionBatch, AttentionSpec
+from pagellm.attention_backends._base import PagedBackend, PagedMetadata, store_kv
+from pagellm.core.attention import AttentionBackend, AttentionSpec
 from pagellm.core.platform import Platform
 from pagellm.plugins import hookimpl
 
@@ -42,19 +42,22 @@ def installed_version() -> tuple[int, ...] | None:
 
 
 @dataclass
-class FlashAttnMetadata:
-    batch: AttentionBatch
-    cu_seqlens_k: torch.Tensor  # int32 [num_reqs + 1]: cumulative context lengths
-    store_slots: torch.Tensor  # where the new k/v go
-    store_tokens: torch.Tensor | None  # which tokens have a slot, when some have none; None: all
+class FlashAttnMetadata(PagedMetadata):
+    cu_seqlens_k: torch.Tensor = field(init=False)  # int32 [num_reqs + 1]: cumulative context lengths
+
+    def __post_init__(self) -> None:
+        seq_lens = self.batch.seq_lens
+        self.cu_seqlens_k = torch.zeros(seq_lens.shape[0] + 1, dtype=torch.int32, device=seq_lens.device)
+        torch.cumsum(seq_lens, 0, out=self.cu_seqlens_k[1:])
 
 
-class FlashAttnBackend(AttentionBackend):
+class FlashAttnBackend(PagedBackend):
     name = "FLASH_ATTN"
     device_types = ("cuda",)
     dtypes = (torch.float16, torch.bfloat16)
     supports_sliding_window = True
     supports_logits_soft_cap = True
+    metadata_type = FlashAttnMetadata
 
     @classmethod
     def unsupported_reasons(cls, spec: AttentionSpec, platform: type[Platform]) -> list[str]:
@@ -85,13 +88,6 @@ class FlashAttnBackend(AttentionBackend):
             )
         return reasons
 
-    @classmethod
-    def build_metadata(cls, batch: AttentionBatch) -> FlashAttnMetadata:
-        cu_seqlens_k = torch.zeros(batch.num_reqs + 1, dtype=torch.int32, device=batch.seq_lens.device)
-        torch.cumsum(batch.seq_lens, 0, out=cu_seqlens_k[1:])
-        slots, tokens = stored_slots(batch.slot_mapping)
-        return FlashAttnMetadata(batch, cu_seqlens_k, slots, tokens)
-
     def forward(
         self,
         q: torch.Tensor,
@@ -103,16 +99,12 @@ class FlashAttnBackend(AttentionBackend):
         from flash_attn import flash_attn_varlen_func
 
         s = self.spec
-        k_cache, v_cache = kv_cache[0], kv_cache[1]  # [num_blocks, block_size, kv_heads, head_size]
-        if metadata.store_tokens is not None:
-            k, v = k[metadata.store_tokens], v[metadata.store_tokens]
-        k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, metadata.store_slots, k)
-        v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, metadata.store_slots, v)
+        store_kv(kv_cache, k, v, metadata)
         batch = metadata.batch
         return flash_attn_varlen_func(
             q,
-            k_cache,
-            v_cache,
+            kv_cache[0],  # [num_blocks, block_size, kv_heads, head_size]
+            kv_cache[1],
             cu_seqlens_q=batch.query_start_loc,
             cu_seqlens_k=metadata.cu_seqlens_k,
             max_seqlen_q=batch.max_query_len,

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from pagellm.attention_backends.torch_sdpa import TorchSDPABackend, TorchSDPAMetadata
-from pagellm.core.attention import AttentionBackend, AttentionBatch, AttentionSpec
+from pagellm.core.attention import AttentionBackend, AttentionSpec
 from pagellm.core.platform import Platform
 from pagellm.plugins import hookimpl
 
@@ -37,8 +37,7 @@ class FlexMetadata(TorchSDPAMetadata):
 class FlexAttentionBackend(TorchSDPABackend):
     name = "FLEX_ATTENTION"
     device_types = ("cpu", "cuda", "xpu")
-    supports_sliding_window = True
-    supports_logits_soft_cap = True
+    metadata_type = FlexMetadata
 
     @classmethod
     def unsupported_reasons(cls, spec: AttentionSpec, platform: type[Platform]) -> list[str]:
@@ -46,11 +45,6 @@ class FlexAttentionBackend(TorchSDPABackend):
         if importlib.util.find_spec(FLEX_MODULE) is None:
             reasons.append(f"torch {torch.__version__} has no flex_attention (needs torch >= 2.5)")
         return reasons
-
-    @classmethod
-    def build_metadata(cls, batch: AttentionBatch) -> FlexMetadata:
-        base = super().build_metadata(batch)
-        return FlexMetadata(base.batch, base.store_slots, base.store_tokens)
 
     def forward(
         self,

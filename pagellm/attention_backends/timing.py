@@ -11,9 +11,9 @@ import time
 
 import torch
 
+from pagellm.attention_backends.synthetic import blocks_needed, make_paged_batch
 from pagellm.core.attention import AttentionBackend, AttentionSpec
 from pagellm.core.platform import Platform
-from pagellm.testing.attention import blocks_needed, make_paged_batch
 
 PREFILL_TOKENS = 512
 DECODE_REQUESTS = 32

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from pagellm.attention_backends._slots import stored_slots
+from pagellm.attention_backends._base import PagedBackend, PagedMetadata, store_kv
 from pagellm.core.attention import AttentionBackend, AttentionBatch
 from pagellm.plugins import hookimpl
 
@@ -42,10 +42,7 @@ class _Plan:
 
 
 @dataclass
-class TorchSDPAMetadata:
-    batch: AttentionBatch
-    store_slots: torch.Tensor  # where the new k/v go
-    store_tokens: torch.Tensor | None  # which tokens have a slot, when some have none; None: all
+class TorchSDPAMetadata(PagedMetadata):
     plans: dict[tuple[int | None, int], _Plan] = field(default_factory=dict)
 
     def plan(self, sliding_window: int | None, block_size: int) -> _Plan:
@@ -56,16 +53,12 @@ class TorchSDPAMetadata:
         return self.plans[key]
 
 
-class TorchSDPABackend(AttentionBackend):
+class TorchSDPABackend(PagedBackend):
     name = "TORCH_SDPA"
     supports_sliding_window = True
     supports_logits_soft_cap = True
-
-    @classmethod
-    def build_metadata(cls, batch: AttentionBatch) -> TorchSDPAMetadata:
-        """Drop the tokens that store nothing here, so `forward` writes with one index_copy_ per layer."""
-        slots, tokens = stored_slots(batch.slot_mapping)
-        return TorchSDPAMetadata(batch, slots, tokens)
+    kv_cache_dtypes = (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2)
+    metadata_type = TorchSDPAMetadata
 
     def forward(
         self,
@@ -76,13 +69,9 @@ class TorchSDPABackend(AttentionBackend):
         metadata: TorchSDPAMetadata,
     ) -> torch.Tensor:
         s = self.spec
+        store_kv(kv_cache, k, v, metadata)
         k_cache = kv_cache[0].view(-1, s.num_kv_heads, s.head_size)  # [num_blocks * block_size, kv, d]
         v_cache = kv_cache[1].view(-1, s.num_kv_heads, s.head_size)
-        new_k, new_v = (
-            (k, v) if metadata.store_tokens is None else (k[metadata.store_tokens], v[metadata.store_tokens])
-        )
-        k_cache.index_copy_(0, metadata.store_slots, new_k.to(k_cache.dtype))
-        v_cache.index_copy_(0, metadata.store_slots, new_v.to(v_cache.dtype))
 
         plan = metadata.plan(s.sliding_window, kv_cache.shape[2])
         out = torch.zeros_like(q)

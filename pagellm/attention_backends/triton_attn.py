@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pagellm.attention_backends._slots import stored_slots
-from pagellm.core.attention import AttentionBackend, AttentionBatch, AttentionSpec
+from pagellm.attention_backends._base import PagedBackend, PagedMetadata, store_kv
+from pagellm.core.attention import AttentionBackend, AttentionSpec
 from pagellm.core.platform import Platform
 from pagellm.plugins import hookimpl
 
@@ -33,10 +33,7 @@ BLOCK_M = 16
 
 
 @dataclass
-class TritonAttnMetadata:
-    batch: AttentionBatch
-    store_slots: torch.Tensor  # where the new k/v go
-    store_tokens: torch.Tensor | None  # which tokens have a slot, when some have none; None: all
+class TritonAttnMetadata(PagedMetadata):
     tiles: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
     def query_tiles(self, tokens_per_tile: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -56,12 +53,13 @@ class TritonAttnMetadata:
         return self.tiles[tokens_per_tile]
 
 
-class TritonAttnBackend(AttentionBackend):
+class TritonAttnBackend(PagedBackend):
     name = "TRITON_ATTN"
     device_types = ("cuda", "xpu")  # ROCm builds of torch report "cuda"
     head_sizes = (64, 80, 96, 128, 256)
     block_sizes = (16, 32, 64)
     supports_sliding_window = True
+    metadata_type = TritonAttnMetadata
 
     @classmethod
     def unsupported_reasons(cls, spec: AttentionSpec, platform: type[Platform]) -> list[str]:
@@ -71,11 +69,6 @@ class TritonAttnBackend(AttentionBackend):
         if spec.num_heads // spec.num_kv_heads > BLOCK_M:
             reasons.append(f"more than {BLOCK_M} query heads per KV head")
         return reasons
-
-    @classmethod
-    def build_metadata(cls, batch: AttentionBatch) -> TritonAttnMetadata:
-        slots, tokens = stored_slots(batch.slot_mapping)
-        return TritonAttnMetadata(batch, slots, tokens)
 
     def forward(
         self,
@@ -88,10 +81,7 @@ class TritonAttnBackend(AttentionBackend):
         s = self.spec
         _, _, block_size, num_kv, head_size = kv_cache.shape
         k_cache, v_cache = kv_cache[0], kv_cache[1]
-        if metadata.store_tokens is not None:
-            k, v = k[metadata.store_tokens], v[metadata.store_tokens]
-        k_cache.view(-1, num_kv, head_size).index_copy_(0, metadata.store_slots, k.to(k_cache.dtype))
-        v_cache.view(-1, num_kv, head_size).index_copy_(0, metadata.store_slots, v.to(v_cache.dtype))
+        store_kv(kv_cache, k, v, metadata)
 
         group = s.num_heads // num_kv
         tile_reqs, tile_firsts = metadata.query_tiles(BLOCK_M // group)

@@ -19,7 +19,12 @@ def _option_for(f: dataclasses.Field) -> Callable:
     type_name = str(f.type).replace(" | None", "")
     if type_name == "bool":
         return click.option(
-            f"{flag}/--no-{flag[2:]}", f.name, default=None, help=f"{meta['help']} [default: {f.default}]"
+            f"{flag}/--no-{flag[2:]}",
+            f.name,
+            default=None,
+            envvar=meta.get("envvar"),
+            show_envvar=bool(meta.get("envvar")),
+            help=f"{meta['help']} [default: {f.default}]",
         )
     kind: Any = click.Choice(meta["choices"]) if "choices" in meta else _TYPES[type_name]
     return click.option(

@@ -6,6 +6,7 @@ import click
 
 from pagellm.cli.options import config_from_options, engine_options
 from pagellm.core.attention import AttentionSpec
+from pagellm.core.dtypes import DTYPES
 from pagellm.core.selector import backend_reasons, platform_availability, select_platform
 from pagellm.plugins import API_VERSION, load_plugins
 
@@ -59,11 +60,7 @@ def plugins(explain_model: str | None, **options) -> None:
 
 def _probe_spec(platform, options) -> AttentionSpec:
     """A typical spec (SmolLM2's shapes) to report compatibility when no model is named."""
-    import torch
-
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(
-        options.get("dtype") or "", platform.default_dtype
-    )
+    dtype = DTYPES.get(options.get("dtype") or "", platform.default_dtype)
     return AttentionSpec(
         num_heads=9, num_kv_heads=3, head_size=64, dtype=dtype, block_size=options.get("block_size") or 16
     )

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 
 import click
 
 from pagellm.cli.options import config_from_options, engine_options
 from pagellm.engine.default_model import GGUF_FILE
+from pagellm.server.limits import DEFAULT_MAX_BODY_MB, DEFAULT_MAX_N
 
 logger = logging.getLogger("pagellm")
 
@@ -29,11 +31,26 @@ logger = logging.getLogger("pagellm")
     multiple=True,
     envvar="PAGELLM_API_KEY",
     show_envvar=True,
-    help="Require `Authorization: Bearer KEY` on every path but /health and /metrics (repeatable; "
-    "the variable may hold several, separated by spaces).",
+    help="Require `Authorization: Bearer KEY` on every path but /health and /metrics (repeatable). Pass "
+    "keys in PAGELLM_API_KEY rather than here (several: space-separated): every user of the machine can "
+    "read a flag's value in `ps`.",
 )
 @click.option("--chat-template", default=None, help="Chat template: a Jinja file, or the template itself.")
 @click.option("--disable-log-requests", is_flag=True, help="Do not log each request.")
+@click.option(
+    "--max-n",
+    default=DEFAULT_MAX_N,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="Most samples (`n`) one request may ask for; more is refused with 400.",
+)
+@click.option(
+    "--max-request-body-mb",
+    default=DEFAULT_MAX_BODY_MB,
+    show_default=True,
+    type=click.FloatRange(min=0, min_open=True),
+    help="Largest request body, in MiB; larger ones are refused with 413 before they are read.",
+)
 @engine_options()
 def serve(
     model_arg: str | None,
@@ -43,6 +60,8 @@ def serve(
     api_keys: tuple[str, ...],
     chat_template: str | None,
     disable_log_requests: bool,
+    max_n: int,
+    max_request_body_mb: float,
     **options,
 ) -> None:
     """Serve MODEL (default: the embedded SmolLM2) over the OpenAI API: /v1/completions,
@@ -56,19 +75,38 @@ def serve(
         raise click.UsageError(f"MODEL {model_arg!r} and --model {options['model']!r} disagree; give one")
     config = config_from_options(options, model=model_arg)
     names = list(served_model_names) or [config.model or GGUF_FILE.split(".")[0]]
-    llm = AsyncLLM.from_config(config)
+    with _bind(host, port) as sock:
+        llm = AsyncLLM.from_config(config)
+        try:
+            app = build_app(
+                llm,
+                names,
+                api_keys=[k for k in api_keys if k],
+                chat_template=_read_template(chat_template),
+                log_requests=not disable_log_requests,
+                max_n=max_n,
+                max_body_bytes=int(max_request_body_mb * 2**20),
+            )
+            logger.info("serving %s on http://%s:%d", ", ".join(names), host, port)
+            level = logging.getLogger("pagellm").getEffectiveLevel()
+            uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=level)).run(sockets=[sock])
+        finally:
+            llm.shutdown()
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    """The server's socket, bound before the model loads (which takes seconds to minutes), so a busy port
+    fails at once; uvicorn then listens on this very socket, so nothing can take the port in between."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does: restart over TIME_WAIT
     try:
-        app = build_app(
-            llm,
-            names,
-            api_keys=[k for k in api_keys if k],
-            chat_template=_read_template(chat_template),
-            log_requests=not disable_log_requests,
-        )
-        logger.info("serving %s on http://%s:%d", ", ".join(names), host, port)
-        uvicorn.run(app, host=host, port=port, log_level=logging.getLogger("pagellm").getEffectiveLevel())
-    finally:
-        llm.shutdown()
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise click.ClickException(
+            f"cannot listen on {host}:{port}: {exc.strerror}; stop what uses it or pick another --port"
+        ) from exc
+    return sock
 
 
 def _read_template(value: str | None) -> str | None:

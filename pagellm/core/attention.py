@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
+from pagellm.core.dtypes import dtype_name
+
 if TYPE_CHECKING:
     from pagellm.core.platform import Platform
 
@@ -35,7 +37,6 @@ class AttentionSpec:
     kv_cache_dtype: torch.dtype | None = None  # None: same as dtype
     sliding_window: int | None = None  # attend to at most this many most recent tokens (incl. itself)
     logits_soft_cap: float | None = None
-    alibi: bool = False
     scale: float | None = None  # None: head_size ** -0.5
 
     @property
@@ -49,7 +50,7 @@ class AttentionSpec:
     def shape_key(self) -> str:
         """Identifies the shapes for the selector's timing cache."""
         return (
-            f"h{self.num_heads}-kv{self.num_kv_heads}-d{self.head_size}-{str(self.dtype).removeprefix('torch.')}"
+            f"h{self.num_heads}-kv{self.num_kv_heads}-d{self.head_size}-{dtype_name(self.dtype)}"
             f"-bs{self.block_size}-sw{self.sliding_window}"
         )
 
@@ -90,11 +91,12 @@ class AttentionBackend:
     device_types: ClassVar[tuple[str, ...] | None] = None
     """torch device types it runs on; None: any."""
     dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float16, torch.bfloat16, torch.float32)
+    kv_cache_dtypes: ClassVar[tuple[torch.dtype, ...] | None] = None
+    """KV-cache dtypes it reads (`--kv-cache-dtype`); None: the same as `dtypes`."""
     head_sizes: ClassVar[tuple[int, ...] | None] = None  # None: any
     block_sizes: ClassVar[tuple[int, ...] | None] = None  # None: any
     supports_sliding_window: ClassVar[bool] = False
     supports_logits_soft_cap: ClassVar[bool] = False
-    supports_alibi: ClassVar[bool] = False
 
     @classmethod
     def unsupported_reasons(cls, spec: AttentionSpec, platform: type[Platform]) -> list[str]:
@@ -106,11 +108,12 @@ class AttentionBackend:
         if cls.device_types is not None and platform.device_type not in cls.device_types:
             reasons.append(f"runs on device types {', '.join(cls.device_types)}, not {platform.device_type}")
         if spec.dtype not in cls.dtypes:
+            reasons.append(f"dtype {dtype_name(spec.dtype)} not in {', '.join(map(dtype_name, cls.dtypes))}")
+        cache_dtypes = cls.kv_cache_dtypes or cls.dtypes
+        if spec.cache_dtype not in cache_dtypes:
             reasons.append(
-                f"dtype {_dtype_name(spec.dtype)} not in {', '.join(map(_dtype_name, cls.dtypes))}"
+                f"KV-cache dtype {dtype_name(spec.cache_dtype)} not in {', '.join(map(dtype_name, cache_dtypes))}"
             )
-        if spec.cache_dtype not in cls.dtypes:
-            reasons.append(f"KV-cache dtype {_dtype_name(spec.cache_dtype)} not supported")
         if cls.head_sizes is not None and spec.head_size not in cls.head_sizes:
             reasons.append(f"head size {spec.head_size} not in {list(cls.head_sizes)}")
         if cls.block_sizes is not None and spec.block_size not in cls.block_sizes:
@@ -119,8 +122,6 @@ class AttentionBackend:
             reasons.append("no sliding-window support")
         if spec.logits_soft_cap is not None and not cls.supports_logits_soft_cap:
             reasons.append("no logits soft-cap support")
-        if spec.alibi and not cls.supports_alibi:
-            reasons.append("no ALiBi support")
         return reasons
 
     @classmethod
@@ -146,7 +147,3 @@ class AttentionBackend:
     ) -> torch.Tensor:
         """Store k/v into kv_cache at the slot mapping, then attend; see the module docstring."""
         raise NotImplementedError
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")

@@ -7,8 +7,11 @@ once. Platforms adjust it in `check_and_update_config`.
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from typing import Any
+
+from pagellm.core.dtypes import DTYPES, KV_CACHE_DTYPES
 
 
 def _opt(default: Any, help: str, **extra: Any) -> Any:
@@ -22,9 +25,7 @@ class EngineConfig:
     )
     tokenizer: str | None = _opt(None, "Tokenizer directory (default: the model's).")
     gguf_file: str | None = _opt(None, "GGUF file name inside --model's directory.")
-    dtype: str = _opt(
-        "auto", "auto, float32, bfloat16 or float16.", choices=("auto", "float32", "bfloat16", "float16")
-    )
+    dtype: str = _opt("auto", f"auto, {', '.join(DTYPES)}.", choices=("auto", *DTYPES))
     device: str = _opt(
         "auto", "Device platform (cpu, cuda, rocm, xpu, tpu or a plugin's), or auto.", envvar="PAGELLM_DEVICE"
     )
@@ -33,6 +34,11 @@ class EngineConfig:
     )
     quantization: str | None = _opt(None, "Quantization method (see `pagellm plugins`).")
     block_size: int = _opt(16, "Tokens per KV-cache block.")
+    kv_cache_dtype: str = _opt(
+        "auto",
+        f"KV-cache dtype: auto (the model's dtype) or {', '.join(KV_CACHE_DTYPES)} (half the memory and traffic).",
+        choices=("auto", *KV_CACHE_DTYPES),
+    )
     max_model_len: int | None = _opt(None, "Longest prompt + output (default: the model's).")
     max_num_seqs: int = _opt(256, "Most requests in one step.")
     max_num_batched_tokens: int | None = _opt(None, "Token budget of one step (default 2048, at least 1).")
@@ -47,7 +53,11 @@ class EngineConfig:
     seed: int = _opt(0, "Seed for sampling of requests that set none.")
     generation_config: str = _opt("auto", "auto: the model's generation_config.json defaults; pagellm: none.")
     tensor_parallel_size: int = _opt(1, "Number of devices to split the model over.")
-    enforce_eager: bool = _opt(False, "Never compile or capture graphs.")
+    enforce_eager: bool = _opt(
+        False,
+        "Never compile or capture graphs: faster start-up, slower steps.",
+        envvar="PAGELLM_ENFORCE_EAGER",
+    )
 
     def replace(self, **changes: Any) -> EngineConfig:
         return dataclasses.replace(self, **changes)
@@ -58,7 +68,9 @@ class EngineConfig:
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
-        """Build from keyword arguments, rejecting unknown names with the list of valid ones."""
+        """Build from keyword arguments, rejecting unknown names with the list of valid ones. A setting
+        not given takes its environment variable (e.g. PAGELLM_DEVICE) where it has one and it is set,
+        as the CLI does."""
         from pagellm.core.errors import ConfigError
 
         unknown = sorted(set(kwargs) - cls.field_names())
@@ -66,4 +78,11 @@ class EngineConfig:
             raise ConfigError(
                 f"unknown engine setting(s) {', '.join(unknown)}; valid: {', '.join(sorted(cls.field_names()))}"
             )
+        for f in dataclasses.fields(cls):
+            value = os.environ.get(f.metadata.get("envvar") or "")
+            if f.name not in kwargs and value:
+                kwargs[f.name] = value.strip().lower() in _TRUE if f.type == "bool" else value
         return cls(**kwargs)
+
+
+_TRUE = ("1", "true", "yes", "on")

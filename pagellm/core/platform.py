@@ -7,6 +7,7 @@ but never create a device context or start a runtime (that broke Ray and forked 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
@@ -44,8 +45,6 @@ class Platform:
     """Name users pass to `--device` (lower case): `cuda`, `cpu`, or a vendor's."""
     device_type: ClassVar[str]
     """torch device type: `cuda`, `xpu`, `cpu`, `xla`, ..."""
-    dist_backend: ClassVar[str] = "gloo"
-    """torch.distributed backend for tensor parallelism: `nccl`, `gloo`, `xccl`, ..."""
     priority: ClassVar[int] = 0
     """Auto-detection picks the available platform with the highest priority."""
     supported_dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float32,)
@@ -86,6 +85,16 @@ class Platform:
         raise NotImplementedError
 
     @classmethod
+    def memory_in_use(cls, model_bytes: int, index: int = 0) -> int:
+        """Bytes of the device's memory taken once the model is loaded, which the KV cache must leave
+        free; the engine passes it to `kv_cache_bytes` as `peak_bytes`.
+
+        Default, for a device with memory of its own: total less free, which counts the weights, the
+        activation peak and any other process on it. A platform whose memory is the host's RAM, shared
+        with every process on the machine, returns `model_bytes` (the cpu platform does)."""
+        return cls.total_memory(index) - cls.free_memory(index)
+
+    @classmethod
     def kv_cache_bytes(cls, config: EngineConfig, model_bytes: int, peak_bytes: int) -> int:
         """Bytes the KV cache may take, given the measured weight and peak activation memory.
 
@@ -105,6 +114,13 @@ class Platform:
     @classmethod
     def check_and_update_config(cls, config: EngineConfig) -> None:
         """Apply this platform's defaults to `config` and raise ConfigError for settings it cannot run."""
+
+    @classmethod
+    def compile_model(cls, model: torch.nn.Module) -> Callable[..., torch.Tensor] | None:
+        """The model's forward made faster for this device (torch.compile, graph capture), or None to run
+        it eagerly. Called once after the weights load unless --enforce-eager; the model runner warms the
+        result up on dummy steps and falls back to eager, with a warning, if that fails."""
+        return None
 
     @classmethod
     def synchronize(cls) -> None:

@@ -21,7 +21,10 @@ class QuantMethod:
     """Platform names it runs on; None: any."""
     min_capability: ClassVar[tuple[int, int] | None] = None
     """Lowest device capability (platforms that report one), e.g. (8, 9) for FP8 matmul."""
-    activation_dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float16, torch.bfloat16, torch.float32)
+    loads_gguf_blocks: ClassVar[bool] = False
+    """True: from a GGUF checkpoint, the engine hands `create_weights`' parameters the file's packed blocks,
+    read straight from the .gguf file (`<layer>.qweight`: uint8 [rows, bytes per row], `<layer>.qweight_type`:
+    the GGML type number). False: the float weights of the Hugging Face copy the file is converted to."""
 
     @classmethod
     def matches_checkpoint(cls, quantization_config: dict[str, Any]) -> bool:

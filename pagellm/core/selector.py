@@ -1,4 +1,4 @@
-"""Start-up selection of the device platform and the attention backend (DESIGN.md §4).
+"""Start-up selection of the device platform and the attention backend (docs/architecture.md, "Start-up").
 
 Every rejection carries a reason; an explicit choice that cannot work is an error that lists the
 alternatives; `auto` takes the best available platform and the fastest compatible backend.

@@ -3,7 +3,8 @@
 One thread owns the `LLMEngine` and steps it while there is work. Callers add and abort requests through a
 thread-safe inbox (functions the engine thread runs between steps) and read each request's outputs from its
 own asyncio queue, fed with `loop.call_soon_threadsafe`. A step never blocks the event loop, concurrent
-requests share every step, and a step that raises fails the requests it held, not the engine.
+requests share every step, a request the model runner fails on fails alone (`RequestOutput.error`), and a
+step that raises fails the requests it held, not the engine.
 """
 
 from __future__ import annotations
@@ -32,7 +33,12 @@ _ACCEPTED = object()
 
 
 class EngineError(PagellmError):
-    """The engine failed (or shut down) while running a request; that request ends, the engine carries on."""
+    """The engine failed (or shut down) while running a request; that request ends, the engine carries on.
+
+    The message names the request and is safe to show its client; what went wrong is in the log."""
+
+
+_FAILED = "the engine failed while running it; the log has the details under this request id"
 
 
 @dataclass
@@ -141,6 +147,11 @@ class AsyncLLM:
     def max_model_len(self) -> int:
         return self.engine.max_model_len
 
+    @property
+    def kv_cache_tokens(self) -> int:
+        """Tokens the KV cache holds at once, all requests together."""
+        return self.engine.scheduler.kv_cache_manager.capacity_tokens
+
     def default_sampling_params(self) -> SamplingParams:
         return self.engine.default_sampling_params()
 
@@ -215,7 +226,7 @@ class AsyncLLM:
             self._stopping = True
             iteration = IterationStats()
             self._run(self._next_commands(wait=False), iteration)
-            self._fail_all(EngineError("the engine shut down before this request finished"), iteration)
+            self._fail_all("the engine shut down before it finished", iteration)
             self._deliver()
 
     def _turn(self) -> None:
@@ -284,20 +295,27 @@ class AsyncLLM:
     def _step(self, iteration: IterationStats) -> None:
         try:
             outputs = self.engine.step()
-        except Exception as exc:
-            logger.exception("an engine step failed; failing the %d requests it held", len(self._requests))
-            self._fail_all(EngineError(f"the engine failed while running this request: {exc!r}"), iteration)
+        except Exception:
+            logger.exception(
+                "an engine step failed; failing the requests it held: %s", ", ".join(self._requests)
+            )
+            self._fail_all(_FAILED, iteration)
             return
         for output in outputs:
             tracked = self._requests.get(output.request_id)
             if tracked is None:
+                continue
+            if output.error is not None:  # the engine logged why, under the request id
+                self._observe(tracked, output, iteration, finish_reason="error")
+                self._outbox.append((tracked.stream, _engine_error(output.request_id, _FAILED)))
+                del self._requests[output.request_id]
                 continue
             self._observe(tracked, output, iteration)
             self._outbox.append((tracked.stream, output))
             if output.finished:
                 del self._requests[output.request_id]
 
-    def _fail_all(self, error: EngineError, iteration: IterationStats) -> None:
+    def _fail_all(self, reason: str, iteration: IterationStats) -> None:
         for request_id, tracked in list(self._requests.items()):
             del self._requests[request_id]
             try:
@@ -307,7 +325,7 @@ class AsyncLLM:
                 output = None
             if output is not None:
                 self._observe(tracked, output, iteration, finish_reason="error")
-            self._outbox.append((tracked.stream, error))
+            self._outbox.append((tracked.stream, _engine_error(request_id, reason)))
 
     def _observe(
         self,
@@ -331,6 +349,10 @@ class AsyncLLM:
                 iteration.time_to_first_tokens.append(ttft)
         if output.finished:
             iteration.finished.append(_finished_stats(tracked, output, finish_reason))
+
+
+def _engine_error(request_id: str, reason: str) -> EngineError:
+    return EngineError(f"request {request_id} failed: {reason}")
 
 
 def _finished_stats(

@@ -1,7 +1,7 @@
 """`KVCacheManager`: which blocks hold each request's KV, and automatic prefix caching.
 
-A full block is identified by a chained hash of (parent block's hash, its token ids, the request's
-cache key), so equal hashes mean equal prefixes. The pool keeps what was hashed and a hit must match it
+A full block is identified by a chained hash of (parent block's hash, its token ids), so equal hashes
+mean equal prefixes. The pool keeps what was hashed and a hit must match it
 exactly, so a hash collision is a miss, never wrong KV. A request's hashes are computed once per block
 and kept on the request.
 
@@ -16,9 +16,9 @@ from pagellm.engine.block_pool import BlockPool, KVBlock
 from pagellm.engine.request import Request
 
 
-def hash_block_tokens(parent_hash: int | None, token_ids: tuple[int, ...], extra_keys: tuple) -> int:
+def hash_block_tokens(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
     """Chained hash of one full block."""
-    return hash((parent_hash, token_ids, extra_keys))
+    return hash((parent_hash, token_ids))
 
 
 class KVCacheManager:
@@ -36,6 +36,11 @@ class KVCacheManager:
     @property
     def usage(self) -> float:
         return self.pool.usage
+
+    @property
+    def capacity_tokens(self) -> int:
+        """Tokens the cache holds at once (block 0 is reserved)."""
+        return (self.num_blocks - 1) * self.block_size
 
     @property
     def num_free_blocks(self) -> int:
@@ -121,7 +126,7 @@ class KVCacheManager:
     def _block_key(self, request: Request, i: int) -> tuple:
         parent = request.block_hashes[i - 1] if i else None
         tokens = tuple(request.all_token_ids[i * self.block_size : (i + 1) * self.block_size])
-        return parent, tokens, request.cache_key
+        return parent, tokens
 
     def _update_block_hashes(self, request: Request, num_blocks: int) -> None:
         hashes = request.block_hashes

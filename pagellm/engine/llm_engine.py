@@ -13,14 +13,17 @@ from dataclasses import replace
 from typing import Any
 
 from pagellm.core.config import EngineConfig
+from pagellm.core.dtypes import dtype_name
 from pagellm.core.errors import ConfigError
 from pagellm.core.platform import GiB
 from pagellm.engine.output_processor import OutputProcessor
 from pagellm.engine.outputs import RequestOutput
 from pagellm.engine.request import Request, RequestStatus
 from pagellm.engine.scheduler import Scheduler
-from pagellm.engine.setup import EngineSetup, resolve_engine
+from pagellm.engine.setup import resolve_engine
 from pagellm.sampling.params import SamplingParams
+from pagellm.worker.model_runner import ModelRunner
+from pagellm.worker.step import EngineSetup, SchedulerOutput, StepResult
 
 logger = logging.getLogger("pagellm")
 
@@ -42,8 +45,6 @@ class LLMEngine:
         self.tokenizer, weights = _load_tokenizer_and_weights(self.setup)
         self.eos_token_ids = _eos_token_ids(self.setup, self.tokenizer)
         self.default_params = _generation_defaults(self.setup) if config.generation_config == "auto" else {}
-        from pagellm.worker.model_runner import ModelRunner
-
         self.runner = ModelRunner(self.setup, weights, self.eos_token_ids)
         self.max_model_len = self.setup.max_model_len
         budget = config.max_num_batched_tokens or max(DEFAULT_MAX_NUM_BATCHED_TOKENS, config.max_num_seqs)
@@ -67,7 +68,7 @@ class LLMEngine:
             self.setup.platform.name,
             self.setup.platform.device_name(),
             self.setup.backend.name,
-            str(self.setup.dtype).removeprefix("torch."),
+            dtype_name(self.setup.dtype),
             self.runner.model_bytes / GiB,
             self.runner.num_blocks,
             config.block_size,
@@ -132,13 +133,12 @@ class LLMEngine:
             raise ConfigError(f"request id {request_id!r} is already running")
         children = []
         for i in range(params.n):
-            child_params = params
-            if params.n > 1:
-                child_params = replace(params, n=1, seed=None if params.seed is None else params.seed + i)
+            child_params = params if params.n == 1 else params.for_sample(i)
             child_id = request_id if params.n == 1 else f"{request_id}#{i}"
             children.append(
                 Request(child_id, prompt_token_ids, child_params, self.eos_token_ids, arrival_time, priority)
             )
+        self.runner.add_requests({child.request_id: child.sampling_params for child in children})
         self.output_processor.add(request_id, text, children, params)
         for child in children:
             self.scheduler.add_request(child)
@@ -162,12 +162,54 @@ class LLMEngine:
         self.runner.release(out.finished_ids)
         if out.is_empty:
             return []
-        result = self.runner.execute(out)
+        try:
+            result = self.runner.execute(out)
+        except Exception:
+            logger.exception("a step of %d requests failed; running them one at a time", len(out.scheduled))
+            return self._step_one_by_one(out)
+        return self._update(out, result)
+
+    def _update(self, out: SchedulerOutput, result: StepResult) -> list[RequestOutput]:
         updated = self.scheduler.update_from_output(out, result.sampled)
         outputs, stopped = self.output_processor.process(updated, result.logprobs, result.prompt_logprobs)
         for request_id, stop_string in stopped:
             self.scheduler.finish_request(request_id, RequestStatus.FINISHED_STOPPED, stop_string)
         return outputs
+
+    def _step_one_by_one(self, out: SchedulerOutput) -> list[RequestOutput]:
+        """Rerun a failed step's requests alone, so one whose parameters break the runner fails by itself
+        (its output carries `error`) and the others go on. The scheduler has not moved yet: a failed step
+        leaves nothing to undo."""
+        outputs = []
+        for request in out.scheduled:
+            if request.is_finished:  # another sample of a request that failed in this loop
+                continue
+            rid = request.request_id
+            alone = replace(
+                out,
+                scheduled=[request],
+                num_scheduled_tokens={rid: out.num_scheduled_tokens[rid]},
+                new_request_ids=out.new_request_ids & {rid},
+                preempted=[],
+                finished_ids=set(),
+                block_ids={rid: out.block_ids[rid]},
+                total_num_scheduled_tokens=out.num_scheduled_tokens[rid],
+            )
+            try:
+                result = self.runner.execute(alone)
+            except Exception as exc:
+                outputs.append(self._fail(rid, exc))
+                continue
+            outputs += self._update(alone, result)
+        return outputs
+
+    def _fail(self, child_id: str, exc: Exception) -> RequestOutput:
+        """End the request a failing sample belongs to (all its samples), saying why in `error`."""
+        parent_id = self.output_processor.child_to_parent[child_id][0].request_id
+        logger.error("request %s failed in the model runner; ending it alone", parent_id, exc_info=exc)
+        output = self.abort_request(parent_id)
+        output.error = f"the model runner failed on this request: {exc!r}"
+        return output
 
     def stats(self) -> Any:
         return self.scheduler.stats()
@@ -180,7 +222,7 @@ def _load_tokenizer_and_weights(setup: EngineSetup):
 
     source = setup.source
     tokenizer = AutoTokenizer.from_pretrained(setup.config.tokenizer or source.directory)
-    if setup.quant_method is not None and setup.quant_method.name == "gguf" and source.gguf_original:
+    if setup.quant_method is not None and setup.quant_method.loads_gguf_blocks and source.gguf_original:
         from pagellm.models.gguf import iter_gguf_weights  # packed blocks straight from the file
 
         return tokenizer, iter_gguf_weights(source.gguf_original, setup.hf_config, raw_linear=True)

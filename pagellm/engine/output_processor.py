@@ -1,5 +1,9 @@
 """Turns the scheduler's updated requests into `RequestOutput`s: detokenizes incrementally, applies stop
-strings, gathers the n samples of a parent request, and records timing."""
+strings, gathers the n samples of a parent request, and records timing.
+
+`output_kind` decides what a request gets: "cumulative", every step, everything so far; "delta", every
+step, only what is new; "final_only", one output when it finishes (or is aborted) and nothing before,
+so a caller that waits for the end pays for no per-step copies."""
 
 from __future__ import annotations
 
@@ -110,6 +114,8 @@ class OutputProcessor:
             metrics.num_cached_tokens = first.num_cached_tokens
             if parent.finished:
                 metrics.finished_time = now
+            elif parent.params.output_kind == "final_only":
+                continue
             outputs.append(self._output(parent, moved=moved))
             if parent.finished:
                 self._drop(parent)
@@ -134,7 +140,8 @@ class OutputProcessor:
     def _output(
         self, parent: ParentState, aborted: bool = False, moved: set[int] | None = None
     ) -> RequestOutput:
-        """Cumulative: every sample. Delta: only the samples that moved this step (all when aborting)."""
+        """Cumulative and final only: every sample. Delta: only the samples that moved this step (all when
+        aborting)."""
         delta = parent.params.output_kind == "delta"
         completions = []
         for child in parent.children:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass
@@ -56,4 +56,4 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
-    error: str | None = field(default=None)
+    error: str | None = None  # set when the engine failed on this request alone; its samples end "abort"

@@ -47,14 +47,12 @@ class Request:
         eos_token_ids: Iterable[int] = (),
         arrival_time: float | None = None,
         priority: int = 0,
-        cache_key: tuple = (),
     ):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
         self.eos_token_ids = frozenset(eos_token_ids)
         self.priority = priority  # lower is scheduled sooner
-        self.cache_key = cache_key  # e.g. a LoRA name: blocks are shared only between equal keys
         self.status = RequestStatus.WAITING
         self.output_token_ids: list[int] = []
         self._all_token_ids = list(self.prompt_token_ids)

@@ -24,21 +24,7 @@ from dataclasses import dataclass
 from pagellm.core.errors import ConfigError
 from pagellm.engine.kv_cache_manager import KVCacheManager
 from pagellm.engine.request import Request, RequestStatus
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[Request]  # batch order: running requests first, then newly admitted ones
-    num_scheduled_tokens: dict[str, int]  # same order
-    new_request_ids: set[str]  # scheduled for the first time or resumed after preemption
-    preempted: list[str]  # preempted this step; their KV is gone
-    finished_ids: set[str]  # finished or aborted since the previous step
-    block_ids: dict[str, list[int]]  # each scheduled request's block table (live lists)
-    total_num_scheduled_tokens: int = 0
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
+from pagellm.worker.step import SchedulerOutput
 
 
 @dataclass

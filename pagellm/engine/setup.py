@@ -6,69 +6,30 @@ under a second, and `pagellm plugins --explain MODEL` can print the same decisio
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from pagellm.core.attention import AttentionBackend, AttentionSpec
 from pagellm.core.config import EngineConfig
+from pagellm.core.dtypes import DTYPES, KV_CACHE_DTYPES, dtype_name
 from pagellm.core.errors import ConfigError
+from pagellm.core.paths import cache_dir
 from pagellm.core.platform import Platform
-from pagellm.core.quant import QuantMethod
-from pagellm.core.registry import Registry
 from pagellm.core.selector import (
-    BackendChoice,
     TimingCache,
     select_attention_backend,
     select_platform,
     select_quant_method,
 )
 from pagellm.engine.default_model import default_model_path
+from pagellm.models.loader import import_model_class, resolve_model_class
 from pagellm.plugins import load_plugins
+from pagellm.worker.step import EngineSetup, ModelSource
 
 logger = logging.getLogger("pagellm")
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass
-class ModelSource:
-    directory: str  # a Hugging Face directory: config.json, tokenizer files, weights
-    gguf_original: str | None = None  # the .gguf file the directory was converted from
-
-    @property
-    def gguf_file(self) -> str | None:
-        return os.path.basename(self.gguf_original) if self.gguf_original else None
-
-
-@dataclass
-class EngineSetup:
-    config: EngineConfig
-    registry: Registry
-    platform: type[Platform]
-    source: ModelSource
-    hf_config: Any
-    model_class_path: str
-    dtype: torch.dtype
-    max_model_len: int
-    spec: AttentionSpec
-    backend_choice: BackendChoice
-    quant_method: type[QuantMethod] | None
-    explanation: list[str] = field(default_factory=list)
-
-    @property
-    def backend(self) -> type[AttentionBackend]:
-        return self.backend_choice.backend
-
-
-def cache_dir() -> str:
-    """pagellm's cache folder (timings, converted checkpoints): PAGELLM_CACHE_DIR or ~/.cache/pagellm."""
-    return os.environ.get("PAGELLM_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "pagellm"
-    )
 
 
 def resolve_model_source(config: EngineConfig) -> ModelSource:
@@ -111,7 +72,7 @@ def resolve_dtype(requested: str, hf_config: Any, platform: type[Platform], gguf
     if requested != "auto":
         dtype = DTYPES[requested]
         if dtype not in platform.supported_dtypes:
-            names = ", ".join(str(d).removeprefix("torch.") for d in platform.supported_dtypes)
+            names = ", ".join(dtype_name(d) for d in platform.supported_dtypes)
             raise ConfigError(f"--dtype {requested} is not supported on {platform.name}; supported: {names}")
         return dtype
     checkpoint = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
@@ -137,24 +98,6 @@ def resolve_max_model_len(requested: int | None, hf_config: Any) -> int:
     return requested
 
 
-def attention_spec(hf_config: Any, dtype: torch.dtype, block_size: int) -> AttentionSpec:
-    """The attention shapes of a Hugging Face config (the most demanding layer's, for selection)."""
-    num_heads = hf_config.num_attention_heads
-    num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
-    head_size = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
-    window = (
-        getattr(hf_config, "sliding_window", None) if getattr(hf_config, "use_sliding_window", True) else None
-    )
-    return AttentionSpec(
-        num_heads=num_heads,
-        num_kv_heads=num_kv_heads,
-        head_size=head_size,
-        dtype=dtype,
-        block_size=block_size,
-        sliding_window=window or None,
-    )
-
-
 def _backend_timer():
     if os.environ.get("PAGELLM_ATTENTION_TIMING", "1") == "0":
         return None
@@ -175,19 +118,14 @@ def resolve_engine(config: EngineConfig) -> EngineSetup:
     platform.check_and_update_config(config)
     source = resolve_model_source(config)
     hf_config = load_hf_config(source)
-    architectures = getattr(hf_config, "architectures", None) or []
-    supported = [a for a in architectures if a in registry.models]
-    if not supported:
-        raise ConfigError(
-            f"model architecture {', '.join(architectures) or '(none in config)'} is not supported; "
-            f"supported: {', '.join(sorted(registry.models))}"
-        )
+    model_class_path = resolve_model_class(hf_config, registry.models)
     dtype = resolve_dtype(config.dtype, hf_config, platform, gguf=source.gguf_original is not None)
     max_model_len = resolve_max_model_len(config.max_model_len, hf_config)
     quant = select_quant_method(
         registry, platform, config.quantization, getattr(hf_config, "quantization_config", None)
     )
-    spec = attention_spec(hf_config, dtype, config.block_size)
+    spec = import_model_class(model_class_path).selection_spec(hf_config, dtype, config.block_size)
+    spec = dataclasses.replace(spec, kv_cache_dtype=KV_CACHE_DTYPES.get(config.kv_cache_dtype))
     backend_choice = select_attention_backend(
         registry,
         platform,
@@ -198,7 +136,7 @@ def resolve_engine(config: EngineConfig) -> EngineSetup:
     )
     explanation = [
         *platform_choice.explanation,
-        f"model {source.gguf_original or source.directory} ({supported[0]}), dtype {str(dtype).removeprefix('torch.')}, "
+        f"model {source.gguf_original or source.directory} ({model_class_path}), dtype {dtype_name(dtype)}, "
         f"max_model_len {max_model_len}",
         f"quantization {quant.name if quant else 'none'}",
         *backend_choice.explanation,
@@ -209,7 +147,7 @@ def resolve_engine(config: EngineConfig) -> EngineSetup:
         platform=platform,
         source=source,
         hf_config=hf_config,
-        model_class_path=registry.models[supported[0]],
+        model_class_path=model_class_path,
         dtype=dtype,
         max_model_len=max_model_len,
         spec=spec,

@@ -9,8 +9,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagellm.core.attention import AttentionBackend
+from pagellm.core.attention import AttentionBackend, AttentionSpec
 from pagellm.core.quant import QuantMethod
+
+
+def head_size(hf_config: Any) -> int:
+    """Width of one attention head: the config's `head_dim` where it states one (Qwen3), else
+    hidden_size / num_attention_heads."""
+    return getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
 
 
 @dataclass
@@ -22,6 +28,7 @@ class ModelInit:
     attention_backend: type[AttentionBackend]
     block_size: int = 16
     quant_method: QuantMethod | None = None  # an instance, shared by every linear layer
+    kv_cache_dtype: torch.dtype | None = None  # None: the model's dtype
 
 
 class CausalLM(nn.Module):
@@ -30,8 +37,24 @@ class CausalLM(nn.Module):
     - forward(input_ids [T] int64, positions [T] int64) -> hidden states [T, hidden]
     - compute_logits(hidden [N, hidden]) -> float32 logits [N, vocab]
     - load_weights(weights: iterable of (Hugging Face tensor name, tensor))
+    - attention_spec(hf_config, dtype, block_size, layer_idx) -> the spec of attention layer layer_idx
     Attention layers are `pagellm.models.layers.attention.Attention` with layer_idx 0..L-1.
     """
+
+    @staticmethod
+    def attention_spec(hf_config: Any, dtype: torch.dtype, block_size: int, layer_idx: int) -> AttentionSpec:
+        """The spec attention layer `layer_idx` is built with. The engine selects the backend from it before
+        the model exists, so the model's layers must build theirs with this same function."""
+        raise NotImplementedError
+
+    @classmethod
+    def selection_spec(cls, hf_config: Any, dtype: torch.dtype, block_size: int) -> AttentionSpec:
+        """The spec the attention backend is selected for: the most demanding layer's (a sliding window or a
+        soft-cap, which not every backend has), else the first layer's."""
+        specs = [
+            cls.attention_spec(hf_config, dtype, block_size, i) for i in range(hf_config.num_hidden_layers)
+        ]
+        return max(specs, key=lambda s: (s.sliding_window is not None, s.logits_soft_cap is not None))
 
     def attention_layers(self) -> list[nn.Module]:
         from pagellm.models.layers.attention import Attention

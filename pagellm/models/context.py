@@ -6,7 +6,7 @@ batch plumbing (the same idea as nano-vllm's context).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -18,6 +18,7 @@ import torch
 class ForwardContext:
     metadata: Any  # what the attention backend's build_metadata returned for this step
     kv_caches: list[torch.Tensor]  # one per attention layer, indexed by Attention.layer_idx
+    attention_layers: Sequence[Any] = ()  # the `Attention` layers by layer_idx, for the compiled graph's op
 
 
 _context: ForwardContext | None = None
@@ -30,9 +31,11 @@ def get_forward_context() -> ForwardContext:
 
 
 @contextmanager
-def set_forward_context(metadata: Any, kv_caches: list[torch.Tensor]) -> Iterator[None]:
+def set_forward_context(
+    metadata: Any, kv_caches: list[torch.Tensor], attention_layers: Sequence[Any] = ()
+) -> Iterator[None]:
     global _context
-    previous, _context = _context, ForwardContext(metadata, kv_caches)
+    previous, _context = _context, ForwardContext(metadata, kv_caches, attention_layers)
     try:
         yield
     finally:

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagellm.core.attention import AttentionSpec
-from pagellm.models.base import CausalLM, ModelInit
+from pagellm.models.base import CausalLM, ModelInit, head_size
 from pagellm.models.layers.activation import get_activation
 from pagellm.models.layers.attention import Attention
 from pagellm.models.layers.embedding import Embedding
@@ -22,26 +22,30 @@ from pagellm.models.loader import copy_weights
 _CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 
 
+def attention_spec(hf_config, dtype: torch.dtype, block_size: int, layer_idx: int) -> AttentionSpec:
+    size = head_size(hf_config)
+    scale = size**-0.5 if hf_config.scale_attn_weights else 1.0
+    if hf_config.scale_attn_by_inverse_layer_idx:
+        scale /= layer_idx + 1
+    return AttentionSpec(
+        num_heads=hf_config.num_attention_heads,
+        num_kv_heads=hf_config.num_attention_heads,
+        head_size=size,
+        dtype=dtype,
+        block_size=block_size,
+        scale=scale,
+    )
+
+
 class GPT2Attention(nn.Module):
     def __init__(self, init: ModelInit, layer_idx: int):
         super().__init__()
         c = init.hf_config
         self.hidden_size = c.hidden_size
-        head_dim = c.hidden_size // c.num_attention_heads
-        scale = head_dim**-0.5 if c.scale_attn_weights else 1.0
-        if c.scale_attn_by_inverse_layer_idx:
-            scale /= layer_idx + 1
         self.c_attn = Linear(c.hidden_size, 3 * c.hidden_size, True, init.dtype, init.quant_method)
         self.c_proj = Linear(c.hidden_size, c.hidden_size, True, init.dtype, init.quant_method)
-        spec = AttentionSpec(
-            num_heads=c.num_attention_heads,
-            num_kv_heads=c.num_attention_heads,
-            head_size=head_dim,
-            dtype=init.dtype,
-            block_size=init.block_size,
-            scale=scale,
-        )
-        self.attn = Attention(init.attention_backend, spec, layer_idx)
+        spec = attention_spec(c, init.dtype, init.block_size, layer_idx)
+        self.attn = Attention(init, spec, layer_idx)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         q, k, v = self.c_attn(h).split(self.hidden_size, dim=-1)
@@ -92,6 +96,8 @@ class GPT2Model(nn.Module):
 
 
 class GPT2LMHeadModel(CausalLM):
+    attention_spec = staticmethod(attention_spec)
+
     def __init__(self, init: ModelInit):
         super().__init__()
         c = init.hf_config

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagellm.core.attention import AttentionSpec
-from pagellm.models.base import CausalLM, ModelInit
+from pagellm.models.base import CausalLM, ModelInit, head_size
 from pagellm.models.layers.activation import GatedActivation
 from pagellm.models.layers.attention import Attention
 from pagellm.models.layers.embedding import Embedding
@@ -39,13 +39,23 @@ def layer_sliding_window(hf_config, layer_idx: int) -> int | None:
     return getattr(hf_config, "sliding_window", None)
 
 
+def attention_spec(hf_config, dtype: torch.dtype, block_size: int, layer_idx: int) -> AttentionSpec:
+    return AttentionSpec(
+        num_heads=hf_config.num_attention_heads,
+        num_kv_heads=hf_config.num_key_value_heads,
+        head_size=head_size(hf_config),
+        dtype=dtype,
+        block_size=block_size,
+        sliding_window=layer_sliding_window(hf_config, layer_idx),
+    )
+
+
 class LlamaAttention(nn.Module):
     def __init__(self, init: ModelInit, layer_idx: int, qkv_bias: bool, qk_norm: bool):
         super().__init__()
         c = init.hf_config
-        self.num_heads = c.num_attention_heads
-        self.num_kv_heads = c.num_key_value_heads
-        self.head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        spec = attention_spec(c, init.dtype, init.block_size, layer_idx)
+        self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_size
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         sizes = [self.q_size, self.kv_size, self.kv_size]
@@ -54,15 +64,7 @@ class LlamaAttention(nn.Module):
         self.o_proj = Linear(self.q_size, c.hidden_size, o_bias, init.dtype, init.quant_method)
         self.q_norm = RMSNorm(self.head_dim, c.rms_norm_eps, init.dtype) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, c.rms_norm_eps, init.dtype) if qk_norm else None
-        spec = AttentionSpec(
-            num_heads=self.num_heads,
-            num_kv_heads=self.num_kv_heads,
-            head_size=self.head_dim,
-            dtype=init.dtype,
-            block_size=init.block_size,
-            sliding_window=layer_sliding_window(c, layer_idx),
-        )
-        self.attn = Attention(init.attention_backend, spec, layer_idx)
+        self.attn = Attention(init, spec, layer_idx)
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv_proj(h).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -131,6 +133,7 @@ class LlamaForCausalLM(CausalLM):
     """Bias on q/k/v projections; None: the config's `attention_bias`."""
     qk_norm: bool = False
     """RMSNorm over each head of q and k before rotary (Qwen3)."""
+    attention_spec = staticmethod(attention_spec)
 
     def __init__(self, init: ModelInit):
         super().__init__()

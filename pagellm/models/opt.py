@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagellm.core.attention import AttentionSpec
-from pagellm.models.base import CausalLM, ModelInit
+from pagellm.models.base import CausalLM, ModelInit, head_size
 from pagellm.models.layers.activation import get_activation
 from pagellm.models.layers.attention import Attention
 from pagellm.models.layers.embedding import Embedding
@@ -26,6 +26,16 @@ def _layer_norm(init: ModelInit) -> nn.LayerNorm:
     return nn.LayerNorm(c.hidden_size, elementwise_affine=c.layer_norm_elementwise_affine, dtype=init.dtype)
 
 
+def attention_spec(hf_config, dtype: torch.dtype, block_size: int, layer_idx: int) -> AttentionSpec:
+    return AttentionSpec(
+        num_heads=hf_config.num_attention_heads,
+        num_kv_heads=hf_config.num_attention_heads,
+        head_size=head_size(hf_config),
+        dtype=dtype,
+        block_size=block_size,
+    )
+
+
 class OPTAttention(nn.Module):
     def __init__(self, init: ModelInit, layer_idx: int):
         super().__init__()
@@ -34,14 +44,8 @@ class OPTAttention(nn.Module):
         size, bias = c.hidden_size, c.enable_bias
         self.qkv_proj = Linear(size, 3 * size, bias, init.dtype, init.quant_method, [size] * 3)
         self.out_proj = Linear(c.hidden_size, c.hidden_size, c.enable_bias, init.dtype, init.quant_method)
-        spec = AttentionSpec(
-            num_heads=c.num_attention_heads,
-            num_kv_heads=c.num_attention_heads,
-            head_size=c.hidden_size // c.num_attention_heads,
-            dtype=init.dtype,
-            block_size=init.block_size,
-        )
-        self.attn = Attention(init.attention_backend, spec, layer_idx)
+        spec = attention_spec(c, init.dtype, init.block_size, layer_idx)
+        self.attn = Attention(init, spec, layer_idx)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv_proj(h).split(self.hidden_size, dim=-1)
@@ -105,6 +109,8 @@ class OPTModel(nn.Module):
 
 
 class OPTForCausalLM(CausalLM):
+    attention_spec = staticmethod(attention_spec)
+
     def __init__(self, init: ModelInit):
         super().__init__()
         c = init.hf_config

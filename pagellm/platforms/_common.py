@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
+from pagellm.core.dtypes import DTYPES, dtype_name
 from pagellm.core.errors import ConfigError
 from pagellm.core.platform import GiB, Platform
 
@@ -41,10 +42,6 @@ def gib(n: int) -> str:
     return f"{n / GiB:.1f} GiB"
 
 
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
 def check_memory_utilization(config: EngineConfig) -> None:
     if not 0 < config.gpu_memory_utilization <= 1:
         raise ConfigError(
@@ -57,7 +54,7 @@ def check_dtype(platform: type[Platform], config: EngineConfig) -> None:
     """Refuse an explicit --dtype the device cannot compute in (`auto` is resolved elsewhere)."""
     if config.dtype == "auto":
         return
-    if getattr(torch, config.dtype) in platform.supported_dtypes:
+    if DTYPES[config.dtype] in platform.supported_dtypes:
         return
     capability = platform.device_capability()
     device = platform.device_name()
@@ -80,7 +77,17 @@ def check_tensor_parallel(platform: type[Platform], config: EngineConfig) -> Non
         )
 
 
-class TorchRuntimePlatform(Platform):
+class AcceleratorPlatform(Platform):
+    """The config checks every accelerator makes (CUDA, ROCm, XPU, TPU); not registered itself."""
+
+    @classmethod
+    def check_and_update_config(cls, config: EngineConfig) -> None:
+        check_memory_utilization(config)
+        check_dtype(cls, config)
+        check_tensor_parallel(cls, config)
+
+
+class TorchRuntimePlatform(AcceleratorPlatform):
     """Device queries through a torch runtime module with the `torch.cuda` API (torch.cuda, torch.xpu).
 
     Not registered itself: CUDA, ROCm and XPU subclass it and add their facts and `availability()`.
@@ -112,12 +119,6 @@ class TorchRuntimePlatform(Platform):
     @classmethod
     def synchronize(cls) -> None:
         cls._runtime().synchronize()
-
-    @classmethod
-    def check_and_update_config(cls, config: EngineConfig) -> None:
-        check_memory_utilization(config)
-        check_dtype(cls, config)
-        check_tensor_parallel(cls, config)
 
     @classmethod
     def describe(cls) -> dict[str, str]:

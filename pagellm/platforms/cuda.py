@@ -31,7 +31,6 @@ class CudaPlatform(TorchRuntimePlatform):
     name = "cuda"
     device_type = "cuda"
     runtime = "cuda"
-    dist_backend = "nccl"
     priority = 100
     attention_backends = ("FLASH_ATTN", "TRITON_ATTN", "FLEX_ATTENTION", "TORCH_SDPA")
     quantization_methods = None

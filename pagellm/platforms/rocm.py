@@ -36,7 +36,6 @@ class RocmPlatform(TorchRuntimePlatform):
     name = "rocm"
     device_type = "cuda"
     runtime = "cuda"
-    dist_backend = "nccl"  # RCCL, under torch's nccl name
     priority = 100
     supported_dtypes = (torch.bfloat16, torch.float16, torch.float32)
     default_dtype = torch.bfloat16

@@ -10,16 +10,12 @@ import glob
 import importlib.metadata
 import importlib.util
 import os
-from typing import TYPE_CHECKING
 
 import torch
 
 from pagellm.core.platform import Availability, Platform
-from pagellm.platforms._common import check_dtype, check_memory_utilization, check_tensor_parallel, gib
+from pagellm.platforms._common import AcceleratorPlatform, gib
 from pagellm.plugins.hookspecs import hookimpl
-
-if TYPE_CHECKING:
-    from pagellm.core.config import EngineConfig
 
 PAGELLM_PLUGIN_API = "1.0"
 
@@ -59,10 +55,9 @@ def _xla_memory(index: int) -> tuple[int, int]:
     return info["kb_free"] * 1024, info["kb_total"] * 1024
 
 
-class TpuPlatform(Platform):
+class TpuPlatform(AcceleratorPlatform):
     name = "tpu"
     device_type = "xla"
-    dist_backend = "xla"
     priority = 80
     supported_dtypes = (torch.bfloat16, torch.float32)
     default_dtype = torch.bfloat16
@@ -112,12 +107,6 @@ class TpuPlatform(Platform):
 
         xm.mark_step()
         xm.wait_device_ops()
-
-    @classmethod
-    def check_and_update_config(cls, config: EngineConfig) -> None:
-        check_memory_utilization(config)
-        check_dtype(cls, config)
-        check_tensor_parallel(cls, config)
 
     @classmethod
     def describe(cls) -> dict[str, str]:

@@ -25,7 +25,6 @@ class XpuPlatform(TorchRuntimePlatform):
     name = "xpu"
     device_type = "xpu"
     runtime = "xpu"
-    dist_backend = "xccl"
     priority = 90
     supported_dtypes = (torch.bfloat16, torch.float16, torch.float32)
     default_dtype = torch.bfloat16

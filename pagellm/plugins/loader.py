@@ -1,8 +1,9 @@
 """Load the `pagellm.plugins` entry points into a `Registry`, once per process.
 
-Rules (DESIGN.md §3): `PAGELLM_PLUGINS=a,b` limits which plugins load; a plugin that fails to import or
-declares an incompatible API version is logged at WARNING and skipped, unless it was asked for by name,
-then loading fails; a name registered twice is an error naming both distributions.
+Rules (docs/architecture.md, "Writing a plugin"): `PAGELLM_PLUGINS=a,b` limits which plugins load; a
+plugin that fails to import or declares an incompatible API version is logged at WARNING and skipped,
+unless it was asked for by name, then loading fails; a name registered twice is an error naming both
+distributions.
 """
 
 from __future__ import annotations
@@ -87,12 +88,7 @@ def _load(allow: list[str] | None) -> Registry:
             plugin = ep.load()
             _check_api_version(plugin, info)
         except Exception as exc:
-            info.error = f"{type(exc).__name__}: {exc}"
-            if allow is not None:
-                raise PluginError(
-                    f"plugin {ep.name!r} from {dist} {version}, asked for in PAGELLM_PLUGINS, failed to load: {info.error}"
-                ) from exc
-            logger.warning("skipping plugin %r from %s %s: %s", ep.name, dist, version, info.error)
+            _skip_or_raise(info, "failed to load", exc, strict=allow is not None)
             continue
         loaded.append((-int(getattr(plugin, "PAGELLM_PLUGIN_PRIORITY", 0)), ep.name, plugin, info))
     loaded.sort(key=lambda item: item[:2])
@@ -104,19 +100,24 @@ def _load(allow: list[str] | None) -> Registry:
             _warn_deprecated_hooks(plugin, info)
             _register(manager, plugin, info)
         except Exception as exc:
-            info.error = f"{type(exc).__name__}: {exc}"
-            if allow is not None:
-                raise PluginError(
-                    f"plugin {name!r} from {info.distribution} {info.version} is invalid: {info.error}"
-                ) from exc
-            logger.warning(
-                "skipping plugin %r from %s %s: %s", name, info.distribution, info.version, info.error
-            )
+            _skip_or_raise(info, "is invalid", exc, strict=allow is not None)
             continue
         info.loaded = True
         infos[name] = info
     _fill(registry, manager, infos, strict=allow is not None)
     return registry
+
+
+def _skip_or_raise(info: PluginInfo, problem: str, exc: Exception, strict: bool) -> None:
+    """Record and log what went wrong with a plugin, which is then skipped; with `strict` (it was asked for
+    in PAGELLM_PLUGINS) raise instead, since the user wants it and would otherwise run without it."""
+    info.error = f"{problem}: {type(exc).__name__}: {exc}"
+    message = (
+        f"plugin {info.name!r} {problem} ({info.distribution} {info.version}): {type(exc).__name__}: {exc}"
+    )
+    if strict:
+        raise PluginError(f"{message} (asked for in PAGELLM_PLUGINS)") from exc
+    logger.warning("%s; skipped", message)
 
 
 class _PluginManager(pluggy.PluginManager):
@@ -203,12 +204,7 @@ def _fill(
             try:
                 result = impl.function()
             except Exception as exc:
-                if strict:
-                    raise PluginError(f"plugin {info.name!r} hook {hook_name} raised {exc!r}") from exc
-                logger.warning(
-                    "plugin %r (%s) hook %s raised %r; skipped", info.name, info.distribution, hook_name, exc
-                )
-                info.error = f"{hook_name} raised {exc!r}"
+                _skip_or_raise(info, f"hook {hook_name} raised", exc, strict)
                 continue
             if hook_name == "pagellm_cli_commands":
                 registry.cli_commands.extend(result or [])

@@ -80,6 +80,7 @@ def dequantize(raw: torch.Tensor, type_id: int, dtype: torch.dtype) -> torch.Ten
 
 class GgufMethod(QuantMethod):
     name = "gguf"
+    loads_gguf_blocks = True
 
     def create_weights(
         self, layer: nn.Module, in_features: int, out_features: int, params_dtype: torch.dtype

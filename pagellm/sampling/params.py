@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 _GREEDY_EPS = 1e-5
 MAX_LOGPROBS = 20
 OUTPUT_KINDS = ("cumulative", "delta", "final_only")
 _LOGPROBS_RANGE = f"must be in [0, {MAX_LOGPROBS}]"
+# what a torch.Generator takes as a seed: any 64-bit value, signed or not (-1 and 2**64 - 1 are one seed)
+SEED_MIN, SEED_END = -(2**63), 2**64
+TOP_K_END = 2**63  # top_k becomes an int64 tensor; any k >= the vocabulary size means off
 
 
 @dataclass
@@ -54,13 +58,18 @@ class SamplingParams:
         bias = self.logit_bias or {}
         rules = (
             ("n", self.n >= 1, "must be >= 1"),
-            ("temperature", self.temperature >= 0, "must be >= 0"),
+            ("temperature", 0 <= self.temperature < math.inf, "must be a finite number >= 0"),
             ("top_p", 0 < self.top_p <= 1, "must be in (0, 1]"),
-            ("top_k", self.top_k >= -1, "must be -1 or 0 (off) or >= 1"),
+            ("top_k", -1 <= self.top_k < TOP_K_END, f"must be -1 or 0 (off) or in [1, {TOP_K_END})"),
+            (
+                "seed",
+                self.seed is None or SEED_MIN <= self.seed < SEED_END,
+                f"must be in [{SEED_MIN}, {SEED_END})",
+            ),
             ("min_p", 0 <= self.min_p <= 1, "must be in [0, 1]"),
             ("presence_penalty", -2 <= self.presence_penalty <= 2, "must be in [-2, 2]"),
             ("frequency_penalty", -2 <= self.frequency_penalty <= 2, "must be in [-2, 2]"),
-            ("repetition_penalty", self.repetition_penalty > 0, "must be > 0"),
+            ("repetition_penalty", 0 < self.repetition_penalty < math.inf, "must be a finite number > 0"),
             ("max_tokens", max_tokens is None or max_tokens >= 1, "must be >= 1"),
             ("min_tokens", self.min_tokens >= 0, "must be >= 0"),
             (
@@ -102,6 +111,12 @@ class SamplingParams:
         if not self.ignore_eos:
             ids.update(eos_token_ids)
         return ids
+
+    def for_sample(self, index: int) -> SamplingParams:
+        """The params of sample `index` of an n > 1 request: n=1 and a seed of its own (seed + index,
+        wrapped into the seed range, so the last seeds of the range still make n valid seeds)."""
+        seed = None if self.seed is None else (self.seed + index) % SEED_END
+        return replace(self, n=1, seed=seed)
 
     def clone(self) -> SamplingParams:
         return copy.deepcopy(self)

@@ -1,7 +1,9 @@
 """The OpenAI-compatible FastAPI app over an AsyncLLM.
 
-Every request is tokenized here, validated by the engine before a response starts (so bad input answers 400,
-not a broken stream), and aborted when its client disconnects, mid-stream or before its first token.
+Every request is tokenized here (in a worker thread: a long prompt must not stall the event loop), bounded
+(body size, `n`, and what its samples may hold of the KV cache), validated by the engine before a response
+starts (so bad input answers 400, not a broken stream), and aborted when its client disconnects, mid-stream
+or before its first token.
 """
 
 from __future__ import annotations
@@ -17,17 +19,19 @@ from http import HTTPStatus
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel
 from starlette.background import BackgroundTask
 from starlette.datastructures import Headers
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pagellm.engine.async_llm import AsyncLLM, RequestStream
 from pagellm.engine.llm_engine import PromptTooLongError
 from pagellm.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from pagellm.sampling.params import SamplingParams
 from pagellm.server import errors
+from pagellm.server.limits import DEFAULT_MAX_BODY_MB, DEFAULT_MAX_N
 from pagellm.server.metrics import PrometheusStatLogger
 from pagellm.server.protocol import (
     ChatChoice,
@@ -54,6 +58,7 @@ from pagellm.server.protocol import (
     TokenLogprob,
     TopLogprob,
     UsageInfo,
+    VersionResponse,
 )
 
 logger = logging.getLogger("pagellm")
@@ -70,29 +75,66 @@ def build_app(
     api_keys: Sequence[str] = (),
     chat_template: str | None = None,
     log_requests: bool = True,
+    max_n: int = DEFAULT_MAX_N,
+    max_body_bytes: int = DEFAULT_MAX_BODY_MB * 2**20,
 ) -> FastAPI:
     """The app serving `llm` under `served_model_names` (the first is the default for requests naming none).
 
-    With `api_keys`, every path but /health and /metrics needs `Authorization: Bearer <one of them>`."""
+    With `api_keys`, every path but /health and /metrics needs `Authorization: Bearer <one of them>`. Bodies
+    over `max_body_bytes` get 413, requests for more than `max_n` samples 400."""
     from pagellm import __version__
 
     if not served_model_names:
         raise ValueError("served_model_names needs at least one name")
-    server = _Server(llm, list(served_model_names), chat_template, log_requests)
+    server = _Server(llm, list(served_model_names), chat_template, log_requests, max_n)
     app = FastAPI(title="pagellm", version=__version__, docs_url=None, redoc_url=None)
     errors.install_handlers(app)
     if api_keys:
         app.add_middleware(APIKeyMiddleware, api_keys=list(api_keys))
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_body_bytes)
 
-    app.get("/health")(server.health)
-    app.get("/version")(lambda: {"version": __version__})
-    app.get("/metrics")(server.metrics)
-    app.get("/v1/models")(server.models)
-    app.post("/v1/completions")(server.completions)
-    app.post("/v1/chat/completions")(server.chat_completions)
-    app.post("/tokenize")(server.tokenize)
-    app.post("/detokenize")(server.detokenize)
+    keyed = errors.openapi_errors(401, 500)
+    posted = errors.openapi_errors(400, 401, 404, 413, 500)
+    health = {200: {"description": "The engine runs; the body is empty.", "content": None}}
+    app.get("/health", response_class=Response, responses={**health, **errors.openapi_errors(503)})(
+        server.health
+    )
+    app.get("/version", responses=keyed)(server.version)
+    app.get("/metrics", response_class=PlainTextResponse)(server.metrics)
+    app.get("/v1/models", responses=keyed)(server.models)
+    app.post("/v1/completions", responses={**_json_or_events(CompletionResponse), **posted})(
+        server.completions
+    )
+    app.post("/v1/chat/completions", responses={**_json_or_events(ChatCompletionResponse), **posted})(
+        server.chat_completions
+    )
+    app.post("/tokenize", responses=posted)(server.tokenize)
+    app.post("/detokenize", responses=posted)(server.detokenize)
+    _document_400_not_422(app)
     return app
+
+
+def _json_or_events(model: type[BaseModel]) -> dict[int | str, dict[str, Any]]:
+    """The 200 of an endpoint that answers JSON, or server-sent events with `"stream": true`."""
+    events = {"text/event-stream": {"schema": {"type": "string"}}}
+    return {200: {"model": model, "description": "The response, or its chunks as events", "content": events}}
+
+
+def _document_400_not_422(app: FastAPI) -> None:
+    """FastAPI documents 422 for invalid bodies; this app answers them with 400 (as OpenAI does)."""
+    build = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = build()
+            for operations in schema["paths"].values():
+                for operation in operations.values():
+                    operation["responses"].pop("422", None)
+            for name in ("HTTPValidationError", "ValidationError"):
+                schema.get("components", {}).get("schemas", {}).pop(name, None)
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
 
 class APIKeyMiddleware:
@@ -118,12 +160,45 @@ class APIKeyMiddleware:
         return match
 
 
+class BodySizeLimitMiddleware:
+    """413 for a body over `max_bytes`: at once when its Content-Length says so, or as soon as a chunked body
+    grows past it, so an oversized body is never read whole."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int):
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        too_large = errors.body_too_large(self.max_bytes)
+        length = Headers(scope=scope).get("content-length", "")
+        if length.isdigit() and int(length) > self.max_bytes:
+            await errors.error_response(too_large)(scope, receive, send)
+            return
+        received = 0
+
+        async def receive_limited() -> Message:
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > self.max_bytes:  # FastAPI lets an HTTPException from reading the body through
+                raise StarletteHTTPException(too_large.status, too_large.info.message)
+            return message
+
+        await self.app(scope, receive_limited, send)
+
+
 class _Server:
-    def __init__(self, llm: AsyncLLM, names: list[str], chat_template: str | None, log_requests: bool):
+    def __init__(
+        self, llm: AsyncLLM, names: list[str], chat_template: str | None, log_requests: bool, max_n: int
+    ):
         self.llm = llm
         self.names = names
         self.chat_template = chat_template
         self.log_requests = log_requests
+        self.max_n = max_n
         self.tokenizer = llm.tokenizer
         self.stat_logger = PrometheusStatLogger(names[0])
         llm.add_stat_logger(self.stat_logger)
@@ -137,6 +212,11 @@ class _Server:
             errors.APIError(HTTPStatus.SERVICE_UNAVAILABLE, "the engine is not running", type="server_error")
         )
 
+    async def version(self) -> VersionResponse:
+        from pagellm import __version__
+
+        return VersionResponse(version=__version__)
+
     async def metrics(self) -> Response:
         return Response(self.stat_logger.exposition(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
@@ -149,9 +229,13 @@ class _Server:
     async def tokenize(self, request: TokenizeRequest) -> TokenizeResponse:
         self._model(request.model)
         if request.messages is not None:
-            tokens = self._chat_prompt_ids(request.messages, None, request.add_generation_prompt)
+            tokens = await asyncio.to_thread(
+                self._chat_prompt_ids, request.messages, None, request.add_generation_prompt
+            )
         elif request.prompt is not None:
-            tokens = self.tokenizer.encode(request.prompt, add_special_tokens=request.add_special_tokens)
+            tokens = await asyncio.to_thread(
+                self.tokenizer.encode, request.prompt, add_special_tokens=request.add_special_tokens
+            )
         else:
             raise errors.bad_request("give either prompt or messages", "prompt")
         return TokenizeResponse(tokens=tokens, count=len(tokens), max_model_len=self.llm.max_model_len)
@@ -164,18 +248,19 @@ class _Server:
             raise errors.bad_request(
                 f"token id {bad[0]} is out of range for the vocabulary of {vocab}", "tokens"
             )
-        return DetokenizeResponse(prompt=self.tokenizer.decode(request.tokens))
+        return DetokenizeResponse(prompt=await asyncio.to_thread(self.tokenizer.decode, request.tokens))
 
     # -- completions ------------------------------------------------------------------------------------
 
     async def completions(self, request: CompletionRequest, raw_request: Request) -> Any:
         model = self._model(request.model)
         params = self._params(request, "logprobs")
-        prompts = [self._tokenize_prompt(p) for p in request.prompts()]
+        prompts = await asyncio.to_thread(self._tokenize_prompts, request.prompts())
         if not prompts:
             raise errors.bad_request(
                 "prompt is empty; give a string, a list of strings or token ids", "prompt"
             )
+        self._check_cost(prompts, params)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         streams = await self._add(request_id, prompts, params, request.priority, "prompt")
         if request.stream:
@@ -263,9 +348,13 @@ class _Server:
     async def chat_completions(self, request: ChatCompletionRequest, raw_request: Request) -> Any:
         model = self._model(request.model)
         params = self._params(request, "top_logprobs")
-        ids = self._chat_prompt_ids(request.messages, request.chat_template, request.add_generation_prompt)
+        ids = await asyncio.to_thread(
+            self._chat_prompt_ids, request.messages, request.chat_template, request.add_generation_prompt
+        )
+        prompts: list[tuple[str | None, list[int]]] = [(None, ids)]
+        self._check_cost(prompts, params)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        streams = await self._add(request_id, [(None, ids)], params, request.priority, "messages")
+        streams = await self._add(request_id, prompts, params, request.priority, "messages")
         if request.stream:
             return _sse_response(self._chat_events(request, model, request_id, streams, raw_request), streams)
         (output,) = await self._final_outputs(streams, raw_request)
@@ -360,18 +449,42 @@ class _Server:
         self, request: CompletionRequest | ChatCompletionRequest, logprobs_field: str
     ) -> SamplingParams:
         try:
-            return request.to_sampling_params(self.llm.default_sampling_params())
+            params = request.to_sampling_params(self.llm.default_sampling_params())
         except ValueError as exc:
             field = str(exc).split(" ", 1)[0]
             param = logprobs_field if field == "logprobs" else field
             raise errors.bad_request(
                 str(exc), param if param in type(request).model_fields else None
             ) from exc
+        if params.n > self.max_n:
+            raise errors.bad_request(
+                f"n must be <= {self.max_n} (this server's --max-n), got {params.n}", "n"
+            )
+        return params
 
-    def _tokenize_prompt(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
-        return None, list(prompt)
+    def _check_cost(self, prompts: list[tuple[str | None, list[int]]], params: SamplingParams) -> None:
+        """Refuse a request whose samples, each at its longest (prompt + max_tokens, at most max_model_len),
+        cannot all be in the KV cache at once: no single request may take the whole engine over."""
+        longest = self.llm.max_model_len
+        per_prompt = [
+            longest if params.max_tokens is None else min(len(ids) + params.max_tokens, longest)
+            for _, ids in prompts
+        ]
+        tokens, capacity = params.n * sum(per_prompt), self.llm.kv_cache_tokens
+        if tokens > capacity:
+            raise errors.bad_request(
+                f"this request's {params.n * len(prompts)} samples may reach {tokens} tokens together "
+                f"(n x (prompt + max_tokens), summed over the prompts), more than the {capacity} tokens the "
+                f"server's KV cache holds; lower n or max_tokens, or send fewer prompts at once",
+                "n" if params.n > 1 else "prompt",
+            )
+
+    def _tokenize_prompts(self, prompts: list[str | list[int]]) -> list[tuple[str | None, list[int]]]:
+        """(text, token ids) of each prompt; slow for long texts, so the caller runs it in a thread."""
+        return [
+            (p, self.tokenizer.encode(p, add_special_tokens=True)) if isinstance(p, str) else (None, list(p))
+            for p in prompts
+        ]
 
     async def _add(
         self,

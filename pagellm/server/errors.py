@@ -1,10 +1,14 @@
 """OpenAI's error body ({"error": {"message", "type", "param", "code"}}) and the exception handlers that answer
-with it: 400 names the invalid field, 401 for API keys, 404 for unknown models, 500 for engine failures."""
+with it: 400 names the invalid field, 401 for API keys, 404 for unknown models, 413 for oversized bodies, 500
+for failures (with an id to find the details in the server log, never the exception itself)."""
 
 from __future__ import annotations
 
 import logging
+import uuid
+from collections.abc import Mapping
 from http import HTTPStatus
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -55,20 +59,40 @@ def invalid_api_key() -> APIError:
     )
 
 
-def error_response(error: APIError) -> JSONResponse:
-    return JSONResponse(ErrorResponse(error=error.info).model_dump(), status_code=error.status)
+def body_too_large(max_bytes: int) -> APIError:
+    return APIError(
+        HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
+        f"The request body is larger than this server's limit of {max_bytes} bytes (--max-request-body-mb).",
+    )
+
+
+def error_response(error: APIError, headers: Mapping[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(
+        ErrorResponse(error=error.info).model_dump(), status_code=error.status, headers=headers
+    )
 
 
 def from_exception(exc: Exception, param: str | None = None) -> APIError:
-    """The APIError an engine-side exception becomes: invalid input 400, anything else 500."""
+    """The APIError an exception becomes: invalid input 400, anything else 500. An unexpected exception is
+    logged under a fresh id and only the id goes to the client: its text may reveal the server's insides."""
     if isinstance(exc, APIError):
         return exc
     if isinstance(exc, (ConfigError, ValueError)):
         return bad_request(str(exc), param)
-    if isinstance(exc, EngineError):
+    if isinstance(exc, EngineError):  # its message is written for clients; the engine logged the cause
         return APIError(HTTPStatus.INTERNAL_SERVER_ERROR, str(exc), type="server_error")
-    logger.exception("request failed", exc_info=exc)
-    return APIError(HTTPStatus.INTERNAL_SERVER_ERROR, f"internal error: {exc!r}", type="server_error")
+    error_id = f"error-{uuid.uuid4().hex}"
+    logger.error("%s: request failed", error_id, exc_info=exc)
+    return APIError(
+        HTTPStatus.INTERNAL_SERVER_ERROR,
+        f"Internal server error; the server log has the details under {error_id}.",
+        type="server_error",
+    )
+
+
+def openapi_errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI `responses` documenting error statuses with the body they carry."""
+    return {status: {"model": ErrorResponse, "description": HTTPStatus(status).phrase} for status in statuses}
 
 
 def install_handlers(app: FastAPI) -> None:
@@ -86,7 +110,7 @@ def install_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return error_response(APIError(exc.status_code, str(exc.detail)))
+        return error_response(APIError(exc.status_code, str(exc.detail)), headers=exc.headers)  # 405: Allow
 
     @app.exception_handler(EngineError)
     async def _engine_error(request: Request, exc: EngineError) -> JSONResponse:

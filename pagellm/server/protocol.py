@@ -9,9 +9,34 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictInt,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 from pagellm.sampling.params import SamplingParams
+
+TokenIds = list[StrictInt]  # JSON true/false and 1.0 are not token ids
+Role = Literal["system", "developer", "user", "assistant", "tool", "function"]  # OpenAI's chat roles
+
+
+def valid_unicode(value: Any) -> Any:
+    """Refuse lone UTF-16 surrogates ("\\ud800" is valid JSON, but no tokenizer can encode it) in a string
+    or a list of strings; other values pass untouched."""
+    for text in value if isinstance(value, list) else [value]:
+        if isinstance(text, str):
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise ValueError(
+                    f"has a lone UTF-16 surrogate at index {exc.start}; send valid Unicode"
+                ) from None
+    return value
 
 
 class OpenAIModel(BaseModel):
@@ -43,7 +68,7 @@ class _SamplingFields(OpenAIModel):
     repetition_penalty: float | None = None
     ignore_eos: bool = False
     min_tokens: int = 0
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: TokenIds | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -82,10 +107,12 @@ class _SamplingFields(OpenAIModel):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[str] | TokenIds | list[TokenIds]
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
+
+    _valid_prompt = field_validator("prompt")(valid_unicode)
 
     def to_sampling_params(self, defaults: SamplingParams) -> SamplingParams:
         prompt_logprobs = self.logprobs if self.echo and self.logprobs is not None else None
@@ -105,9 +132,18 @@ class CompletionRequest(_SamplingFields):
 
 class ChatMessage(OpenAIModel):
     model_config = ConfigDict(extra="allow")
-    role: str
+    role: Role
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+
+    _valid_content = field_validator("content")(valid_unicode)
+
+    @model_validator(mode="after")
+    def _content_unless_assistant(self) -> ChatMessage:
+        """Only an assistant message (one that called tools) may come without content, as in OpenAI's API."""
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a {self.role} message needs content")
+        return self
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -134,10 +170,12 @@ class TokenizeRequest(OpenAIModel):
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 
+    _valid_prompt = field_validator("prompt")(valid_unicode)
+
 
 class DetokenizeRequest(OpenAIModel):
     model: str | None = None
-    tokens: list[int]
+    tokens: TokenIds
 
 
 # -- responses ------------------------------------------------------------------------------------------
@@ -267,6 +305,10 @@ class TokenizeResponse(BaseModel):
 
 class DetokenizeResponse(BaseModel):
     prompt: str
+
+
+class VersionResponse(BaseModel):
+    version: str
 
 
 class ErrorInfo(BaseModel):

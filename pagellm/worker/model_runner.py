@@ -8,8 +8,8 @@ the positions that sample (or that asked for prompt logprobs), and samples on th
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
-from dataclasses import dataclass, field
+import time
+from collections.abc import Callable, Iterable, Mapping
 
 import numpy as np
 import torch
@@ -17,11 +17,10 @@ import torch
 from pagellm.core.attention import AttentionBatch
 from pagellm.core.errors import ConfigError
 from pagellm.core.platform import GiB
-from pagellm.engine.scheduler import SchedulerOutput
-from pagellm.engine.setup import EngineSetup
 from pagellm.models.base import ModelInit
 from pagellm.models.context import set_forward_context
 from pagellm.models.loader import load_model, model_weight_bytes
+from pagellm.sampling.params import SamplingParams
 from pagellm.sampling.sampler import (
     LogprobsTensors,
     Sampler,
@@ -31,17 +30,9 @@ from pagellm.sampling.sampler import (
     make_generator,
 )
 from pagellm.worker.input_batch import InputBatch
+from pagellm.worker.step import EngineSetup, SchedulerOutput, StepResult
 
 logger = logging.getLogger("pagellm")
-
-
-@dataclass
-class StepResult:
-    sampled: dict[str, list[int]] = field(default_factory=dict)
-    # request id -> (token id -> (logprob, rank)) for the sampled token and the top-k, per new token
-    logprobs: dict[str, list[dict[int, tuple[float, int]]]] = field(default_factory=dict)
-    # request id -> one entry per prompt position computed this step (None for the first prompt token)
-    prompt_logprobs: dict[str, list[dict[int, tuple[float, int]] | None]] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -58,7 +49,9 @@ class ModelRunner:
             if setup.quant_method
             else None
         )
-        init = ModelInit(setup.hf_config, setup.dtype, setup.backend, config.block_size, quant)
+        init = ModelInit(
+            setup.hf_config, setup.dtype, setup.backend, config.block_size, quant, setup.spec.kv_cache_dtype
+        )
         torch.set_default_dtype(setup.dtype)
         try:
             self.model = load_model(setup.model_class_path, init, weights, self.device)
@@ -72,9 +65,35 @@ class ModelRunner:
             self.num_blocks, self.block_size, spec.num_kv_heads, spec.head_size
         )
         self.kv_caches = [torch.zeros(shape, dtype=spec.cache_dtype, device=self.device) for _ in self.layers]
+        self.forward = self.model
+        if not config.enforce_eager:
+            compiled = setup.platform.compile_model(self.model)
+            if compiled is not None:
+                self.forward = self._warm_up(compiled)
         self.input_batch = InputBatch(config.max_num_seqs, setup.max_model_len, self.block_size)
         self.generators: dict[str, torch.Generator | None] = {}
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(config.seed))
+
+    @torch.inference_mode()
+    def _warm_up(self, compiled: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+        """Compile now rather than in the first request's step: one token and two (compilers specialise
+        size 1), each a prompt that stores nothing. Returns the eager model, with a warning, on failure."""
+        started = time.monotonic()
+        try:
+            for num_tokens in (1, 2):
+                attn = _dummy_prefill(num_tokens, self.block_size, self.device)
+                with set_forward_context(
+                    self.setup.backend.build_metadata(attn), self.kv_caches, self.layers
+                ):
+                    compiled(
+                        torch.zeros(num_tokens, dtype=torch.long, device=self.device),
+                        torch.arange(num_tokens, device=self.device),
+                    )
+        except Exception as e:  # an inductor or compiler failure: slower, not broken
+            logger.warning("compiling the model failed, running it eagerly: %s: %s", type(e).__name__, e)
+            return self.model
+        logger.info("model compiled in %.1fs (--enforce-eager turns this off)", time.monotonic() - started)
+        return compiled
 
     def block_bytes(self) -> int:
         spec = self.setup.spec
@@ -87,11 +106,7 @@ class ModelRunner:
         if config.num_kv_blocks is not None:
             return config.num_kv_blocks
         platform = self.setup.platform
-        peak = (
-            self.model_bytes
-            if platform.device_type == "cpu"
-            else platform.total_memory() - platform.free_memory()
-        )
+        peak = platform.memory_in_use(self.model_bytes)
         budget = platform.kv_cache_bytes(config, self.model_bytes, peak)
         num_blocks = budget // self.block_bytes()
         if num_blocks < 2:
@@ -100,6 +115,12 @@ class ModelRunner:
                 f"{self.model_bytes / GiB:.2f} GiB); raise --kv-cache-space or --gpu-memory-utilization"
             )
         return int(num_blocks)
+
+    def add_requests(self, params: Mapping[str, SamplingParams]) -> None:
+        """Create new requests' own state (a seeded generator) when they are added, not in a step: a
+        failure is then theirs alone and comes before they are queued."""
+        generators = {request_id: make_generator(p, self.device) for request_id, p in params.items()}
+        self.generators.update(generators)
 
     def forget(self, request_ids: Iterable[str]) -> None:
         """Drop per-request state of finished or preempted requests."""
@@ -128,8 +149,6 @@ class ModelRunner:
             starts.append(start)
             if start + n == request.num_tokens:
                 sampling.append((i, request))
-                if rid not in self.generators:
-                    self.generators[rid] = make_generator(request.sampling_params, self.device)
             if request.sampling_params.prompt_logprobs is not None and start < request.num_prompt_tokens:
                 prompt_lp.append((i, request))
         counts_np = np.asarray(counts, dtype=np.int64)
@@ -155,8 +174,8 @@ class ModelRunner:
             max_seq_len=int(seq_lens.max()),
         )
         metadata = self.setup.backend.build_metadata(attn)
-        with set_forward_context(metadata, self.kv_caches):
-            hidden = self.model(self._dev(input_ids), self._dev(positions))
+        with set_forward_context(metadata, self.kv_caches, self.layers):
+            hidden = self.forward(self._dev(input_ids), self._dev(positions))
         result = StepResult()
         if prompt_lp:
             self._prompt_logprobs(hidden, prompt_lp, cu, starts, result)
@@ -200,6 +219,22 @@ class ModelRunner:
     def _dev(self, array: np.ndarray) -> torch.Tensor:
         tensor = torch.from_numpy(np.ascontiguousarray(array))
         return tensor if self.device.type == "cpu" else tensor.to(self.device, non_blocking=True)
+
+
+def _dummy_prefill(num_tokens: int, block_size: int, device: torch.device) -> AttentionBatch:
+    """A one-request step of `num_tokens` new tokens that reads no cache and stores nothing (slot -1)."""
+    query_start_loc = torch.tensor([0, num_tokens], dtype=torch.int32)
+    seq_lens = torch.tensor([num_tokens], dtype=torch.int32)
+    return AttentionBatch(
+        query_start_loc=query_start_loc.to(device),
+        seq_lens=seq_lens.to(device),
+        block_tables=torch.zeros(1, -(-num_tokens // block_size), dtype=torch.int32, device=device),
+        slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=device),
+        query_start_loc_cpu=query_start_loc,
+        seq_lens_cpu=seq_lens,
+        max_query_len=num_tokens,
+        max_seq_len=num_tokens,
+    )
 
 
 def _row_logprobs(t: LogprobsTensors, row: int, k: int, token_id: int) -> dict[int, tuple[float, int]]:

@@ -1,12 +1,18 @@
+import os
+import shutil
+import subprocess
+import sys
+
 import pytest
 import torch
 
-from pagellm.attention_backends import cpu_attn
+from pagellm.attention_backends import cpu_attn, cpu_kernels
 from pagellm.attention_backends.cpu_attn import CpuAttnBackend
+from pagellm.attention_backends.torch_sdpa import TorchSDPABackend
 from pagellm.core.attention import AttentionSpec
 from pagellm.core.platform import Platform
 from pagellm.plugins import load_plugins
-from pagellm.testing.attention import check_backend, make_paged_batch
+from pagellm.testing.attention import check_backend, make_paged_batch, reference_attention
 
 # (seq_lens, query_lens): the query tokens are the last ones of each sequence
 CASES = {
@@ -29,10 +35,22 @@ class _GPU(Platform):
     device_type = "cuda"
 
 
+@pytest.fixture(params=["kernel", "torch"])
+def decode_path(request, monkeypatch):
+    """Run a test on the native decode kernel and again on the PyTorch path it falls back to."""
+    if request.param == "kernel":
+        if shutil.which(os.environ.get("CXX", "c++")) is None:
+            pytest.skip("no C++ compiler here")
+        assert cpu_kernels.load() is not None, cpu_kernels.why_unavailable()
+    else:
+        monkeypatch.setattr(cpu_attn.cpu_kernels, "load", lambda: None)
+    return request.param
+
+
 @pytest.mark.parametrize("kind", sorted(CASES))
 @pytest.mark.parametrize("heads", [(8, 2), (4, 4), (9, 3)], ids=["gqa", "mha", "gqa3"])
 @pytest.mark.parametrize("block_size", [16, 32])
-def test_matches_reference(kind, heads, block_size):
+def test_matches_reference(kind, heads, block_size, decode_path):
     spec = AttentionSpec(*heads, head_size=32, dtype=torch.float32, block_size=block_size)
     assert check_backend(CpuAttnBackend, spec, "cpu", CASES[kind]) < 1e-5
 
@@ -41,12 +59,12 @@ def test_matches_reference(kind, heads, block_size):
     "dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"]
 )
 @pytest.mark.parametrize("sliding_window", [None, 7, 20, 33])
-def test_dtypes_and_sliding_window(dtype, sliding_window):
+def test_dtypes_and_sliding_window(dtype, sliding_window, decode_path):
     spec = AttentionSpec(8, 2, 64, dtype, block_size=16, sliding_window=sliding_window)
     assert check_backend(CpuAttnBackend, spec, "cpu", ALL_CASES) < TOLERANCE[dtype]
 
 
-def test_cache_dtype_differs_from_compute_dtype():
+def test_cache_dtype_differs_from_compute_dtype(decode_path):
     spec = AttentionSpec(8, 2, 32, torch.bfloat16, kv_cache_dtype=torch.float32)
     assert check_backend(CpuAttnBackend, spec, "cpu", ALL_CASES) < TOLERANCE[torch.bfloat16]
 
@@ -56,9 +74,11 @@ def test_negative_slots_are_not_written():
     batch = make_paged_batch([20, 5], [20, 5], 16, num_blocks=8, generator=torch.Generator().manual_seed(0))
     skipped = batch.slot_mapping[[3, 22]].clone()
     batch.slot_mapping[[3, 22]] = -1
-    k, v = torch.randn(25, 2, 8), torch.randn(25, 2, 8)
+    q, k, v = torch.randn(25, 4, 8), torch.randn(25, 2, 8), torch.randn(25, 2, 8)
     kv_cache = torch.zeros(CpuAttnBackend.kv_cache_shape(8, 16, 2, 8))
-    CpuAttnBackend(spec).forward(torch.randn(25, 4, 8), k, v, kv_cache, CpuAttnBackend.build_metadata(batch))
+    out = CpuAttnBackend(spec).forward(q, k, v, kv_cache, CpuAttnBackend.build_metadata(batch))
+    # uncached prefills attend over their own new k/v, the unstored tokens' included
+    torch.testing.assert_close(out, reference_attention(q, k, v, [20, 5], [20, 5]))
     flat = kv_cache.view(2, 2, -1, 8).transpose(1, 2)  # [2, slots, kv_heads, d]
     assert not flat[:, skipped].any()
     stored = [i for i in range(25) if i not in (3, 22)]
@@ -66,12 +86,56 @@ def test_negative_slots_are_not_written():
     torch.testing.assert_close(flat[1, batch.slot_mapping[stored]], v[stored])
 
 
+@pytest.mark.parametrize("seq_lens", [[3000], [2500, 40], [700] * 3], ids=["one", "two", "three"])
+@pytest.mark.parametrize("sliding_window", [None, 300])
+def test_long_contexts_split_across_threads(seq_lens, sliding_window, decode_path):
+    spec = AttentionSpec(9, 3, 64, torch.bfloat16, block_size=16, sliding_window=sliding_window)
+    cases = [(seq_lens, [1] * len(seq_lens)), ([*seq_lens, 40], [1] * len(seq_lens) + [40])]
+    assert check_backend(CpuAttnBackend, spec, "cpu", cases) < TOLERANCE[torch.bfloat16]
+
+
+def test_kernel_plan_lists_decodes_and_splits_long_contexts(monkeypatch):
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    batch = make_paged_batch([3000, 20, 5], [1, 1, 5], 16)
+    plan = CpuAttnBackend.build_metadata(batch).plan(None, 16, torch.float32, True, 1)
+    assert plan.kernel_reqs.tolist() == [0, 1] and plan.decodes == [] and len(plan.prefills) == 1
+    assert plan.partition == 750  # 2 requests x 1 KV head, 8 items wanted: each context in 4 parts
+    busy = make_paged_batch([300] * 8, [1] * 8, 16)
+    assert CpuAttnBackend.build_metadata(busy).plan(None, 16, torch.float32, True, 1).partition == 300
+
+
+def test_fallback_when_the_kernel_cannot_be_built(tmp_path):
+    """No compiler (or PAGELLM_CPU_KERNELS=0): one warning saying why, and the PyTorch path's results."""
+    script = (
+        "import logging, torch\n"
+        "logging.basicConfig(level=logging.WARNING)\n"
+        "from pagellm.attention_backends.cpu_attn import CpuAttnBackend\n"
+        "from pagellm.core.attention import AttentionSpec\n"
+        "from pagellm.testing.attention import check_backend\n"
+        "spec = AttentionSpec(8, 2, 32, torch.float32)\n"
+        "assert CpuAttnBackend(spec).kernel is None\n"
+        "print(check_backend(CpuAttnBackend, spec, 'cpu', [([40, 17], [1, 1])]))\n"
+    )
+    for env in ({"CXX": str(tmp_path / "no-such-compiler")}, {"PAGELLM_CPU_KERNELS": "0"}):
+        run = subprocess.run(
+            [sys.executable, "-c", script],
+            env={**os.environ, "PAGELLM_CACHE_DIR": str(tmp_path), **env},
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert run.returncode == 0, run.stderr
+        assert float(run.stdout) < 1e-5
+        why = "no C++ compiler" if "CXX" in env else "PAGELLM_CPU_KERNELS=0"
+        assert "CPU attention kernel unavailable, using the PyTorch path" in run.stderr and why in run.stderr
+
+
 def test_decodes_are_grouped_by_length_and_window_skips_old_blocks():
     batch = make_paged_batch([300, 20, 290, 17, 40], [1] * 5, 16)
-    plan = CpuAttnBackend.build_metadata(batch).plan(None, 16, torch.float32)
+    plan = CpuAttnBackend.build_metadata(batch).plan(None, 16, torch.float32, False, 1)
     assert [g.blocks.numel() for g in plan.decodes] == [3 * 3, 2 * 19]  # {20, 17, 40} and {300, 290}
     assert plan.prefills == []
-    windowed = CpuAttnBackend.build_metadata(batch).plan(32, 16, torch.float32)
+    windowed = CpuAttnBackend.build_metadata(batch).plan(32, 16, torch.float32, False, 1)
     assert len(windowed.decodes) == 1 and windowed.decodes[0].blocks.numel() == 5 * 3
 
 
@@ -87,8 +151,30 @@ def test_facts_and_plugin_registration(monkeypatch):
 
 def test_decode_groups_are_bounded(monkeypatch):
     monkeypatch.setattr(cpu_attn, "DECODE_GROUP_TOKENS", 4 * 32)  # four requests of two blocks
+    monkeypatch.setattr(cpu_attn.cpu_kernels, "load", lambda: None)
     spec = AttentionSpec(4, 2, 16, torch.float32)
     cases = [([20, 30, 17, 25, 32, 18, 19], [1] * 7)]
-    plan = CpuAttnBackend.build_metadata(make_paged_batch(*cases[0], 16)).plan(None, 16, torch.float32)
+    batch = make_paged_batch(*cases[0], 16)
+    plan = CpuAttnBackend.build_metadata(batch).plan(None, 16, torch.float32, False, 2)
     assert [g.blocks.numel() for g in plan.decodes] == [4 * 2, 3 * 2]
     assert check_backend(CpuAttnBackend, spec, "cpu", cases) < 1e-5
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
+def test_fp8_cache_matches_the_reference_backend(cache_dtype, decode_path):
+    """A one-byte cache rounds K/V the same way in every backend: CPU_ATTN (both paths) gives what
+    TORCH_SDPA gives on the same rounded cache, to bfloat16 precision."""
+    spec = AttentionSpec(8, 2, 64, torch.bfloat16, kv_cache_dtype=cache_dtype)
+    batch = make_paged_batch([40, 17, 300, 33], [8, 1, 1, 17], 16, generator=torch.Generator().manual_seed(0))
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(batch.num_tokens, 8, 64, generator=gen).bfloat16()
+    k, v = (torch.randn(batch.num_tokens, 2, 64, generator=gen).bfloat16() for _ in range(2))
+    num_blocks = int(batch.block_tables.max()) + 1
+    context = torch.randn(2, num_blocks * 16, 2, 64, generator=gen).to(cache_dtype)  # the cached tokens
+    sdpa_cache = context.view(2, num_blocks, 16, 2, 64).clone()
+    cpu_cache = context.view(2, num_blocks, 16, 2, 64).permute(0, 3, 1, 2, 4).contiguous()
+    expected = TorchSDPABackend(spec).forward(q, k, v, sdpa_cache, TorchSDPABackend.build_metadata(batch))
+    out = CpuAttnBackend(spec).forward(q, k, v, cpu_cache, CpuAttnBackend.build_metadata(batch))
+    assert cpu_cache.dtype == cache_dtype
+    torch.testing.assert_close(cpu_cache.permute(0, 2, 3, 1, 4).float(), sdpa_cache.float())
+    assert (out.float() - expected.float()).abs().max() < TOLERANCE[torch.bfloat16]

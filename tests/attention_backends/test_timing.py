@@ -1,3 +1,6 @@
+import subprocess
+import sys
+
 import torch
 
 from pagellm.attention_backends.timing import time_backend
@@ -50,3 +53,14 @@ def test_selector_times_each_backend_once_and_caches(tmp_path):
     assert len(calls) == 2
     assert second.timings == first.timings
     assert second.backend is first.backend
+
+
+def test_runtime_does_not_import_the_test_helpers():
+    """The selector times backends in production, where `pagellm.testing` (for plugin authors) has no place."""
+    code = (
+        "import pkgutil, sys, importlib, pagellm.attention_backends as pkg\n"
+        "for m in pkgutil.iter_modules(pkg.__path__): importlib.import_module(f'{pkg.__name__}.{m.name}')\n"
+        "print(sorted(m for m in sys.modules if m.startswith('pagellm.testing')))"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "[]"

@@ -96,8 +96,9 @@ def test_facts_and_plugin_registration(monkeypatch):
         )
         == []
     )
-    assert TorchSDPABackend.unsupported_reasons(AttentionSpec(8, 2, 64, torch.float32, alibi=True), _CPU) == [
-        "no ALiBi support"
+    assert TorchSDPABackend.unsupported_reasons(AttentionSpec(8, 2, 64, torch.float64), _CPU) == [
+        "dtype float64 not in float16, bfloat16, float32",
+        "KV-cache dtype float64 not in float32, bfloat16, float16, float8_e4m3fn, float8_e5m2",
     ]
     assert torch_sdpa.PAGELLM_PLUGIN_API == "1.0"
     monkeypatch.setenv("PAGELLM_PLUGINS", "torch_sdpa")

@@ -1,4 +1,4 @@
-"""Selection rules of DESIGN.md §4, on a registry of fake platforms and backends."""
+"""Selection rules of docs/architecture.md ("Start-up"), on a registry of fake platforms and backends."""
 
 import logging
 

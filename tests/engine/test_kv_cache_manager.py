@@ -8,8 +8,8 @@ from pagellm.sampling.params import SamplingParams
 BS = 4
 
 
-def _req(rid, tokens, cache_key=(), **params):
-    return Request(rid, tokens, SamplingParams(**params), cache_key=cache_key)
+def _req(rid, tokens, **params):
+    return Request(rid, tokens, SamplingParams(**params))
 
 
 def _admit(kv, request, num_new_tokens=None):
@@ -88,13 +88,12 @@ def test_never_hits_the_last_token():
     assert kv.get_computed_blocks(_req("c", list(range(9))))[1] == 8
 
 
-def test_no_hit_for_prompt_logprobs_other_cache_key_or_disabled():
+def test_no_hit_for_prompt_logprobs_or_disabled():
     kv = KVCacheManager(BS, 16)
     a = _req("a", list(range(12)))
     _admit(kv, a)
     _compute(kv, a, 12)
     assert kv.get_computed_blocks(_req("b", list(range(12)), prompt_logprobs=1)) == ([], 0)
-    assert kv.get_computed_blocks(_req("c", list(range(12)), cache_key=("lora-1",))) == ([], 0)
     assert kv.get_computed_blocks(_req("d", list(range(12))))[1] == 8
 
     off = KVCacheManager(BS, 16, enable_prefix_caching=False)
@@ -106,7 +105,7 @@ def test_no_hit_for_prompt_logprobs_other_cache_key_or_disabled():
 
 
 def test_hash_collision_is_a_miss(monkeypatch):
-    monkeypatch.setattr(kv_cache_manager, "hash_block_tokens", lambda parent, tokens, extra: 42)
+    monkeypatch.setattr(kv_cache_manager, "hash_block_tokens", lambda parent, tokens: 42)
     kv = KVCacheManager(BS, 16)
     a = _req("a", list(range(12)))
     _admit(kv, a)

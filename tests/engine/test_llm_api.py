@@ -200,3 +200,34 @@ def test_delta_outputs_rebuild_the_cumulative_ones(llm):
                     finished.add(sample.index)
     assert tokens == [o.token_ids for o in cumulative.outputs]
     assert texts == [o.text for o in cumulative.outputs]
+
+
+def test_final_only_emits_one_output_when_the_request_finishes(llm):
+    engine = llm.engine
+    common = dict(n=2, seed=3, max_tokens=6, ignore_eos=True, logprobs=2, stop=["\n\n\n"])
+    cumulative = llm.generate("Hello", SamplingParams(**common), use_tqdm=False)[0]
+    request_id = engine.add_request("Hello", SamplingParams(**common, output_kind="final_only"))
+    outputs, steps = [], 0
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+        steps += 1
+    assert steps > 1 and len(outputs) == 1  # nothing while it ran
+    (final,) = outputs
+    assert final.request_id == request_id and final.finished
+    assert [(o.token_ids, o.text, o.finish_reason) for o in final.outputs] == [
+        (o.token_ids, o.text, o.finish_reason) for o in cumulative.outputs
+    ]
+    assert [len(o.logprobs) for o in final.outputs] == [6, 6]
+    assert_no_leaks(llm)
+
+
+def test_final_only_abort_returns_what_ran(llm):
+    engine = llm.engine
+    request_id = engine.add_request(
+        "Hello", SamplingParams(max_tokens=50, ignore_eos=True, output_kind="final_only")
+    )
+    assert engine.step() == [] and engine.step() == []
+    aborted = engine.abort_request(request_id)
+    assert aborted.finished and aborted.outputs[0].finish_reason == "abort"
+    assert len(aborted.outputs[0].token_ids) >= 1
+    assert_no_leaks(llm)

@@ -71,3 +71,17 @@ def assert_greedy_parity(llm: LLM, reference: Reference, prompts: list[list[int]
         warnings.warn(
             f"accepted near-tie divergence at output {j} (gaps {ref_gap:.1e}, {our_gap:.1e})", stacklevel=1
         )
+
+
+def max_logprob_error(llm: LLM, reference: Reference, prompts: list[list[int]], max_tokens: int) -> float:
+    """Largest difference between the log-probability our engine gave each token it chose greedily and
+    the one transformers gives that token after the same prefix (teacher-forced along our output)."""
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=0, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    worst = 0.0
+    for prompt, output in zip(prompts, outputs, strict=True):
+        ours = output.outputs[0].token_ids
+        for j, token in enumerate(ours):
+            theirs = float(reference.logprobs(prompt + ours[:j])[token])
+            worst = max(worst, abs(output.outputs[0].logprobs[j][token].logprob - theirs))
+    return worst

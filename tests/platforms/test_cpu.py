@@ -78,6 +78,11 @@ def test_meminfo_falls_back_to_sysconf_without_proc(monkeypatch):
     assert CpuPlatform.device_name()  # no /proc/cpuinfo: the model name comes from `platform`
 
 
+def test_memory_in_use_is_only_the_model(monkeypatch):
+    fake_meminfo(monkeypatch, total_gib=16, available_gib=3)  # other processes' RAM is not this device's
+    assert CpuPlatform.memory_in_use(model_bytes=10 << 20) == 10 << 20
+
+
 def test_kv_cache_bytes_honours_kv_cache_space():
     config = EngineConfig(kv_cache_space=0.25)
     assert CpuPlatform.kv_cache_bytes(config, model_bytes=10 << 20, peak_bytes=20 << 20) == GiB // 4

@@ -96,7 +96,7 @@ def test_cuda_refuses_bf16_before_ampere(monkeypatch):
     cuda.CudaPlatform.check_and_update_config(EngineConfig(dtype="auto"))
 
 
-@pytest.mark.parametrize("platform", [cuda.CudaPlatform, rocm.RocmPlatform, xpu.XpuPlatform])
+@pytest.mark.parametrize("platform", [cuda.CudaPlatform, rocm.RocmPlatform, xpu.XpuPlatform, tpu.TpuPlatform])
 @pytest.mark.parametrize("utilization", [0.0, -0.5, 1.2])
 def test_accelerators_refuse_bad_memory_utilization(platform, utilization):
     with pytest.raises(ConfigError, match="gpu_memory_utilization"):
@@ -237,12 +237,12 @@ def test_tpu_availability_does_not_import_torch_xla(monkeypatch):
 
 
 GPU_BACKENDS = ("TRITON_ATTN", "FLEX_ATTENTION", "TORCH_SDPA")
-FACTS = {  # device_type, dist_backend, priority, attention backends, quantization methods
-    "cuda": ("cuda", "nccl", 100, ("FLASH_ATTN", *GPU_BACKENDS), None),
-    "rocm": ("cuda", "nccl", 100, GPU_BACKENDS, ("int8", "fp8", "awq", "gptq", "gguf")),
-    "xpu": ("xpu", "xccl", 90, GPU_BACKENDS, ("int8", "awq", "gptq", "gguf")),
-    "tpu": ("xla", "xla", 80, ("TORCH_SDPA",), ("int8",)),
-    "cpu": ("cpu", "gloo", 0, ("CPU_ATTN", *GPU_BACKENDS[1:]), ("fp8", "int8", "awq", "gptq", "gguf")),
+FACTS = {  # device_type, priority, attention backends, quantization methods
+    "cuda": ("cuda", 100, ("FLASH_ATTN", *GPU_BACKENDS), None),
+    "rocm": ("cuda", 100, GPU_BACKENDS, ("int8", "fp8", "awq", "gptq", "gguf")),
+    "xpu": ("xpu", 90, GPU_BACKENDS, ("int8", "awq", "gptq", "gguf")),
+    "tpu": ("xla", 80, ("TORCH_SDPA",), ("int8",)),
+    "cpu": ("cpu", 0, ("CPU_ATTN", *GPU_BACKENDS[1:]), ("fp8", "int8", "awq", "gptq", "gguf")),
 }
 PLATFORMS = {
     "cuda": cuda.CudaPlatform,
@@ -256,8 +256,8 @@ PLATFORMS = {
 @pytest.mark.parametrize("name", sorted(FACTS))
 def test_facts(name):
     platform = PLATFORMS[name]
-    device_type, dist_backend, priority, backends, quant = FACTS[name]
-    assert (platform.name, platform.device_type, platform.dist_backend) == (name, device_type, dist_backend)
+    device_type, priority, backends, quant = FACTS[name]
+    assert (platform.name, platform.device_type) == (name, device_type)
     assert platform.priority == priority
     assert platform.preferred_attention_backends() == list(backends)
     assert platform.quantization_methods == quant

@@ -75,8 +75,12 @@ def test_wrong_backend_fails(tmp_path):
         for line in result.stdout.splitlines()
         if line.startswith("FAILED")
     )
-    assert failed == ["WRONG_ATTN-sliding_window-20", "WRONG_ATTN-sliding_window-7"], result.stdout
-    assert "2 failed, 13 passed" in result.stdout and "largest difference from the reference" in result.stdout
+    assert failed == [
+        "WRONG_ATTN-long_context-sliding_window-300",
+        "WRONG_ATTN-sliding_window-20",
+        "WRONG_ATTN-sliding_window-7",
+    ], result.stdout
+    assert "3 failed, 16 passed" in result.stdout and "largest difference from the reference" in result.stdout
 
 
 class _CPU(Platform):
@@ -109,6 +113,9 @@ def test_cases_follow_the_backends_claims():
         "heads-4-kv4",
         "heads-8-kv1",
         "heads-9-kv3",
+        "long_context",
+        "kv_cache_dtype-float8_e4m3fn",
+        "kv_cache_dtype-float8_e5m2",
     ]
     assert all(
         c.spec.block_size == 32 and c.spec.dtype == torch.float32 for c in candidate_cases(Narrow, _CPU)

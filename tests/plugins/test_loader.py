@@ -1,4 +1,5 @@
-"""Loader rules of DESIGN.md §3, on fake plugins: modules and dist-info folders written into tmp_path."""
+"""Loader rules of docs/architecture.md ("Writing a plugin"), on fake plugins: modules and dist-info
+folders written into tmp_path."""
 
 from __future__ import annotations
 

@@ -1,3 +1,5 @@
+import math
+
 import pytest
 
 from pagellm.sampling.params import SamplingParams
@@ -15,14 +17,19 @@ def test_defaults_match_vllm():
     [
         ("n", 0),
         ("temperature", -1),
+        ("temperature", math.inf),
         ("top_p", 0.0),
         ("top_p", 1.5),
         ("top_k", -2),
+        ("top_k", 2**63),
+        ("seed", 2**64),
+        ("seed", -(2**63) - 1),
         ("min_p", -0.1),
         ("min_p", 1.1),
         ("presence_penalty", 2.5),
         ("frequency_penalty", -2.5),
         ("repetition_penalty", 0.0),
+        ("repetition_penalty", math.inf),
         ("max_tokens", 0),
         ("min_tokens", -1),
         ("logprobs", -1),
@@ -41,10 +48,16 @@ def test_invalid_field_is_named(field, value):
 
 
 def test_error_message_states_the_range():
-    with pytest.raises(ValueError, match=r"temperature must be >= 0, got -1"):
+    with pytest.raises(ValueError, match=r"temperature must be a finite number >= 0, got -1"):
         SamplingParams(temperature=-1)
     with pytest.raises(ValueError, match=r"min_tokens must be <= max_tokens \(4\), got 5"):
         SamplingParams(min_tokens=5, max_tokens=4)
+
+
+def test_each_sample_gets_a_seed_in_range_even_at_the_end_of_the_range():
+    params = SamplingParams(n=3, seed=2**64 - 2)
+    assert [params.for_sample(i).seed for i in range(3)] == [2**64 - 2, 2**64 - 1, 0]
+    assert params.for_sample(1).n == 1 and SamplingParams(n=2).for_sample(1).seed is None
 
 
 def test_normalisation():

@@ -1,4 +1,5 @@
-"""Fixtures of the server tests: one tiny random-weight checkpoint for the whole session."""
+"""Fixtures of the server tests: one tiny random-weight checkpoint, and one AsyncLLM over it for the in-process
+tests, for the whole session."""
 
 from __future__ import annotations
 
@@ -7,7 +8,17 @@ from pathlib import Path
 import pytest
 from tiny import make_tiny_checkpoint
 
+from pagellm import AsyncLLM
+
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     return make_tiny_checkpoint("llama", tmp_path_factory.mktemp("serve"))
+
+
+@pytest.fixture(scope="session")
+def llm(tiny_model_dir):
+    """128 tokens of context, 128 KV blocks of 16 tokens: 2032 tokens of KV cache."""
+    llm = AsyncLLM(str(tiny_model_dir), dtype="float32", num_kv_blocks=128, max_model_len=128)
+    yield llm
+    llm.shutdown()

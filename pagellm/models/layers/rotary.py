@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from pagellm.core.errors import ConfigError
+from pagellm.models.base import head_size
 
 _POSITION_DEPENDENT = ("dynamic", "longrope")
 
@@ -26,9 +27,8 @@ class RotaryEmbedding(nn.Module):
         if rope_type not in supported:
             raise ConfigError(f"rope type {rope_type!r} is not supported; supported: {', '.join(supported)}")
         if rope_type == "default":
-            c = hf_config
-            head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-            exponents = torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim
+            size = head_size(hf_config)
+            exponents = torch.arange(0, size, 2, dtype=torch.float32) / size
             inv_freq, self.scaling = 1.0 / (params["rope_theta"] ** exponents), 1.0
         else:
             inv_freq, self.scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config)

@@ -20,7 +20,6 @@ DEFAULT_KV_CACHE_GIB = 1.0
 class VendorSimPlatform(Platform):
     name = "vendor_sim"
     device_type = "cpu"
-    dist_backend = "gloo"
     priority = -10  # a simulation: never chosen by --device auto over the real cpu platform
     supported_dtypes = (torch.float32, torch.bfloat16)
     default_dtype = torch.float32

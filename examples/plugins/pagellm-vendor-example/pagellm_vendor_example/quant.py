@@ -15,7 +15,6 @@ from pagellm.core.quant import QuantMethod
 
 class VendorInt8Method(QuantMethod):
     name = "vendor_int8"
-    activation_dtypes = (torch.float32, torch.bfloat16)
 
     def create_weights(
         self, layer: nn.Module, in_features: int, out_features: int, params_dtype: torch.dtype

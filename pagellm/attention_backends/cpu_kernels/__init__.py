@@ -1,0 +1,103 @@
+"""Native CPU kernels, compiled on first use with `torch.utils.cpp_extension` and cached.
+
+The build targets the CPU it runs on (-march=native), so the AVX-512, AVX2 or plain C++ path of each kernel
+is the one this machine can run; the cache key includes the CPU's feature flags, so a different CPU gets
+its own build. Where no compiler is found or the build fails, `load()` returns None after one log line
+saying why, and callers use their PyTorch path. PAGELLM_CPU_KERNELS=0 turns the kernels off.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import threading
+import time
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from pagellm.core.paths import cache_dir
+
+logger = logging.getLogger("pagellm")
+
+SOURCES = ("paged_attention.cpp",)
+ENV_SWITCH = "PAGELLM_CPU_KERNELS"
+
+_lock = threading.Lock()
+_loaded: dict[str, ModuleType | None] = {}
+_why_not: str | None = None
+
+
+def why_unavailable() -> str | None:
+    """Why `load()` returned None (after it did), for reasons and log lines."""
+    return _why_not
+
+
+def load() -> ModuleType | None:
+    """The compiled kernels, building them the first time; None (with the reason logged once) when they
+    cannot be had here."""
+    global _why_not
+    with _lock:
+        if "module" in _loaded:
+            return _loaded["module"]
+        module, _why_not = _build()
+        if module is None:
+            logger.warning("CPU attention kernel unavailable, using the PyTorch path: %s", _why_not)
+        _loaded["module"] = module
+        return module
+
+
+def _build() -> tuple[ModuleType | None, str | None]:
+    if os.environ.get(ENV_SWITCH, "1") == "0":
+        return None, f"{ENV_SWITCH}=0"
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        return None, f"no C++ compiler ({compiler!r} not on PATH; set CXX or install g++)"
+    here = Path(__file__).parent
+    digest = hashlib.sha256()
+    for name in SOURCES:
+        digest.update((here / name).read_bytes())
+    digest.update(torch.__version__.encode())
+    digest.update(_cpu_flags().encode())
+    key = digest.hexdigest()[:16]
+    build_dir = Path(cache_dir()) / "kernels" / key
+    build_dir.mkdir(parents=True, exist_ok=True)
+    fresh = not any(build_dir.glob("*.so"))
+    if fresh:
+        logger.info("building the CPU attention kernel in %s (once per CPU and torch version)", build_dir)
+    started = time.monotonic()
+    try:
+        from torch.utils.cpp_extension import load as load_extension
+
+        module = load_extension(
+            name=f"pagellm_cpu_kernels_{key}",
+            sources=[str(here / name) for name in SOURCES],
+            extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(build_dir),
+            verbose=False,
+        )
+    except Exception as e:  # a compiler error, a missing header or ninja: fall back, say why
+        return (
+            None,
+            f"build failed: {type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else e}",
+        )
+    if fresh:
+        logger.info("CPU attention kernel built in %.1fs (%s)", time.monotonic() - started, module.isa())
+    return module, None
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return line
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine()

@@ -1,0 +1,549 @@
+// Paged attention for CPUs that reads K/V in place through the block table.
+//
+// One work item is (request, KV head, context partition): it loads each cached key and value once for all
+// query tokens of the request and all query heads of the KV head's group (GQA), computes float32 scores,
+// a softmax over its partition and the weighted sum of values. Long contexts are split into partitions
+// (flash-decoding) so that both cores stay busy at small batch; a second pass merges the partitions with
+// their maxima and sums. Built at run time with -march=native (see __init__.py): the AVX-512 path, the AVX2
+// path or plain C++ is chosen by what the compiler may use on this CPU.
+//
+// Cache layouts: k_cache, v_cache [num_kv_heads, num_blocks, block_size, head_size] of
+//   kind 0: float32, 1: bfloat16, 2: float16, 3: fp8 e4m3fn, 4: fp8 e5m2 (uint8 storage for both fp8).
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define PL_AVX512 1
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define PL_AVX2 1
+#endif
+
+namespace {
+
+enum CacheKind : int64_t { F32 = 0, BF16 = 1, F16 = 2, E4M3 = 3, E5M2 = 4 };
+
+// ---- scalar conversions (tails and the plain C++ build) ----------------------------------------------
+
+inline float bits_to_float(uint32_t bits) {
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+inline float half_to_float(uint16_t h) {
+  uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1f, mant = h & 0x3ffu;
+  if (exp == 0) {  // zero or subnormal
+    float v = std::ldexp(static_cast<float>(mant), -24);
+    return sign ? -v : v;
+  }
+  if (exp == 31) return bits_to_float(sign | 0x7f800000u | (mant << 13));
+  return bits_to_float(sign | ((exp + 112) << 23) | (mant << 13));
+}
+
+// e4m3fn's seven exponent-and-mantissa bits placed at float16 bits 13..7 give 2^(e-15) * 1.m (or a
+// float16 subnormal for e = 0); multiplying by 2^8 moves the bias from 15 to 7. Exact for every finite
+// value, and through float16 rather than float32 so that no float32 subnormal (slow on x86) appears.
+constexpr float E4M3_SCALE = 256.f;
+
+inline uint16_t e4m3_to_half_bits(uint32_t b) { return uint16_t(((b & 0x80u) << 8) | ((b & 0x7fu) << 7)); }
+
+template <int64_t K>
+inline float load_scalar(const void* base, int64_t i) {
+  if constexpr (K == F32) return static_cast<const float*>(base)[i];
+  if constexpr (K == BF16) return bits_to_float(uint32_t(static_cast<const uint16_t*>(base)[i]) << 16);
+  if constexpr (K == F16) return half_to_float(static_cast<const uint16_t*>(base)[i]);
+  if constexpr (K == E4M3) {
+    return half_to_float(e4m3_to_half_bits(static_cast<const uint8_t*>(base)[i])) * E4M3_SCALE;
+  }
+  if constexpr (K == E5M2) return half_to_float(uint16_t(static_cast<const uint8_t*>(base)[i]) << 8);
+  return 0.f;
+}
+
+// ---- vector conversions: W floats at a time ----------------------------------------------------------
+
+#if PL_AVX512
+constexpr int W = 16;
+using vec = __m512;
+inline vec vzero() { return _mm512_setzero_ps(); }
+inline vec vset1(float x) { return _mm512_set1_ps(x); }
+inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline vec vmul(vec a, vec b) { return _mm512_mul_ps(a, b); }
+inline float vsum(vec a) { return _mm512_reduce_add_ps(a); }
+inline vec vsub(vec a, vec b) { return _mm512_sub_ps(a, b); }
+inline vec vadd(vec a, vec b) { return _mm512_add_ps(a, b); }
+inline vec vloadf(const float* p) { return _mm512_loadu_ps(p); }
+inline void vstoref(float* p, vec a) { _mm512_storeu_ps(p, a); }
+template <int64_t K>
+inline vec vload(const void* base, int64_t i) {
+  if constexpr (K == F32) return _mm512_loadu_ps(static_cast<const float*>(base) + i);
+  if constexpr (K == BF16) {
+    __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(base) + i));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+  if constexpr (K == F16)
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(base) + i)));
+  if constexpr (K == E4M3) {
+    __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint8_t*>(base) + i)));
+    __m256i sign = _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8);
+    __m256i rest = _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7f)), 7);
+    return _mm512_mul_ps(_mm512_cvtph_ps(_mm256_or_si256(sign, rest)), _mm512_set1_ps(E4M3_SCALE));
+  }
+  if constexpr (K == E5M2) {
+    __m256i h = _mm256_slli_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint8_t*>(base) + i))), 8);
+    return _mm512_cvtph_ps(h);
+  }
+  return _mm512_setzero_ps();
+}
+#elif PL_AVX2
+constexpr int W = 8;
+using vec = __m256;
+inline vec vzero() { return _mm256_setzero_ps(); }
+inline vec vset1(float x) { return _mm256_set1_ps(x); }
+inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline vec vmul(vec a, vec b) { return _mm256_mul_ps(a, b); }
+inline float vsum(vec a) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+inline vec vloadf(const float* p) { return _mm256_loadu_ps(p); }
+inline vec vsub(vec a, vec b) { return _mm256_sub_ps(a, b); }
+inline vec vadd(vec a, vec b) { return _mm256_add_ps(a, b); }
+inline void vstoref(float* p, vec a) { _mm256_storeu_ps(p, a); }
+template <int64_t K>
+inline vec vload(const void* base, int64_t i) {
+  if constexpr (K == F32) return _mm256_loadu_ps(static_cast<const float*>(base) + i);
+  if constexpr (K == BF16) {
+    __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(base) + i));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  }
+  if constexpr (K == F16)
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(base) + i)));
+  if constexpr (K == E4M3) {
+    __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(static_cast<const uint8_t*>(base) + i)));
+    __m128i sign = _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8);
+    __m128i rest = _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x7f)), 7);
+    return _mm256_mul_ps(_mm256_cvtph_ps(_mm_or_si128(sign, rest)), _mm256_set1_ps(E4M3_SCALE));
+  }
+  if constexpr (K == E5M2) {
+    __m128i h = _mm_slli_epi16(_mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(static_cast<const uint8_t*>(base) + i))), 8);
+    return _mm256_cvtph_ps(h);
+  }
+  return _mm256_setzero_ps();
+}
+#else
+constexpr int W = 0;  // plain C++: every element goes through the scalar tail
+#endif
+
+#if PL_AVX512 || PL_AVX2
+// e^x for x <= ~88 (softmax arguments are <= 0), exact 0 for -inf; relative error ~1e-7
+inline vec vexp(vec x) {
+  const vec log2e = vset1(1.44269504088896341f), ln2_hi = vset1(0.693359375f), ln2_lo = vset1(-2.12194440e-4f);
+#if PL_AVX512
+  const __mmask16 dead = _mm512_cmp_ps_mask(x, vset1(-87.0f), _CMP_LT_OQ);
+  x = _mm512_max_ps(x, vset1(-87.0f));
+  vec n = _mm512_roundscale_ps(vmul(x, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  vec r = _mm512_fnmadd_ps(n, ln2_hi, x);
+  r = _mm512_fnmadd_ps(n, ln2_lo, r);
+#else
+  const vec dead = _mm256_cmp_ps(x, vset1(-87.0f), _CMP_LT_OQ);
+  x = _mm256_max_ps(x, vset1(-87.0f));
+  vec n = _mm256_round_ps(vmul(x, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  vec r = _mm256_fnmadd_ps(n, ln2_hi, x);
+  r = _mm256_fnmadd_ps(n, ln2_lo, r);
+#endif
+  vec p = vset1(1.f / 720);
+  p = vfma(p, r, vset1(1.f / 120));
+  p = vfma(p, r, vset1(1.f / 24));
+  p = vfma(p, r, vset1(1.f / 6));
+  p = vfma(p, r, vset1(0.5f));
+  p = vfma(p, r, vset1(1.f));
+  p = vfma(p, r, vset1(1.f));
+#if PL_AVX512
+  return _mm512_maskz_mov_ps(static_cast<__mmask16>(~dead), _mm512_scalef_ps(p, n));
+#else
+  __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_andnot_ps(dead, vmul(p, _mm256_castsi256_ps(e)));
+#endif
+}
+#endif
+
+#if PL_AVX512
+// lane i of the result = the sum of the 16 lanes of a[i]: 16 horizontal sums in 45 instructions
+inline __m512 reduce16(const __m512* a) {
+  __m512 x[8], y[4], z[2];
+  for (int i = 0; i < 8; ++i)
+    x[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44),
+                         _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xEE));
+  for (int i = 0; i < 4; ++i)
+    y[i] = _mm512_add_ps(_mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], 0xDD));
+  for (int i = 0; i < 2; ++i)
+    z[i] = _mm512_add_ps(_mm512_shuffle_ps(y[2 * i], y[2 * i + 1], 0x88), _mm512_shuffle_ps(y[2 * i], y[2 * i + 1], 0xDD));
+  __m512 w = _mm512_add_ps(_mm512_shuffle_ps(z[0], z[1], 0x88), _mm512_shuffle_ps(z[0], z[1], 0xDD));
+  // w holds tokens 0 4 8 12 1 5 9 13 2 6 10 14 3 7 11 15
+  return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), w);
+}
+
+constexpr int64_t PREFETCH_AHEAD = 32;  // tokens: two tiles ahead hides more of the memory latency than one
+
+template <int64_t K>
+constexpr int64_t elem_size() { return K == F32 ? 4 : (K == BF16 || K == F16) ? 2 : 1; }
+
+template <int Hint>
+inline void prefetch_row(const void* base, int64_t at, int64_t bytes, int64_t elem) {
+  const char* p = static_cast<const char*>(base) + at * elem;
+  for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(p + b, static_cast<_mm_hint>(Hint));
+}
+
+// the 16 unreduced partial products of q and one cached row (head_size a multiple of 16)
+template <int64_t K>
+inline __m512 partial_dot(const float* q, const void* cache, int64_t at, int64_t d) {
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t i = 0; i < d; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), vload<K>(cache, at + i), acc);
+  return acc;
+}
+
+#if defined(__AVX512BF16__)
+// bfloat16 query and cache: the products of pairs in one instruction (head_size a multiple of 32)
+inline __m512 partial_dot_bf16(const __m512bh* q, const void* cache, int64_t at, int64_t d) {
+  __m512 acc = _mm512_setzero_ps();
+  const uint16_t* row = static_cast<const uint16_t*>(cache) + at;
+  for (int64_t i = 0; i < d; i += 32)
+    acc = _mm512_dpbf16_ps(acc, q[i / 32], (__m512bh)_mm512_loadu_si512(row + i));
+  return acc;
+}
+#endif
+#endif
+
+// dot(q, row) over d elements: q is float32, row is `d` elements of the cache starting at element `at`.
+template <int64_t K>
+inline float dot(const float* q, const void* cache, int64_t at, int64_t d) {
+  float s = 0.f;
+  int64_t i = 0;
+#if PL_AVX512 || PL_AVX2
+  vec acc = vzero();
+  for (; i + W <= d; i += W) acc = vfma(vloadf(q + i), vload<K>(cache, at + i), acc);
+  s = vsum(acc);
+#endif
+  for (; i < d; ++i) s += q[i] * load_scalar<K>(cache, at + i);
+  return s;
+}
+
+inline float load_q(const at::Tensor& q, int64_t flat) {
+  switch (q.scalar_type()) {
+    case at::kFloat: return q.data_ptr<float>()[flat];
+    case at::kBFloat16: return static_cast<float>(q.data_ptr<at::BFloat16>()[flat]);
+    case at::kHalf: return static_cast<float>(q.data_ptr<at::Half>()[flat]);
+    default: TORCH_CHECK(false, "q must be float32, bfloat16 or float16");
+  }
+}
+
+struct Problem {
+  int64_t num_heads, num_kv, head_size, group, block_size, num_blocks, max_blocks;
+  int64_t window;  // 0: none
+  float scale;
+  const int32_t* block_tables;
+  const int32_t* seq_lens;
+  const int32_t* query_start;
+  const int32_t* reqs;
+  const void* k;
+  const void* v;
+};
+
+// One work item: request `r`, KV head `h`, context positions [lo, hi). Writes, for each of the request's
+// query tokens j and query heads g of the group, row (j * group + g): the running max, the sum of
+// exponentials and the unnormalised weighted sum of values (head_size floats). Rows whose visible range
+// does not meet [lo, hi) get max = -inf, sum = 0, acc = 0. `qf` holds the rows' queries in float32 and, when
+// the query is bfloat16, `qb` the same bits as bfloat16 pairs for the dot-product instruction.
+template <int64_t K>
+void attend_partition(const Problem& P, const float* qf, const void* qb, int64_t r, int64_t h, int64_t lo, int64_t hi,
+                      float* row_max, float* row_sum, float* row_acc, std::vector<float>& scores,
+                      std::vector<float>& vrow, std::vector<int64_t>& offsets) {
+  constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
+  const int64_t d = P.head_size, G = P.group;
+  const int64_t Q = P.query_start[r + 1] - P.query_start[r], L = P.seq_lens[r];
+  const int64_t rows = Q * G, width = hi - lo;
+  scores.resize(rows * width);
+  const int32_t* table = P.block_tables + r * P.max_blocks;
+  const int64_t head_base = h * P.num_blocks * P.block_size * d;
+  // each position's element offset in the cache, walking the block table once (no division per token)
+  offsets.resize(width);
+  for (int64_t t = lo, b = lo / P.block_size, i = lo % P.block_size; t < hi; ++t) {
+    offsets[t - lo] = head_base + (int64_t(table[b]) * P.block_size + i) * d;
+    if (++i == P.block_size) i = 0, ++b;
+  }
+  auto offset = [&](int64_t t) { return offsets[t - lo]; };
+  int64_t t = lo;
+#if PL_AVX512
+  if (d % 16 == 0) {
+    __m512 part[16];
+    int64_t at[16];
+    std::vector<uint16_t> tile(16 * d);  // a tile of keys widened to bfloat16
+    const __m512 scale = _mm512_set1_ps(P.scale);
+    const int64_t row_bytes = d * elem_size<K>();
+    for (; t + 16 <= hi; t += 16) {
+      for (int i = 0; i < 16; ++i) at[i] = offset(t + i);
+      // blocks sit anywhere in memory, so the hardware prefetcher cannot see the next one coming: fetch
+      // the keys of a tile ahead into L1 and its values into L2 for the second pass
+      for (int64_t i = t + PREFETCH_AHEAD; i < std::min(hi, t + PREFETCH_AHEAD + 16); ++i) {
+        prefetch_row<_MM_HINT_T0>(P.k, offset(i), row_bytes, elem_size<K>());
+        prefetch_row<_MM_HINT_T1>(P.v, offset(i), row_bytes, elem_size<K>());
+      }
+#if defined(__AVX512BF16__)
+      // other cache dtypes with a bfloat16 query: widen the tile's keys to bfloat16 once (exact for fp8,
+      // whose 2-3 mantissa bits fit in bfloat16's 7), then every query row uses the pair-product path
+      const bool widen = K != BF16 && qb != nullptr && d % 32 == 0 && K != F32;
+      if (widen) {
+        for (int i = 0; i < 16; ++i)
+          for (int64_t e = 0; e < d; e += 32)
+            _mm512_storeu_si512(tile.data() + i * d + e,
+                                (__m512i)_mm512_cvtne2ps_pbh(vload<K>(P.k, at[i] + e + 16), vload<K>(P.k, at[i] + e)));
+      }
+#endif
+      for (int64_t row = 0; row < rows; ++row) {
+#if defined(__AVX512BF16__)
+        if (K == BF16 && qb != nullptr && d % 32 == 0) {
+          const __m512bh* q = static_cast<const __m512bh*>(qb) + row * (d / 32);
+          for (int i = 0; i < 16; ++i) part[i] = partial_dot_bf16(q, P.k, at[i], d);
+        } else if (widen) {
+          const __m512bh* q = static_cast<const __m512bh*>(qb) + row * (d / 32);
+          for (int i = 0; i < 16; ++i) part[i] = partial_dot_bf16(q, tile.data(), i * d, d);
+        } else
+#endif
+        {
+          for (int i = 0; i < 16; ++i) part[i] = partial_dot<K>(qf + row * d, P.k, at[i], d);
+        }
+        _mm512_storeu_ps(scores.data() + row * width + (t - lo), _mm512_mul_ps(reduce16(part), scale));
+      }
+    }
+  }
+#endif
+  for (; t < hi; ++t) {
+    const int64_t at = offset(t);
+    for (int64_t row = 0; row < rows; ++row) scores[row * width + (t - lo)] = dot<K>(qf + row * d, P.k, at, d) * P.scale;
+  }
+  // causal and sliding-window masks: query token j sits at position L - Q + j and sees (pos - window, pos]
+  for (int64_t row = 0; row < rows; ++row) {
+    const int64_t pos = L - Q + row / G;
+    const int64_t first = P.window ? std::max<int64_t>(0, pos - P.window + 1) : 0;
+    float* s = scores.data() + row * width;
+    for (int64_t i = lo; i < std::min(first, hi); ++i) s[i - lo] = NEG_INF;
+    for (int64_t i = std::max(pos + 1, lo); i < hi; ++i) s[i - lo] = NEG_INF;
+  }
+  for (int64_t row = 0; row < rows; ++row) {
+    float* s = scores.data() + row * width;
+    float m = NEG_INF;
+    int64_t i0 = 0;
+#if PL_AVX512
+    __m512 mv16 = _mm512_set1_ps(NEG_INF);
+    for (; i0 + 16 <= width; i0 += 16) mv16 = _mm512_max_ps(mv16, _mm512_loadu_ps(s + i0));
+    m = _mm512_reduce_max_ps(mv16);
+#endif
+    for (; i0 < width; ++i0) m = std::max(m, s[i0]);
+    float sum = 0.f;
+    if (m != NEG_INF) {
+      int64_t i = 0;
+#if PL_AVX512 || PL_AVX2
+      const vec mv = vset1(m);
+      vec sv = vzero();
+      for (; i + W <= width; i += W) {
+        const vec e = vexp(vsub(vloadf(s + i), mv));
+        vstoref(s + i, e);
+        sv = vadd(sv, e);
+      }
+      sum = vsum(sv);
+#endif
+      for (; i < width; ++i) {
+        s[i] = std::exp(s[i] - m);
+        sum += s[i];
+      }
+    }
+    row_max[row] = m;
+    row_sum[row] = sum;
+    std::fill(row_acc + row * d, row_acc + (row + 1) * d, 0.f);
+  }
+  vrow.resize(d);
+  for (int64_t t = lo; t < hi; ++t) {
+    const int64_t at = offset(t);
+    bool loaded = false;
+    for (int64_t row = 0; row < rows; ++row) {
+      const float p = scores[row * width + (t - lo)];
+      if (p == 0.f) continue;
+      if (!loaded) {  // the value row in float32, once for all query rows
+        int64_t i = 0;
+#if PL_AVX512 || PL_AVX2
+        for (; i + W <= d; i += W) vstoref(vrow.data() + i, vload<K>(P.v, at + i));
+#endif
+        for (; i < d; ++i) vrow[i] = load_scalar<K>(P.v, at + i);
+        loaded = true;
+      }
+      float* acc = row_acc + row * d;
+      int64_t i = 0;
+#if PL_AVX512 || PL_AVX2
+      const vec pv = vset1(p);
+      for (; i + W <= d; i += W) vstoref(acc + i, vfma(pv, vloadf(vrow.data() + i), vloadf(acc + i)));
+#endif
+      for (; i < d; ++i) acc[i] += p * vrow[i];
+    }
+  }
+}
+
+template <typename T>
+inline void store_out(at::Tensor& out, int64_t flat, const float* src, float inv, int64_t d) {
+  T* dst = out.data_ptr<T>() + flat;
+  for (int64_t i = 0; i < d; ++i) dst[i] = static_cast<T>(src[i] * inv);
+}
+
+template <int64_t K>
+void run(at::Tensor& out, const at::Tensor& q, const Problem& P, int64_t num_reqs, int64_t partition) {
+  const int64_t d = P.head_size, G = P.group, KV = P.num_kv;
+  // work items: (request, KV head, partition)
+  std::vector<int64_t> item_start(num_reqs + 1, 0), parts(num_reqs);
+  int64_t max_rows = 1;
+  for (int64_t i = 0; i < num_reqs; ++i) {
+    const int64_t r = P.reqs[i], L = P.seq_lens[r], Q = P.query_start[r + 1] - P.query_start[r];
+    parts[i] = std::max<int64_t>(1, (L + partition - 1) / partition);
+    item_start[i + 1] = item_start[i] + parts[i] * KV;
+    max_rows = std::max(max_rows, Q * G);
+  }
+  const int64_t num_items = item_start[num_reqs];
+  // per item: max_rows maxima, sums and accumulators
+  const int64_t stride = max_rows * (2 + d);
+  std::vector<float> partial(num_items * stride);
+
+  at::parallel_for(0, num_items, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores, qf, vrow;
+    std::vector<int64_t> offsets;
+    std::vector<uint16_t> qb;
+    const bool bf16_query = q.scalar_type() == at::kBFloat16;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t i = std::upper_bound(item_start.begin(), item_start.end(), item) - item_start.begin() - 1;
+      const int64_t r = P.reqs[i], local = item - item_start[i];
+      const int64_t h = local / parts[i], p = local % parts[i];
+      const int64_t L = P.seq_lens[r], q0 = P.query_start[r], Q = P.query_start[r + 1] - q0;
+      const int64_t lo = p * partition, hi = std::min(L, lo + partition);
+      // this KV head's query rows, scaled, as float32: [Q, G, d]
+      qf.resize(Q * G * d);
+      for (int64_t j = 0; j < Q; ++j)
+        for (int64_t g = 0; g < G; ++g) {
+          const int64_t src = ((q0 + j) * P.num_heads + h * G + g) * d;
+          float* dst = qf.data() + (j * G + g) * d;
+          for (int64_t e = 0; e < d; ++e) dst[e] = load_q(q, src + e);
+        }
+      if (bf16_query) {  // 64-byte aligned for the vector loads
+        qb.resize(Q * G * d + 32);
+        uint16_t* aligned = reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(qb.data()) + 63) & ~uintptr_t(63));
+        const uint16_t* bits = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>());
+        for (int64_t j = 0; j < Q; ++j)
+          std::memcpy(aligned + j * G * d, bits + ((q0 + j) * P.num_heads + h * G) * d, G * d * 2);
+      }
+      float* base = partial.data() + item * stride;
+      const void* qbits = bf16_query ? reinterpret_cast<const void*>((reinterpret_cast<uintptr_t>(qb.data()) + 63) & ~uintptr_t(63)) : nullptr;
+      attend_partition<K>(P, qf.data(), qbits, r, h, lo, hi, base, base + max_rows, base + 2 * max_rows, scores, vrow, offsets);
+    }
+  });
+
+  // merge each (request, KV head)'s partitions and write the output rows
+  at::parallel_for(0, num_reqs * KV, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> acc(d);
+    for (int64_t w = begin; w < end; ++w) {
+      const int64_t i = w / KV, h = w % KV, r = P.reqs[i];
+      const int64_t q0 = P.query_start[r], Q = P.query_start[r + 1] - q0;
+      for (int64_t row = 0; row < Q * G; ++row) {
+        float m = -std::numeric_limits<float>::infinity();
+        for (int64_t p = 0; p < parts[i]; ++p)
+          m = std::max(m, partial[(item_start[i] + h * parts[i] + p) * stride + row]);
+        float sum = 0.f;
+        std::fill(acc.begin(), acc.end(), 0.f);
+        for (int64_t p = 0; p < parts[i]; ++p) {
+          const float* base = partial.data() + (item_start[i] + h * parts[i] + p) * stride;
+          if (base[max_rows + row] == 0.f) continue;
+          const float c = std::exp(base[row] - m);
+          sum += c * base[max_rows + row];
+          const float* a = base + 2 * max_rows + row * d;
+          for (int64_t e = 0; e < d; ++e) acc[e] += c * a[e];
+        }
+        const float inv = sum > 0.f ? 1.f / sum : 0.f;
+        const int64_t j = row / G, g = row % G;
+        const int64_t flat = ((q0 + j) * P.num_heads + h * G + g) * d;
+        switch (out.scalar_type()) {
+          case at::kFloat: store_out<float>(out, flat, acc.data(), inv, d); break;
+          case at::kBFloat16: store_out<at::BFloat16>(out, flat, acc.data(), inv, d); break;
+          case at::kHalf: store_out<at::Half>(out, flat, acc.data(), inv, d); break;
+          default: TORCH_CHECK(false, "out must be float32, bfloat16 or float16");
+        }
+      }
+    }
+  });
+}
+
+}  // namespace
+
+// out, q: [num_tokens, num_heads, head_size], contiguous. k_cache, v_cache: [num_kv_heads, num_blocks,
+// block_size, head_size], contiguous. block_tables int32 [num_reqs, max_blocks]; seq_lens int32 [num_reqs];
+// query_start_loc int32 [num_reqs + 1]; reqs int32: the requests to compute (others' rows are untouched).
+void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,
+                     at::Tensor seq_lens, at::Tensor query_start_loc, at::Tensor reqs, int64_t cache_kind, double scale,
+                     int64_t window, int64_t partition) {
+  TORCH_CHECK(q.is_contiguous() && out.is_contiguous(), "q and out must be contiguous");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the caches must be contiguous");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
+                  query_start_loc.scalar_type() == at::kInt && reqs.scalar_type() == at::kInt,
+              "block_tables, seq_lens, query_start_loc and reqs must be int32");
+  TORCH_CHECK(block_tables.is_contiguous() && reqs.is_contiguous(), "block_tables and reqs must be contiguous");
+  TORCH_CHECK(partition > 0, "partition must be positive");
+  Problem P;
+  P.num_heads = q.size(1);
+  P.head_size = q.size(2);
+  P.num_kv = k_cache.size(0);
+  P.num_blocks = k_cache.size(1);
+  P.block_size = k_cache.size(2);
+  TORCH_CHECK(P.num_heads % P.num_kv == 0, "num_heads must be a multiple of num_kv_heads");
+  P.group = P.num_heads / P.num_kv;
+  P.max_blocks = block_tables.size(1);
+  P.window = window;
+  P.scale = static_cast<float>(scale);
+  P.block_tables = block_tables.data_ptr<int32_t>();
+  P.seq_lens = seq_lens.data_ptr<int32_t>();
+  P.query_start = query_start_loc.data_ptr<int32_t>();
+  P.reqs = reqs.data_ptr<int32_t>();
+  P.k = k_cache.data_ptr();
+  P.v = v_cache.data_ptr();
+  const int64_t n = reqs.numel();
+  if (n == 0) return;
+  switch (cache_kind) {
+    case F32: run<F32>(out, q, P, n, partition); break;
+    case BF16: run<BF16>(out, q, P, n, partition); break;
+    case F16: run<F16>(out, q, P, n, partition); break;
+    case E4M3: run<E4M3>(out, q, P, n, partition); break;
+    case E5M2: run<E5M2>(out, q, P, n, partition); break;
+    default: TORCH_CHECK(false, "unknown cache kind ", cache_kind);
+  }
+}
+
+std::string isa() {
+#if PL_AVX512
+  return "avx512";
+#elif PL_AVX2
+  return "avx2";
+#else
+  return "scalar";
+#endif
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_attention", &paged_attention, "paged attention reading K/V in place through the block table");
+  m.def("isa", &isa, "the vector instruction set this build uses");
+}

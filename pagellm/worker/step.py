@@ -1,0 +1,104 @@
+"""The contract between the engine and the worker: what the engine decided at start-up (`EngineSetup`),
+what the scheduler hands the model runner each step (`SchedulerOutput`) and what the runner hands back
+(`StepResult`).
+
+It lives in the worker, below the engine, so that imports point one way (docs/architecture.md, "Layers"):
+the engine builds these objects and the worker reads them without importing the engine.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from pagellm.core.attention import AttentionBackend, AttentionSpec
+from pagellm.core.config import EngineConfig
+from pagellm.core.platform import Platform
+from pagellm.core.quant import QuantMethod
+from pagellm.core.registry import Registry
+from pagellm.core.selector import BackendChoice
+from pagellm.sampling.params import SamplingParams
+
+
+@dataclass
+class ModelSource:
+    """Where the model's files are."""
+
+    directory: str  # a Hugging Face directory: config.json, tokenizer files, weights
+    gguf_original: str | None = None  # the .gguf file the directory was converted from
+
+    @property
+    def gguf_file(self) -> str | None:
+        return os.path.basename(self.gguf_original) if self.gguf_original else None
+
+
+@dataclass
+class EngineSetup:
+    """Everything decided at start-up, before any weight is read."""
+
+    config: EngineConfig
+    registry: Registry
+    platform: type[Platform]
+    source: ModelSource
+    hf_config: Any  # transformers.PretrainedConfig
+    model_class_path: str  # "module:Class" of the model, as registered for its architecture
+    dtype: torch.dtype
+    max_model_len: int
+    spec: AttentionSpec  # the spec the backend was selected for; the model's layers build the same
+    backend_choice: BackendChoice
+    quant_method: type[QuantMethod] | None
+    explanation: list[str] = field(default_factory=list)
+
+    @property
+    def backend(self) -> type[AttentionBackend]:
+        return self.backend_choice.backend
+
+
+class ScheduledRequest(Protocol):
+    """What the runner reads of a scheduled request (the engine's `Request` provides it)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    sampling_params: SamplingParams
+    num_computed_tokens: int  # position of its first scheduled token, during the step
+
+    @property
+    def all_token_ids(self) -> list[int]: ...
+
+    @property
+    def num_prompt_tokens(self) -> int: ...
+
+    @property
+    def num_tokens(self) -> int: ...
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's decision: which requests run and how many tokens each."""
+
+    scheduled: list[ScheduledRequest]  # batch order: running requests first, then newly admitted ones
+    num_scheduled_tokens: dict[str, int]  # same order
+    new_request_ids: set[str]  # scheduled for the first time or resumed after preemption
+    preempted: list[str]  # preempted this step; their KV is gone
+    finished_ids: set[str]  # finished or aborted since the previous step
+    block_ids: dict[str, list[int]]  # each scheduled request's block table (live lists)
+    total_num_scheduled_tokens: int = 0
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class StepResult:
+    """What one step produced, by request id."""
+
+    sampled: dict[str, list[int]] = field(default_factory=dict)
+    # request id -> (token id -> (logprob, rank)) for the sampled token and the top-k, per new token
+    logprobs: dict[str, list[dict[int, tuple[float, int]]]] = field(default_factory=dict)
+    # request id -> one entry per prompt position computed this step (None for the first prompt token)
+    prompt_logprobs: dict[str, list[dict[int, tuple[float, int]] | None]] = field(default_factory=dict)

@@ -1,0 +1,95 @@
+"""The engine treats a plugin by the facts its class declares, never by its name: a vendor's GGUF-like
+quantization method or accelerator-like platform gets exactly what the built-in one would."""
+
+from __future__ import annotations
+
+import dataclasses
+from types import SimpleNamespace
+
+import pytest
+import torch
+from tiny import make_tiny_checkpoint
+
+from pagellm import LLM
+from pagellm.core.platform import Availability, Platform
+from pagellm.core.quant import QuantMethod
+from pagellm.engine import llm_engine, setup
+from pagellm.plugins import load_plugins
+from pagellm.worker.step import ModelSource
+
+MiB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_tiny_checkpoint("llama", tmp_path_factory.mktemp("facts"))
+
+
+class VendorGgufMethod(QuantMethod):
+    """Reads llama.cpp blocks like the built-in `gguf`, under another name."""
+
+    name = "vendor_gguf"
+    loads_gguf_blocks = True
+
+
+class VendorFloatMethod(QuantMethod):
+    name = "vendor_float"
+
+
+def _weights(model_dir, method: type[QuantMethod], monkeypatch) -> object:
+    from pagellm.models import gguf
+
+    packed = object()
+    monkeypatch.setattr(gguf, "iter_gguf_weights", lambda path, config, raw_linear: packed)
+    fake_setup = SimpleNamespace(
+        config=SimpleNamespace(tokenizer=None),
+        source=ModelSource(str(model_dir), gguf_original="/models/m.Q4_0.gguf"),
+        hf_config=None,
+        quant_method=method,
+    )
+    _, weights = llm_engine._load_tokenizer_and_weights(fake_setup)
+    return weights is packed
+
+
+def test_a_method_that_loads_gguf_blocks_gets_them_from_the_file_whatever_its_name(model_dir, monkeypatch):
+    assert _weights(model_dir, VendorGgufMethod, monkeypatch)
+    assert not _weights(model_dir, VendorFloatMethod, monkeypatch)  # the converted copy's float weights
+
+
+class SimAccelerator(Platform):
+    """Runs on the host CPU, but measures its memory like a device of its own: 64 MiB, 16 MiB in use."""
+
+    name = "sim_accel"
+    device_type = "cpu"
+    attention_backends = ("TORCH_SDPA",)
+
+    @classmethod
+    def availability(cls) -> Availability:
+        return Availability.yes("simulated")
+
+    @classmethod
+    def total_memory(cls, index: int = 0) -> int:
+        return 64 * MiB
+
+    @classmethod
+    def free_memory(cls, index: int = 0) -> int:
+        return 48 * MiB
+
+
+def test_a_host_run_platform_sizes_the_kv_cache_by_its_own_memory_facts(model_dir, monkeypatch):
+    registry = load_plugins()
+    with_sim = dataclasses.replace(registry, platforms={**registry.platforms, "sim_accel": SimAccelerator})
+    monkeypatch.setattr(setup, "load_plugins", lambda: with_sim)
+    llm = LLM(
+        str(model_dir),
+        device="sim_accel",
+        dtype="float32",
+        gpu_memory_utilization=0.5,
+        max_model_len=256,
+        attention_backend="TORCH_SDPA",
+    )
+    runner = llm.engine.runner
+    assert llm.engine.setup.platform is SimAccelerator
+    # half of 64 MiB, less the 16 MiB in use on the device (not just the weights)
+    assert runner.num_blocks == (32 - 16) * MiB // runner.block_bytes()
+    assert torch.device("cpu") == runner.device

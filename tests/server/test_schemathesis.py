@@ -1,0 +1,68 @@
+"""Schemathesis against a live `pagellm serve` and its own /openapi.json: whatever valid or invalid request it
+generates, the server never answers 5xx, and every answer is one the schema documents (status, content type,
+body, headers; an undocumented method gets 405 with `Allow`).
+
+Slow (minutes): `pytest -m slow tests/server/test_schemathesis.py`. Schemathesis runs as its command line
+does (all its phases); its pytest plugin does not run under pytest 9.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from server_harness import ServerProcess
+
+pytestmark = pytest.mark.slow
+
+# a short context keeps generated completions quick; max_tokens and n beyond it are refused with 400
+ENGINE_ARGS = [
+    "--dtype",
+    "float32",
+    "--num-kv-blocks",
+    "64",
+    "--max-model-len",
+    "64",
+    "--disable-log-requests",
+]
+CHECKS = (
+    "not_a_server_error",
+    "status_code_conformance",
+    "content_type_conformance",
+    "response_headers_conformance",
+    "response_schema_conformance",
+    "unsupported_method",
+)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir, tmp_path_factory):
+    proc = ServerProcess(tiny_model_dir, ENGINE_ARGS, tmp_path_factory.mktemp("log") / "serve.log")
+    yield proc
+    proc.stop()
+
+
+def test_the_server_keeps_to_its_schema(server, tmp_path):
+    command = [
+        sys.executable,
+        "-m",
+        "schemathesis.cli",
+        "run",
+        f"{server.url}/openapi.json",
+        "--checks",
+        ",".join(CHECKS),
+        "--phases",
+        "examples,coverage,fuzzing",
+        "--max-examples",
+        "100",
+        "--request-timeout",
+        "60",
+        "--generation-database",
+        "none",
+        "--no-color",
+    ]
+    run = subprocess.run(command, capture_output=True, text=True, cwd=tmp_path, timeout=1200)
+    assert run.returncode == 0, (
+        f"{run.stdout[-20000:]}\n{run.stderr[-2000:]}\n{server.log_path.read_text()[-5000:]}"
+    )
