@@ -262,6 +262,38 @@ struct Problem {
   const void* v;
 };
 
+#if PL_AVX512
+// row_acc[row] = sum over positions i of p[row][i] * V[i] for query rows row0 .. row0 + R - 1 (those below
+// `rows`), head size CH * 16: the R x CH accumulators stay in registers, each value row is loaded and
+// widened once for all R rows, and positions no row sees (p = 0 for all) are skipped.
+template <int64_t K, int CH, int R>
+void accumulate_values(const Problem& P, const float* scores, int64_t width, const int64_t* offsets, int64_t row0,
+                       int64_t rows, float* row_acc) {
+  __m512 acc[R][CH];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < CH; ++c) acc[r][c] = _mm512_setzero_ps();
+  const float* s[R];
+  for (int r = 0; r < R; ++r) s[r] = row0 + r < rows ? scores + (row0 + r) * width : nullptr;
+  for (int64_t i = 0; i < width; ++i) {
+    float p[R];
+    bool any = false;
+    for (int r = 0; r < R; ++r) {
+      p[r] = s[r] ? s[r][i] : 0.f;
+      any |= p[r] != 0.f;
+    }
+    if (!any) continue;
+    __m512 v[CH];
+    for (int c = 0; c < CH; ++c) v[c] = vload<K>(P.v, offsets[i] + c * 16);
+    for (int r = 0; r < R; ++r) {
+      const __m512 pv = _mm512_set1_ps(p[r]);
+      for (int c = 0; c < CH; ++c) acc[r][c] = _mm512_fmadd_ps(pv, v[c], acc[r][c]);
+    }
+  }
+  for (int r = 0; r < R && row0 + r < rows; ++r)
+    for (int c = 0; c < CH; ++c) _mm512_storeu_ps(row_acc + (row0 + r) * CH * 16 + c * 16, acc[r][c]);
+}
+#endif
+
 // One work item: request `r`, KV head `h`, context positions [lo, hi). Writes, for each of the request's
 // query tokens j and query heads g of the group, row (j * group + g): the running max, the sum of
 // exponentials and the unnormalised weighted sum of values (head_size floats). Rows whose visible range
@@ -374,6 +406,17 @@ void attend_partition(const Problem& P, const float* qf, const void* qb, int64_t
     row_sum[row] = sum;
     std::fill(row_acc + row * d, row_acc + (row + 1) * d, 0.f);
   }
+#if PL_AVX512
+  if (d == 64 || d == 128) {  // the common head sizes: accumulators in registers
+    for (int64_t row0 = 0; row0 < rows; row0 += (d == 64 ? 4 : 2)) {
+      if (d == 64)
+        accumulate_values<K, 4, 4>(P, scores.data(), width, offsets.data(), row0, rows, row_acc);
+      else
+        accumulate_values<K, 8, 2>(P, scores.data(), width, offsets.data(), row0, rows, row_acc);
+    }
+    return;
+  }
+#endif
   vrow.resize(d);
   for (int64_t t = lo; t < hi; ++t) {
     const int64_t at = offset(t);
