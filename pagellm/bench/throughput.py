@@ -9,6 +9,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagellm.bench.floor import Floor, Machine, ModelShape
+from pagellm.bench.steps import StepRecord, StepRecorder, records_work
 from pagellm.bench.workloads import Workload
 from pagellm.core.config import EngineConfig
 from pagellm.engine.llm import LLM
@@ -55,46 +57,75 @@ def warm_up(llm: LLM) -> None:
     llm.generate([{"prompt_token_ids": list(range(1, 17))}], params, use_tqdm=False)
 
 
-def run_pagellm(llm: LLM, workload: Workload, engine: str = "pagellm") -> ThroughputResult:
+def run_pagellm(
+    llm: LLM, workload: Workload, engine: str = "pagellm", machine: Machine | None = None
+) -> ThroughputResult:
     """Generate every request of `workload` in one `LLM.generate` call and time it.
 
-    Output tokens are counted from what came back, not from what was asked."""
+    Output tokens are counted from what came back, not from what was asked. With `machine`, the result's
+    extra["floor"] holds the run's floor (the work of the steps the engine ran) and its fraction of it."""
     prompts = [{"prompt_token_ids": p} for p in workload.prompts]
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in workload.output_lens]
-    start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    elapsed = time.perf_counter() - start
+    with StepRecorder(llm.engine) as recorder:
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        elapsed = time.perf_counter() - start
     ttfts = [o.metrics.time_to_first_token for o in outputs if o.metrics is not None]
-    return ThroughputResult(
+    output_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    result = ThroughputResult(
         engine=engine,
         num_requests=len(outputs),
         input_tokens=workload.input_tokens,
-        output_tokens=sum(len(o.outputs[0].token_ids) for o in outputs),
+        output_tokens=output_tokens,
         elapsed_s=elapsed,
         extra={
             "weights_mib": model_weight_bytes(llm.engine.runner.model) / 2**20,
             "attention_backend": llm.engine.setup.backend.name,
             "quantization": llm.engine.setup.quant_method.name if llm.engine.setup.quant_method else None,
+            "steps": len(recorder.steps),
             **({"mean_ttft_s": sum(ttfts) / len(ttfts)} if ttfts else {}),
         },
     )
+    if machine is not None:
+        result.extra["floor"] = floor_report(llm, recorder.steps, machine, elapsed, output_tokens)
+    return result
+
+
+def floor_report(
+    llm: LLM,
+    steps: list[StepRecord],
+    machine: Machine,
+    measured_s: float | None = None,
+    output_tokens: int | None = None,
+) -> dict[str, Any]:
+    """The floor of these recorded steps on `machine` (see pagellm.bench.floor), as a JSON-ready dict."""
+    shape = ModelShape.from_llm(llm)
+    report = Floor(records_work(shape, steps), machine).report(measured_s, output_tokens)
+    # each step bounded on its own (prompt steps by compute, decode steps often by memory): a tighter floor
+    report["floor_s_stepwise"] = sum(Floor(records_work(shape, [s]), machine).floor_s for s in steps)
+    return report
 
 
 def run_prefix_comparison(
     config: EngineConfig,
     workload: Workload,
     on_result: Callable[[ThroughputResult], None] | None = None,
+    machine: Machine | Callable[[LLM], Machine] | None = None,
 ) -> list[ThroughputResult]:
     """Run `workload` with prefix caching on, then off, each on a fresh engine in this process.
 
     The hit rate is the share of prompt tokens the prefix cache served during the timed run; `on_result`
-    sees each run's result as soon as it is measured."""
+    sees each run's result as soon as it is measured. `machine` (or a function of the first engine that
+    measures it) adds each run's floor."""
     results = []
     for caching in (True, False):
         llm = make_llm(config.replace(enable_prefix_caching=caching))
         warm_up(llm)
+        if callable(machine):
+            machine = machine(llm)
         before = llm.engine.stats()
-        result = run_pagellm(llm, workload, engine=f"pagellm (prefix caching {'on' if caching else 'off'})")
+        name = f"pagellm (prefix caching {'on' if caching else 'off'})"
+        result = run_pagellm(llm, workload, engine=name, machine=machine)
         after = llm.engine.stats()
         queries = after.prefix_cache_queries - before.prefix_cache_queries
         hits = after.prefix_cache_hits - before.prefix_cache_hits

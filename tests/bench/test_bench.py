@@ -3,31 +3,12 @@
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
-from click.testing import CliRunner
+from bench_cli import ENGINE_ARGS, FLOOR_ARGS, SMALL_W1, run_bench
 
 from pagellm.bench.workloads import make_byte_tokenizer, w1, w3
-from pagellm.cli.main import cli
-
-sys.path.insert(0, str(Path(__file__).parents[1] / "models"))
-from tiny import make_tiny_checkpoint  # noqa: E402
-
-ENGINE_ARGS = ["--dtype", "float32", "--kv-cache-space", "0.05"]
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> str:
-    return str(make_tiny_checkpoint("llama", tmp_path_factory.mktemp("bench")))
-
-
-def _run(args: list[str]):
-    result = CliRunner().invoke(cli, ["--log-level", "WARNING", "bench", *args], catch_exceptions=False)
-    assert result.exit_code == 0, result.output
-    return result
 
 
 def test_w1_follows_the_readme_recipe():
@@ -71,29 +52,52 @@ def test_byte_tokenizer_covers_every_id():
 
 def test_throughput_against_transformers(tiny_model, tmp_path):
     out = tmp_path / "result.json"
-    args = ["throughput", "--model", tiny_model, "--num-prompts", "4", "--input-len-min", "8"]
-    args += ["--input-len-max", "24", "--output-len-min", "2", "--output-len-max", "6"]
+    args = ["throughput", "--model", tiny_model, *SMALL_W1]
     args += ["--compare", "transformers", "--peer-batch-sizes", "2", "--output-json", str(out), *ENGINE_ARGS]
-    result = _run(args)
+    result = run_bench([*args, *FLOOR_ARGS])
     assert "output tok/s" in result.output
     assert "transformers (batch 2)" in result.output
+    assert "of the floor" in result.output and "floor (" in result.output
     report = json.loads(out.read_text())
     pagellm, peer = report["results"]["pagellm"], report["results"]["transformers"]
     assert report["workload"]["num_requests"] == 4
     assert pagellm["output_tokens"] == peer["output_tokens"] == report["workload"]["output_tokens"]
     assert report["ratio"] == pytest.approx(pagellm["output_tok_s"] / peer["output_tok_s"])
+    assert report["ratios"]["transformers"] == report["ratio"]
     assert report["config"]["dtype"] == "float32"
     assert {"date", "versions"} <= set(report)
+    floor = report["floor"]
+    assert floor == pagellm["extra"]["floor"]
+    assert (floor["peak_tflops"], floor["read_gb_s"], floor["measured"]) == (0.5, 20, False)
+    assert floor["floor_s"] == max(floor["compute_s"], floor["memory_s"]) > 0
+    assert floor["fraction_of_floor"] == pytest.approx(floor["floor_s"] / pagellm["elapsed_s"])
+    assert floor["steps"] == pagellm["extra"]["steps"] >= max(report["workload"]["output_len_range"])
+    assert floor["floor_output_tok_s"] == pytest.approx(pagellm["output_tokens"] / floor["floor_s"])
 
 
 def test_latency(tiny_model, tmp_path):
     out = tmp_path / "latency.json"
     args = ["latency", "--model", tiny_model, "--batch-size", "3", "--input-len", "20", "--output-len", "5"]
-    result = _run([*args, "--output-json", str(out), *ENGINE_ARGS])
+    result = run_bench([*args, "--output-json", str(out), "--profile", *ENGINE_ARGS, *FLOOR_ARGS])
     assert "decode: 4 steps" in result.output
-    latency = json.loads(out.read_text())["results"]["pagellm"]
+    assert "decode step floor:" in result.output and "prefill floor:" in result.output
+    report = json.loads(out.read_text())
+    latency = report["results"]["pagellm"]
     assert latency["prefill_steps"] >= 1
     assert latency["decode_step_p99_ms"] >= latency["decode_step_p50_ms"] > 0
+    decode = report["floor"]["decode"]
+    assert decode["steps"] == 4 and decode["floor_step_ms"] == pytest.approx(decode["floor_s"] / 4 * 1000)
+    assert decode["kv_bytes"] > 0 and report["floor"]["prefill"]["floor_prompt_tok_s"] > 0
+    # the profile: every part of a decode step, adding up to the step
+    for part in ("attention", "linears", "lm_head", "sampling", "Python and other"):
+        assert part in result.output
+    profile = report["profile"]
+    parts = ("attention", "linears", "lm_head", "sampling", "other_layers", "python")
+    assert sum(profile["decode"][f"{p}_ms"] for p in parts) == pytest.approx(
+        profile["decode"]["step_ms"], rel=0.05
+    )
+    assert profile["decode"]["attention_ms"] > 0 and profile["decode"]["linears_ms"] > 0
+    assert profile["hook_calls"]["attention"] > 0 and profile["top_ops"]
 
 
 def test_prefix_hit_rate_on_and_off(tiny_model, tmp_path):
@@ -109,13 +113,17 @@ def test_prefix_hit_rate_on_and_off(tiny_model, tmp_path):
         "--output-json",
         str(out),
         *ENGINE_ARGS,
+        *FLOOR_ARGS,
     ]
-    result = _run(args)
+    result = run_bench(args)
     assert "hit rate" in result.output
+    assert "prefix caching on) floor" in result.output
     on, off = json.loads(out.read_text())["results"]
     assert on["extra"]["prefix_cache_hit_rate"] > 0
     assert off["extra"]["prefix_cache_hit_rate"] == 0
     assert on["extra"]["mean_ttft_s"] > 0
+    # the prefix served from the cache costs no FLOPs: the run with caching on has less work to do
+    assert on["extra"]["floor"]["linear_flops"] < off["extra"]["floor"]["linear_flops"]
 
 
 def test_model_m_is_built_once_into_the_cache_dir(tmp_path, monkeypatch):

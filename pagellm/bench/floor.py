@@ -1,0 +1,464 @@
+"""The floor of a benchmark run: the least time this machine could take for the work the run must do.
+
+    floor = max(FLOPs / bf16 matmul peak, bytes / DRAM read bandwidth)
+
+both measured on the spot (this machine's speed drifts; a number from another day means nothing).
+
+FLOPs: 2 * (weights in the decoder's linear layers) per token processed, plus attention's
+4 * heads * head_size * context per token and layer (q.k and p.v), plus the lm_head (2 * hidden * vocab)
+only for positions that sample. Prompt tokens served from the prefix cache cost no FLOPs.
+
+Bytes: the weights (decoder linears and lm_head) once per engine step, plus the KV cache each decode
+token reads (its cached context * layers * 2 * kv_heads * head_size * cache element size; the new token's
+own K/V is fresh), plus the tokens before a prompt chunk (a cached prefix, earlier chunks), read once.
+Embedding rows, activations and norms are left out: a floor may only be low.
+
+Steps: the in-process benches count the steps the engine ran and what each scheduled
+(pagellm.bench.steps); `min_steps` and `min_steps_for_intervals` estimate them where only the requests
+are known.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+GiB = 1 << 30
+
+# the machine measurements: big enough to leave the caches, short enough to run before every benchmark
+GEMM_SIZE = 2048
+STREAM_BYTES = 1 * GiB
+BUDGET_S = 0.3
+
+
+# -- the model's shapes ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the floor needs of a model: the weights of its linears and the shapes of its attention."""
+
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_size: int
+    linear_params: int  # weights of the decoder's linear layers (in * out summed), lm_head excluded
+    lm_head_params: int  # hidden * vocab
+    linear_bytes: int  # bytes of the decoder linears' parameters (as stored: quantized ones are smaller)
+    lm_head_bytes: int
+    kv_bytes_per_token: float  # one token's K and V over all layers, as the cache stores them
+    layer_windows: tuple[int | None, ...] = ()  # per layer: sliding window or None; () = no layer has one
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes a step that samples reads: every linear's weights and the lm_head's."""
+        return self.linear_bytes + self.lm_head_bytes
+
+    def attended(self, context: int) -> int:
+        """Tokens attended, summed over layers, by one query with `context` tokens of context."""
+        if not self.layer_windows:
+            return self.num_layers * context
+        return sum(context if w is None else min(context, w) for w in self.layer_windows)
+
+    def attended_range(self, first: int, last: int) -> int:
+        """sum of attended(c) for c in first..last (inclusive), in closed form; 0 if empty."""
+        if last < first:
+            return 0
+        if not self.layer_windows:
+            return self.num_layers * (first + last) * (last - first + 1) // 2
+        total = 0
+        for w in self.layer_windows:
+            if w is None or w >= last:
+                total += (first + last) * (last - first + 1) // 2
+            elif w < first:
+                total += w * (last - first + 1)
+            else:  # first..w grow, then w+1..last are capped at w
+                total += (first + w) * (w - first + 1) // 2 + w * (last - w)
+        return total
+
+    def cached_tokens_read(self, start: int) -> int:
+        """(token, layer) pairs of KV cache that queries at positions start.. read: the `start` tokens
+        before them, within each layer's window (a query at `start` attends to at most window - 1 of them)."""
+        if not self.layer_windows:
+            return self.num_layers * start
+        return sum(start if w is None else min(start, w - 1) for w in self.layer_windows)
+
+    def kv_read_bytes(self, pairs: int) -> float:
+        """Bytes of KV cache read for `pairs` (token, layer) pairs."""
+        return self.kv_bytes_per_token / self.num_layers * pairs
+
+    def chunk_work(self, start: int, num_tokens: int, samples: bool) -> Work:
+        """One request's share of a step, without the weights: tokens start..start+num_tokens-1 (position p
+        attends to p + 1 tokens), the lm_head if it samples, and the KV cache it reads: the tokens before
+        the chunk, once (a decode token's context; a prompt chunk's cached prefix or earlier chunks; the
+        chunk's own keys and values are fresh)."""
+        attended = self.attended_range(start + 1, start + num_tokens)
+        return Work(
+            linear_flops=2.0 * self.linear_params * num_tokens,
+            attention_flops=4.0 * self.num_heads * self.head_size * attended,
+            lm_head_flops=2.0 * self.lm_head_params if samples else 0.0,
+            kv_bytes=self.kv_read_bytes(self.cached_tokens_read(start)),
+        )
+
+    @classmethod
+    def from_hf_config(
+        cls, hf_config: Any, dtype: torch.dtype, kv_cache_dtype: torch.dtype | None = None
+    ) -> ModelShape:
+        """From a Hugging Face config alone (Llama family incl. Qwen2/3 and Mistral, GPT-2, OPT), with
+        dense weights of `dtype`. Raises ValueError for an architecture it does not know."""
+        c = hf_config
+        kind = getattr(c, "model_type", "")
+        elem = _element_size(dtype)
+        kv_elem = _element_size(kv_cache_dtype or dtype)
+        if kind in ("gpt2",):
+            hidden, layers, heads = c.n_embd, c.n_layer, c.n_head
+            inner = getattr(c, "n_inner", None) or 4 * hidden
+            per_layer = 4 * hidden * hidden + 2 * hidden * inner
+            kv_heads, head_size = heads, hidden // heads
+        elif kind in ("opt",):
+            hidden, layers, heads = c.hidden_size, c.num_hidden_layers, c.num_attention_heads
+            per_layer = 4 * hidden * hidden + 2 * hidden * c.ffn_dim
+            kv_heads, head_size = heads, hidden // heads
+        elif hasattr(c, "intermediate_size") and hasattr(c, "num_attention_heads"):
+            hidden, layers, heads = c.hidden_size, c.num_hidden_layers, c.num_attention_heads
+            kv_heads = getattr(c, "num_key_value_heads", None) or heads
+            head_size = getattr(c, "head_dim", None) or hidden // heads
+            q, kv = heads * head_size, kv_heads * head_size
+            per_layer = hidden * (q + 2 * kv) + q * hidden + 3 * hidden * c.intermediate_size
+        else:
+            raise ValueError(f"no floor model for architecture {kind!r}")
+        linear = layers * per_layer
+        lm_head = hidden * c.vocab_size
+        windows = tuple(_layer_window(c, i) for i in range(layers))
+        return cls(
+            num_layers=layers,
+            num_heads=heads,
+            num_kv_heads=kv_heads,
+            head_size=head_size,
+            linear_params=linear,
+            lm_head_params=lm_head,
+            linear_bytes=linear * elem,
+            lm_head_bytes=lm_head * elem,
+            kv_bytes_per_token=layers * 2 * kv_heads * head_size * kv_elem,
+            layer_windows=windows if any(w is not None for w in windows) else (),
+        )
+
+    @classmethod
+    def from_llm(cls, llm: Any) -> ModelShape:
+        """From a loaded engine: its Linear and Attention modules, the bytes its weights really take
+        (quantized ones included) and its KV cache's bytes per token."""
+        from pagellm.models.layers.attention import Attention
+        from pagellm.models.layers.linear import Linear
+
+        runner = llm.engine.runner
+        model = runner.model
+        lm_head = getattr(model, "lm_head", None)
+        linears = [m for m in model.modules() if isinstance(m, Linear) and m is not lm_head]
+        attentions = [m for m in model.modules() if isinstance(m, Attention)]
+        if not attentions:
+            raise ValueError("the model has no Attention layers")
+        spec = attentions[0].spec
+        linear_bytes = sum(p.numel() * p.element_size() for m in linears for p in m.parameters())
+        hf_config = llm.engine.setup.hf_config
+        weight = getattr(lm_head, "weight", None)
+        if weight is not None:
+            lm_head_params, lm_head_bytes = weight.numel(), weight.numel() * weight.element_size()
+        else:
+            lm_head_params = hf_config.hidden_size * hf_config.vocab_size
+            lm_head_bytes = lm_head_params * _element_size(llm.engine.setup.dtype)
+        windows = tuple(a.spec.sliding_window for a in attentions)
+        return cls(
+            num_layers=len(attentions),
+            num_heads=spec.num_heads,
+            num_kv_heads=spec.num_kv_heads,
+            head_size=spec.head_size,
+            linear_params=sum(m.in_features * m.out_features for m in linears),
+            lm_head_params=lm_head_params,
+            linear_bytes=linear_bytes,
+            lm_head_bytes=lm_head_bytes,
+            kv_bytes_per_token=runner.block_bytes() / runner.block_size,
+            layer_windows=windows if any(w is not None for w in windows) else (),
+        )
+
+
+def _element_size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _layer_window(hf_config: Any, layer: int) -> int | None:
+    if not getattr(hf_config, "use_sliding_window", True):
+        return None
+    types = getattr(hf_config, "layer_types", None)
+    if types is not None and types[layer] != "sliding_attention":
+        return None
+    return getattr(hf_config, "sliding_window", None) or None
+
+
+# -- the work of a run ----------------------------------------------------------------------------------
+
+
+@dataclass
+class Work:
+    """FLOPs and bytes a run must spend; add runs with `+`."""
+
+    linear_flops: float = 0.0
+    attention_flops: float = 0.0
+    lm_head_flops: float = 0.0
+    weight_bytes: float = 0.0
+    kv_bytes: float = 0.0
+    steps: int = 0
+
+    @property
+    def flops(self) -> float:
+        return self.linear_flops + self.attention_flops + self.lm_head_flops
+
+    @property
+    def bytes(self) -> float:
+        return self.weight_bytes + self.kv_bytes
+
+    def __add__(self, other: Work) -> Work:
+        return Work(**{k: v + getattr(other, k) for k, v in asdict(self).items()})
+
+
+def request_work(shape: ModelShape, prompt_len: int, output_len: int, cached: int = 0) -> Work:
+    """One request without the weights: its prompt in one chunk after `cached` prefix tokens (sampling
+    the first output token), then output_len - 1 decode tokens; the one for output token k (2..output_len)
+    sits at position prompt_len + k - 2 and attends to prompt_len + k - 1 tokens."""
+    work = shape.chunk_work(cached, prompt_len - cached, samples=output_len > 0)
+    for k in range(2, output_len + 1) if shape.layer_windows else ():
+        work = work + shape.chunk_work(prompt_len + k - 2, 1, samples=True)
+    if output_len > 1 and not shape.layer_windows:  # the same in closed form
+        n = output_len - 1
+        first, last = prompt_len, prompt_len + output_len - 2  # decode positions
+        work = work + Work(
+            linear_flops=2.0 * shape.linear_params * n,
+            attention_flops=4.0
+            * shape.num_heads
+            * shape.head_size
+            * shape.attended_range(first + 1, last + 1),
+            lm_head_flops=2.0 * shape.lm_head_params * n,
+            kv_bytes=shape.kv_read_bytes(shape.attended_range(first, last)),
+        )
+    return work
+
+
+def workload_work(
+    shape: ModelShape,
+    prompt_lens: Sequence[int],
+    output_lens: Sequence[int],
+    steps: int,
+    cached: Sequence[int] | None = None,
+) -> Work:
+    """Every request's work (prompts unchunked), plus all weights read once per engine step (`steps`)."""
+    cached = cached or [0] * len(prompt_lens)
+    total = Work(weight_bytes=float(shape.weight_bytes) * steps, steps=steps)
+    for prompt_len, output_len, hit in zip(prompt_lens, output_lens, cached, strict=True):
+        total = total + request_work(shape, prompt_len, output_len, hit)
+    return total
+
+
+def step_work(shape: ModelShape, chunks: Sequence[tuple[int, int, bool]]) -> Work:
+    """One engine step as scheduled: (start, num_tokens, samples) per request; the decoder's weights are
+    read once, the lm_head's if any request samples."""
+    total = Work(
+        weight_bytes=float(shape.linear_bytes + (shape.lm_head_bytes if any(c[2] for c in chunks) else 0)),
+        steps=1,
+    )
+    for start, num_tokens, samples in chunks:
+        total = total + shape.chunk_work(start, num_tokens, samples)
+    return total
+
+
+def min_steps(output_lens: Sequence[int]) -> int:
+    """The fewest engine steps that can produce these outputs when every request runs at once: each step
+    gives a request at most one token."""
+    return max(output_lens, default=0)
+
+
+def min_steps_for_intervals(intervals: Sequence[tuple[float, float, int]]) -> int:
+    """The fewest engine steps consistent with observed requests (start, end, tokens): a request makes one
+    token per step, inside its [start, end]; requests whose intervals do not overlap cannot share a step.
+    So the steps are at least the largest total of tokens over requests with pairwise disjoint intervals
+    (weighted interval scheduling)."""
+    items = sorted(intervals, key=lambda x: x[1])
+    ends = [end for _, end, _ in items]
+    best = [0] * (len(items) + 1)
+    for i, (start, _, tokens) in enumerate(items):
+        j = bisect.bisect_left(ends, start, 0, i)  # items[:j] end before this one starts
+        best[i + 1] = max(best[i], best[j] + tokens)
+    return best[-1]
+
+
+# -- the machine ----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Machine:
+    """This machine's bf16 (or run dtype) matmul peak and DRAM read bandwidth."""
+
+    peak_flops: float  # FLOP/s
+    read_bytes_s: float  # bytes/s
+    dtype: str
+    device: str
+    threads: int
+    measured: bool = True
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "peak_tflops": self.peak_flops / 1e12,
+            "read_gb_s": self.read_bytes_s / 1e9,
+            "dtype": self.dtype,
+            "device": self.device,
+            "threads": self.threads,
+            "measured": self.measured,
+        }
+
+
+_MEASURED: dict[tuple[str, str, int], Machine] = {}
+
+
+def measure_machine(
+    dtype: torch.dtype = torch.bfloat16,
+    device: str | torch.device = "cpu",
+    peak_tflops: float | None = None,
+    read_gb_s: float | None = None,
+) -> Machine:
+    """Measure (once per process, dtype, device and thread count) the matmul peak on large square GEMMs
+    in `dtype` and the read bandwidth (a sum over a 1 GiB tensor). Given values are used instead."""
+    device = torch.device(device)
+    threads = torch.get_num_threads()
+    name = str(dtype).removeprefix("torch.")
+    key = (name, str(device), threads)
+    if peak_tflops is None or read_gb_s is None:
+        if key not in _MEASURED:
+            _MEASURED[key] = Machine(
+                measure_matmul_peak(dtype, device), measure_read_bandwidth(device), name, str(device), threads
+            )
+        measured = _MEASURED[key]
+    peak = peak_tflops * 1e12 if peak_tflops is not None else measured.peak_flops
+    bandwidth = read_gb_s * 1e9 if read_gb_s is not None else measured.read_bytes_s
+    given = peak_tflops is not None and read_gb_s is not None
+    return Machine(peak, bandwidth, name, str(device), threads, measured=not given)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _best_time(fn, device: torch.device, budget_s: float, min_reps: int = 3) -> float:
+    fn()  # warm-up
+    _sync(device)
+    best, start, reps = math.inf, time.perf_counter(), 0
+    while reps < min_reps or (time.perf_counter() - start < budget_s and reps < 100):
+        t = time.perf_counter()
+        fn()
+        _sync(device)
+        best = min(best, time.perf_counter() - t)
+        reps += 1
+    return best
+
+
+@torch.inference_mode()
+def measure_matmul_peak(
+    dtype: torch.dtype, device: str | torch.device = "cpu", n: int | None = None, budget_s: float = BUDGET_S
+) -> float:
+    """FLOP/s of the best [n x n] @ [n x n] matmul in `dtype` (n = GEMM_SIZE)."""
+    device, n = torch.device(device), n or GEMM_SIZE
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    out = torch.empty(n, n, device=device, dtype=dtype)
+    return 2.0 * n**3 / _best_time(lambda: torch.matmul(a, b, out=out), device, budget_s)
+
+
+@torch.inference_mode()
+def measure_read_bandwidth(
+    device: str | torch.device = "cpu", nbytes: int | None = None, budget_s: float = BUDGET_S
+) -> float:
+    """Bytes/s of the best sum over a float32 tensor of `nbytes` (STREAM_BYTES)."""
+    device, nbytes = torch.device(device), nbytes or STREAM_BYTES
+    x = torch.ones(nbytes // 4, device=device, dtype=torch.float32)
+    return x.numel() * 4 / _best_time(lambda: x.sum(), device, budget_s)
+
+
+# -- the floor ------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Floor:
+    work: Work
+    machine: Machine
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def compute_s(self) -> float:
+        return self.work.flops / self.machine.peak_flops
+
+    @property
+    def memory_s(self) -> float:
+        return self.work.bytes / self.machine.read_bytes_s
+
+    @property
+    def floor_s(self) -> float:
+        return max(self.compute_s, self.memory_s)
+
+    @property
+    def bound(self) -> str:
+        return "compute" if self.compute_s >= self.memory_s else "memory"
+
+    def report(self, measured_s: float | None = None, output_tokens: int | None = None) -> dict[str, Any]:
+        """The floor, its two terms and inputs; with the run's time and output tokens, the floor in
+        output tok/s and the run's fraction of the floor (floor / measured: 1.0 = at the floor)."""
+        w = self.work
+        out: dict[str, Any] = {
+            "flops": w.flops,
+            "linear_flops": w.linear_flops,
+            "attention_flops": w.attention_flops,
+            "lm_head_flops": w.lm_head_flops,
+            "bytes": w.bytes,
+            "weight_bytes": w.weight_bytes,
+            "kv_bytes": w.kv_bytes,
+            "steps": w.steps,
+            **self.machine.as_dict(),
+            "compute_s": self.compute_s,
+            "memory_s": self.memory_s,
+            "floor_s": self.floor_s,
+            "bound": self.bound,
+            **self.extra,
+        }
+        if output_tokens is not None and self.floor_s > 0:
+            out["floor_output_tok_s"] = output_tokens / self.floor_s
+        if measured_s is not None and measured_s > 0:
+            out["measured_s"] = measured_s
+            out["fraction_of_floor"] = self.floor_s / measured_s
+        return out
+
+
+def format_floor(report: dict[str, Any], label: str = "floor") -> str:
+    """One line: both terms, the floor in seconds (and output tok/s), and the run's fraction of it."""
+    unit = _time_unit(report["floor_s"])
+    steps = report["steps"]
+    per_step = report["weight_bytes"] / steps / 1e9 if steps else 0.0
+    line = (
+        f"{label}: compute {report['flops'] / 1e12:.3g} TFLOP / {report['peak_tflops']:.2f} TFLOP/s = "
+        f"{unit(report['compute_s'])}, memory {report['bytes'] / 1e9:.3g} GB (weights {per_step:.3g} GB x "
+        f"{steps} steps + KV {report['kv_bytes'] / 1e9:.3g} GB) / {report['read_gb_s']:.1f} GB/s = "
+        f"{unit(report['memory_s'])} -> floor {unit(report['floor_s'])} ({report['bound']}-bound)"
+    )
+    if "floor_output_tok_s" in report:
+        line += f", {report['floor_output_tok_s']:.0f} output tok/s"
+    if "fraction_of_floor" in report:
+        line += f"; this run {unit(report['measured_s'])}: {report['fraction_of_floor']:.0%} of the floor"
+    return line
+
+
+def _time_unit(reference: float):
+    if reference < 1.0:
+        return lambda s: f"{s * 1000:.2f} ms"
+    return lambda s: f"{s:.2f} s"
