@@ -44,8 +44,12 @@ def _params(llm, max_tokens, temperature, top_p, top_k, sample_seed, stop):
 
 
 def _llm(options):
+    """generate and chat run the model eagerly unless told otherwise (--no-enforce-eager): compiling it
+    costs more start-up than a few completions gain."""
     from pagellm import LLM
 
+    if options.get("enforce_eager") is None:
+        options = {**options, "enforce_eager": True}
     config = config_from_options(options)
     return LLM(**{k: getattr(config, k) for k in config.field_names()})
 

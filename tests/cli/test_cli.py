@@ -117,3 +117,28 @@ def test_generate_on_the_embedded_default_model():
     )
     assert result.returncode == 0, result.stderr
     assert "Paris" in result.stdout
+
+
+@pytest.mark.parametrize(
+    "args, env, eager",
+    [
+        ((), {"PAGELLM_ENFORCE_EAGER": ""}, True),  # one-off commands run eagerly by default
+        (("--no-enforce-eager",), {"PAGELLM_ENFORCE_EAGER": ""}, False),
+        (("--no-enforce-eager",), {"PAGELLM_ENFORCE_EAGER": "1"}, False),  # the flag beats the variable
+        ((), {"PAGELLM_ENFORCE_EAGER": "0"}, False),
+    ],
+)
+def test_generate_runs_eagerly_unless_asked_to_compile(monkeypatch, args, env, eager):
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def fake_llm(**kwargs):
+        seen.update(kwargs)
+        raise Stop
+
+    monkeypatch.setattr("pagellm.LLM", fake_llm)
+    result = run("generate", "hi", *args, env=env)
+    assert isinstance(result.exception, Stop), result.output
+    assert seen["enforce_eager"] is eager
