@@ -164,7 +164,9 @@ class ModelShape:
         if not attentions:
             raise ValueError("the model has no Attention layers")
         spec = attentions[0].spec
-        linear_bytes = sum(p.numel() * p.element_size() for m in linears for p in m.parameters())
+        linear_bytes = sum(
+            t.numel() * t.element_size() for m in linears for t in [*m.parameters(), *m.buffers()]
+        )
         hf_config = llm.engine.setup.hf_config
         weight = getattr(lm_head, "weight", None)
         if weight is not None:

@@ -20,6 +20,15 @@ GiB = 1 << 30
 
 
 @dataclass(frozen=True)
+class PackedLinear:
+    """A weight repacked by `Platform.pack_linear` and the matmul that reads it."""
+
+    weight: torch.Tensor
+    matmul: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+    """(x, weight, bias) -> x @ W^T + bias"""
+
+
+@dataclass(frozen=True)
 class Availability:
     """Whether a platform can run here, and always why (or why not)."""
 
@@ -114,6 +123,13 @@ class Platform:
     @classmethod
     def check_and_update_config(cls, config: EngineConfig) -> None:
         """Apply this platform's defaults to `config` and raise ConfigError for settings it cannot run."""
+
+    @classmethod
+    def pack_linear(cls, weight: torch.Tensor) -> PackedLinear | None:
+        """This unquantized weight in a faster layout for the device's GEMM library, with the matmul that
+        reads it (results equal to F.linear's up to rounding), or None. Called once per linear layer after
+        the weights load; the layer then keeps only the packed weight."""
+        return None
 
     @classmethod
     def compile_model(cls, model: torch.nn.Module) -> Callable[..., torch.Tensor] | None:

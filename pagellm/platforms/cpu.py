@@ -14,7 +14,7 @@ import torch
 from pagellm.core.dtypes import dtype_name
 from pagellm.core.errors import ConfigError
 from pagellm.core.paths import cache_dir
-from pagellm.core.platform import Availability, GiB, Platform
+from pagellm.core.platform import Availability, GiB, PackedLinear, Platform
 from pagellm.platforms._common import classproperty, gib
 from pagellm.plugins.hookspecs import hookimpl
 
@@ -24,6 +24,9 @@ if TYPE_CHECKING:
 PAGELLM_PLUGIN_API = "1.0"
 
 logger = logging.getLogger("pagellm")
+
+PACKED_LINEAR_BATCH_HINT = 64
+"""Rows oneDNN lays packed weights out for (a hint: every row count works); decode batches are about this."""
 
 DEFAULT_KV_CACHE_SPACE = 4.0
 """GiB of RAM for the KV cache when --kv-cache-space is not given."""
@@ -143,6 +146,16 @@ class CpuPlatform(Platform):
             )
 
     @classmethod
+    def pack_linear(cls, weight: torch.Tensor) -> PackedLinear | None:
+        """oneDNN with the weight reordered once into its blocked layout: F.linear reorders it on every
+        call, which at decode batch sizes costs as much as the GEMM (1.3-1.9x faster at 1-64 rows, same
+        bits). Half precisions only: float32 would go through a different GEMM than the reference."""
+        if weight.dtype not in (torch.bfloat16, torch.float16) or not torch.backends.mkldnn.is_available():
+            return None
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACKED_LINEAR_BATCH_HINT)
+        return PackedLinear(packed, _onednn_linear)
+
+    @classmethod
     def compile_model(cls, model: torch.nn.Module) -> Callable[..., torch.Tensor] | None:
         """Inductor over the whole forward (attention is one opaque op), shapes dynamic so one graph
         serves every token count. Needs a C++ compiler; compiled kernels are cached under pagellm's cache
@@ -171,6 +184,10 @@ class CpuPlatform(Platform):
         }
         facts.update({feature: "yes" if feature in flags else "no" for feature in ISA_FEATURES})
         return facts
+
+
+def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
 @hookimpl

@@ -19,6 +19,7 @@ from pagellm.core.errors import ConfigError
 from pagellm.core.platform import GiB
 from pagellm.models.base import ModelInit
 from pagellm.models.context import set_forward_context
+from pagellm.models.layers.linear import Linear
 from pagellm.models.loader import load_model, model_weight_bytes
 from pagellm.sampling.params import SamplingParams
 from pagellm.sampling.sampler import (
@@ -58,6 +59,7 @@ class ModelRunner:
         finally:
             torch.set_default_dtype(torch.float32)
         self.model_bytes = model_weight_bytes(self.model)
+        self._pack_linears()
         self.layers = self.model.attention_layers()
         self.num_blocks = self._num_blocks()
         spec = setup.spec
@@ -73,6 +75,14 @@ class ModelRunner:
         self.input_batch = InputBatch(config.max_num_seqs, setup.max_model_len, self.block_size)
         self.generators: dict[str, torch.Generator | None] = {}
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(config.seed))
+
+    def _pack_linears(self) -> None:
+        """Let the platform prepack every plain linear layer's weight (`Platform.pack_linear`). The lm_head
+        is left alone: `compute_logits` reads its weight directly (and may share it with the embedding)."""
+        lm_head = getattr(self.model, "lm_head", None)
+        for module in self.model.modules():
+            if isinstance(module, Linear) and module.quant_method is None and module is not lm_head:
+                module.use_packed(self.setup.platform.pack_linear(module.weight))
 
     @torch.inference_mode()
     def _warm_up(self, compiled: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:

@@ -117,3 +117,39 @@ def test_check_and_update_config_defaults_kv_cache_space():
 def test_check_and_update_config_refuses_empty_kv_cache():
     with pytest.raises(ConfigError, match="kv_cache_space must be more than 0"):
         CpuPlatform.check_and_update_config(EngineConfig(kv_cache_space=0))
+
+
+@pytest.mark.parametrize("rows", [1, 7, 64, 300])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_matches_f_linear(rows, bias):
+    gen = torch.Generator().manual_seed(rows)
+    weight = torch.randn(96, 64, generator=gen).bfloat16()
+    b = torch.randn(96, generator=gen).bfloat16() if bias else None
+    packed = CpuPlatform.pack_linear(weight)
+    if not torch.backends.mkldnn.is_available():
+        assert packed is None
+        return
+    x = torch.randn(rows, 64, generator=gen).bfloat16()
+    torch.testing.assert_close(packed.matmul(x, packed.weight, b), torch.nn.functional.linear(x, weight, b))
+    assert CpuPlatform.pack_linear(weight.float()) is None  # float32 keeps the reference GEMM
+
+
+def test_runner_packs_decoder_linears_in_half_precision(tmp_path):
+    from tiny import make_tiny_checkpoint
+
+    from pagellm import LLM
+    from pagellm.models.layers.linear import Linear
+    from pagellm.models.loader import model_weight_bytes
+
+    path = make_tiny_checkpoint("llama", tmp_path)
+    for dtype, packed in (("bfloat16", torch.backends.mkldnn.is_available()), ("float32", False)):
+        llm = LLM(str(path), dtype=dtype, num_kv_blocks=64, enforce_eager=True)
+        model = llm.engine.runner.model
+        linears = [
+            m for m in model.modules() if isinstance(m, Linear) and m is not getattr(model, "lm_head", None)
+        ]
+        assert linears and all((m.packed_matmul is not None) == packed for m in linears)
+        assert all((m.weight is None) == packed for m in linears)  # the packed copy replaces the weight
+        assert model_weight_bytes(model) == llm.engine.runner.model_bytes  # and is counted like it
+        out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], use_tqdm=False)
+        assert len(out[0].outputs[0].token_ids) > 0

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from pagellm.core.errors import ConfigError
+from pagellm.core.platform import PackedLinear
 from pagellm.core.quant import QuantMethod
 
 
@@ -36,11 +39,25 @@ class Linear(nn.Module):
         else:
             self.weight = _parameter(torch.empty(out_features, in_features, dtype=dtype))
         self.bias = _parameter(torch.empty(out_features, dtype=dtype)) if bias else None
+        self.packed_matmul: (
+            Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor] | None
+        ) = None
+        """The platform's matmul for `packed_weight` (`Platform.pack_linear`), set after loading."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quant_method is not None:
             return self.quant_method.apply(self, x, self.bias)
+        if self.packed_matmul is not None:
+            return self.packed_matmul(x, self.packed_weight, self.bias)
         return F.linear(x, self.weight, self.bias)
+
+    def use_packed(self, packed: PackedLinear | None) -> None:
+        """Keep the weight only in the platform's packed layout (a buffer, so it is counted and moved like
+        the weight was) and multiply with its matmul. None: keep the plain weight and F.linear."""
+        if packed is not None:
+            self.register_buffer("packed_weight", packed.weight, persistent=False)
+            self.packed_matmul = packed.matmul
+            self.weight = None
 
     def load_shard(self, param: nn.Parameter, tensor: torch.Tensor, shard: int) -> None:
         """Copy checkpoint tensor `shard` of a fused layer into its slice of `param`.
