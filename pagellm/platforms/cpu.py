@@ -187,7 +187,21 @@ class CpuPlatform(Platform):
 
 
 def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """Eager: oneDNN directly. Under torch.compile: one opaque op, because inductor cannot lower a
+    prepacked weight (its layout assertion fails and the whole model would fall back to eager)."""
+    if torch.compiler.is_compiling():
+        return torch.ops.pagellm.onednn_linear(x, weight, bias)
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+@torch.library.custom_op("pagellm::onednn_linear", mutates_args=())
+def _onednn_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+@_onednn_linear_op.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
 @hookimpl

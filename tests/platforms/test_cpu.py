@@ -134,6 +134,25 @@ def test_packed_linear_matches_f_linear(rows, bias):
     assert CpuPlatform.pack_linear(weight.float()) is None  # float32 keeps the reference GEMM
 
 
+def test_packed_linear_compiles(tmp_path, monkeypatch):
+    """Inductor cannot lower a prepacked weight; the packed matmul must stay one opaque op in the graph
+    (before, the whole model fell back to eager with a warning whenever its linears were packed)."""
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("no oneDNN")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    gen = torch.Generator().manual_seed(0)
+    weight, bias = torch.randn(96, 64, generator=gen).bfloat16(), torch.randn(96, generator=gen).bfloat16()
+    packed = CpuPlatform.pack_linear(weight)
+
+    def layer(x):
+        return torch.relu(packed.matmul(x * 2, packed.weight, bias)) + 1
+
+    compiled = torch.compile(layer, fullgraph=True, dynamic=True)
+    for rows in (3, 17):
+        x = torch.randn(rows, 64, generator=gen).bfloat16()
+        torch.testing.assert_close(compiled(x), layer(x))
+
+
 def test_runner_packs_decoder_linears_in_half_precision(tmp_path):
     from tiny import make_tiny_checkpoint
 
