@@ -8,6 +8,7 @@ from typing import ClassVar
 import torch
 
 from pagellm.core.attention import AttentionBackend, AttentionBatch
+from pagellm.core.dtypes import INT8_SCALE_BYTES
 
 
 @dataclass
@@ -44,16 +45,20 @@ def store_kv(
     metadata: PagedMetadata,
     heads_first: bool = False,
 ) -> None:
-    """Write the step's new k/v into the cache at their slots, in the cache's dtype.
+    """Write the step's new k/v into the cache at their slots, in the cache's dtype (int8: rows with
+    their scale, `quantize_int8_rows`).
 
     kv_cache is [2, num_blocks, block_size, num_kv_heads, head_size], the default `kv_cache_shape`, or
     with `heads_first` [2, num_kv_heads, num_blocks, block_size, head_size]."""
     if metadata.store_tokens is not None:
         k, v = k[metadata.store_tokens], v[metadata.store_tokens]
-    num_kv, head_size = k.shape[1:]
-    if kv_cache.dtype.itemsize == 1:  # fp8: index_copy_ has no fp8 kernel on CPU, so copy the bytes
+    if kv_cache.dtype == torch.int8:
+        k, v = quantize_int8_rows(k), quantize_int8_rows(v)
+    elif kv_cache.dtype.itemsize == 1:  # fp8: index_copy_ has no fp8 kernel on CPU, so copy the bytes
         k, v = k.to(kv_cache.dtype).view(torch.uint8), v.to(kv_cache.dtype).view(torch.uint8)
+    if kv_cache.dtype.itemsize == 1:
         kv_cache = kv_cache.view(torch.uint8)
+    num_kv, head_size = k.shape[1:]
     for cache, new in ((kv_cache[0], k), (kv_cache[1], v)):
         if heads_first:
             cache.view(num_kv, -1, head_size).index_copy_(
@@ -61,3 +66,20 @@ def store_kv(
             )
         else:
             cache.view(-1, num_kv, head_size).index_copy_(0, metadata.store_slots, new.to(cache.dtype))
+
+
+def quantize_int8_rows(x: torch.Tensor) -> torch.Tensor:
+    """[..., head_size] -> uint8 [..., head_size + INT8_SCALE_BYTES]: round(x / s) as int8 bytes, then s as
+    float32 bytes, with s = max |x| / 127 per row (per token and KV head). All-zero rows get s = 0."""
+    x = x.float()
+    scale = x.abs().amax(-1, keepdim=True) / 127
+    values = torch.where(scale > 0, x / scale, 0).round_().clamp_(-127, 127).to(torch.int8)
+    return torch.cat((values.view(torch.uint8), scale.view(torch.uint8)), dim=-1)
+
+
+def dequantize_int8_rows(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The inverse of `quantize_int8_rows`: int8 or uint8 [..., head_size + INT8_SCALE_BYTES] -> [..., head_size]."""
+    rows = rows.view(torch.uint8)
+    values = rows[..., :-INT8_SCALE_BYTES].view(torch.int8)
+    scale = rows[..., -INT8_SCALE_BYTES:].contiguous().view(torch.float32)
+    return (values.float() * scale).to(dtype)

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from pagellm.attention_backends import cpu_kernels
-from pagellm.attention_backends._base import PagedBackend, PagedMetadata, store_kv
+from pagellm.attention_backends._base import PagedBackend, PagedMetadata, dequantize_int8_rows, store_kv
 from pagellm.core.attention import AttentionBackend, AttentionBatch, AttentionSpec
 from pagellm.plugins import hookimpl
 
@@ -72,7 +72,14 @@ class CpuAttnBackend(PagedBackend):
     version = "2"  # in-place decode kernel
     device_types = ("cpu",)
     supports_sliding_window = True
-    kv_cache_dtypes = (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2)
+    kv_cache_dtypes = (
+        torch.float32,
+        torch.bfloat16,
+        torch.float16,
+        torch.float8_e4m3fn,
+        torch.float8_e5m2,
+        torch.int8,
+    )
     metadata_type = CpuAttnMetadata
 
     def __init__(self, spec: AttentionSpec):
@@ -92,20 +99,22 @@ class CpuAttnBackend(PagedBackend):
         metadata: CpuAttnMetadata,
     ) -> torch.Tensor:
         s = self.spec
-        num_kv, num_blocks, block_size, head_size = kv_cache.shape[1:]
+        num_kv, num_blocks, block_size, row = kv_cache.shape[1:]  # row: head_size (+ scale bytes, int8)
+        head_size = s.head_size
         store_kv(kv_cache, k, v, metadata, heads_first=True)
-        k_blocks = kv_cache[0].view(num_kv, num_blocks, block_size * head_size)
-        v_blocks = kv_cache[1].view(num_kv, num_blocks, block_size * head_size)
+        k_blocks = kv_cache[0].view(num_kv, num_blocks, block_size * row)
+        v_blocks = kv_cache[1].view(num_kv, num_blocks, block_size * row)
 
         def gather(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             """[kv_heads, len(blocks) * block_size, head_size] keys and values, in the compute dtype."""
-            shape = (num_kv, blocks.numel(), block_size * head_size)
-            gk, gv = _workspace(2 * num_kv * blocks.numel() * block_size * head_size, kv_cache).view(
-                2, *shape
-            )
+            shape = (num_kv, blocks.numel(), block_size * row)
+            gk, gv = _workspace(2 * num_kv * blocks.numel() * block_size * row, kv_cache).view(2, *shape)
             torch.index_select(k_blocks, 1, blocks, out=gk)
             torch.index_select(v_blocks, 1, blocks, out=gv)
-            return gk.view(num_kv, -1, head_size).to(q.dtype), gv.view(num_kv, -1, head_size).to(q.dtype)
+            gk, gv = gk.view(num_kv, -1, row), gv.view(num_kv, -1, row)
+            if kv_cache.dtype == torch.int8:
+                return dequantize_int8_rows(gk, q.dtype), dequantize_int8_rows(gv, q.dtype)
+            return gk.to(q.dtype), gv.to(q.dtype)
 
         plan = metadata.plan(s.sliding_window, block_size, q.dtype, self.kernel is not None, num_kv)
         q = q.contiguous()
@@ -177,7 +186,8 @@ def _workspace(numel: int, like: torch.Tensor) -> torch.Tensor:
     layers run one after another, so one buffer serves them all."""
     key = (like.dtype, like.device)
     buffer = _workspaces.get(key)
-    if buffer is None or buffer.numel() < numel:
+    stale = buffer is not None and buffer.is_inference() and not torch.is_inference_mode_enabled()
+    if buffer is None or buffer.numel() < numel or stale:  # an inference tensor is read-only outside
         buffer = _workspaces[key] = torch.empty(numel, dtype=like.dtype, device=like.device)
     return buffer[:numel]
 
@@ -188,6 +198,7 @@ _CACHE_KINDS = {
     torch.float16: 2,
     torch.float8_e4m3fn: 3,
     torch.float8_e5m2: 4,
+    torch.int8: 5,
 }
 """Cache dtypes the native kernel reads, by the number it knows them by."""
 

@@ -11,6 +11,7 @@ import time
 
 import torch
 
+from pagellm.attention_backends._base import quantize_int8_rows
 from pagellm.attention_backends.synthetic import blocks_needed, make_paged_batch
 from pagellm.core.attention import AttentionBackend, AttentionSpec
 from pagellm.core.platform import Platform
@@ -29,8 +30,12 @@ def time_backend(backend: type[AttentionBackend], spec: AttentionSpec, platform:
     seq_lens = [PREFILL_TOKENS] + [DECODE_CONTEXT + 1] * DECODE_REQUESTS
     num_blocks = blocks_needed(seq_lens, spec.block_size)
     gen = torch.Generator().manual_seed(0)
-    shape = backend.kv_cache_shape(num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size)
-    kv_cache = torch.randn(shape, generator=gen).to(device, spec.cache_dtype)
+    shape = backend.kv_cache_shape(num_blocks, spec.block_size, spec.num_kv_heads, spec.cache_row_size)
+    if spec.cache_dtype == torch.int8:  # rows with their scales, as the store writes them
+        values = torch.randn(*shape[:-1], spec.head_size, generator=gen)
+        kv_cache = quantize_int8_rows(values).view(torch.int8).to(device)
+    else:
+        kv_cache = torch.randn(shape, generator=gen).to(device, spec.cache_dtype)
     prefill = make_paged_batch(seq_lens[:1], seq_lens[:1], spec.block_size, num_blocks, device, generator=gen)
     decode = make_paged_batch(
         seq_lens[1:], [1] * DECODE_REQUESTS, spec.block_size, num_blocks, device, generator=gen

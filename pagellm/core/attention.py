@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from pagellm.core.dtypes import dtype_name
+from pagellm.core.dtypes import INT8_SCALE_BYTES, dtype_name
 
 if TYPE_CHECKING:
     from pagellm.core.platform import Platform
@@ -42,6 +42,11 @@ class AttentionSpec:
     @property
     def cache_dtype(self) -> torch.dtype:
         return self.kv_cache_dtype or self.dtype
+
+    @property
+    def cache_row_size(self) -> int:
+        """Elements of one cached K or V row: head_size, plus the float32 scale's bytes in an int8 cache."""
+        return self.head_size + (INT8_SCALE_BYTES if self.cache_dtype == torch.int8 else 0)
 
     @property
     def softmax_scale(self) -> float:
@@ -126,7 +131,7 @@ class AttentionBackend:
 
     @classmethod
     def kv_cache_shape(cls, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple:
-        """Shape of one layer's KV cache tensor."""
+        """Shape of one layer's KV cache tensor; `head_size` is the spec's `cache_row_size`."""
         return (2, num_blocks, block_size, num_kv_heads, head_size)
 
     @classmethod

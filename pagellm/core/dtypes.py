@@ -16,9 +16,15 @@ KV_CACHE_DTYPES: dict[str, torch.dtype] = {
     "fp8": torch.float8_e4m3fn,
     "fp8_e4m3": torch.float8_e4m3fn,
     "fp8_e5m2": torch.float8_e5m2,
+    "int8": torch.int8,
 }
 """Name -> torch dtype, for the names `--kv-cache-dtype` accepts besides `auto` (vLLM's names): one byte per
-value halves the KV cache's memory and the bytes each decode step reads."""
+value halves the KV cache's memory and the bytes each decode step reads. int8 rows carry their own scale
+(`INT8_SCALE_BYTES`)."""
+
+INT8_SCALE_BYTES = 4
+"""An int8 cache row is head_size values then their float32 scale (max |x| / 127, per token and KV head),
+so the scale travels with the row through every block copy and gather."""
 
 
 def dtype_name(dtype: torch.dtype) -> str:

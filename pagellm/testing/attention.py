@@ -73,7 +73,9 @@ def check_backend(
         v = torch.randn(total, spec.num_kv_heads, spec.head_size, generator=gen).to(device, spec.dtype)
         num_blocks = blocks_needed(seq_lens, spec.block_size)
         batch = make_paged_batch(seq_lens, query_lens, spec.block_size, num_blocks, device, generator=gen)
-        shape = backend_cls.kv_cache_shape(num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size)
+        shape = backend_cls.kv_cache_shape(
+            num_blocks, spec.block_size, spec.num_kv_heads, spec.cache_row_size
+        )
         kv_cache = torch.zeros(shape, dtype=spec.cache_dtype, device=device)
         impl = backend_cls(spec)
         starts = [sum(seq_lens[:i]) for i in range(len(seq_lens))]

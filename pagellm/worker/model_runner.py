@@ -64,7 +64,7 @@ class ModelRunner:
         self.num_blocks = self._num_blocks()
         spec = setup.spec
         shape = setup.backend.kv_cache_shape(
-            self.num_blocks, self.block_size, spec.num_kv_heads, spec.head_size
+            self.num_blocks, self.block_size, spec.num_kv_heads, spec.cache_row_size
         )
         self.kv_caches = [torch.zeros(shape, dtype=spec.cache_dtype, device=self.device) for _ in self.layers]
         self.forward = self.model
@@ -107,7 +107,7 @@ class ModelRunner:
 
     def block_bytes(self) -> int:
         spec = self.setup.spec
-        shape = self.setup.backend.kv_cache_shape(1, self.block_size, spec.num_kv_heads, spec.head_size)
+        shape = self.setup.backend.kv_cache_shape(1, self.block_size, spec.num_kv_heads, spec.cache_row_size)
         elem = torch.empty((), dtype=spec.cache_dtype).element_size()
         return int(np.prod(shape)) * elem * len(self.layers)
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from pagellm.attention_backends import cpu_attn, cpu_kernels
+from pagellm.attention_backends._base import dequantize_int8_rows, quantize_int8_rows
 from pagellm.attention_backends.cpu_attn import CpuAttnBackend
 from pagellm.attention_backends.torch_sdpa import TorchSDPABackend
 from pagellm.core.attention import AttentionSpec
@@ -178,3 +179,52 @@ def test_fp8_cache_matches_the_reference_backend(cache_dtype, decode_path):
     assert cpu_cache.dtype == cache_dtype
     torch.testing.assert_close(cpu_cache.permute(0, 2, 3, 1, 4).float(), sdpa_cache.float())
     assert (out.float() - expected.float()).abs().max() < TOLERANCE[torch.bfloat16]
+
+
+INT8_TOLERANCE = 0.06  # K/V rounded to max |x| / 254 per row; the same bound as the conformance suite's
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("sliding_window", [None, 20])
+def test_int8_cache_stays_close_to_the_reference(dtype, sliding_window, decode_path):
+    spec = AttentionSpec(9, 3, 64, dtype, kv_cache_dtype=torch.int8, sliding_window=sliding_window)
+    assert spec.cache_row_size == 64 + 4
+    assert check_backend(CpuAttnBackend, spec, "cpu", ALL_CASES) < INT8_TOLERANCE
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_int8_cache_kernel_reads_scales_like_the_pytorch_path(dtype, monkeypatch):
+    """Both paths read one int8 cache whose rows have very different scales: the kernel must agree with
+    the PyTorch path run in float32 on the same inputs (the reference for the bfloat16 kernel too, whose
+    keys go through another instruction path), so a misplaced key or value scale cannot hide inside the
+    int8 tolerance."""
+    if cpu_kernels.load() is None:
+        pytest.skip(cpu_kernels.why_unavailable())
+    spec = AttentionSpec(9, 3, 64, dtype, kv_cache_dtype=torch.int8)
+    gen = torch.Generator().manual_seed(0)
+    batch = make_paged_batch([40, 17, 300, 33, 1500], [1] * 5, 16, generator=gen)  # decodes: the kernel
+    num_blocks = int(batch.block_tables.max()) + 1
+    magnitudes = torch.exp(torch.randn(2, 3, num_blocks, 16, 1, generator=gen))  # 0.1x to 10x
+    context = torch.randn(2, 3, num_blocks, 16, 64, generator=gen) * magnitudes
+    cache = quantize_int8_rows(context).view(torch.int8)
+    q = torch.randn(batch.num_tokens, 9, 64, generator=gen).to(dtype)
+    k, v = (torch.randn(batch.num_tokens, 3, 64, generator=gen).to(dtype) for _ in range(2))
+    kernel_cache = cache.clone()
+    out = CpuAttnBackend(spec).forward(q, k, v, kernel_cache, CpuAttnBackend.build_metadata(batch))
+    monkeypatch.setattr(cpu_attn.cpu_kernels, "load", lambda: None)
+    fp32 = AttentionSpec(9, 3, 64, torch.float32, kv_cache_dtype=torch.int8)
+    q, k, v = q.float(), k.float(), v.float()
+    expected = CpuAttnBackend(fp32).forward(q, k, v, cache, CpuAttnBackend.build_metadata(batch))
+    assert torch.equal(kernel_cache, cache)  # both stored the new rows identically
+    tolerance = 1e-4 if dtype == torch.float32 else 1e-2  # float32 sums in another order; bfloat16 output
+    torch.testing.assert_close(out.float(), expected, atol=tolerance, rtol=tolerance)
+
+
+def test_int8_rows_round_trip():
+    x = torch.randn(50, 3, 64) * torch.exp(torch.randn(50, 3, 1) * 3)
+    x[7, 1] = 0
+    rows = quantize_int8_rows(x)
+    assert rows.shape == (50, 3, 68) and rows.dtype == torch.uint8
+    back = dequantize_int8_rows(rows, torch.float32)
+    assert torch.all((back - x).abs() <= x.abs().amax(-1, keepdim=True) / 254 + 1e-6)
+    assert not back[7, 1].any()

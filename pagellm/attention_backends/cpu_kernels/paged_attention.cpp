@@ -8,7 +8,9 @@
 // path or plain C++ is chosen by what the compiler may use on this CPU.
 //
 // Cache layouts: k_cache, v_cache [num_kv_heads, num_blocks, block_size, head_size] of
-//   kind 0: float32, 1: bfloat16, 2: float16, 3: fp8 e4m3fn, 4: fp8 e5m2 (uint8 storage for both fp8).
+//   kind 0: float32, 1: bfloat16, 2: float16, 3: fp8 e4m3fn, 4: fp8 e5m2 (uint8 storage for both fp8),
+//   5: int8, whose rows are head_size + 4 bytes: the values, then their float32 scale (x = value * scale).
+//   The key scale multiplies the score; the value scale is folded into the softmax weight.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -30,7 +32,7 @@
 
 namespace {
 
-enum CacheKind : int64_t { F32 = 0, BF16 = 1, F16 = 2, E4M3 = 3, E5M2 = 4 };
+enum CacheKind : int64_t { F32 = 0, BF16 = 1, F16 = 2, E4M3 = 3, E5M2 = 4, I8 = 5 };
 
 // ---- scalar conversions (tails and the plain C++ build) ----------------------------------------------
 
@@ -66,6 +68,7 @@ inline float load_scalar(const void* base, int64_t i) {
     return half_to_float(e4m3_to_half_bits(static_cast<const uint8_t*>(base)[i])) * E4M3_SCALE;
   }
   if constexpr (K == E5M2) return half_to_float(uint16_t(static_cast<const uint8_t*>(base)[i]) << 8);
+  if constexpr (K == I8) return static_cast<float>(static_cast<const int8_t*>(base)[i]);
   return 0.f;
 }
 
@@ -102,6 +105,8 @@ inline vec vload(const void* base, int64_t i) {
     __m256i h = _mm256_slli_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint8_t*>(base) + i))), 8);
     return _mm512_cvtph_ps(h);
   }
+  if constexpr (K == I8)
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const int8_t*>(base) + i))));
   return _mm512_setzero_ps();
 }
 #elif PL_AVX2
@@ -140,6 +145,8 @@ inline vec vload(const void* base, int64_t i) {
     __m128i h = _mm_slli_epi16(_mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(static_cast<const uint8_t*>(base) + i))), 8);
     return _mm256_cvtph_ps(h);
   }
+  if constexpr (K == I8)
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(static_cast<const int8_t*>(base) + i))));
   return _mm256_setzero_ps();
 }
 #else
@@ -224,6 +231,26 @@ inline __m512 partial_dot_bf16(const __m512bh* q, const void* cache, int64_t at,
     acc = _mm512_dpbf16_ps(acc, q[i / 32], (__m512bh)_mm512_loadu_si512(row + i));
   return acc;
 }
+
+// the 16 tokens' partial products for head size NQ * 32, fully unrolled with the query in registers
+template <int NQ>
+inline void partial_dots16_bf16(const __m512bh* q, const void* cache, const int64_t* at, __m512* part) {
+  __m512bh qv[NQ];
+  for (int c = 0; c < NQ; ++c) qv[c] = q[c];
+  const uint16_t* base = static_cast<const uint16_t*>(cache);
+  for (int i = 0; i < 16; ++i) {
+    __m512 acc = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[0], (__m512bh)_mm512_loadu_si512(base + at[i]));
+    for (int c = 1; c < NQ; ++c)
+      acc = _mm512_dpbf16_ps(acc, qv[c], (__m512bh)_mm512_loadu_si512(base + at[i] + 32 * c));
+    part[i] = acc;
+  }
+}
+
+inline void partial_dots16_bf16(const __m512bh* q, const void* cache, const int64_t* at, int64_t d, __m512* part) {
+  if (d == 64) return partial_dots16_bf16<2>(q, cache, at, part);
+  if (d == 128) return partial_dots16_bf16<4>(q, cache, at, part);
+  for (int i = 0; i < 16; ++i) part[i] = partial_dot_bf16(q, cache, at[i], d);
+}
 #endif
 #endif
 
@@ -241,6 +268,13 @@ inline float dot(const float* q, const void* cache, int64_t at, int64_t d) {
   return s;
 }
 
+// the float32 scale stored after an int8 row's d values
+inline float row_scale(const void* cache, int64_t at, int64_t d) {
+  float s;
+  std::memcpy(&s, static_cast<const uint8_t*>(cache) + at + d, 4);
+  return s;
+}
+
 inline float load_q(const at::Tensor& q, int64_t flat) {
   switch (q.scalar_type()) {
     case at::kFloat: return q.data_ptr<float>()[flat];
@@ -252,6 +286,7 @@ inline float load_q(const at::Tensor& q, int64_t flat) {
 
 struct Problem {
   int64_t num_heads, num_kv, head_size, group, block_size, num_blocks, max_blocks;
+  int64_t row;  // elements per cached row: head_size, or head_size + 4 (int8 values and their scale)
   int64_t window;  // 0: none
   float scale;
   const int32_t* block_tables;
@@ -294,6 +329,81 @@ void accumulate_values(const Problem& P, const float* scores, int64_t width, con
 }
 #endif
 
+#if PL_AVX512 && defined(__AVX512BF16__)
+// The same sum with bfloat16 weights and values: pairs of positions go through one dot-product
+// instruction (two rows of V interleaved, the two weights broadcast as a pair), a third of the
+// instructions of the float32 path. For bfloat16 caches and outputs only: the weights are rounded to
+// bfloat16 (relative 2^-9, the output's own precision), the sums stay float32. (Widening one-byte caches
+// to bfloat16 on the way measured slower than their float32 path.) `pw` holds each row's weights as
+// bfloat16, `width` rounded up to even, zero-padded.
+template <int CH, int R>
+void accumulate_values_pairs(const Problem& P, const uint16_t* pw, int64_t pw_stride, int64_t width,
+                             const int64_t* offsets, int64_t row0, float* row_acc) {
+  __m512 acc[R][2 * CH];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < 2 * CH; ++c) acc[r][c] = _mm512_setzero_ps();
+  const uint16_t* v = static_cast<const uint16_t*>(P.v);
+  for (int64_t i = 0; i < width; i += 2) {
+    const bool two = i + 1 < width;
+    __m512i w[R];
+    for (int r = 0; r < R; ++r) {
+      uint32_t pair;
+      std::memcpy(&pair, pw + (row0 + r) * pw_stride + i, 4);
+      w[r] = _mm512_set1_epi32(static_cast<int>(pair));
+    }
+    for (int c = 0; c < CH; ++c) {
+      const __m512i x = _mm512_loadu_si512(v + offsets[i] + c * 32);
+      const __m512i y = two ? _mm512_loadu_si512(v + offsets[i + 1] + c * 32) : _mm512_setzero_si512();
+      // per 128-bit lane L: lo pairs elements 8L..8L+3 of the two rows, hi elements 8L+4..8L+7
+      const __m512bh lo = (__m512bh)_mm512_unpacklo_epi16(x, y), hi = (__m512bh)_mm512_unpackhi_epi16(x, y);
+      for (int r = 0; r < R; ++r) {
+        acc[r][2 * c] = _mm512_dpbf16_ps(acc[r][2 * c], lo, (__m512bh)w[r]);
+        acc[r][2 * c + 1] = _mm512_dpbf16_ps(acc[r][2 * c + 1], hi, (__m512bh)w[r]);
+      }
+    }
+  }
+  alignas(64) float lo[16], hi[16];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < CH; ++c) {
+      _mm512_store_ps(lo, acc[r][2 * c]);
+      _mm512_store_ps(hi, acc[r][2 * c + 1]);
+      float* dst = row_acc + (row0 + r) * CH * 32 + c * 32;
+      for (int L = 0; L < 4; ++L)
+        for (int j = 0; j < 4; ++j) dst[8 * L + j] = lo[4 * L + j], dst[8 * L + 4 + j] = hi[4 * L + j];
+    }
+}
+
+template <int CH, int RMAX>
+void accumulate_rows_pairs(const Problem& P, const float* scores, int64_t width, const int64_t* offsets,
+                           int64_t rows, float* row_acc, std::vector<uint16_t>& pw) {
+  const int64_t stride = (width + 1) & ~int64_t(1);
+  pw.assign(rows * stride, 0);
+  for (int64_t row = 0; row < rows; ++row) {
+    int64_t i = 0;
+    for (; i + 16 <= width; i += 16)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(pw.data() + row * stride + i),
+                          (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(scores + row * width + i)));
+    for (; i < width; ++i) {  // round to nearest even, as the instruction does (weights are finite)
+      uint32_t bits;
+      std::memcpy(&bits, scores + row * width + i, 4);
+      pw[row * stride + i] = uint16_t((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+    }
+  }
+  for (int64_t row0 = 0; row0 < rows;) {
+    const int64_t left = rows - row0;
+    if (RMAX >= 4 && left >= 4) {
+      accumulate_values_pairs<CH, (RMAX >= 4 ? 4 : 1)>(P, pw.data(), stride, width, offsets, row0, row_acc), row0 += 4;
+    } else if (left >= 3 && RMAX >= 3) {
+      accumulate_values_pairs<CH, (RMAX >= 3 ? 3 : 1)>(P, pw.data(), stride, width, offsets, row0, row_acc), row0 += 3;
+    } else if (left >= 2) {
+      accumulate_values_pairs<CH, 2>(P, pw.data(), stride, width, offsets, row0, row_acc), row0 += 2;
+    } else {
+      accumulate_values_pairs<CH, 1>(P, pw.data(), stride, width, offsets, row0, row_acc), row0 += 1;
+    }
+  }
+}
+#endif
+
 // One work item: request `r`, KV head `h`, context positions [lo, hi). Writes, for each of the request's
 // query tokens j and query heads g of the group, row (j * group + g): the running max, the sum of
 // exponentials and the unnormalised weighted sum of values (head_size floats). Rows whose visible range
@@ -302,18 +412,18 @@ void accumulate_values(const Problem& P, const float* scores, int64_t width, con
 template <int64_t K>
 void attend_partition(const Problem& P, const float* qf, const void* qb, int64_t r, int64_t h, int64_t lo, int64_t hi,
                       float* row_max, float* row_sum, float* row_acc, std::vector<float>& scores,
-                      std::vector<float>& vrow, std::vector<int64_t>& offsets) {
+                      std::vector<float>& vrow, std::vector<int64_t>& offsets, std::vector<uint16_t>& weights) {
   constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
   const int64_t d = P.head_size, G = P.group;
   const int64_t Q = P.query_start[r + 1] - P.query_start[r], L = P.seq_lens[r];
   const int64_t rows = Q * G, width = hi - lo;
   scores.resize(rows * width);
   const int32_t* table = P.block_tables + r * P.max_blocks;
-  const int64_t head_base = h * P.num_blocks * P.block_size * d;
+  const int64_t head_base = h * P.num_blocks * P.block_size * P.row;
   // each position's element offset in the cache, walking the block table once (no division per token)
   offsets.resize(width);
   for (int64_t t = lo, b = lo / P.block_size, i = lo % P.block_size; t < hi; ++t) {
-    offsets[t - lo] = head_base + (int64_t(table[b]) * P.block_size + i) * d;
+    offsets[t - lo] = head_base + (int64_t(table[b]) * P.block_size + i) * P.row;
     if (++i == P.block_size) i = 0, ++b;
   }
   auto offset = [&](int64_t t) { return offsets[t - lo]; };
@@ -324,7 +434,7 @@ void attend_partition(const Problem& P, const float* qf, const void* qb, int64_t
     int64_t at[16];
     std::vector<uint16_t> tile(16 * d);  // a tile of keys widened to bfloat16
     const __m512 scale = _mm512_set1_ps(P.scale);
-    const int64_t row_bytes = d * elem_size<K>();
+    const int64_t row_bytes = P.row * elem_size<K>();
     for (; t + 16 <= hi; t += 16) {
       for (int i = 0; i < 16; ++i) at[i] = offset(t + i);
       // blocks sit anywhere in memory, so the hardware prefetcher cannot see the next one coming: fetch
@@ -348,10 +458,12 @@ void attend_partition(const Problem& P, const float* qf, const void* qb, int64_t
 #if defined(__AVX512BF16__)
         if (K == BF16 && qb != nullptr && d % 32 == 0) {
           const __m512bh* q = static_cast<const __m512bh*>(qb) + row * (d / 32);
-          for (int i = 0; i < 16; ++i) part[i] = partial_dot_bf16(q, P.k, at[i], d);
+          partial_dots16_bf16(q, P.k, at, d, part);
         } else if (widen) {
           const __m512bh* q = static_cast<const __m512bh*>(qb) + row * (d / 32);
-          for (int i = 0; i < 16; ++i) part[i] = partial_dot_bf16(q, tile.data(), i * d, d);
+          int64_t tile_at[16];
+          for (int i = 0; i < 16; ++i) tile_at[i] = i * d;
+          partial_dots16_bf16(q, tile.data(), tile_at, d, part);
         } else
 #endif
         {
@@ -365,6 +477,12 @@ void attend_partition(const Problem& P, const float* qf, const void* qb, int64_t
   for (; t < hi; ++t) {
     const int64_t at = offset(t);
     for (int64_t row = 0; row < rows; ++row) scores[row * width + (t - lo)] = dot<K>(qf + row * d, P.k, at, d) * P.scale;
+  }
+  if constexpr (K == I8) {  // each key's scale
+    for (int64_t i = 0; i < width; ++i) {
+      const float ks = row_scale(P.k, offsets[i], d);
+      for (int64_t row = 0; row < rows; ++row) scores[row * width + i] *= ks;
+    }
   }
   // causal and sliding-window masks: query token j sits at position L - Q + j and sees (pos - window, pos]
   for (int64_t row = 0; row < rows; ++row) {
@@ -406,6 +524,21 @@ void attend_partition(const Problem& P, const float* qf, const void* qb, int64_t
     row_sum[row] = sum;
     std::fill(row_acc + row * d, row_acc + (row + 1) * d, 0.f);
   }
+  if constexpr (K == I8) {  // each value's scale, folded into its weights (after the sums above)
+    for (int64_t i = 0; i < width; ++i) {
+      const float vs = row_scale(P.v, offsets[i], d);
+      for (int64_t row = 0; row < rows; ++row) scores[row * width + i] *= vs;
+    }
+  }
+#if PL_AVX512 && defined(__AVX512BF16__)
+  if (K == BF16 && qb != nullptr && (d == 64 || d == 128)) {  // bfloat16 cache and output
+    if (d == 64)
+      accumulate_rows_pairs<2, 4>(P, scores.data(), width, offsets.data(), rows, row_acc, weights);
+    else
+      accumulate_rows_pairs<4, 2>(P, scores.data(), width, offsets.data(), rows, row_acc, weights);
+    return;
+  }
+#endif
 #if PL_AVX512
   if (d == 64 || d == 128) {  // the common head sizes: accumulators in registers
     for (int64_t row0 = 0; row0 < rows; row0 += (d == 64 ? 4 : 2)) {
@@ -469,7 +602,7 @@ void run(at::Tensor& out, const at::Tensor& q, const Problem& P, int64_t num_req
   at::parallel_for(0, num_items, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, qf, vrow;
     std::vector<int64_t> offsets;
-    std::vector<uint16_t> qb;
+    std::vector<uint16_t> qb, weights;
     const bool bf16_query = q.scalar_type() == at::kBFloat16;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t i = std::upper_bound(item_start.begin(), item_start.end(), item) - item_start.begin() - 1;
@@ -494,7 +627,8 @@ void run(at::Tensor& out, const at::Tensor& q, const Problem& P, int64_t num_req
       }
       float* base = partial.data() + item * stride;
       const void* qbits = bf16_query ? reinterpret_cast<const void*>((reinterpret_cast<uintptr_t>(qb.data()) + 63) & ~uintptr_t(63)) : nullptr;
-      attend_partition<K>(P, qf.data(), qbits, r, h, lo, hi, base, base + max_rows, base + 2 * max_rows, scores, vrow, offsets);
+      attend_partition<K>(P, qf.data(), qbits, r, h, lo, hi, base, base + max_rows, base + 2 * max_rows, scores, vrow, offsets,
+                         weights);
     }
   });
 
@@ -553,6 +687,8 @@ void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tenso
   P.num_kv = k_cache.size(0);
   P.num_blocks = k_cache.size(1);
   P.block_size = k_cache.size(2);
+  P.row = k_cache.size(3);
+  TORCH_CHECK(P.row == P.head_size + (cache_kind == I8 ? 4 : 0), "cache rows must be head_size (+ 4 for int8)");
   TORCH_CHECK(P.num_heads % P.num_kv == 0, "num_heads must be a multiple of num_kv_heads");
   P.group = P.num_heads / P.num_kv;
   P.max_blocks = block_tables.size(1);
@@ -572,6 +708,7 @@ void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tenso
     case F16: run<F16>(out, q, P, n, partition); break;
     case E4M3: run<E4M3>(out, q, P, n, partition); break;
     case E5M2: run<E5M2>(out, q, P, n, partition); break;
+    case I8: run<I8>(out, q, P, n, partition); break;
     default: TORCH_CHECK(false, "unknown cache kind ", cache_kind);
   }
 }
