@@ -7,9 +7,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from pagellm.core.attention import AttentionBackend, AttentionSpec
+from pagellm.core.platform import PackedLinear
 from pagellm.core.quant import QuantMethod
 
 
@@ -40,6 +42,17 @@ class CausalLM(nn.Module):
     - attention_spec(hf_config, dtype, block_size, layer_idx) -> the spec of attention layer layer_idx
     Attention layers are `pagellm.models.layers.attention.Attention` with layer_idx 0..L-1.
     """
+
+    packed_lm_head: PackedLinear | None = None
+    """The output projection repacked by the platform (`Platform.pack_linear`, set by the model runner)."""
+
+    def project_logits(self, hidden: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
+        """float32 logits hidden @ weight^T, through `packed_lm_head` when the runner set one (then `weight`
+        may be None: an untied lm_head keeps only the packed copy)."""
+        packed = self.packed_lm_head
+        if packed is not None:
+            return packed.matmul(hidden, packed.weight, None).float()
+        return F.linear(hidden, weight).float()
 
     @staticmethod
     def attention_spec(hf_config: Any, dtype: torch.dtype, block_size: int, layer_idx: int) -> AttentionSpec:

@@ -8,7 +8,6 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pagellm.core.attention import AttentionSpec
@@ -112,7 +111,7 @@ class GPT2LMHeadModel(CausalLM):
         return self.transformer(input_ids, positions)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head.weight).float()
+        return self.project_logits(hidden, self.lm_head.weight)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         return copy_weights(self, weights, adapt=self._adapt)

@@ -77,12 +77,20 @@ class ModelRunner:
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(config.seed))
 
     def _pack_linears(self) -> None:
-        """Let the platform prepack every plain linear layer's weight (`Platform.pack_linear`). The lm_head
-        is left alone: `compute_logits` reads its weight directly (and may share it with the embedding)."""
+        """Let the platform prepack every plain linear layer's weight (`Platform.pack_linear`), and the
+        output projection's for `CausalLM.project_logits`. A tied lm_head is the embedding, which needs its
+        plain weight too, so it gets a packed copy (memory: the vocab x hidden weight once more)."""
         lm_head = getattr(self.model, "lm_head", None)
         for module in self.model.modules():
             if isinstance(module, Linear) and module.quant_method is None and module is not lm_head:
                 module.use_packed(self.setup.platform.pack_linear(module.weight))
+        if lm_head is None or getattr(lm_head, "quant_method", None) is not None:
+            return
+        packed = self.setup.platform.pack_linear(lm_head.weight)
+        if packed is not None:
+            self.model.packed_lm_head = packed
+            if isinstance(lm_head, Linear):
+                lm_head.use_packed(packed)
 
     @torch.inference_mode()
     def _warm_up(self, compiled: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:

@@ -153,22 +153,32 @@ def test_packed_linear_compiles(tmp_path, monkeypatch):
         torch.testing.assert_close(compiled(x), layer(x))
 
 
-def test_runner_packs_decoder_linears_in_half_precision(tmp_path):
+def test_runner_packs_linears_and_lm_head_in_half_precision(tmp_path):
     from tiny import make_tiny_checkpoint
 
     from pagellm import LLM
+
+    for tied in (False, True):
+        path = make_tiny_checkpoint("llama", tmp_path / f"tied{tied}", tie_word_embeddings=tied)
+        for dtype, packed in (("bfloat16", torch.backends.mkldnn.is_available()), ("float32", False)):
+            _check_packing(LLM(str(path), dtype=dtype, num_kv_blocks=64, enforce_eager=True), packed, tied)
+
+
+def _check_packing(llm, packed: bool, tied: bool) -> None:
     from pagellm.models.layers.linear import Linear
     from pagellm.models.loader import model_weight_bytes
 
-    path = make_tiny_checkpoint("llama", tmp_path)
-    for dtype, packed in (("bfloat16", torch.backends.mkldnn.is_available()), ("float32", False)):
-        llm = LLM(str(path), dtype=dtype, num_kv_blocks=64, enforce_eager=True)
-        model = llm.engine.runner.model
-        linears = [
-            m for m in model.modules() if isinstance(m, Linear) and m is not getattr(model, "lm_head", None)
-        ]
-        assert linears and all((m.packed_matmul is not None) == packed for m in linears)
-        assert all((m.weight is None) == packed for m in linears)  # the packed copy replaces the weight
-        assert model_weight_bytes(model) == llm.engine.runner.model_bytes  # and is counted like it
-        out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], use_tqdm=False)
-        assert len(out[0].outputs[0].token_ids) > 0
+    model = llm.engine.runner.model
+    linears = [m for m in model.modules() if isinstance(m, Linear) and m is not model.lm_head]
+    assert linears and all((m.packed_matmul is not None) == packed for m in linears)
+    assert all((m.weight is None) == packed for m in linears)  # the packed copy replaces the weight
+    assert model_weight_bytes(model) == llm.engine.runner.model_bytes  # and is counted like it
+    out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) > 0
+    # the output projection too: a packed copy beside a tied embedding, in place of an untied weight
+    assert (model.packed_lm_head is not None) == packed
+    assert (model.lm_head.weight is None) == (packed and not tied)
+    if packed and tied:
+        hidden = torch.randn(5, model.lm_head.weight.shape[1]).bfloat16()
+        expected = torch.nn.functional.linear(hidden, model.lm_head.weight).float()
+        torch.testing.assert_close(model.compute_logits(hidden), expected)
