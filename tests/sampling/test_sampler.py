@@ -174,3 +174,13 @@ def test_prompt_logprobs():
     assert torch.allclose(lp.token_logprobs, raw[torch.arange(4), targets])
     assert torch.equal(lp.topk_ids, raw.topk(2).indices)
     assert ((raw >= lp.token_logprobs[:, None]).sum(-1) == lp.token_ranks).all()
+
+
+def test_argmax_matches_torch_argmax_with_ties():
+    from pagellm.sampling.sampler import argmax
+
+    logits = torch.randn(64, 5000, generator=torch.Generator().manual_seed(0))
+    logits[3, [10, 20, 4000]] = 50.0  # a three-way tie: the first wins
+    logits[5] = 1.0  # all equal
+    assert argmax(logits).tolist() == logits.argmax(dim=-1).tolist()
+    assert argmax(logits)[3] == 10 and argmax(logits)[5] == 0
