@@ -117,6 +117,25 @@ def test_compiled_forward(checkpoints, arch):
     assert_greedy_parity(llm, reference, mixed_prompts(300))
 
 
+def test_compiled_forward_with_packed_linears(checkpoints):
+    """bfloat16 packs the linears (oneDNN on CPU); the compile must keep them rather than fall back to
+    eager, which it silently did for a while (inductor cannot lower a packed weight)."""
+    path, _ = checkpoints("llama")
+    llm = engine(path, dtype="bfloat16", enforce_eager=False, max_num_batched_tokens=64, max_num_seqs=8)
+    runner = llm.engine.runner
+    assert runner.forward is not runner.model  # compiled, no fallback
+    eager = engine(path, dtype="bfloat16", max_num_batched_tokens=64, max_num_seqs=8)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in mixed_prompts(300)[:4]]
+    compiled_ids = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    eager_ids = [o.outputs[0].token_ids for o in eager.generate(prompts, params, use_tqdm=False)]
+    # fused norms round differently in bfloat16: most tokens agree; a few may flip at near-ties
+    agree = sum(
+        a == b for c, e in zip(compiled_ids, eager_ids, strict=True) for a, b in zip(c, e, strict=True)
+    )
+    assert agree >= 0.75 * sum(len(c) for c in compiled_ids), (compiled_ids, eager_ids)
+
+
 FP8_LOGPROB_TOLERANCE = {"fp8_e4m3": 0.3, "fp8_e5m2": 0.5}
 """Largest log-probability error a one-byte KV cache may add on the tiny test models (random weights, so
 their logits are far more sensitive to K/V rounding than a trained model's); measured 0.24 and 0.40.
