@@ -10,9 +10,14 @@ Definitions (all times from the client):
 - TPOT: per request, (end-to-end latency - TTFT) / (output tokens - 1).
 - ITL: the gaps between consecutive token chunks of a request, over all requests.
 - request throughput: completed requests / duration (first send to last completion).
-- offered rate: the arrival rate asked for, and the realized one ((n - 1) / span of the send times);
-  served rate: the same estimator over completion times ((n - 1) / span of the completion times). A
-  server that keeps up completes requests as fast as they arrive.
+- offered rate: the arrival rate asked for, and the realized one ((n - 1) / span of the send times).
+- served rate: the same estimator over the times requests got their first token. That is when a
+  request leaves the queue for the running batch, so a server that keeps up serves as fast as requests
+  arrive, and one that does not falls further behind with each request (its TTFT grows along the run:
+  `ttft_ms_by_third` shows the trend).
+- completion rate: the same estimator over completion times. It reads low even with no queue at all,
+  because the last requests' own decoding stretches the span: `completion_rate_without_queue` is what a
+  server with no queue would read, each request taking its TTFT plus its tokens at the run's median TPOT.
 """
 
 from __future__ import annotations
@@ -176,7 +181,11 @@ def summarize(records: list[RequestRecord], rate: float) -> dict[str, Any]:
     input_tokens = sum(r.prompt_len for r in done)
     per = lambda metric: [v for v in (metric(r) for r in done) if v is not None]  # noqa: E731
     offered = _rate([r.sent_s for r in records])
-    served = _rate([r.done_s for r in done])
+    started = sorted((r for r in done if r.ttft_s is not None), key=lambda r: r.sent_s)
+    served = _rate([r.sent_s + r.ttft_s for r in started])
+    median_tpot = float(np.median(per(lambda r: r.tpot_s) or [0.0]))
+    without_queue = [r.sent_s + r.ttft_s + (r.output_tokens - 1) * median_tpot for r in started]
+    thirds = np.array_split(np.array([r.ttft_s * 1000 for r in started]), 3)
     return {
         "num_requests": len(records),
         "completed": len(done),
@@ -193,6 +202,9 @@ def summarize(records: list[RequestRecord], rate: float) -> dict[str, Any]:
         "offered_rate": offered,
         "served_rate": served,
         "served_over_offered": served / offered if served and offered else None,
+        "completion_rate": _rate([r.done_s for r in done]),
+        "completion_rate_without_queue": _rate(without_queue),
+        "ttft_ms_by_third": [float(part.mean()) if len(part) else None for part in thirds],
         "ttft_ms": _stats(per(lambda r: r.ttft_s)),
         "tpot_ms": _stats(per(lambda r: r.tpot_s)),
         "itl_ms": _stats([gap for r in done for gap in r.itl_s]),

@@ -610,7 +610,10 @@ def _serve_report(s: dict[str, Any]) -> str:
         f"requests: {s['completed']}/{s['num_requests']} completed in {s['duration_s']:.2f} s"
         + ("" if s["exact_output_lengths"] else " (some output lengths differ from those asked)"),
         f"request rate: offered {num(s['request_rate'], '{:g}')} req/s (realized {num(s['offered_rate'])}), "
-        f"served {num(s['served_rate'])} req/s (served/offered {num(s['served_over_offered'], '{:.1%}')})",
+        f"served {num(s['served_rate'])} req/s (served/offered {num(s['served_over_offered'], '{:.1%}')}; "
+        f"first tokens), mean TTFT by thirds of the run {' / '.join(num(t, '{:.0f}') for t in s['ttft_ms_by_third'])} ms",
+        f"completion rate {num(s['completion_rate'])} req/s (with no queue at this run's median TPOT: "
+        f"{num(s['completion_rate_without_queue'])})",
         f"request throughput: {num(s['request_throughput'])} req/s; output {num(s['output_tok_s'], '{:.1f}')} "
         f"tok/s; total {num(s['total_tok_s'], '{:.1f}')} tok/s",
     ]

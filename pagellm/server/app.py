@@ -221,7 +221,7 @@ class _Server:
         return Response(self.stat_logger.exposition(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def models(self) -> ModelList:
-        root = self.llm.engine.config.model or self.names[0]
+        root = self.llm.config.model or self.names[0]
         return ModelList(
             data=[ModelCard(id=n, root=root, max_model_len=self.llm.max_model_len) for n in self.names]
         )

@@ -48,7 +48,11 @@ def test_summary_of_hand_made_records():
     assert s["tpot_ms"]["mean"] == pytest.approx((150 + 100) / 2)  # (0.8 - 0.5) / 2 and 0.1 / 1
     assert sorted([round(x, 6) for x in a.itl_s + b.itl_s]) == [0.1, 0.1, 0.2]
     assert s["offered_rate"] == pytest.approx(1.0)  # sends at 0, 1, 2
-    assert s["served_rate"] == pytest.approx(1 / 0.6)  # completions at 0.8 and 1.4
+    assert s["served_rate"] == pytest.approx(1 / 0.7)  # first tokens at 0.5 and 1.2
+    assert s["completion_rate"] == pytest.approx(1 / 0.6)  # completions at 0.8 and 1.4
+    # with no queue, at the median TPOT of 125 ms: 0.5 + 2 x 0.125 and 1.2 + 0.125
+    assert s["completion_rate_without_queue"] == pytest.approx(1 / (1.325 - 0.75))
+    assert s["ttft_ms_by_third"][:2] == pytest.approx([500, 200]) and s["ttft_ms_by_third"][2] is None
     assert s["exact_output_lengths"]
 
 

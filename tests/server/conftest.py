@@ -18,7 +18,10 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def llm(tiny_model_dir):
-    """128 tokens of context, 128 KV blocks of 16 tokens: 2032 tokens of KV cache."""
-    llm = AsyncLLM(str(tiny_model_dir), dtype="float32", num_kv_blocks=128, max_model_len=128)
+    """128 tokens of context, 128 KV blocks of 16 tokens: 2032 tokens of KV cache. On a thread, so tests can
+    reach into `llm.engine`; tests/server/test_engine_process.py covers the engine process."""
+    llm = AsyncLLM(
+        str(tiny_model_dir), dtype="float32", num_kv_blocks=128, max_model_len=128, engine_process=False
+    )
     yield llm
     llm.shutdown()

@@ -1,0 +1,155 @@
+"""AsyncLLM with its engine in a process of its own (the default, and what `pagellm serve` runs): the same
+greedy tokens as the offline LLM under concurrency, bad input refused with the engine's own error, aborts
+that free KV blocks, and no orphan either way: a dead engine fails its requests, a dead front end takes
+its engine with it."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import httpx
+import pytest
+
+from pagellm import LLM, AsyncLLM, SamplingParams
+from pagellm.core.errors import ConfigError
+from pagellm.engine.async_llm import EngineError
+from pagellm.engine.llm_engine import PromptTooLongError
+from pagellm.server.app import build_app
+
+PROMPTS = ["Hello, world!", "The quick brown fox", "Paged attention", "Once upon a time"]
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+SETTINGS = {"dtype": "float32", "num_kv_blocks": 64, "max_model_len": 128}
+
+
+@pytest.fixture(scope="module")
+def served(tiny_model_dir):
+    llm = AsyncLLM(str(tiny_model_dir), **SETTINGS)
+    assert llm.engine is None and llm._process.process.pid != os.getpid()
+    yield llm
+    llm.shutdown()
+
+
+async def wait_idle(llm: AsyncLLM) -> None:
+    for _ in range(500):
+        stats = llm.latest_stats
+        if (stats.num_running, stats.num_waiting, stats.kv_cache_usage) == (0, 0, 0):
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"the engine is not idle: {llm.latest_stats}")
+
+
+def test_concurrent_streams_match_the_offline_llm(served, tiny_model_dir):
+    offline = LLM(str(tiny_model_dir), **SETTINGS)
+    expected = [o.outputs[0].token_ids for o in offline.generate(PROMPTS, GREEDY, use_tqdm=False)]
+
+    async def collect(prompt: str, kind: str) -> list[int]:
+        params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, output_kind=kind)
+        outputs = [o async for o in served.generate(prompt, params)]
+        assert outputs[-1].finished and not any(o.finished for o in outputs[:-1])
+        if kind == "delta":
+            return [t for o in outputs for t in o.outputs[0].token_ids]
+        return list(outputs[-1].outputs[0].token_ids)
+
+    async def run():
+        cumulative = await asyncio.gather(*(collect(p, "cumulative") for p in PROMPTS))
+        delta = await asyncio.gather(*(collect(p, "delta") for p in PROMPTS))
+        await wait_idle(served)
+        return cumulative, delta
+
+    cumulative, delta = asyncio.run(run())
+    assert cumulative == expected and delta == expected
+    assert served.tokenizer.decode(expected[0]) == offline.engine.tokenizer.decode(expected[0])
+    assert served.max_model_len == 128 and served.kv_cache_tokens > 0
+
+
+def test_bad_input_is_refused_with_the_engines_error_and_others_go_on(served):
+    async def run():
+        good = asyncio.create_task(collect_text(served, "Hello"))
+        with pytest.raises(PromptTooLongError, match="max_model_len"):
+            await served.add_request("x " * 300, GREEDY)
+        with pytest.raises(ConfigError, match="out of range"):
+            await served.add_request([10**9], GREEDY)
+        assert await good
+        await wait_idle(served)
+
+    asyncio.run(run())
+    assert served.is_running
+
+
+async def collect_text(llm: AsyncLLM, prompt: str) -> str:
+    return "".join(
+        [
+            o.outputs[0].text
+            async for o in llm.generate(
+                prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, output_kind="delta")
+            )
+        ]
+    )
+
+
+def test_abort_mid_stream_frees_the_blocks(served):
+    async def run():
+        stream = await served.add_request("Hello", SamplingParams(max_tokens=100, ignore_eos=True))
+        await stream.__anext__()
+        stream.abort()
+        await wait_idle(served)
+
+    asyncio.run(run())
+
+
+def test_a_dead_engine_fails_its_requests_and_health_says_so(tiny_model_dir):
+    llm = AsyncLLM(str(tiny_model_dir), **SETTINGS)
+    app = build_app(llm, ["tiny"])
+
+    async def run():
+        stream = await llm.add_request("Hello", SamplingParams(max_tokens=120, ignore_eos=True))
+        await stream.__anext__()
+        llm._process.process.kill()
+        with pytest.raises(EngineError, match="engine process exited"):
+            [o async for o in stream]
+        assert not llm.is_running
+        with pytest.raises(EngineError, match="shut down"):
+            await llm.add_request("Hello")
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://app") as client:
+            assert (await client.get("/health")).status_code == 503
+
+    try:
+        asyncio.run(run())
+    finally:
+        llm.shutdown()
+
+
+def test_a_failed_start_raises_the_engines_error(tmp_path):
+    with pytest.raises(ConfigError, match=str(tmp_path / "missing")):
+        AsyncLLM(str(tmp_path / "missing"), dtype="float32")
+
+
+def test_the_engine_exits_when_its_front_end_dies(tiny_model_dir):
+    script = textwrap.dedent(
+        f"""
+        import os
+        from pagellm import AsyncLLM
+        llm = AsyncLLM({str(tiny_model_dir)!r}, dtype="float32", num_kv_blocks=64, max_model_len=128)
+        print(llm._process.process.pid, flush=True)
+        os._exit(0)
+        """
+    )
+    front = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    engine_pid = int(front.stdout.split()[-1])
+    deadline = time.monotonic() + 10
+    while _alive(engine_pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(engine_pid), "the engine process outlived its front end"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[-1].split()[0] != "Z"  # a zombie has exited
+    except FileNotFoundError:
+        return False
