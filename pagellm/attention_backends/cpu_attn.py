@@ -1,7 +1,7 @@
 """CPU_ATTN: paged attention tuned for CPUs.
 
 The cache keeps each KV head's blocks together, [2, num_kv_heads, num_blocks, block_size, head_size].
-Decodes go to a native kernel (cpu_kernels/paged_attention.cpp, built on first use) that reads K/V in place
+Decodes go to a native kernel (platforms/cpu_kernels/paged_attention.cpp, built on first use) that reads K/V in place
 through the block table with an online softmax, splitting long contexts so every core has work. Where the
 kernel cannot be built, decodes of similar length share two `bmm` calls over K/V gathered block by block
 (whole blocks of block_size * head_size contiguous elements), with a float32 softmax between them. Each
@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from pagellm.attention_backends import cpu_kernels
 from pagellm.attention_backends._base import PagedBackend, PagedMetadata, dequantize_int8_rows, store_kv
 from pagellm.core.attention import AttentionBackend, AttentionBatch, AttentionSpec
+from pagellm.platforms import cpu_kernels
 from pagellm.plugins import hookimpl
 
 PAGELLM_PLUGIN_API = "1.0"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import platform as pyplatform
@@ -147,11 +148,17 @@ class CpuPlatform(Platform):
 
     @classmethod
     def pack_linear(cls, weight: torch.Tensor) -> PackedLinear | None:
-        """oneDNN with the weight reordered once into its blocked layout: F.linear reorders it on every
-        call, which at decode batch sizes costs as much as the GEMM (1.3-1.9x faster at 1-64 rows, same
-        bits). Half precisions only: float32 would go through a different GEMM than the reference."""
+        """bfloat16 on a CPU with AMX: pagellm's AMX kernel (platforms/cpu_kernels/linear_amx.cpp), which
+        streams the weights at up to 1.35x oneDNN's rate at decode batch sizes and matches it (within 5%)
+        at 2048 rows. Otherwise oneDNN with the weight reordered once into its blocked layout: F.linear
+        reorders it on every call, which at decode batch sizes costs as much as the GEMM (1.3-1.9x faster
+        at 1-64 rows, same bits). Half precisions only: float32 would go through a different GEMM than the
+        reference."""
         if weight.dtype not in (torch.bfloat16, torch.float16) or not torch.backends.mkldnn.is_available():
             return None
+        kernels = _amx_kernels() if weight.dtype == torch.bfloat16 else None
+        if kernels is not None:
+            return PackedLinear(kernels.amx_pack(weight), _AmxLinear(weight.shape[0]))
         packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACKED_LINEAR_BATCH_HINT)
         return PackedLinear(packed, _onednn_linear)
 
@@ -202,6 +209,58 @@ def _onednn_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
 @_onednn_linear_op.register_fake
 def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+def _amx_kernels():
+    """The native kernels when they run the AMX linear here, else None (no AMX, no compiler, or
+    PAGELLM_CPU_KERNELS=0: then oneDNN does every matmul)."""
+    from pagellm.platforms import cpu_kernels
+
+    if not _has_amx():
+        return None
+    kernels = cpu_kernels.load()
+    return kernels if kernels is not None and kernels.amx_available() else None
+
+
+@functools.cache
+def _has_amx() -> bool:
+    return {"amx_bf16", "amx_tile"} <= _cpu_flags()
+
+
+class _AmxLinear:
+    """x @ W^T + bias with W in the AMX kernel's tile layout (out_features kept: the layout pads it)."""
+
+    def __init__(self, out_features: int):
+        self.out_features = out_features
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            return torch.ops.pagellm.amx_linear(x, weight, bias, self.out_features)
+        return _amx_linear(x, weight, bias, self.out_features)
+
+
+def _amx_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_features: int
+) -> torch.Tensor:
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.dtype != torch.bfloat16:
+        rows = rows.to(torch.bfloat16)
+    from pagellm.platforms import cpu_kernels
+
+    out = cpu_kernels.load().amx_linear(rows, weight, bias, out_features)
+    return out.reshape(*x.shape[:-1], out_features)
+
+
+@torch.library.custom_op("pagellm::amx_linear", mutates_args=())
+def _amx_linear_op(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_features: int
+) -> torch.Tensor:
+    return _amx_linear(x, weight, bias, out_features)
+
+
+@_amx_linear_op.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], out_features), dtype=torch.bfloat16)
 
 
 @hookimpl

@@ -6,12 +6,13 @@ import sys
 import pytest
 import torch
 
-from pagellm.attention_backends import cpu_attn, cpu_kernels
+from pagellm.attention_backends import cpu_attn
 from pagellm.attention_backends._base import dequantize_int8_rows, quantize_int8_rows
 from pagellm.attention_backends.cpu_attn import CpuAttnBackend
 from pagellm.attention_backends.torch_sdpa import TorchSDPABackend
 from pagellm.core.attention import AttentionSpec
 from pagellm.core.platform import Platform
+from pagellm.platforms import cpu_kernels
 from pagellm.plugins import load_plugins
 from pagellm.testing.attention import check_backend, make_paged_batch, reference_attention
 
@@ -128,7 +129,7 @@ def test_fallback_when_the_kernel_cannot_be_built(tmp_path):
         assert run.returncode == 0, run.stderr
         assert float(run.stdout) < 1e-5
         why = "no C++ compiler" if "CXX" in env else "PAGELLM_CPU_KERNELS=0"
-        assert "CPU attention kernel unavailable, using the PyTorch path" in run.stderr and why in run.stderr
+        assert "CPU kernels unavailable (attention uses its PyTorch path" in run.stderr and why in run.stderr
 
 
 def test_decodes_are_grouped_by_length_and_window_skips_old_blocks():

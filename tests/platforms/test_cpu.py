@@ -119,26 +119,47 @@ def test_check_and_update_config_refuses_empty_kv_cache():
         CpuPlatform.check_and_update_config(EngineConfig(kv_cache_space=0))
 
 
-@pytest.mark.parametrize("rows", [1, 7, 64, 300])
-@pytest.mark.parametrize("bias", [False, True])
-def test_packed_linear_matches_f_linear(rows, bias):
-    gen = torch.Generator().manual_seed(rows)
-    weight = torch.randn(96, 64, generator=gen).bfloat16()
-    b = torch.randn(96, generator=gen).bfloat16() if bias else None
-    packed = CpuPlatform.pack_linear(weight)
+@pytest.fixture(params=["amx", "onednn"])
+def matmul_impl(request, monkeypatch):
+    """Each packed matmul the CPU platform has: pagellm's AMX kernel (bfloat16 on AMX CPUs) and oneDNN."""
     if not torch.backends.mkldnn.is_available():
-        assert packed is None
-        return
-    x = torch.randn(rows, 64, generator=gen).bfloat16()
-    torch.testing.assert_close(packed.matmul(x, packed.weight, b), torch.nn.functional.linear(x, weight, b))
+        pytest.skip("no oneDNN")
+    if request.param == "amx":
+        if cpu._amx_kernels() is None:
+            pytest.skip("no AMX kernel here (CPU without AMX, or no compiler)")
+    else:
+        monkeypatch.setattr(cpu, "_amx_kernels", lambda: None)
+    return request.param
+
+
+@pytest.mark.parametrize("rows", [1, 7, 64, 300, 1100])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize(("out_features", "in_features"), [(96, 64), (37, 100)])
+def test_packed_linear_matches_f_linear(matmul_impl, rows, bias, out_features, in_features):
+    gen = torch.Generator().manual_seed(rows)
+    weight = torch.randn(out_features, in_features, generator=gen).bfloat16()
+    b = torch.randn(out_features, generator=gen).bfloat16() if bias else None
+    packed = CpuPlatform.pack_linear(weight)
+    assert isinstance(packed.matmul, cpu._AmxLinear) == (matmul_impl == "amx")
+    x = torch.randn(2, rows, in_features, generator=gen).bfloat16()[1]  # a view with an offset
+    out = packed.matmul(x, packed.weight, b)
+    expected = torch.nn.functional.linear(x.float(), weight.float(), None if b is None else b.float())
+    # both sum bf16 products in float32 (in their own order) and round once: within one bf16 rounding
+    torch.testing.assert_close(out.float(), expected, rtol=2**-8, atol=1e-3)
+    assert out.dtype == torch.bfloat16 and out.shape == (rows, out_features)
     assert CpuPlatform.pack_linear(weight.float()) is None  # float32 keeps the reference GEMM
 
 
-def test_packed_linear_compiles(tmp_path, monkeypatch):
-    """Inductor cannot lower a prepacked weight; the packed matmul must stay one opaque op in the graph
-    (before, the whole model fell back to eager with a warning whenever its linears were packed)."""
+def test_half_precision_packs_for_onednn():
     if not torch.backends.mkldnn.is_available():
         pytest.skip("no oneDNN")
+    packed = CpuPlatform.pack_linear(torch.randn(32, 64).half())
+    assert packed.matmul is cpu._onednn_linear  # the AMX kernel is bfloat16 only
+
+
+def test_packed_linear_compiles(matmul_impl, tmp_path, monkeypatch):
+    """Inductor cannot lower a prepacked weight; the packed matmul must stay one opaque op in the graph
+    (before, the whole model fell back to eager with a warning whenever its linears were packed)."""
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     gen = torch.Generator().manual_seed(0)
     weight, bias = torch.randn(96, 64, generator=gen).bfloat16(), torch.randn(96, generator=gen).bfloat16()

@@ -23,7 +23,7 @@ from pagellm.core.paths import cache_dir
 
 logger = logging.getLogger("pagellm")
 
-SOURCES = ("paged_attention.cpp",)
+SOURCES = ("paged_attention.cpp", "linear_amx.cpp")
 ENV_SWITCH = "PAGELLM_CPU_KERNELS"
 
 _lock = threading.Lock()
@@ -45,7 +45,9 @@ def load() -> ModuleType | None:
             return _loaded["module"]
         module, _why_not = _build()
         if module is None:
-            logger.warning("CPU attention kernel unavailable, using the PyTorch path: %s", _why_not)
+            logger.warning(
+                "CPU kernels unavailable (attention uses its PyTorch path, linears oneDNN): %s", _why_not
+            )
         _loaded["module"] = module
         return module
 
@@ -67,7 +69,10 @@ def _build() -> tuple[ModuleType | None, str | None]:
     build_dir.mkdir(parents=True, exist_ok=True)
     fresh = not any(build_dir.glob("*.so"))
     if fresh:
-        logger.info("building the CPU attention kernel in %s (once per CPU and torch version)", build_dir)
+        logger.info(
+            "building the CPU kernels (attention, AMX linear) in %s (once per CPU and torch version)",
+            build_dir,
+        )
     started = time.monotonic()
     try:
         from torch.utils.cpp_extension import load as load_extension
@@ -86,7 +91,7 @@ def _build() -> tuple[ModuleType | None, str | None]:
             f"build failed: {type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else e}",
         )
     if fresh:
-        logger.info("CPU attention kernel built in %.1fs (%s)", time.monotonic() - started, module.isa())
+        logger.info("CPU kernels built in %.1fs (%s)", time.monotonic() - started, module.isa())
     return module, None
 
 

@@ -723,7 +723,16 @@ std::string isa() {
 #endif
 }
 
+// linear_amx.cpp
+bool amx_available();
+at::Tensor amx_pack(const at::Tensor& weight);
+at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                      int64_t n);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("amx_available", &amx_available, "whether this build and CPU run the AMX linear");
+  m.def("amx_pack", &amx_pack, "a bf16 weight [N, K] in the AMX linear's tile layout");
+  m.def("amx_linear", &amx_linear, "x @ W^T + bias on AMX tiles, W packed by amx_pack");
   m.def("paged_attention", &paged_attention, "paged attention reading K/V in place through the block table");
   m.def("isa", &isa, "the vector instruction set this build uses");
 }
