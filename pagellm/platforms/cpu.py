@@ -263,6 +263,51 @@ def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_feat
     return x.new_empty((*x.shape[:-1], out_features), dtype=torch.bfloat16)
 
 
+def w8a8_available() -> bool:
+    """True where int8 weights can run as W8A8 on AMX here (see `w8a8_linear`)."""
+    return _amx_kernels() is not None
+
+
+def pack_w8a8(weight: torch.Tensor) -> torch.Tensor:
+    """An int8 weight [out, in] in the AMX kernel's tile layout (the same bytes, reordered)."""
+    return _amx_kernels().amx_pack_int8(weight)
+
+
+def w8a8_linear(
+    x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, out_features: int
+) -> torch.Tensor:
+    """x @ (weight * scale)^T + bias with x (bfloat16) quantized to int8 per token on the fly (max |x| / 127)
+    and int8 x int8 products summed exactly in int32 on AMX; `scale` is float32 [out]. The `int8`
+    quantization method's path on AMX CPUs: half the weight bytes of bf16 and exact integer sums."""
+    if torch.compiler.is_compiling():
+        return torch.ops.pagellm.amx_linear_w8a8(x, packed, scale, bias, out_features)
+    return _w8a8_linear(x, packed, scale, bias, out_features)
+
+
+def _w8a8_linear(
+    x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, out_features: int
+) -> torch.Tensor:
+    from pagellm.platforms import cpu_kernels
+
+    rows = x.reshape(-1, x.shape[-1])
+    out = cpu_kernels.load().amx_linear_w8a8(rows, packed, scale, bias, out_features)
+    return out.reshape(*x.shape[:-1], out_features)
+
+
+@torch.library.custom_op("pagellm::amx_linear_w8a8", mutates_args=())
+def _w8a8_linear_op(
+    x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, out_features: int
+) -> torch.Tensor:
+    return _w8a8_linear(x, packed, scale, bias, out_features)
+
+
+@_w8a8_linear_op.register_fake
+def _(
+    x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, out_features: int
+) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], out_features))
+
+
 @hookimpl
 def pagellm_platforms() -> list[type[Platform]]:
     return [CpuPlatform]

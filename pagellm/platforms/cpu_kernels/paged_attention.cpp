@@ -728,11 +728,16 @@ bool amx_available();
 at::Tensor amx_pack(const at::Tensor& weight);
 at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
                       int64_t n);
+at::Tensor amx_pack_int8(const at::Tensor& weight);
+at::Tensor amx_linear_w8a8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& w_scale,
+                           const c10::optional<at::Tensor>& bias, int64_t n);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amx_available", &amx_available, "whether this build and CPU run the AMX linear");
   m.def("amx_pack", &amx_pack, "a bf16 weight [N, K] in the AMX linear's tile layout");
   m.def("amx_linear", &amx_linear, "x @ W^T + bias on AMX tiles, W packed by amx_pack");
+  m.def("amx_pack_int8", &amx_pack_int8, "an int8 weight [N, K] in the AMX linear's tile layout");
+  m.def("amx_linear_w8a8", &amx_linear_w8a8, "x (quantized per row) @ (W * w_scale)^T + bias, W int8");
   m.def("paged_attention", &paged_attention, "paged attention reading K/V in place through the block table");
   m.def("isa", &isa, "the vector instruction set this build uses");
 }
