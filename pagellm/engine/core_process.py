@@ -6,8 +6,8 @@ team and the main thread's compete; the same steps ran 20-40% slower on the engi
 main thread. A process runs the engine on its main thread, the way `LLM` does, and keeps the front end's
 Python (JSON, SSE, tokenizing chat templates) off the cores the engine steps on.
 
-The front end binds two ZeroMQ sockets in a private directory and starts `python -m
-pagellm.engine.core_process DIR`: commands go down one socket, pickled, and every `Turn` comes back on
+The front end binds two ZeroMQ sockets in a private directory and starts a Python child that runs
+`main(DIR)`: commands go down one socket, pickled, and every `Turn` comes back on
 the other. A child that dies fails its requests (the front end notices within a fraction of a second);
 a front end that dies makes the child exit at its next idle moment or turn.
 """
@@ -95,7 +95,7 @@ class EngineProcess:
         self._turns.bind(f"ipc://{self._dir}/turns")
         self._send_lock = threading.Lock()
         self._closed = False
-        self.process = subprocess.Popen([sys.executable, "-m", "pagellm.engine.core_process", self._dir])
+        self.process = subprocess.Popen([sys.executable, "-c", _CHILD, self._dir])
         try:
             self._send(_Start(config, logger.getEffectiveLevel(), _log_format()))
             self.facts = self._wait_ready()
@@ -251,7 +251,6 @@ def main(directory: str) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    from pagellm.engine import core_process  # the module by its own name, so what it pickles unpickles
-
-    sys.exit(core_process.main(sys.argv[1]))
+_CHILD = "import sys; from pagellm.engine.core_process import main; sys.exit(main(sys.argv[1]))"
+"""The child's program: `main` imported by the module's own name (not run as __main__), so the classes
+it pickles unpickle in the front end."""
