@@ -86,12 +86,17 @@ def run_latency(
     output_len: int,
     seed: int = 0,
     machine: Machine | None = None,
+    prompts: list[list[int]] | None = None,
 ) -> LatencyResult:
-    """Queue `batch_size` random prompts of `input_len` tokens, each generating `output_len`, and step
-    the engine until all finish; with `machine`, the floor of each phase and of the whole run."""
+    """Queue `batch_size` random prompts of `input_len` tokens (or the `prompts` given; `input_len` is then
+    their mean length), each generating `output_len`, and step the engine until all finish; with
+    `machine`, the floor of each phase and of the whole run."""
     from pagellm.bench.throughput import floor_report
 
-    prompts = latency_prompts(llm.engine.setup.hf_config.vocab_size, batch_size, input_len, seed)
+    if prompts is None:
+        prompts = latency_prompts(llm.engine.setup.hf_config.vocab_size, batch_size, input_len, seed)
+    else:
+        batch_size, input_len = len(prompts), round(sum(map(len, prompts)) / len(prompts))
     steps, is_decode, e2e = run_batch(llm, prompts, output_len)
     prefill = [s for s, d in zip(steps, is_decode, strict=True) if not d]
     decode = [s for s, d in zip(steps, is_decode, strict=True) if d]

@@ -97,6 +97,64 @@ def w3(
     return Workload("W3", prompts, [output_len] * num_prompts)
 
 
+COPY_SOURCE = """class LRUCache:
+    # A least-recently-used cache of at most `capacity` entries.
+
+    def __init__(self, capacity):
+        self.capacity = capacity
+        self.cache = {}
+        self.order = []
+
+    def get(self, key):
+        if key not in self.cache:
+            return None
+        self.order.remove(key)
+        self.order.append(key)
+        return self.cache[key]
+
+    def put(self, key, value):
+        if key in self.cache:
+            self.order.remove(key)
+        elif len(self.cache) >= self.capacity:
+            oldest = self.order.pop(0)
+            del self.cache[oldest]
+        self.cache[key] = value
+        self.order.append(key)
+
+
+def fibonacci(n, cache=None):
+    # The n-th Fibonacci number, remembering earlier results.
+    cache = cache if cache is not None else {}
+    if n < 2:
+        return n
+    if n not in cache:
+        cache[n] = fibonacci(n - 1, cache) + fibonacci(n - 2, cache)
+    return cache[n]
+"""
+COPY_INSTRUCTIONS = (
+    "Repeat the following code exactly, with no other text.",
+    "Rewrite the following code, renaming the variable `cache` to `store`. Output only the code.",
+    "Rewrite the following code with all comments removed. Output only the code.",
+    "Rewrite the following code, renaming the class LRUCache to RecentCache. Output only the code.",
+)
+
+
+def copy_prompts(tokenizer, batch_size: int) -> list[list[int]]:
+    """Prompts whose answers copy much of the prompt (code edits, W-spec "copy-friendly"): each asks for
+    an edit of the same code (instructions in turn), through the chat template when the tokenizer has one."""
+    prompts = []
+    for i in range(batch_size):
+        text = f"{COPY_INSTRUCTIONS[i % len(COPY_INSTRUCTIONS)]}\n\n```python\n{COPY_SOURCE}```"
+        if getattr(tokenizer, "chat_template", None):
+            ids = tokenizer.apply_chat_template(
+                [{"role": "user", "content": text}], add_generation_prompt=True
+            )
+            prompts.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))  # a BatchEncoding in v5
+        else:
+            prompts.append(tokenizer.encode(text))
+    return prompts
+
+
 def resolve_model(model: str | None) -> str:
     """What `--model` names: S (default) the embedded SmolLM2 GGUF, M the cached random Qwen2, else a path."""
     if model in (None, "S"):

@@ -261,6 +261,7 @@ def throughput(
     import gc
 
     from pagellm.bench.floor import format_floor
+    from pagellm.bench.speculation import acceptance, format_acceptance
     from pagellm.bench.throughput import make_llm, run_pagellm, warm_up
     from pagellm.bench.workloads import w1
 
@@ -278,11 +279,21 @@ def throughput(
     )
     warm_up(llm)
     machine = _llm_machine(llm, options)
+    before = llm.engine.stats()
     results = {"pagellm": run_pagellm(llm, requests, machine=machine)}
     _progress(results["pagellm"])
     dtype = llm.engine.setup.dtype
+    speculation = acceptance(before, llm.engine.stats()) if config.speculative else None
     del llm
     gc.collect()
+    if speculation is not None:  # the same run without it, for the speedup
+        plain = make_llm(config.replace(speculative_config=None))
+        warm_up(plain)
+        results["pagellm without speculation"] = run_pagellm(plain, requests)
+        results["pagellm without speculation"].engine = "pagellm without speculation"
+        _progress(results["pagellm without speculation"])
+        del plain
+        gc.collect()
     if "transformers" in peers:
         from pagellm.bench.peers import load_transformers_model, run_transformers
 
@@ -313,6 +324,9 @@ def throughput(
     }
     for name, ratio in ratios.items():
         click.echo(f"pagellm / {results[name].engine}: {ratio:.2f}x output tok/s")
+    if speculation is not None:
+        speculation["speedup"] = ratios["pagellm without speculation"]
+        click.echo(format_acceptance(speculation))
     if "llama.cpp" in results:
         by_setting = results["llama.cpp"].extra["output_tok_s_by_setting"]
         click.echo(
@@ -332,6 +346,7 @@ def throughput(
         ratios=ratios,
         skipped=skipped,
         floor=floor,
+        speculation=speculation,
     )
 
 
@@ -374,24 +389,52 @@ def _run_llama_cpp(config, requests, dtype, binary, gguf, slots, flash_attn, ext
 @click.option("--input-len", type=int, default=256, show_default=True)
 @click.option("--output-len", type=int, default=64, show_default=True)
 @click.option(
+    "--prompts",
+    "prompt_kind",
+    type=click.Choice(["random", "copy"]),
+    default="random",
+    show_default=True,
+    help="random: token ids drawn at random (--input-len each); copy: requests to edit a piece of code, "
+    "whose answers copy much of the prompt (what n-gram speculation is for; --input-len is ignored).",
+)
+@click.option(
     "--profile",
     is_flag=True,
     help="Then run the batch once more with timing hooks: a decode (and prefill) step split into "
     "attention, linears, lm_head, sampling, other layers and Python, and torch.profiler's top ops.",
 )
 @_common_options
-def latency(batch_size, input_len, output_len, profile, model, output_json, **options) -> None:
+def latency(batch_size, input_len, output_len, prompt_kind, profile, model, output_json, **options) -> None:
     """Latency of one batch: prefill steps, decode step mean/p50/p99 and end-to-end time, each against its
-    floor."""
+    floor. With --speculative-config, the same batch runs first without speculation, for the speedup."""
+    import gc
+
     from pagellm.bench.floor import format_floor
     from pagellm.bench.latency import latency_prompts, run_latency
+    from pagellm.bench.speculation import acceptance, format_acceptance
     from pagellm.bench.throughput import make_llm, warm_up
+    from pagellm.bench.workloads import copy_prompts
 
     config = _config(model, options)
+
+    def prompts_for(llm):
+        return copy_prompts(llm.engine.tokenizer, batch_size) if prompt_kind == "copy" else None
+
+    baseline = None
+    if config.speculative is not None:
+        click.echo("the batch without speculative decoding first, for the speedup ...", err=True)
+        plain = make_llm(config.replace(speculative_config=None))
+        warm_up(plain)
+        baseline = run_latency(plain, batch_size, input_len, output_len, prompts=prompts_for(plain)).as_dict()
+        del plain
+        gc.collect()
     llm = make_llm(config)
     warm_up(llm)
     machine = _llm_machine(llm, options)
-    result = run_latency(llm, batch_size, input_len, output_len, machine=machine).as_dict()
+    before = llm.engine.stats()
+    prompts = prompts_for(llm)
+    result = run_latency(llm, batch_size, input_len, output_len, machine=machine, prompts=prompts).as_dict()
+    batch_size, input_len = result["batch_size"], result["input_len"]
     lines = [
         f"batch {batch_size}, input {input_len}, output {output_len}",
         f"prefill: {result['prefill_steps']} steps, {result['prefill_s'] * 1000:.1f} ms",
@@ -419,8 +462,18 @@ def latency(batch_size, input_len, output_len, profile, model, output_json, **op
         )
     if "run" in floor:
         lines.append(format_floor(floor["run"], "run floor"))
-    click.echo("\n".join(lines))
     sections: dict[str, Any] = {"results": {"pagellm": result}, "floor": floor}
+    if baseline is not None:
+        report = acceptance(before, llm.engine.stats())
+        report["speedup"] = baseline["e2e_s"] / result["e2e_s"]
+        lines.append(format_acceptance(report))
+        lines.append(
+            f"without speculation: {baseline['e2e_s']:.2f} s end to end ({baseline['output_tok_s']:.1f} output "
+            f"tok/s); with it {result['e2e_s']:.2f} s: speedup {report['speedup']:.2f}x"
+        )
+        sections["results"]["pagellm without speculation"] = baseline
+        sections["speculation"] = report
+    click.echo("\n".join(lines))
     if profile:
         from pagellm.bench.profile import format_profile, profile_latency
 

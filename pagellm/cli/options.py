@@ -26,7 +26,10 @@ def _option_for(f: dataclasses.Field) -> Callable:
             show_envvar=bool(meta.get("envvar")),
             help=f"{meta['help']} [default: {f.default}]",
         )
-    kind: Any = click.Choice(meta["choices"]) if "choices" in meta else _TYPES[type_name]
+    if meta.get("json"):
+        kind: Any = click.STRING
+    else:
+        kind = click.Choice(meta["choices"]) if "choices" in meta else _TYPES[type_name]
     return click.option(
         flag,
         f.name,

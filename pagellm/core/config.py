@@ -7,6 +7,7 @@ once. Platforms adjust it in `check_and_update_config`.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -53,11 +54,22 @@ class EngineConfig:
     seed: int = _opt(0, "Seed for sampling of requests that set none.")
     generation_config: str = _opt("auto", "auto: the model's generation_config.json defaults; pagellm: none.")
     tensor_parallel_size: int = _opt(1, "Number of devices to split the model over.")
+    speculative_config: dict[str, Any] | str | None = _opt(
+        None,
+        'Speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' or '
+        '\'{"method": "draft_model", "model": PATH, "num_speculative_tokens": 3}\'.',
+        json=True,
+    )
     enforce_eager: bool = _opt(
         False,
         "Never compile or capture graphs: faster start-up, slower steps.",
         envvar="PAGELLM_ENFORCE_EAGER",
     )
+
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        """`speculative_config` parsed and checked (ConfigError when it cannot work), or None when off."""
+        return SpeculativeConfig.parse(self.speculative_config)
 
     def replace(self, **changes: Any) -> EngineConfig:
         return dataclasses.replace(self, **changes)
@@ -86,3 +98,71 @@ class EngineConfig:
 
 
 _TRUE = ("1", "true", "yes", "on")
+
+
+SPECULATIVE_METHODS = ("ngram", "draft_model")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """vLLM's `speculative_config`: how drafts are proposed and how many per step.
+
+    ngram proposes the tokens that followed the latest earlier occurrence of the request's last
+    `prompt_lookup_max` .. `prompt_lookup_min` tokens; draft_model runs a smaller model with the same
+    vocabulary greedily. Either way the target model verifies every draft, so greedy output is unchanged."""
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
+    model: str | None = None
+
+    @classmethod
+    def parse(cls, value: dict[str, Any] | str | None) -> SpeculativeConfig | None:
+        from pagellm.core.errors import ConfigError
+
+        if value is None or value == "" or value == {}:
+            return None
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ConfigError(
+                    f"speculative_config: not valid JSON ({e.msg} at column {e.colno})"
+                ) from None
+        if not isinstance(value, dict):
+            raise ConfigError('speculative_config: expected a JSON object such as {"method": "ngram", ...}')
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ConfigError(
+                f"speculative_config: unknown key(s) {', '.join(unknown)}; valid: {', '.join(sorted(known))}"
+            )
+        method = value.get("method")
+        if method not in SPECULATIVE_METHODS:
+            raise ConfigError(
+                f"speculative_config.method: {method!r} is not a method; use one of {', '.join(SPECULATIVE_METHODS)}"
+            )
+        k = value.get("num_speculative_tokens")
+        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+            raise ConfigError(
+                f"speculative_config.num_speculative_tokens: must be an integer >= 1, not {k!r}"
+            )
+        lo, hi = value.get("prompt_lookup_min"), value.get("prompt_lookup_max")
+        if lo is None and hi is None:
+            lo, hi = cls.prompt_lookup_min, cls.prompt_lookup_max
+        lo, hi = (hi if lo is None else lo), (lo if hi is None else hi)  # one given: both that
+        if method == "ngram":
+            for name, n in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
+                if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+                    raise ConfigError(f"speculative_config.{name}: must be an integer >= 1, not {n!r}")
+            if lo > hi:
+                raise ConfigError(
+                    f"speculative_config: prompt_lookup_min ({lo}) must not exceed prompt_lookup_max ({hi})"
+                )
+        model = value.get("model")
+        if method == "draft_model" and not model:
+            raise ConfigError("speculative_config.model: draft_model needs the draft model's path")
+        if method == "ngram" and model:
+            raise ConfigError("speculative_config.model: ngram takes no model (did you mean draft_model?)")
+        return cls(method, k, lo, hi, model)

@@ -45,7 +45,7 @@ class LLMEngine:
         self.tokenizer, weights = _load_tokenizer_and_weights(self.setup)
         self.eos_token_ids = _eos_token_ids(self.setup, self.tokenizer)
         self.default_params = _generation_defaults(self.setup) if config.generation_config == "auto" else {}
-        self.runner = ModelRunner(self.setup, weights, self.eos_token_ids)
+        self.runner = ModelRunner(self.setup, weights, self.eos_token_ids, self._draft())
         self.max_model_len = self.setup.max_model_len
         budget = config.max_num_batched_tokens or max(DEFAULT_MAX_NUM_BATCHED_TOKENS, config.max_num_seqs)
         self.scheduler = Scheduler(
@@ -57,6 +57,7 @@ class LLMEngine:
             enable_prefix_caching=config.enable_prefix_caching,
             enable_chunked_prefill=config.enable_chunked_prefill,
             policy=config.scheduling_policy,
+            num_lookahead_tokens=self.runner.num_lookahead_tokens,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
@@ -76,6 +77,35 @@ class LLMEngine:
             usable_tokens / self.max_model_len,
             self.max_model_len,
         )
+
+    def _draft(self) -> tuple[EngineSetup, Any] | None:
+        """The draft model's setup and weights when speculative_config asks for one: same platform, dtype,
+        block size and attention backend as the target, and the same vocabulary (else a ConfigError)."""
+        spec = self.config.speculative
+        if spec is None or spec.method != "draft_model":
+            return None
+        draft_config = self.config.replace(
+            model=spec.model,
+            tokenizer=None,
+            gguf_file=None,
+            quantization=None,
+            speculative_config=None,
+            dtype=dtype_name(self.setup.dtype),
+            attention_backend=self.setup.backend.name,
+            max_model_len=self.setup.max_model_len,
+        )
+        setup = resolve_engine(draft_config)
+        tokenizer, weights = _load_tokenizer_and_weights(setup)
+        ours, theirs = self.setup.hf_config.vocab_size, setup.hf_config.vocab_size
+        if ours != theirs or tokenizer.get_vocab() != self.tokenizer.get_vocab():
+            raise ConfigError(
+                f"speculative_config.model {spec.model}: its vocabulary ({theirs} tokens) is not the target "
+                f"model's ({ours} tokens); a draft model must share the target's tokenizer"
+            )
+        logger.info(
+            "speculative decoding: draft model %s, %d tokens a step", spec.model, spec.num_speculative_tokens
+        )
+        return setup, weights
 
     # -- requests -------------------------------------------------------------------------------------
 
@@ -170,7 +200,7 @@ class LLMEngine:
         return self._update(out, result)
 
     def _update(self, out: SchedulerOutput, result: StepResult) -> list[RequestOutput]:
-        updated = self.scheduler.update_from_output(out, result.sampled)
+        updated = self.scheduler.update_from_output(out, result.sampled, result.spec_token_ids)
         outputs, stopped = self.output_processor.process(updated, result.logprobs, result.prompt_logprobs)
         for request_id, stop_string in stopped:
             self.scheduler.finish_request(request_id, RequestStatus.FINISHED_STOPPED, stop_string)

@@ -92,12 +92,20 @@ class OutputProcessor:
             ):
                 parent.prompt_logprobs += [self._logprobs(e) for e in prompt_logprobs[request.request_id]]
             new_tokens = request.output_token_ids[child.sent_tokens :]
-            child.sent_tokens = request.num_output_tokens
-            if child.logprobs is not None and request.request_id in logprobs:
-                child.logprobs += [self._logprobs(e) for e in logprobs[request.request_id]]
             # EOS or a stop token id ended it: that token's text is not part of the output
             stop_token = request.finish_reason == "stop" and not isinstance(request.stop_reason, str)
-            matched = child.detokenizer.update(new_tokens, stop_terminated=stop_token)
+            matched = None
+            for j, token_id in enumerate(new_tokens):  # several with speculative decoding
+                last = j == len(new_tokens) - 1
+                matched = child.detokenizer.update([token_id], stop_terminated=stop_token and last)
+                if matched is not None:  # tokens after the stop string are not output
+                    if not last:
+                        request.truncate_output(child.sent_tokens + j + 1)
+                        new_tokens = new_tokens[: j + 1]
+                    break
+            child.sent_tokens = request.num_output_tokens
+            if child.logprobs is not None and request.request_id in logprobs:
+                child.logprobs += [self._logprobs(e) for e in logprobs[request.request_id][: len(new_tokens)]]
             if matched is not None and not request.is_finished:
                 request.stop_reason = matched
                 stopped.append((request.request_id, matched))

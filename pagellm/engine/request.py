@@ -35,7 +35,7 @@ class Request:
     """Token ids, progress and status of one request.
 
     `num_computed_tokens` counts the leading tokens whose KV is in the cache; the tokens after it are
-    what the next steps must run. `block_hashes` holds the chained hashes of its full blocks, filled
+    what the next steps must run, followed by any drafts in `spec_token_ids` for the target to verify. `block_hashes` holds the chained hashes of its full blocks, filled
     incrementally by the KV cache manager.
     """
 
@@ -60,6 +60,7 @@ class Request:
         self.num_cached_tokens = 0  # prefix-cache hit tokens when first scheduled
         self.stop_reason: int | str | None = None
         self.block_hashes: list[int] = []
+        self.spec_token_ids: list[int] = []  # drafts proposed for the next step (speculative decoding)
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
@@ -94,6 +95,13 @@ class Request:
     def append_output_token_id(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self._all_token_ids.append(token_id)
+
+    def truncate_output(self, num_output_tokens: int) -> None:
+        """Drop output tokens after the first `num_output_tokens` (a stop string ended the output inside a
+        step's accepted drafts); the request is finished right after, so its KV does not matter."""
+        del self.output_token_ids[num_output_tokens:]
+        del self._all_token_ids[self.num_prompt_tokens + num_output_tokens :]
+        self.num_computed_tokens = min(self.num_computed_tokens, self.num_tokens)
 
     def __repr__(self) -> str:
         return (

@@ -9,6 +9,12 @@ its blocks are freed and it goes back to the front of the waiting queue, to reco
 outputs so far (the prefix cache usually still holds most of them). With chunked prefill off the token
 budget is raised to `max_model_len`, so any prompt can run, alone if need be.
 
+Speculative decoding: a decoding request's drafts (`Request.spec_token_ids`, proposed by the model runner
+in the step before) run after its last token, counted against the token budget and trimmed to fit it.
+Once verified, `num_computed_tokens` moves past the accepted drafts only, so the KV of rejected ones is
+overwritten when those positions run again, and a block is offered to the prefix cache only when
+accepted tokens fill it. `num_lookahead_tokens` more slots are allocated for a draft model's own KV.
+
 Between `schedule()` and `update_from_output()`, a scheduled request's `num_computed_tokens` is the
 position of its first scheduled token.
 """
@@ -35,6 +41,16 @@ class SchedulerStats:
     prefix_cache_queries: int  # cumulative, in tokens
     prefix_cache_hits: int  # cumulative, in tokens
     num_preemptions: int  # cumulative
+    spec_num_drafts: int = 0  # cumulative: (request, step) pairs that verified drafts
+    spec_num_draft_tokens: int = 0  # cumulative: drafts the target verified
+    spec_num_accepted_tokens: int = 0  # cumulative: of those, accepted
+    spec_accepted_per_position: tuple[int, ...] = ()  # cumulative acceptances of the 1st, 2nd, ... draft
+
+    @property
+    def spec_acceptance_rate(self) -> float | None:
+        return (
+            self.spec_num_accepted_tokens / self.spec_num_draft_tokens if self.spec_num_draft_tokens else None
+        )
 
 
 class _FCFSQueue:
@@ -97,6 +113,7 @@ class Scheduler:
         enable_prefix_caching: bool = True,
         enable_chunked_prefill: bool = True,
         policy: str = "fcfs",
+        num_lookahead_tokens: int = 0,
     ):
         if policy not in ("fcfs", "priority"):
             raise ConfigError(f"scheduling_policy must be fcfs or priority, not {policy!r}")
@@ -122,6 +139,11 @@ class Scheduler:
         self.waiting = _PriorityQueue() if policy == "priority" else _FCFSQueue()
         self.running: list[Request] = []  # admission order
         self.num_preemptions = 0
+        self.num_lookahead_tokens = num_lookahead_tokens
+        self.spec_num_drafts = 0
+        self.spec_num_draft_tokens = 0
+        self.spec_num_accepted_tokens = 0
+        self.spec_accepted_per_position: list[int] = []
         self._finished_ids: set[str] = set()
 
     def add_request(self, request: Request) -> None:
@@ -174,6 +196,10 @@ class Scheduler:
             prefix_cache_queries=kv.prefix_cache_queries,
             prefix_cache_hits=kv.prefix_cache_hits,
             num_preemptions=self.num_preemptions,
+            spec_num_drafts=self.spec_num_drafts,
+            spec_num_draft_tokens=self.spec_num_draft_tokens,
+            spec_num_accepted_tokens=self.spec_num_accepted_tokens,
+            spec_accepted_per_position=tuple(self.spec_accepted_per_position),
         )
 
     def schedule(self) -> SchedulerOutput:
@@ -182,15 +208,19 @@ class Scheduler:
         scheduled: list[Request] = []
         num_scheduled: dict[str, int] = {}
         preempted: list[str] = []
+        spec_token_ids: dict[str, list[int]] = {}
 
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            known = request.num_tokens - request.num_computed_tokens
+            n = min(known, budget)
             if n == 0:  # the runner returned no token for it last step
                 i += 1
                 continue
-            while not kv.allocate_slots(request, n):
+            drafts = request.spec_token_ids[: budget - n] if n == known else []
+            n += len(drafts)
+            while not kv.allocate_slots(request, n + self._lookahead(request.num_computed_tokens + n)):
                 victim = self._pick_victim()
                 victim_index = self.running.index(victim)
                 del self.running[victim_index]
@@ -207,6 +237,8 @@ class Scheduler:
                 break
             scheduled.append(request)
             num_scheduled[request.request_id] = n
+            if drafts:
+                spec_token_ids[request.request_id] = drafts
             budget -= n
             i += 1
 
@@ -219,7 +251,7 @@ class Scheduler:
                 if not self.enable_chunked_prefill:
                     break
                 n = budget
-            if not kv.allocate_slots(request, n, computed_blocks):
+            if not kv.allocate_slots(request, n + self._lookahead(num_hit + n), computed_blocks):
                 break
             self.waiting.pop()
             request.status = RequestStatus.RUNNING
@@ -242,13 +274,26 @@ class Scheduler:
             finished_ids=finished_ids,
             block_ids={r.request_id: kv.block_table(r.request_id) for r in scheduled},
             total_num_scheduled_tokens=self.token_budget - budget,
+            spec_token_ids=spec_token_ids,
         )
 
-    def update_from_output(self, output: SchedulerOutput, sampled: dict[str, list[int]]) -> list[Request]:
-        """Record a step's work and its sampled tokens; returns the requests that got tokens or finished.
+    def _lookahead(self, end: int) -> int:
+        """Slots past a step's last token (`end` tokens in all) for a draft model's own KV, never past
+        max_model_len."""
+        return max(0, min(self.num_lookahead_tokens, self.max_model_len - end))
+
+    def update_from_output(
+        self,
+        output: SchedulerOutput,
+        sampled: dict[str, list[int]],
+        spec_token_ids: dict[str, list[int]] | None = None,
+    ) -> list[Request]:
+        """Record a step's work, its sampled tokens and the drafts proposed for the next step; returns the
+        requests that got tokens or finished.
 
         A request gets sampled tokens only when the step reached the end of its known tokens (a
-        partial prefill chunk's sample is dropped)."""
+        partial prefill chunk's sample is dropped). With drafts, the tokens are the accepted drafts then
+        the target's own token: the KV computed covers the accepted drafts, not the rejected ones."""
         kv = self.kv_cache_manager
         now = time.monotonic()
         updated = []
@@ -256,24 +301,47 @@ class Scheduler:
         for request in output.scheduled:
             if request.is_finished:  # finished elsewhere since schedule()
                 continue
-            request.num_computed_tokens += output.num_scheduled_tokens[request.request_id]
-            kv.cache_blocks(request, request.num_computed_tokens)
-            new_token_ids = sampled.get(request.request_id)
-            if request.num_computed_tokens < request.num_tokens or not new_token_ids:
+            rid = request.request_id
+            drafts = output.spec_token_ids.get(rid, ())
+            known = output.num_scheduled_tokens[rid] - len(drafts)
+            new_token_ids = sampled.get(rid)
+            request.spec_token_ids = []
+            if request.num_computed_tokens + known < request.num_tokens or not new_token_ids:
+                request.num_computed_tokens += known
+                kv.cache_blocks(request, request.num_computed_tokens)
                 continue
+            accepted = min(len(new_token_ids) - 1, len(drafts))
+            if drafts:
+                self._count_drafts(len(drafts), accepted)
+            computed = request.num_computed_tokens + known + accepted
             if request.first_token_time is None:
                 request.first_token_time = now
+            stop = None
             for token_id in new_token_ids:
                 request.append_output_token_id(token_id)
                 stop = self._check_stop(request)
                 if stop is not None:
-                    self._finish(request, *stop)
-                    any_finished = True
                     break
+            request.num_computed_tokens = min(computed, request.num_tokens)
+            kv.cache_blocks(request, request.num_computed_tokens)
+            if stop is not None:
+                self._finish(request, *stop)
+                any_finished = True
+            elif spec_token_ids:
+                request.spec_token_ids = spec_token_ids.get(rid, [])
             updated.append(request)
         if any_finished:
             self.running = [r for r in self.running if not r.is_finished]
         return updated
+
+    def _count_drafts(self, num_drafts: int, num_accepted: int) -> None:
+        self.spec_num_drafts += 1
+        self.spec_num_draft_tokens += num_drafts
+        self.spec_num_accepted_tokens += num_accepted
+        per_position = self.spec_accepted_per_position
+        per_position.extend([0] * (num_drafts - len(per_position)))
+        for i in range(num_accepted):
+            per_position[i] += 1
 
     def _check_stop(self, request: Request) -> tuple[RequestStatus, int | None] | None:
         params = request.sampling_params
@@ -298,6 +366,7 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
         self.waiting.prepend(request)
         self.num_preemptions += 1
 

@@ -112,6 +112,7 @@ def resolve_engine(config: EngineConfig) -> EngineSetup:
         raise ConfigError(
             f"--tensor-parallel-size {config.tensor_parallel_size}: tensor parallelism is not available yet; use 1"
         )
+    config.speculative  # noqa: B018 (a bad speculative_config fails here, before anything loads)
     registry = load_plugins()
     platform_choice = select_platform(registry, config.device)
     platform = platform_choice.platform

@@ -272,13 +272,26 @@ class Sampler:
             )
         return logits
 
-    def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    def target(self, logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """What each row would choose, without drawing: the argmax after logit bias, bans and penalties,
+        and, when any row samples, the probabilities it would draw from (rows of greedy requests are
+        computed too, unused). For speculative decoding, which draws its own way."""
+        if batch.plain_greedy:
+            return argmax(logits), None
+        logits = self._penalise(logits.to(torch.float32, copy=True), batch)
+        greedy_ids = argmax(logits)
+        return greedy_ids, (None if batch.all_greedy else self._probabilities(logits, batch))
+
+    def _probabilities(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         if batch.temperature is not None:
             logits.div_(batch.temperature.unsqueeze(1))
         logits = apply_top_k_top_p(logits, batch.top_k, batch.max_top_k, batch.top_p)
         if batch.min_p is not None:
             logits = apply_min_p(logits, batch.min_p)
-        probs = logits.softmax(dim=-1)
+        return logits.softmax(dim=-1)
+
+    def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        probs = self._probabilities(logits, batch)
         noise = torch.empty_like(probs)
         if len(batch.generators) < batch.num_requests:
             noise.exponential_(generator=self.generator)

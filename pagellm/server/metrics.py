@@ -50,6 +50,19 @@ class PrometheusStatLogger:
             ["model_name", "finished_reason"],
             registry=self.registry,
         )
+        self.spec_drafts = counter(
+            "spec_decode_num_drafts", "Request steps that verified speculative drafts."
+        )
+        self.spec_draft_tokens = counter(
+            "spec_decode_num_draft_tokens", "Speculative drafts the target model verified."
+        )
+        self.spec_accepted_tokens = counter("spec_decode_num_accepted_tokens", "Of those, drafts accepted.")
+        self.spec_accepted_per_pos = Counter(
+            "pagellm:spec_decode_num_accepted_tokens_per_pos",
+            "Drafts accepted, by their position in the step's drafts (0: the first).",
+            ["model_name", "position"],
+            registry=self.registry,
+        )
         self.model_name = model_name
         self._last = SchedulerStats(0, 0, 0.0, 0, 0, 0)
 
@@ -62,6 +75,17 @@ class PrometheusStatLogger:
         self.prefix_queries.inc(max(0, s.prefix_cache_queries - last.prefix_cache_queries))
         self.prefix_hits.inc(max(0, s.prefix_cache_hits - last.prefix_cache_hits))
         self.preemptions.inc(max(0, s.num_preemptions - last.num_preemptions))
+        self.spec_drafts.inc(max(0, s.spec_num_drafts - last.spec_num_drafts))
+        self.spec_draft_tokens.inc(max(0, s.spec_num_draft_tokens - last.spec_num_draft_tokens))
+        self.spec_accepted_tokens.inc(max(0, s.spec_num_accepted_tokens - last.spec_num_accepted_tokens))
+        for position, accepted in enumerate(s.spec_accepted_per_position):
+            before = (
+                last.spec_accepted_per_position[position]
+                if position < len(last.spec_accepted_per_position)
+                else 0
+            )
+            if accepted > before:
+                self.spec_accepted_per_pos.labels(self.model_name, str(position)).inc(accepted - before)
         self._last = s
         self.prompt_tokens.inc(iteration.num_prompt_tokens)
         self.generation_tokens.inc(iteration.num_generation_tokens)

@@ -27,9 +27,14 @@ from pagellm.sampling.sampler import (
     Sampler,
     SamplingRequest,
     build_sampling_batch,
+    compute_logprobs,
     compute_prompt_logprobs,
     make_generator,
 )
+from pagellm.spec_decode.draft_model import DraftModelProposer
+from pagellm.spec_decode.ngram import NgramProposer
+from pagellm.spec_decode.proposer import DraftRequest, Proposer, StepInputs
+from pagellm.spec_decode.rejection import verify
 from pagellm.worker.input_batch import InputBatch
 from pagellm.worker.step import EngineSetup, SchedulerOutput, StepResult
 
@@ -38,35 +43,25 @@ logger = logging.getLogger("pagellm")
 
 class ModelRunner:
     def __init__(
-        self, setup: EngineSetup, weights: Iterable[tuple[str, torch.Tensor]], eos_token_ids: Iterable[int]
+        self,
+        setup: EngineSetup,
+        weights: Iterable[tuple[str, torch.Tensor]],
+        eos_token_ids: Iterable[int],
+        draft: tuple[EngineSetup, Iterable[tuple[str, torch.Tensor]]] | None = None,
     ):
+        """`draft`: the draft model's setup and weights, for speculative decoding with a draft model."""
         config = setup.config
         self.setup = setup
         self.device = setup.platform.device()
         self.block_size = config.block_size
         self.eos_token_ids = set(eos_token_ids)
-        quant = (
-            setup.quant_method(getattr(setup.hf_config, "quantization_config", None))
-            if setup.quant_method
-            else None
-        )
-        init = ModelInit(
-            setup.hf_config, setup.dtype, setup.backend, config.block_size, quant, setup.spec.kv_cache_dtype
-        )
-        torch.set_default_dtype(setup.dtype)
-        try:
-            self.model = load_model(setup.model_class_path, init, weights, self.device)
-        finally:
-            torch.set_default_dtype(torch.float32)
-        self.model_bytes = model_weight_bytes(self.model)
-        self._pack_linears()
+        self.model_bytes = 0  # both models' weights as loaded (before the platform packs them)
+        self.model = self._load(setup, weights)
         self.layers = self.model.attention_layers()
+        self.draft_setup = draft[0] if draft else None
+        self.draft_model = self._load(*draft) if draft else None
         self.num_blocks = self._num_blocks()
-        spec = setup.spec
-        shape = setup.backend.kv_cache_shape(
-            self.num_blocks, self.block_size, spec.num_kv_heads, spec.cache_row_size
-        )
-        self.kv_caches = [torch.zeros(shape, dtype=spec.cache_dtype, device=self.device) for _ in self.layers]
+        self.kv_caches = self._kv_caches(setup, len(self.layers))
         self.forward = self.model
         if not config.enforce_eager:
             compiled = setup.platform.compile_model(self.model)
@@ -75,20 +70,65 @@ class ModelRunner:
         self.input_batch = InputBatch(config.max_num_seqs, setup.max_model_len, self.block_size)
         self.generators: dict[str, torch.Generator | None] = {}
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(config.seed))
+        self.speculative = config.speculative
+        self.proposer: Proposer | None = self._make_proposer() if self.speculative else None
+        # KV slots a proposer writes past a step's tokens: a draft model's own k - 1 steps ahead, and one more
+        self.num_lookahead_tokens = self.speculative.num_speculative_tokens if self.draft_model else 0
 
-    def _pack_linears(self) -> None:
+    def _load(self, setup: EngineSetup, weights: Iterable[tuple[str, torch.Tensor]]):
+        quant = (
+            setup.quant_method(getattr(setup.hf_config, "quantization_config", None))
+            if setup.quant_method
+            else None
+        )
+        init = ModelInit(
+            setup.hf_config, setup.dtype, setup.backend, self.block_size, quant, setup.spec.kv_cache_dtype
+        )
+        torch.set_default_dtype(setup.dtype)
+        try:
+            model = load_model(setup.model_class_path, init, weights, self.device)
+        finally:
+            torch.set_default_dtype(torch.float32)
+        self.model_bytes += model_weight_bytes(model)
+        self._pack_linears(model)
+        return model
+
+    def _kv_caches(self, setup: EngineSetup, num_layers: int) -> list[torch.Tensor]:
+        spec = setup.spec
+        shape = setup.backend.kv_cache_shape(
+            self.num_blocks, self.block_size, spec.num_kv_heads, spec.cache_row_size
+        )
+        return [torch.zeros(shape, dtype=spec.cache_dtype, device=self.device) for _ in range(num_layers)]
+
+    def _make_proposer(self) -> Proposer:
+        spec = self.speculative
+        if spec.method == "ngram":
+            return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+        if self.draft_model is None:
+            raise ConfigError("speculative_config: draft_model needs the draft model loaded with the target")
+        draft_caches = self._kv_caches(self.draft_setup, len(self.draft_model.attention_layers()))
+        return DraftModelProposer(
+            self.draft_model,
+            draft_caches,
+            self.draft_setup.backend,
+            self.block_size,
+            self.input_batch.block_table,
+            self.device,
+        )
+
+    def _pack_linears(self, model) -> None:
         """Let the platform prepack every plain linear layer's weight (`Platform.pack_linear`), and the
         output projection's for `CausalLM.project_logits`. A tied lm_head is the embedding, which needs its
         plain weight too, so it gets a packed copy (memory: the vocab x hidden weight once more)."""
-        lm_head = getattr(self.model, "lm_head", None)
-        for module in self.model.modules():
+        lm_head = getattr(model, "lm_head", None)
+        for module in model.modules():
             if isinstance(module, Linear) and module.quant_method is None and module is not lm_head:
                 module.use_packed(self.setup.platform.pack_linear(module.weight))
         if lm_head is None or getattr(lm_head, "quant_method", None) is not None:
             return
         packed = self.setup.platform.pack_linear(lm_head.weight)
         if packed is not None:
-            self.model.packed_lm_head = packed
+            model.packed_lm_head = packed
             if isinstance(lm_head, Linear):
                 lm_head.use_packed(packed)
 
@@ -114,10 +154,16 @@ class ModelRunner:
         return compiled
 
     def block_bytes(self) -> int:
-        spec = self.setup.spec
-        shape = self.setup.backend.kv_cache_shape(1, self.block_size, spec.num_kv_heads, spec.cache_row_size)
-        elem = torch.empty((), dtype=spec.cache_dtype).element_size()
-        return int(np.prod(shape)) * elem * len(self.layers)
+        """Bytes of one KV block over all layers, the draft model's included."""
+        total = 0
+        for setup, model in ((self.setup, self.model), (self.draft_setup, self.draft_model)):
+            if model is None:
+                continue
+            spec = setup.spec
+            shape = setup.backend.kv_cache_shape(1, self.block_size, spec.num_kv_heads, spec.cache_row_size)
+            elem = torch.empty((), dtype=spec.cache_dtype).element_size()
+            total += int(np.prod(shape)) * elem * len(model.attention_layers())
+        return total
 
     def _num_blocks(self) -> int:
         config = self.setup.config
@@ -160,12 +206,15 @@ class ModelRunner:
             rid = request.request_id
             row = batch.row(rid)
             batch.sync(row, request.all_token_ids, out.block_ids[rid])
+            drafts = out.spec_token_ids.get(rid, ())
+            if drafts:  # after the known tokens; the next sync overwrites them with the accepted ones
+                batch.token_ids[row, request.num_tokens : request.num_tokens + len(drafts)] = drafts
             n = out.num_scheduled_tokens[rid]
             start = request.num_computed_tokens
             rows.append(row)
             counts.append(n)
             starts.append(start)
-            if start + n == request.num_tokens:
+            if start + n == request.num_tokens + len(drafts):
                 sampling.append((i, request))
             if request.sampling_params.prompt_logprobs is not None and start < request.num_prompt_tokens:
                 prompt_lp.append((i, request))
@@ -192,13 +241,25 @@ class ModelRunner:
             max_seq_len=int(seq_lens.max()),
         )
         metadata = self.setup.backend.build_metadata(attn)
+        input_ids_dev, positions_dev = self._dev(input_ids), self._dev(positions)
         with set_forward_context(metadata, self.kv_caches, self.layers):
-            hidden = self.forward(self._dev(input_ids), self._dev(positions))
+            hidden = self.forward(input_ids_dev, positions_dev)
+        if self.proposer is not None:
+            self.proposer.observe(StepInputs(input_ids_dev, positions_dev, attn, hidden))
         result = StepResult()
         if prompt_lp:
             self._prompt_logprobs(hidden, prompt_lp, cu, starts, result)
         if not sampling:
             return result
+        if out.spec_token_ids:
+            self._verify(out, hidden, sampling, cu, result)
+        else:
+            self._sample(hidden, sampling, cu, result)
+        if self.proposer is not None:
+            self._propose(sampling, result)
+        return result
+
+    def _sample(self, hidden, sampling, cu, result: StepResult) -> None:
         index = torch.tensor([int(cu[i + 1]) - 1 for i, _ in sampling], device=self.device)
         logits = self.model.compute_logits(hidden.index_select(0, index))
         requests = [
@@ -218,7 +279,73 @@ class ModelRunner:
                     result.logprobs[request.request_id] = [
                         _row_logprobs(sampled.logprobs, j, k, token_ids[j])
                     ]
-        return result
+
+    def _verify(self, out: SchedulerOutput, hidden, sampling, cu, result: StepResult) -> None:
+        """Speculative decoding: logits at each sampling request's last known token and at each of its
+        drafts, then the rejection sampler. Row j of a request sees its drafts before j as outputs (for
+        penalties, min_tokens and logit bias), as if they were accepted, which they are when row j counts."""
+        drafts = [out.spec_token_ids.get(r.request_id, []) for _, r in sampling]
+        index, requests = [], []
+        for (i, r), draft in zip(sampling, drafts, strict=True):
+            end = int(cu[i + 1])
+            index.extend(range(end - 1 - len(draft), end))
+            outputs = list(r.output_token_ids)
+            for j in range(len(draft) + 1):
+                generator = self.generators[r.request_id]
+                requests.append(
+                    SamplingRequest(r.sampling_params, r.prompt_token_ids, outputs + draft[:j], generator)
+                )
+        logits = self.model.compute_logits(hidden.index_select(0, torch.tensor(index, device=self.device)))
+        batch = build_sampling_batch(requests, self.eos_token_ids, self.device)
+        new_tokens = verify(
+            self.sampler,
+            logits,
+            batch,
+            drafts,
+            [r.sampling_params.greedy for _, r in sampling],
+            [self.generators[r.request_id] for _, r in sampling],
+        )
+        for (_, r), tokens in zip(sampling, new_tokens, strict=True):
+            result.sampled[r.request_id] = tokens
+        if batch.max_num_logprobs is None:
+            return
+        chosen, row = [], 0
+        for draft, tokens in zip(drafts, new_tokens, strict=True):
+            chosen.extend(tokens + [0] * (len(draft) + 1 - len(tokens)))
+            row += len(draft) + 1
+        lp = compute_logprobs(
+            logits.float().log_softmax(dim=-1),
+            torch.tensor(chosen, device=self.device),
+            batch.max_num_logprobs,
+        )
+        row = 0
+        for (_, r), draft, tokens in zip(sampling, drafts, new_tokens, strict=True):
+            k = r.sampling_params.logprobs
+            if k is not None:
+                result.logprobs[r.request_id] = [
+                    _row_logprobs(lp, row + j, k, t) for j, t in enumerate(tokens)
+                ]
+            row += len(draft) + 1
+
+    def _propose(self, sampling, result: StepResult) -> None:
+        """Drafts for the next step of every request that got tokens now, within its max_tokens and the
+        context (the scheduler drops those of requests that finished)."""
+        k = self.speculative.num_speculative_tokens
+        requests = []
+        for _, r in sampling:
+            tokens = r.all_token_ids + result.sampled[r.request_id]
+            room = self.setup.max_model_len - len(tokens)
+            max_tokens = r.sampling_params.max_tokens
+            if max_tokens is not None:  # the step after the drafts adds one token of its own
+                room = min(room, max_tokens - (len(tokens) - r.num_prompt_tokens) - 1)
+            if room > 0:
+                requests.append(
+                    DraftRequest(r.request_id, tokens, min(k, room), self.input_batch.rows[r.request_id])
+                )
+        if requests:
+            for request, draft in zip(requests, self.proposer.propose(requests), strict=True):
+                if draft:
+                    result.spec_token_ids[request.request_id] = list(draft)
 
     def _prompt_logprobs(self, hidden, prompt_lp, cu, starts, result: StepResult) -> None:
         for i, request in prompt_lp:

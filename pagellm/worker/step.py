@@ -87,6 +87,8 @@ class SchedulerOutput:
     finished_ids: set[str]  # finished or aborted since the previous step
     block_ids: dict[str, list[int]]  # each scheduled request's block table (live lists)
     total_num_scheduled_tokens: int = 0
+    # drafts to verify, by request id: they follow its known tokens and are counted in num_scheduled_tokens
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -97,7 +99,9 @@ class SchedulerOutput:
 class StepResult:
     """What one step produced, by request id."""
 
+    # the new tokens: with drafts verified, the accepted ones then the target's own
     sampled: dict[str, list[int]] = field(default_factory=dict)
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)  # drafts proposed for the next step
     # request id -> (token id -> (logprob, rank)) for the sampled token and the top-k, per new token
     logprobs: dict[str, list[dict[int, tuple[float, int]]]] = field(default_factory=dict)
     # request id -> one entry per prompt position computed this step (None for the first prompt token)

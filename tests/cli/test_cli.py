@@ -142,3 +142,29 @@ def test_generate_runs_eagerly_unless_asked_to_compile(monkeypatch, args, env, e
     result = run("generate", "hi", *args, env=env)
     assert isinstance(result.exception, Stop), result.output
     assert seen["enforce_eager"] is eager
+
+
+def test_speculative_config_flag_takes_json_and_refuses_a_bad_one(tmp_path):
+    model = make_tiny_checkpoint("llama", tmp_path)
+    common = (
+        "generate",
+        "Hello Hello Hello",
+        "--model",
+        str(model),
+        "--dtype",
+        "float32",
+        "--num-kv-blocks",
+        "64",
+    )
+    good = run(
+        *common,
+        "--max-tokens",
+        "6",
+        "--speculative-config",
+        '{"method": "ngram", "num_speculative_tokens": 2}',
+    )
+    assert good.exit_code == 0, good.output
+    plain = run(*common, "--max-tokens", "6")
+    assert good.output == plain.output
+    bad = run(*common, "--speculative-config", '{"method": "medusa", "num_speculative_tokens": 2}')
+    assert bad.exit_code != 0 and "speculative_config.method: 'medusa' is not a method" in bad.output

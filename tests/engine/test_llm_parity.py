@@ -5,28 +5,24 @@ from __future__ import annotations
 
 import pytest
 import torch
-from parity import Reference, assert_greedy_parity, max_logprob_error, mixed_prompts
+from parity import (
+    ARCHS,
+    Reference,
+    assert_greedy_parity,
+    max_logprob_error,
+    mixed_prompts,
+    tiny_model_and_reference,
+)
 from tiny import make_tiny_checkpoint
 
 from pagellm import LLM, SamplingParams
 
 MAX_TOKENS = 16
-ARCHS = {
-    "llama": {},
-    "mistral-sliding-window": {"sliding_window": 48},
-    "qwen2": {},
-    "qwen3": {},
-    "gpt2": {},
-    "opt": {},
-}
 
 
 @pytest.fixture(scope="module", params=list(ARCHS))
 def model(request, tmp_path_factory):
-    arch = request.param
-    base = arch.split("-")[0]
-    path = make_tiny_checkpoint(base, tmp_path_factory.mktemp(arch), **ARCHS[arch])
-    return path, Reference(path, MAX_TOKENS)
+    return tiny_model_and_reference(request.param, tmp_path_factory.mktemp(request.param), MAX_TOKENS)
 
 
 def engine(path, **overrides) -> LLM:

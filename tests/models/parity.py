@@ -11,6 +11,23 @@ import torch
 from pagellm import LLM, SamplingParams
 
 TIE = 1e-4  # a divergence is accepted only where both engines rate the two tokens this close
+# every architecture the parity tests run, with its config overrides
+ARCHS = {
+    "llama": {},
+    "mistral-sliding-window": {"sliding_window": 48},
+    "qwen2": {},
+    "qwen3": {},
+    "gpt2": {},
+    "opt": {},
+}
+
+
+def tiny_model_and_reference(arch: str, tmp_path: Path, max_tokens: int) -> tuple[Path, Reference]:
+    """A tiny checkpoint of one of ARCHS (e.g. "mistral-sliding-window") and its transformers oracle."""
+    from tiny import make_tiny_checkpoint
+
+    path = make_tiny_checkpoint(arch.split("-")[0], tmp_path, **ARCHS[arch])
+    return path, Reference(path, max_tokens)
 
 
 def mixed_prompts(vocab: int, seed: int = 0, shared_prefix: int = 0) -> list[list[int]]:

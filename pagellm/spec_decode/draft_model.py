@@ -1,0 +1,88 @@
+"""A draft model: a smaller model with the target's vocabulary proposes greedily.
+
+Its KV cache has its own tensors but the target's blocks: the same block tables and slots address both.
+After every target forward the draft runs the same tokens (`observe`), so whatever KV the target holds,
+the draft holds too, at the same positions: prefix-cache hits, chunked prefill, preemption and rejected
+drafts (recomputed later by both) need nothing of their own. Proposing then takes k one-token steps per
+request from its newest token, writing draft KV into the lookahead slots the scheduler allocated.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from pagellm.core.attention import AttentionBatch
+from pagellm.models.context import set_forward_context
+from pagellm.sampling.sampler import argmax
+from pagellm.spec_decode.proposer import DraftRequest, Proposer, StepInputs
+
+
+class DraftModelProposer(Proposer):
+    name = "draft_model"
+
+    def __init__(
+        self,
+        model: Any,
+        kv_caches: list[torch.Tensor],
+        backend: Any,
+        block_size: int,
+        block_table: np.ndarray,
+        device: torch.device,
+    ):
+        self.model = model
+        self.kv_caches = kv_caches
+        self.layers = model.attention_layers()
+        self.backend = backend
+        self.block_size = block_size
+        self.block_table = block_table  # the runner's persistent batch: rows of block ids, kept current
+        self.device = device
+
+    def observe(self, step: StepInputs) -> None:
+        with set_forward_context(self.backend.build_metadata(step.attn), self.kv_caches, self.layers):
+            self.model(step.input_ids, step.positions)
+
+    def propose(self, requests: Sequence[DraftRequest]) -> list[list[int]]:
+        drafts: list[list[int]] = [[] for _ in requests]
+        live = [i for i, r in enumerate(requests) if r.num_drafts > 0]
+        tokens = np.array([r.token_ids[-1] if r.token_ids else 0 for r in requests], dtype=np.int64)
+        positions = np.array([len(r.token_ids) - 1 for r in requests], dtype=np.int64)
+        rows = np.array([r.row for r in requests], dtype=np.int64)
+        step = 0
+        while live:
+            index = np.asarray(live)
+            new = self._step(tokens[index], positions[index], rows[index])
+            for j, i in enumerate(live):
+                drafts[i].append(new[j])
+                tokens[i], positions[i] = new[j], positions[i] + 1
+            step += 1
+            live = [i for i in live if requests[i].num_drafts > step]
+        return drafts
+
+    def _step(self, tokens: np.ndarray, positions: np.ndarray, rows: np.ndarray) -> list[int]:
+        """One token per request at `positions`: its KV stored, its argmax next token returned."""
+        n, bs = len(tokens), self.block_size
+        seq_lens = positions + 1
+        max_blocks = int(-(-seq_lens.max() // bs))
+        slots = self.block_table[rows, positions // bs].astype(np.int64) * bs + positions % bs
+        query_start = np.arange(n + 1, dtype=np.int32)
+        attn = AttentionBatch(
+            query_start_loc=self._dev(query_start),
+            seq_lens=self._dev(seq_lens.astype(np.int32)),
+            block_tables=self._dev(np.ascontiguousarray(self.block_table[rows, :max_blocks])),
+            slot_mapping=self._dev(slots),
+            query_start_loc_cpu=torch.from_numpy(query_start),
+            seq_lens_cpu=torch.from_numpy(seq_lens.astype(np.int32)),
+            max_query_len=1,
+            max_seq_len=int(seq_lens.max()),
+        )
+        with set_forward_context(self.backend.build_metadata(attn), self.kv_caches, self.layers):
+            hidden = self.model(self._dev(tokens), self._dev(positions))
+        return argmax(self.model.compute_logits(hidden)).tolist()
+
+    def _dev(self, array: np.ndarray) -> torch.Tensor:
+        tensor = torch.from_numpy(np.ascontiguousarray(array))
+        return tensor if self.device.type == "cpu" else tensor.to(self.device, non_blocking=True)

@@ -1,0 +1,48 @@
+"""The proposer interface: drafts for a step's decoding requests, from what the model runner knows.
+
+A proposer is deterministic (it proposes, never samples), which is what lets the rejection sampler treat
+each draft as certain (probability 1) and keep the target's distribution exactly. EAGLE/MTP heads fit
+the same shape: `observe` sees every step's hidden states, `propose` returns the drafts.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from pagellm.core.attention import AttentionBatch
+
+
+@dataclass
+class DraftRequest:
+    """One request that will decode next step."""
+
+    request_id: str
+    token_ids: Sequence[int]  # prompt, outputs and this step's new tokens
+    num_drafts: int  # at most this many (fewer near max_tokens or max_model_len)
+    row: int = -1  # its row in the runner's persistent batch (block table), for proposers with a KV cache
+
+
+@dataclass
+class StepInputs:
+    """A target forward's inputs, for proposers that keep state in step with the target's KV cache."""
+
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    attn: AttentionBatch
+    hidden: torch.Tensor  # [T, hidden]: the target's last hidden states (what EAGLE-style heads read)
+
+
+class Proposer(ABC):
+    name: ClassVar[str]
+
+    def observe(self, step: StepInputs) -> None:  # noqa: B027 (optional hook)
+        """Called after every target forward with the step's inputs (a draft model keeps its KV in step)."""
+
+    @abstractmethod
+    def propose(self, requests: Sequence[DraftRequest]) -> list[list[int]]:
+        """Up to `num_drafts` tokens for each request (an empty list: no guess)."""
