@@ -5,11 +5,19 @@ from importlib.metadata import PackageNotFoundError, version
 from pagellm.engine.async_llm import AsyncLLM
 from pagellm.engine.llm import LLM
 from pagellm.engine.outputs import CompletionOutput, RequestOutput
-from pagellm.sampling.params import SamplingParams
+from pagellm.sampling.params import SamplingParams, StructuredOutputsParams
 
 try:
     __version__ = version("pagellm")
 except PackageNotFoundError:  # running from a source tree that was not installed
     __version__ = "0.0.0"
 
-__all__ = ["AsyncLLM", "LLM", "CompletionOutput", "RequestOutput", "SamplingParams", "__version__"]
+__all__ = [
+    "AsyncLLM",
+    "LLM",
+    "CompletionOutput",
+    "RequestOutput",
+    "SamplingParams",
+    "StructuredOutputsParams",
+    "__version__",
+]

@@ -15,7 +15,7 @@ from pagellm.bench.workloads import Workload
 from pagellm.core.config import EngineConfig
 from pagellm.engine.llm import LLM
 from pagellm.models.loader import model_weight_bytes
-from pagellm.sampling.params import SamplingParams
+from pagellm.sampling.params import SamplingParams, StructuredOutputsParams
 
 
 @dataclass
@@ -58,14 +58,22 @@ def warm_up(llm: LLM) -> None:
 
 
 def run_pagellm(
-    llm: LLM, workload: Workload, engine: str = "pagellm", machine: Machine | None = None
+    llm: LLM,
+    workload: Workload,
+    engine: str = "pagellm",
+    machine: Machine | None = None,
+    structured_outputs: StructuredOutputsParams | None = None,
 ) -> ThroughputResult:
     """Generate every request of `workload` in one `LLM.generate` call and time it.
 
-    Output tokens are counted from what came back, not from what was asked. With `machine`, the result's
-    extra["floor"] holds the run's floor (the work of the steps the engine ran) and its fraction of it."""
+    Output tokens are counted from what came back, not from what was asked (a grammar may end a request
+    early). With `machine`, the result's extra["floor"] holds the run's floor (the work of the steps the
+    engine ran) and its fraction of it."""
     prompts = [{"prompt_token_ids": p} for p in workload.prompts]
-    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in workload.output_lens]
+    params = [
+        SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, structured_outputs=structured_outputs)
+        for n in workload.output_lens
+    ]
     with StepRecorder(llm.engine) as recorder:
         start = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=False)

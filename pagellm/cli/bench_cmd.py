@@ -238,6 +238,11 @@ def _ints(text: str) -> list[int]:
     help="llama.cpp: flash attention settings to try.",
 )
 @click.option("--llama-args", default="", help="llama.cpp: extra llama-server arguments (one string).")
+@click.option(
+    "--json-schema",
+    default=None,
+    help="Also run the same requests constrained to this JSON schema (structured output), for its cost.",
+)
 @_common_options
 def throughput(
     workload,
@@ -253,17 +258,20 @@ def throughput(
     llama_slots,
     llama_flash_attn,
     llama_args,
+    json_schema,
     model,
     output_json,
     **options,
 ) -> None:
     """Offline throughput: all requests queued at once, greedy, EOS ignored."""
     import gc
+    import json
 
     from pagellm.bench.floor import format_floor
     from pagellm.bench.speculation import acceptance, format_acceptance
     from pagellm.bench.throughput import make_llm, run_pagellm, warm_up
     from pagellm.bench.workloads import w1
+    from pagellm.sampling.params import StructuredOutputsParams
 
     peers = _peer_list(compare)
     flash_attn = [v.strip() for v in llama_flash_attn.split(",") if v.strip()]
@@ -282,6 +290,12 @@ def throughput(
     before = llm.engine.stats()
     results = {"pagellm": run_pagellm(llm, requests, machine=machine)}
     _progress(results["pagellm"])
+    if json_schema:  # the same requests under a JSON-schema constraint, for its cost
+        schema = StructuredOutputsParams(json=json.loads(json_schema))
+        results["pagellm + JSON schema"] = run_pagellm(
+            llm, requests, "pagellm + JSON schema", structured_outputs=schema
+        )
+        _progress(results["pagellm + JSON schema"])
     dtype = llm.engine.setup.dtype
     speculation = acceptance(before, llm.engine.stats()) if config.speculative else None
     del llm

@@ -22,6 +22,7 @@ from pagellm.engine.request import Request, RequestStatus
 from pagellm.engine.scheduler import Scheduler
 from pagellm.engine.setup import resolve_engine
 from pagellm.sampling.params import SamplingParams
+from pagellm.structured_output import grammar
 from pagellm.worker.model_runner import ModelRunner
 from pagellm.worker.step import EngineSetup, SchedulerOutput, StepResult
 
@@ -60,6 +61,7 @@ class LLMEngine:
             num_lookahead_tokens=self.runner.num_lookahead_tokens,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
+        self._grammar_compiler: grammar.GrammarCompiler | None = None
         self._ids = itertools.count()
         usable_tokens = (self.runner.num_blocks - 1) * config.block_size
         logger.info(
@@ -133,6 +135,8 @@ class LLMEngine:
                 f"prompt token id {bad[0]} is out of range for the vocabulary of {vocab} tokens"
             )
         params.validate_token_ids(vocab)
+        if params.structured_outputs is not None:
+            grammar.check(params.structured_outputs)
         n = len(prompt_token_ids)
         if n >= self.max_model_len:
             raise PromptTooLongError(
@@ -168,11 +172,22 @@ class LLMEngine:
             children.append(
                 Request(child_id, prompt_token_ids, child_params, self.eos_token_ids, arrival_time, priority)
             )
+        if params.structured_outputs is not None:
+            for child in children:
+                child.grammar = self._grammars().request_grammar(params.structured_outputs)
         self.runner.add_requests({child.request_id: child.sampling_params for child in children})
         self.output_processor.add(request_id, text, children, params)
         for child in children:
             self.scheduler.add_request(child)
         return request_id
+
+    def _grammars(self) -> grammar.GrammarCompiler:
+        """The structured-output compiler, made on the first request with a grammar."""
+        if self._grammar_compiler is None:
+            self._grammar_compiler = grammar.GrammarCompiler(
+                self.tokenizer, self.setup.hf_config.vocab_size, self.eos_token_ids
+            )
+        return self._grammar_compiler
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Abort a request (all its samples) in any state; its KV blocks are freed at once."""

@@ -61,6 +61,7 @@ class Request:
         self.stop_reason: int | str | None = None
         self.block_hashes: list[int] = []
         self.spec_token_ids: list[int] = []  # drafts proposed for the next step (speculative decoding)
+        self.grammar: Any = None  # structured_output.grammar.RequestGrammar when the output is constrained
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None

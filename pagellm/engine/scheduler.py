@@ -219,6 +219,8 @@ class Scheduler:
                 i += 1
                 continue
             drafts = request.spec_token_ids[: budget - n] if n == known else []
+            if drafts and request.grammar is not None:
+                drafts = request.grammar.valid_prefix(drafts)
             n += len(drafts)
             while not kv.allocate_slots(request, n + self._lookahead(request.num_computed_tokens + n)):
                 victim = self._pick_victim()
@@ -243,8 +245,12 @@ class Scheduler:
             i += 1
 
         new_request_ids = set()
+        compiling: list[Request] = []  # waiting for their grammar: they keep their place in the queue
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting.peek()
+            if request.grammar is not None and not request.grammar.ready:
+                compiling.append(self.waiting.pop())
+                continue
             computed_blocks, num_hit = kv.get_computed_blocks(request)
             n = request.num_tokens - num_hit
             if n > budget:
@@ -265,6 +271,9 @@ class Scheduler:
             new_request_ids.add(request.request_id)
             budget -= n
 
+        for request in reversed(compiling):
+            self.waiting.prepend(request)
+
         finished_ids, self._finished_ids = self._finished_ids, set()
         return SchedulerOutput(
             scheduled=scheduled,
@@ -275,7 +284,22 @@ class Scheduler:
             block_ids={r.request_id: kv.block_table(r.request_id) for r in scheduled},
             total_num_scheduled_tokens=self.token_budget - budget,
             spec_token_ids=spec_token_ids,
+            grammar_bitmasks=self._grammar_bitmasks(scheduled, num_scheduled, spec_token_ids),
         )
+
+    @staticmethod
+    def _grammar_bitmasks(scheduled, num_scheduled, spec_token_ids) -> dict:
+        """The token bitmask rows of every request with a grammar that samples this step: one for its last
+        token and one after each of its drafts."""
+        masks = {}
+        for request in scheduled:
+            if request.grammar is None:
+                continue
+            rid = request.request_id
+            drafts = spec_token_ids.get(rid, [])
+            if request.num_computed_tokens + num_scheduled[rid] == request.num_tokens + len(drafts):
+                masks[rid] = request.grammar.bitmask(drafts)
+        return masks
 
     def _lookahead(self, end: int) -> int:
         """Slots past a step's last token (`end` tokens in all) for a draft model's own KV, never past
@@ -317,11 +341,17 @@ class Scheduler:
             if request.first_token_time is None:
                 request.first_token_time = now
             stop = None
+            appended = 0
             for token_id in new_token_ids:
                 request.append_output_token_id(token_id)
+                appended += 1
                 stop = self._check_stop(request)
                 if stop is not None:
                     break
+            if request.grammar is not None:
+                request.grammar.accept(new_token_ids[:appended])
+                if stop is None and request.grammar.terminated:  # the grammar is complete
+                    stop = (RequestStatus.FINISHED_STOPPED, None)
             request.num_computed_tokens = min(computed, request.num_tokens)
             kv.cache_blocks(request, request.num_computed_tokens)
             if stop is not None:

@@ -17,6 +17,33 @@ TOP_K_END = 2**63  # top_k becomes an int64 tensor; any k >= the vocabulary size
 
 
 @dataclass
+class StructuredOutputsParams:
+    """Constrain the output to a grammar (vLLM's names): exactly one of a JSON schema, any JSON object, a
+    regular expression, one of a list of strings, or an EBNF grammar (xgrammar's GBNF dialect)."""
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False  # JSON: no free whitespace between tokens (compact output)
+
+    def __post_init__(self) -> None:
+        given = [k for k in ("json", "regex", "choice", "grammar", "json_object") if getattr(self, k)]
+        if len(given) != 1:
+            raise ValueError(
+                "structured_outputs needs exactly one of json, regex, choice, grammar or json_object"
+                + (f", got {', '.join(given)}" if given else "")
+            )
+        if self.choice is not None and not all(isinstance(c, str) and c for c in self.choice):
+            raise ValueError("structured_outputs.choice must be a list of non-empty strings")
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in ("json", "regex", "choice", "grammar", "json_object") if getattr(self, k))
+
+
+@dataclass
 class SamplingParams:
     n: int = 1
     temperature: float = 1.0
@@ -39,8 +66,11 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     output_kind: str = "cumulative"
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         elif self.stop is None:

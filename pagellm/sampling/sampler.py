@@ -1,8 +1,8 @@
 """The batched sampler: one step's logits [N, V] -> one token per request, all on the logits' device.
 
 `build_sampling_batch` turns the requests' state into tensors once per step; `Sampler` applies, in order,
-logit bias, min_tokens, repetition/presence/frequency penalties, temperature, top-k, top-p, min-p, then
-draws. Random draws are Gumbel-max-equivalent (`argmax(probs / Exponential(1))`); a request with a seed
+the grammar's token bitmask (structured output), logit bias, min_tokens, repetition/presence/frequency
+penalties, temperature, top-k, top-p, min-p, then draws. Random draws are Gumbel-max-equivalent (`argmax(probs / Exponential(1))`); a request with a seed
 draws its noise from its own generator so its tokens do not depend on the rest of the batch.
 """
 
@@ -27,6 +27,9 @@ class SamplingRequest:
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]
     generator: torch.Generator | None = None
+    allowed: torch.Tensor | None = (
+        None  # int32 [ceil(V / 32)]: a grammar's bitmask of the tokens allowed next
+    )
 
 
 def make_generator(params: SamplingParams, device: torch.device | str) -> torch.Generator | None:
@@ -58,6 +61,7 @@ class SamplingBatch:
     repetition: torch.Tensor | None = None
     bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # rows, token ids, values
     banned: tuple[torch.Tensor, torch.Tensor] | None = None  # rows, token ids masked for min_tokens
+    grammar: tuple[torch.Tensor, torch.Tensor] | None = None  # rows, their int32 bitmasks [R, ceil(V / 32)]
     generators: dict[int, torch.Generator] = field(default_factory=dict)  # row -> a seeded request's own
     max_num_logprobs: int | None = None
 
@@ -69,6 +73,7 @@ class SamplingBatch:
             and self.penalty_rows is None
             and self.bias is None
             and self.banned is None
+            and self.grammar is None
             and self.max_num_logprobs is None
         )
 
@@ -95,6 +100,10 @@ def build_sampling_batch(
         }
     _add_penalties(batch, requests, device)
     _add_bias_and_bans(batch, requests, set(eos_token_ids), device)
+    grammar_rows = [i for i, r in enumerate(requests) if r.allowed is not None]
+    if grammar_rows:
+        masks = torch.stack([requests[i].allowed for i in grammar_rows]).to(device)
+        batch.grammar = (torch.tensor(grammar_rows, dtype=torch.long, device=device), masks)
     logprobs = [p.logprobs for p in params if p.logprobs is not None]
     batch.max_num_logprobs = max(logprobs) if logprobs else None
     return batch
@@ -224,6 +233,19 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill_(probs < threshold, -float("inf"))
 
 
+_BITS = torch.arange(32, dtype=torch.int32)
+
+
+def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """-inf, in place, wherever bit t of row i's mask (int32 words, little-endian bits: xgrammar's layout)
+    is clear, for the logits rows `rows[i]`."""
+    vocab_size = logits.shape[1]
+    allowed = ((bitmask.unsqueeze(-1) >> _BITS.to(bitmask.device)) & 1).bool().flatten(1)[:, :vocab_size]
+    if allowed.shape[1] < vocab_size:  # tokens past the mask's width are never allowed
+        allowed = torch.nn.functional.pad(allowed, (0, vocab_size - allowed.shape[1]))
+    logits[rows] = logits[rows].masked_fill(~allowed, -float("inf"))
+
+
 def argmax(logits: torch.Tensor) -> torch.Tensor:
     """Index of each row's largest value, the first on ties, as `argmax` gives: `max(dim)` computes the
     same 4x faster on CPU (12.3 -> 2.7 ms for 64 x 151936 float32 logits)."""
@@ -255,6 +277,8 @@ class Sampler:
         return SamplerOutput(token_ids, logprobs)
 
     def _penalise(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        if batch.grammar is not None:
+            apply_token_bitmask(logits, *batch.grammar)
         if batch.bias is not None:
             rows, ids, values = batch.bias
             logits.index_put_((rows, ids), values, accumulate=True)

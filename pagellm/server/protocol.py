@@ -19,7 +19,7 @@ from pydantic import (
     model_validator,
 )
 
-from pagellm.sampling.params import SamplingParams
+from pagellm.sampling.params import SamplingParams, StructuredOutputsParams
 
 TokenIds = list[StrictInt]  # JSON true/false and 1.0 are not token ids
 Role = Literal["system", "developer", "user", "assistant", "tool", "function"]  # OpenAI's chat roles
@@ -45,6 +45,26 @@ class OpenAIModel(BaseModel):
 
 class StreamOptions(OpenAIModel):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(OpenAIModel):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(OpenAIModel):
+    """OpenAI's `response_format`: text (no constraint), json_object (any JSON object) or json_schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_for_json_schema(self) -> ResponseFormat:
+        if self.type == "json_schema" and (self.json_schema is None or self.json_schema.schema_ is None):
+            raise ValueError("response_format of type json_schema needs json_schema.schema")
+        return self
 
 
 class _SamplingFields(OpenAIModel):
@@ -73,6 +93,42 @@ class _SamplingFields(OpenAIModel):
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     priority: int = 0
+    # structured output: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+    def _structured_outputs(self) -> StructuredOutputsParams | None:
+        """The one grammar this request asks for, from whichever field names it; ValueError for two."""
+        given = {}
+        if self.response_format is not None and self.response_format.type != "text":
+            rf = self.response_format
+            given["response_format"] = (
+                {"json": rf.json_schema.schema_} if rf.type == "json_schema" else {"json": {"type": "object"}}
+            )
+        if self.structured_outputs:
+            given["structured_outputs"] = self.structured_outputs
+        for name, key in (
+            ("guided_json", "json"),
+            ("guided_regex", "regex"),
+            ("guided_choice", "choice"),
+            ("guided_grammar", "grammar"),
+        ):
+            value = getattr(self, name)
+            if value is not None:
+                given[name] = {key: value}
+        if len(given) > 1:
+            raise ValueError(f"give one of {', '.join(given)}, not several: each constrains the whole output")
+        if not given:
+            return None
+        ((name, value),) = given.items()
+        try:
+            return StructuredOutputsParams(**value)
+        except TypeError as e:  # an unknown key
+            raise ValueError(f"{name}: {e}; valid keys: json, regex, choice, grammar, json_object") from None
 
     def _sampling_params(
         self, defaults: SamplingParams, max_tokens: int | None, logprobs: int | None, **extra: Any
@@ -94,6 +150,7 @@ class _SamplingFields(OpenAIModel):
             "max_tokens": max_tokens,
             "logprobs": logprobs,
             "output_kind": "delta" if self.stream else "final_only",
+            "structured_outputs": self._structured_outputs(),
             **extra,
         }
         for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):

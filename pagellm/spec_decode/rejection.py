@@ -48,18 +48,19 @@ def verify(
 def _accept_or_resample(
     probs: torch.Tensor, draft: Sequence[int], generator: torch.Generator | None
 ) -> list[int]:
-    tokens = []
-    for j, token in enumerate(draft):
-        u = torch.rand((), device=probs.device, generator=generator)
-        if u < probs[j, token]:
-            tokens.append(token)
-            continue
-        residual = probs[j].clone()
-        residual[token] = 0.0
-        tokens.append(_draw(residual, generator))
-        return tokens
-    tokens.append(_draw(probs[len(draft)], generator))
-    return tokens
+    """All of a request's acceptance tests at once (k uniforms, one host sync), then one draw."""
+    k = len(draft)
+    accepted = 0
+    if k:
+        ids = torch.tensor(draft, device=probs.device)
+        draft_probs = probs[:k].gather(1, ids.unsqueeze(1)).squeeze(1)
+        uniforms = torch.rand(k, device=probs.device, generator=generator)
+        accepted = int((uniforms < draft_probs).cumprod(0).sum())
+    if accepted == k:
+        return [*draft, _draw(probs[k], generator)]
+    residual = probs[accepted].clone()
+    residual[draft[accepted]] = 0.0
+    return [*draft[:accepted], _draw(residual, generator)]
 
 
 def _draw(weights: torch.Tensor, generator: torch.Generator | None) -> int:

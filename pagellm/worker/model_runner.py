@@ -254,17 +254,22 @@ class ModelRunner:
         if out.spec_token_ids:
             self._verify(out, hidden, sampling, cu, result)
         else:
-            self._sample(hidden, sampling, cu, result)
+            self._sample(out, hidden, sampling, cu, result)
         if self.proposer is not None:
             self._propose(sampling, result)
         return result
 
-    def _sample(self, hidden, sampling, cu, result: StepResult) -> None:
+    def _sample(self, out: SchedulerOutput, hidden, sampling, cu, result: StepResult) -> None:
         index = torch.tensor([int(cu[i + 1]) - 1 for i, _ in sampling], device=self.device)
         logits = self.model.compute_logits(hidden.index_select(0, index))
+        masks = out.grammar_bitmasks
         requests = [
             SamplingRequest(
-                r.sampling_params, r.prompt_token_ids, r.output_token_ids, self.generators[r.request_id]
+                r.sampling_params,
+                r.prompt_token_ids,
+                r.output_token_ids,
+                self.generators[r.request_id],
+                masks[r.request_id][0] if r.request_id in masks else None,
             )
             for _, r in sampling
         ]
@@ -290,10 +295,14 @@ class ModelRunner:
             end = int(cu[i + 1])
             index.extend(range(end - 1 - len(draft), end))
             outputs = list(r.output_token_ids)
+            mask = out.grammar_bitmasks.get(r.request_id)
             for j in range(len(draft) + 1):
                 generator = self.generators[r.request_id]
+                allowed = mask[j] if mask is not None else None
                 requests.append(
-                    SamplingRequest(r.sampling_params, r.prompt_token_ids, outputs + draft[:j], generator)
+                    SamplingRequest(
+                        r.sampling_params, r.prompt_token_ids, outputs + draft[:j], generator, allowed
+                    )
                 )
         logits = self.model.compute_logits(hidden.index_select(0, torch.tensor(index, device=self.device)))
         batch = build_sampling_batch(requests, self.eos_token_ids, self.device)

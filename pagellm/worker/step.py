@@ -89,6 +89,9 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int = 0
     # drafts to verify, by request id: they follow its known tokens and are counted in num_scheduled_tokens
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # structured output: int32 token bitmasks [1 + drafts, ceil(V / 32)] of requests with a grammar that
+    # sample this step, by request id (row 0: after the last known token; row j: after draft j)
+    grammar_bitmasks: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
