@@ -292,6 +292,7 @@ def throughput(
     _progress(results["pagellm"])
     if json_schema:  # the same requests under a JSON-schema constraint, for its cost
         schema = StructuredOutputsParams(json=json.loads(json_schema))
+        llm.reset_prefix_cache()  # no head start from the first run's prompts
         results["pagellm + JSON schema"] = run_pagellm(
             llm, requests, "pagellm + JSON schema", structured_outputs=schema
         )

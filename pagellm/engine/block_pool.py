@@ -85,6 +85,16 @@ class BlockPool:
         self._cached[block_hash] = block
         return True
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block no request holds (held ones stay findable); returns how many."""
+        dropped = 0
+        for block in self._free.values():
+            if block.block_hash is not None:
+                del self._cached[block.block_hash]
+                block.block_hash = block.hash_key = None
+                dropped += 1
+        return dropped
+
     def touch(self, blocks: Iterable[KVBlock]) -> None:
         """Take a reference to cached blocks, removing free ones from the free queue."""
         for block in blocks:

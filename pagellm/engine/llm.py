@@ -26,6 +26,11 @@ class LLM:
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
 
+    def reset_prefix_cache(self) -> bool:
+        """Empty the prefix cache (vLLM's call): later requests recompute every prompt."""
+        self.engine.reset_prefix_cache()
+        return True
+
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],

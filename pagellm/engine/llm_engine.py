@@ -256,6 +256,11 @@ class LLMEngine:
         output.error = f"the model runner failed on this request: {exc!r}"
         return output
 
+    def reset_prefix_cache(self) -> int:
+        """Forget the prefix cache's blocks that no running request holds (e.g. before a benchmark run);
+        returns how many blocks were dropped."""
+        return self.scheduler.kv_cache_manager.pool.reset_prefix_cache()
+
     def stats(self) -> Any:
         return self.scheduler.stats()
 

@@ -8,6 +8,7 @@ draws its noise from its own generator so its tokens do not depend on the rest o
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -233,17 +234,33 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill_(probs < threshold, -float("inf"))
 
 
-_BITS = torch.arange(32, dtype=torch.int32)
+# byte value -> 8 additive masks (0 or -inf), least significant bit first: a bitmask read as bytes
+# (little-endian int32 words) becomes a bias to add. Adding measured 4-5x faster than masked_fill or where
+# on CPU (64 x 49152: 1.6 vs 7-8.5 ms).
+_BYTE_BIAS = torch.where(((torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1).bool(), 0.0, -float("inf"))
 
 
 def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
     """-inf, in place, wherever bit t of row i's mask (int32 words, little-endian bits: xgrammar's layout)
     is clear, for the logits rows `rows[i]`."""
-    vocab_size = logits.shape[1]
-    allowed = ((bitmask.unsqueeze(-1) >> _BITS.to(bitmask.device)) & 1).bool().flatten(1)[:, :vocab_size]
-    if allowed.shape[1] < vocab_size:  # tokens past the mask's width are never allowed
-        allowed = torch.nn.functional.pad(allowed, (0, vocab_size - allowed.shape[1]))
-    logits[rows] = logits[rows].masked_fill(~allowed, -float("inf"))
+    num_rows, vocab_size = bitmask.shape[0], logits.shape[1]
+    if sys.byteorder == "little":  # a word's bytes in memory are its bits 0-7, 8-15, ...
+        table = _BYTE_BIAS.to(device=logits.device, dtype=logits.dtype)
+        byte_values = bitmask.contiguous().view(torch.uint8).flatten().long()
+        bias = table.index_select(0, byte_values).view(num_rows, -1)
+    else:
+        bits = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+        allowed = ((bitmask.unsqueeze(-1) >> bits) & 1).bool().flatten(1)
+        bias = torch.zeros(allowed.shape, dtype=logits.dtype, device=logits.device).masked_fill_(
+            ~allowed, -float("inf")
+        )
+    bias = bias[:, :vocab_size]
+    if bias.shape[1] < vocab_size:  # tokens past the mask's width are never allowed
+        bias = torch.nn.functional.pad(bias, (0, vocab_size - bias.shape[1]), value=-float("inf"))
+    if num_rows == logits.shape[0] and bool((rows == torch.arange(num_rows, device=rows.device)).all()):
+        logits.add_(bias)
+    else:
+        logits[rows] = logits[rows] + bias
 
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:

@@ -163,3 +163,17 @@ def test_revived_blocks_need_free_room():
     assert num_hit == 8
     assert not kv.allocate_slots(b, 4, blocks)  # 2 revived + 1 new > 2 free
     assert kv.num_free_blocks == 2 and all(blk.ref_cnt == 0 for blk in blocks)
+
+
+def test_reset_prefix_cache_forgets_free_blocks_and_keeps_held_ones():
+    from pagellm.engine.block_pool import BlockPool
+
+    pool = BlockPool(6)
+    held, free = pool.get_new_blocks(2), pool.get_new_blocks(2)
+    for i, block in enumerate(held + free):
+        pool.cache_block(block, 100 + i, ("k", i))
+    pool.free_blocks(free)
+    assert pool.reset_prefix_cache() == 2
+    assert pool.get_cached_block(102, ("k", 2)) is None and pool.get_cached_block(103, ("k", 3)) is None
+    assert pool.get_cached_block(100, ("k", 0)) is held[0]
+    assert pool.num_free_blocks == 3 and pool.num_cached_blocks == 2
