@@ -56,6 +56,8 @@ def plugins(explain_model: str | None, **options) -> None:
         verdict = "runs here" if not reasons else "not here: " + "; ".join(reasons)
         click.echo(f"  {name:<16} {verdict}  [{registry.owner('quant_methods', name)}]")
     click.echo(f"Models: {', '.join(sorted(registry.models)) or 'none'}")
+    click.echo(f"Reasoning parsers: {', '.join(sorted(registry.reasoning_parsers)) or 'none'}")
+    click.echo(f"Tool-call parsers: {', '.join(sorted(registry.tool_parsers)) or 'none'}")
 
 
 def _probe_spec(platform, options) -> AttentionSpec:

@@ -51,6 +51,16 @@ logger = logging.getLogger("pagellm")
     type=click.FloatRange(min=0, min_open=True),
     help="Largest request body, in MiB; larger ones are refused with 413 before they are read.",
 )
+@click.option(
+    "--enable-auto-tool-choice",
+    is_flag=True,
+    help='Let the model decide when to call tools (tool_choice "auto"); needs --tool-call-parser.',
+)
+@click.option(
+    "--tool-call-parser",
+    default=None,
+    help="How to find tool calls in replies: hermes, llama3_json, or a plugin's (see `pagellm plugins`).",
+)
 @engine_options()
 def serve(
     model_arg: str | None,
@@ -62,6 +72,8 @@ def serve(
     disable_log_requests: bool,
     max_n: int,
     max_request_body_mb: float,
+    enable_auto_tool_choice: bool,
+    tool_call_parser: str | None,
     **options,
 ) -> None:
     """Serve MODEL (default: the embedded SmolLM2) over the OpenAI API: /v1/completions,
@@ -74,6 +86,10 @@ def serve(
     if model_arg and options.get("model") and model_arg != options["model"]:
         raise click.UsageError(f"MODEL {model_arg!r} and --model {options['model']!r} disagree; give one")
     config = config_from_options(options, model=model_arg)
+    if enable_auto_tool_choice and not tool_call_parser:
+        raise click.UsageError(
+            "--enable-auto-tool-choice needs --tool-call-parser (hermes, llama3_json, ...)"
+        )
     names = list(served_model_names) or [config.model or GGUF_FILE.split(".")[0]]
     with _bind(host, port) as sock:
         llm = AsyncLLM.from_config(config)
@@ -86,6 +102,8 @@ def serve(
                 log_requests=not disable_log_requests,
                 max_n=max_n,
                 max_body_bytes=int(max_request_body_mb * 2**20),
+                tool_call_parser=tool_call_parser,
+                enable_auto_tool_choice=enable_auto_tool_choice,
             )
             logger.info("serving %s on http://%s:%d", ", ".join(names), host, port)
             level = logging.getLogger("pagellm").getEffectiveLevel()

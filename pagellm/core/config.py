@@ -60,6 +60,11 @@ class EngineConfig:
         '\'{"method": "draft_model", "model": PATH, "num_speculative_tokens": 3}\'.',
         json=True,
     )
+    reasoning_parser: str | None = _opt(
+        None,
+        "Split replies into reasoning and content (deepseek_r1, qwen3, or a plugin's); a grammar "
+        "(structured output) applies only after the reasoning ends.",
+    )
     enforce_eager: bool = _opt(
         False,
         "Never compile or capture graphs: faster start-up, slower steps.",

@@ -29,6 +29,8 @@ class Registry:
     attention_backends: dict[str, type[AttentionBackend]] = field(default_factory=dict)
     quant_methods: dict[str, type[QuantMethod]] = field(default_factory=dict)
     models: dict[str, str] = field(default_factory=dict)  # HF architecture -> "module:Class"
+    reasoning_parsers: dict[str, type] = field(default_factory=dict)  # name -> class with split()
+    tool_parsers: dict[str, type] = field(default_factory=dict)  # name -> class with parse()
     cli_commands: list[Any] = field(default_factory=list)
     plugins: list[PluginInfo] = field(default_factory=list)
     owners: dict[tuple[str, str], str] = field(default_factory=dict)  # (kind, name) -> "dist (plugin)"

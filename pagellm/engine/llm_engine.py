@@ -62,6 +62,11 @@ class LLMEngine:
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self._grammar_compiler: grammar.GrammarCompiler | None = None
+        parser = self.setup.reasoning_parser
+        # a grammar applies after these tokens: the end of the reasoning, when a reasoning parser is set
+        self._reasoning_end = (
+            self.tokenizer.encode(parser.end_tag, add_special_tokens=False) if parser else []
+        )
         self._ids = itertools.count()
         usable_tokens = (self.runner.num_blocks - 1) * config.block_size
         logger.info(
@@ -174,7 +179,9 @@ class LLMEngine:
             )
         if params.structured_outputs is not None:
             for child in children:
-                child.grammar = self._grammars().request_grammar(params.structured_outputs)
+                child.grammar = self._grammars().request_grammar(
+                    params.structured_outputs, self._reasoning_end
+                )
         self.runner.add_requests({child.request_id: child.sampling_params for child in children})
         self.output_processor.add(request_id, text, children, params)
         for child in children:

@@ -298,7 +298,9 @@ class Scheduler:
             rid = request.request_id
             drafts = spec_token_ids.get(rid, [])
             if request.num_computed_tokens + num_scheduled[rid] == request.num_tokens + len(drafts):
-                masks[rid] = request.grammar.bitmask(drafts)
+                mask = request.grammar.bitmask(drafts)
+                if mask is not None:
+                    masks[rid] = mask
         return masks
 
     def _lookahead(self, end: int) -> int:

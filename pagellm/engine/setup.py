@@ -155,4 +155,16 @@ def resolve_engine(config: EngineConfig) -> EngineSetup:
         backend_choice=backend_choice,
         quant_method=quant,
         explanation=explanation,
+        reasoning_parser=reasoning_parser(registry, config.reasoning_parser),
     )
+
+
+def reasoning_parser(registry, name: str | None) -> type | None:
+    """The class of --reasoning-parser NAME from the plugins' registry; ConfigError for an unknown name."""
+    if name is None:
+        return None
+    parser = registry.reasoning_parsers.get(name)
+    if parser is None:
+        known = ", ".join(sorted(registry.reasoning_parsers)) or "none installed"
+        raise ConfigError(f"--reasoning-parser {name}: no such reasoning parser; known: {known}")
+    return parser

@@ -73,6 +73,33 @@ def pagellm_models() -> dict:
 
 
 @hookspec
+def pagellm_reasoning_parsers() -> list:
+    """Return the reasoning parsers this plugin provides (`--reasoning-parser NAME`; plugin API 1.1).
+
+    Called when plugins load.
+
+    :returns: classes with a `name`, an `end_tag` (the text that ends the thinking: a grammar applies
+        after it) and `split(text, final) -> (reasoning, content)`, a function of the whole reply so far
+        that leaves out of both a tail that may still become a tag unless `final` (see
+        `pagellm.server.reasoning.ThinkTagParser`). A name already registered is an error naming both
+        distributions.
+    """
+
+
+@hookspec
+def pagellm_tool_parsers() -> list:
+    """Return the tool-call parsers this plugin provides (`--tool-call-parser NAME`; plugin API 1.1).
+
+    Called when plugins load.
+
+    :returns: classes with a `name` and `parse(text, final) -> ToolCallParse` (content and (name,
+        arguments JSON) calls), a function of the whole reply so far that holds back what may still
+        change unless `final` (see `pagellm.server.tool_parsers.HermesToolParser`). A name already
+        registered is an error naming both distributions.
+    """
+
+
+@hookspec
 def pagellm_cli_commands() -> list:
     """Return commands to add to the `pagellm` command line.
 

@@ -25,7 +25,7 @@ from pagellm.plugins import hookspecs
 logger = logging.getLogger("pagellm.plugins")
 
 ENTRY_POINT_GROUP = "pagellm.plugins"
-API_VERSION = "1.0"
+API_VERSION = "1.1"  # 1.1: pagellm_reasoning_parsers, pagellm_tool_parsers
 """Plugins declare the version they were written for; same major and a minor no newer than ours loads."""
 
 DEPRECATED_HOOKS: dict[str, str] = {}
@@ -36,6 +36,8 @@ _HOOK_TABLES = {
     "pagellm_attention_backends": "attention_backends",
     "pagellm_quant_methods": "quant_methods",
     "pagellm_models": "models",
+    "pagellm_reasoning_parsers": "reasoning_parsers",
+    "pagellm_tool_parsers": "tool_parsers",
 }
 
 _lock = threading.Lock()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import json
 import logging
 import time
 import uuid
@@ -29,6 +30,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from pagellm.engine.async_llm import AsyncLLM, RequestStream
 from pagellm.engine.llm_engine import PromptTooLongError
 from pagellm.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from pagellm.engine.setup import reasoning_parser
+from pagellm.plugins.loader import load_plugins
 from pagellm.sampling.params import SamplingParams
 from pagellm.server import errors
 from pagellm.server.limits import DEFAULT_MAX_BODY_MB, DEFAULT_MAX_N
@@ -53,13 +56,18 @@ from pagellm.server.protocol import (
     ErrorResponse,
     ModelCard,
     ModelList,
+    NamedToolChoice,
     TokenizeRequest,
     TokenizeResponse,
     TokenLogprob,
+    ToolCall,
+    ToolCallFunction,
     TopLogprob,
     UsageInfo,
     VersionResponse,
 )
+from pagellm.server.reasoning import ReasoningStream
+from pagellm.server.tool_parsers import NamedToolParser, RequiredToolParser, ToolCallStream, call_id
 
 logger = logging.getLogger("pagellm")
 
@@ -77,6 +85,8 @@ def build_app(
     log_requests: bool = True,
     max_n: int = DEFAULT_MAX_N,
     max_body_bytes: int = DEFAULT_MAX_BODY_MB * 2**20,
+    tool_call_parser: str | None = None,
+    enable_auto_tool_choice: bool = False,
 ) -> FastAPI:
     """The app serving `llm` under `served_model_names` (the first is the default for requests naming none).
 
@@ -87,6 +97,8 @@ def build_app(
     if not served_model_names:
         raise ValueError("served_model_names needs at least one name")
     server = _Server(llm, list(served_model_names), chat_template, log_requests, max_n)
+    server.tool_parser = _tool_parser(tool_call_parser)
+    server.enable_auto_tool_choice = enable_auto_tool_choice
     app = FastAPI(title="pagellm", version=__version__, docs_url=None, redoc_url=None)
     errors.install_handlers(app)
     if api_keys:
@@ -200,6 +212,9 @@ class _Server:
         self.log_requests = log_requests
         self.max_n = max_n
         self.tokenizer = llm.tokenizer
+        self.reasoning = _reasoning_parser(llm)
+        self.tool_parser: Any = None  # --tool-call-parser, for tool_choice auto
+        self.enable_auto_tool_choice = False
         self.stat_logger = PrometheusStatLogger(names[0])
         llm.add_stat_logger(self.stat_logger)
 
@@ -309,6 +324,7 @@ class _Server:
         request_id: str,
         streams: list[RequestStream],
         raw_request: Request,
+        tool_parser: Any = None,
     ) -> AsyncIterator[str]:
         created = int(time.time())
         echoed: set[int] = set()
@@ -348,26 +364,37 @@ class _Server:
     async def chat_completions(self, request: ChatCompletionRequest, raw_request: Request) -> Any:
         model = self._model(request.model)
         params = self._params(request, "top_logprobs")
+        tool_parser = self._request_tool_parser(request)
+        tools = [t.model_dump(exclude_none=True) for t in request.tools] if request.tools else None
         ids = await asyncio.to_thread(
-            self._chat_prompt_ids, request.messages, request.chat_template, request.add_generation_prompt
+            self._chat_prompt_ids,
+            request.messages,
+            request.chat_template,
+            request.add_generation_prompt,
+            tools,
         )
         prompts: list[tuple[str | None, list[int]]] = [(None, ids)]
         self._check_cost(prompts, params)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         streams = await self._add(request_id, prompts, params, request.priority, "messages")
         if request.stream:
-            return _sse_response(self._chat_events(request, model, request_id, streams, raw_request), streams)
+            events = self._chat_events(request, model, request_id, streams, raw_request, tool_parser)
+            return _sse_response(events, streams)
         (output,) = await self._final_outputs(streams, raw_request)
-        choices = [
-            ChatChoice(
-                index=sample.index,
-                message=ChatResponseMessage(content=sample.text),
-                logprobs=self._chat_logprobs(sample, request.top_logprobs or 0) if request.logprobs else None,
-                finish_reason=sample.finish_reason,
-                stop_reason=sample.stop_reason,
+        choices = []
+        for sample in output.outputs:
+            message = self._message(sample.text, tool_parser, f"{request_id}-{sample.index}")
+            choices.append(
+                ChatChoice(
+                    index=sample.index,
+                    message=message,
+                    logprobs=self._chat_logprobs(sample, request.top_logprobs or 0)
+                    if request.logprobs
+                    else None,
+                    finish_reason=_finish_reason(sample.finish_reason, message.tool_calls, request),
+                    stop_reason=sample.stop_reason,
+                )
             )
-            for sample in output.outputs
-        ]
         return ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=_usage([output]))
 
     async def _chat_events(
@@ -377,6 +404,7 @@ class _Server:
         request_id: str,
         streams: list[RequestStream],
         raw_request: Request,
+        tool_parser: Any = None,
     ) -> AsyncIterator[str]:
         created = int(time.time())
 
@@ -387,6 +415,13 @@ class _Server:
         for index in range(request.n):
             yield chunk(index, DeltaMessage(role="assistant", content=""))
         finished: set[int] = set()
+        splitters = {i: ReasoningStream(self.reasoning) for i in range(request.n)} if self.reasoning else {}
+        tool_streams = (
+            {i: ToolCallStream(tool_parser, f"{request_id}-{i}") for i in range(request.n)}
+            if tool_parser
+            else {}
+        )
+        called: set[int] = set()
         counts = _UsageCounter(1)
         try:
             async with contextlib.aclosing(self._merged(streams, raw_request)) as merged:
@@ -395,16 +430,33 @@ class _Server:
                     for sample in output.outputs:
                         if sample.index in finished:
                             continue
-                        if sample.text or (request.logprobs and sample.token_ids):
+                        delta = DeltaMessage(content=sample.text)
+                        final = sample.finish_reason is not None
+                        if splitters:  # the same split as a whole reply's, piece by piece
+                            reasoning, content = splitters[sample.index].feed(sample.text, final)
+                            delta = DeltaMessage(content=content or None, reasoning=reasoning or None)
+                        if tool_streams:  # calls in the answer, piece by piece
+                            content, calls = tool_streams[sample.index].feed(delta.content or "", final)
+                            delta.content, delta.tool_calls = content or None, calls or None
+                            if calls:
+                                called.add(sample.index)
+                        if (
+                            delta.content
+                            or delta.reasoning
+                            or delta.tool_calls
+                            or (request.logprobs and sample.token_ids)
+                        ):
                             logprobs = (
                                 self._chat_logprobs(sample, request.top_logprobs or 0)
                                 if request.logprobs
                                 else None
                             )
-                            yield chunk(sample.index, DeltaMessage(content=sample.text), logprobs=logprobs)
+                            yield chunk(sample.index, delta, logprobs=logprobs)
                         if sample.finish_reason is not None:
                             finished.add(sample.index)
-                            yield chunk(sample.index, DeltaMessage(), finish_reason=sample.finish_reason)
+                            made = [{}] if sample.index in called else []
+                            reason = _finish_reason(sample.finish_reason, made, request)
+                            yield chunk(sample.index, DeltaMessage(), finish_reason=reason)
         except Exception as exc:
             yield _error_event(exc)
         if request.include_usage:
@@ -414,8 +466,48 @@ class _Server:
             )
         yield "data: [DONE]\n\n"
 
+    def _message(self, text: str, tool_parser: Any = None, call_prefix: str = "") -> ChatResponseMessage:
+        """A whole reply: split into reasoning and content when a reasoning parser is set, and its tool
+        calls parsed out of the content when the request may call tools."""
+        reasoning, content = self.reasoning.split(text, final=True) if self.reasoning else ("", text)
+        calls = []
+        if tool_parser is not None:
+            parsed = tool_parser.parse(content, final=True)
+            content = parsed.content
+            calls = [
+                ToolCall(id=call_id(call_prefix, i), function=ToolCallFunction(name=name, arguments=args))
+                for i, (name, args) in enumerate(parsed.calls)
+            ]
+        return ChatResponseMessage(
+            content=content if content or not (reasoning or calls) else None,
+            reasoning=reasoning or None,
+            tool_calls=calls,
+        )
+
+    def _request_tool_parser(self, request: ChatCompletionRequest) -> Any:
+        """What finds this request's tool calls: the server's parser (auto), or the format the grammar
+        imposed (required, a named function); None when it may not call tools."""
+        choice = request.effective_tool_choice
+        if choice == "none" or not request.tools:
+            return None
+        if choice == "required":
+            return RequiredToolParser()
+        if isinstance(choice, NamedToolChoice):
+            return NamedToolParser(choice.function.name)
+        if not self.enable_auto_tool_choice or self.tool_parser is None:
+            raise errors.bad_request(
+                '"auto" tool choice needs the server started with --enable-auto-tool-choice and '
+                '--tool-call-parser; or set tool_choice to "none", "required" or a function',
+                "tool_choice",
+            )
+        return self.tool_parser
+
     def _chat_prompt_ids(
-        self, messages: list[ChatMessage], template: str | None, add_generation_prompt: bool
+        self,
+        messages: list[ChatMessage],
+        template: str | None,
+        add_generation_prompt: bool,
+        tools: list[dict] | None = None,
     ) -> list[int]:
         template = template or self.chat_template
         if template is None and not getattr(self.tokenizer, "chat_template", None):
@@ -429,6 +521,7 @@ class _Server:
                 chat_template=template,
                 add_generation_prompt=add_generation_prompt,
                 tokenize=True,
+                tools=tools,
             )
         except Exception as exc:
             raise errors.bad_request(
@@ -666,6 +759,31 @@ def _top(entry: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
     return ranked[:k]
 
 
+def _tool_parser(name: str | None) -> Any:
+    """An instance of --tool-call-parser NAME (from the plugins' registry), or None."""
+    if name is None:
+        return None
+    registry = load_plugins()
+    parser = registry.tool_parsers.get(name)
+    if parser is None:
+        known = ", ".join(sorted(registry.tool_parsers)) or "none installed"
+        raise ValueError(f"--tool-call-parser {name}: no such tool-call parser; known: {known}")
+    return parser()
+
+
+def _finish_reason(reason: str | None, calls: list, request: ChatCompletionRequest) -> str | None:
+    """OpenAI's: "tool_calls" when a reply that stopped by itself called tools (not for a named function)."""
+    if reason == "stop" and calls and not isinstance(request.tool_choice, NamedToolChoice):
+        return "tool_calls"
+    return reason
+
+
+def _reasoning_parser(llm: AsyncLLM) -> Any:
+    """An instance of the engine's --reasoning-parser (from the plugins' registry), or None."""
+    parser = reasoning_parser(load_plugins(), llm.config.reasoning_parser)
+    return parser() if parser is not None else None
+
+
 def _message_dict(message: ChatMessage) -> dict[str, Any]:
     content = message.content
     if isinstance(content, list):
@@ -678,6 +796,15 @@ def _message_dict(message: ChatMessage) -> dict[str, Any]:
             texts.append(str(part.get("text", "")))
         content = "\n".join(texts)
     out = {**(message.model_extra or {}), "role": message.role, "content": content or ""}
+    if "reasoning" in out and "reasoning_content" not in out:  # chat templates read reasoning_content
+        out["reasoning_content"] = out["reasoning"]
+    for call in out.get("tool_calls") or []:  # OpenAI sends arguments as JSON text; templates want objects
+        function = call.get("function", {}) if isinstance(call, dict) else {}
+        if isinstance(function.get("arguments"), str):
+            try:
+                function["arguments"] = json.loads(function["arguments"])
+            except json.JSONDecodeError:
+                pass
     if message.name is not None:
         out["name"] = message.name
     return out

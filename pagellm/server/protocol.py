@@ -203,8 +203,31 @@ class ChatMessage(OpenAIModel):
         return self
 
 
+class FunctionDefinition(OpenAIModel):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class ChatTool(OpenAIModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(OpenAIModel):
+    name: str
+
+
+class NamedToolChoice(OpenAIModel):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
@@ -218,6 +241,33 @@ class ChatCompletionRequest(_SamplingFields):
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         return self._sampling_params(defaults, max_tokens, logprobs)
+
+    @property
+    def effective_tool_choice(self) -> str | NamedToolChoice:
+        """OpenAI's default: auto when tools are given, else none."""
+        if self.tool_choice is not None:
+            return self.tool_choice
+        return "auto" if self.tools else "none"
+
+    def _structured_outputs(self) -> StructuredOutputsParams | None:
+        """tool_choice required or a named function: a grammar over the tools' schemas (vLLM's way)."""
+        from pagellm.server.tool_parsers import tool_choice_schema
+
+        choice = self.effective_tool_choice
+        if choice in ("none", "auto"):
+            return super()._structured_outputs()
+        if not self.tools:
+            raise ValueError("tool_choice needs tools")
+        functions = [t.function.model_dump() for t in self.tools]
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in {f["name"] for f in functions}:
+            raise ValueError(f"tool_choice names {choice.function.name!r}, which is not among the tools")
+        if super()._structured_outputs() is not None:
+            raise ValueError(
+                "tool_choice required or a named function sets the output's grammar; drop response_format"
+            )
+        named = choice.model_dump() if isinstance(choice, NamedToolChoice) else choice
+        schema = tool_choice_schema(functions, named, self.parallel_tool_calls)
+        return StructuredOutputsParams(json=schema, disable_any_whitespace=True)  # calls need no layout
 
 
 class TokenizeRequest(OpenAIModel):
@@ -296,9 +346,22 @@ class ChatLogprobs(BaseModel):
     content: list[TokenLogprob] | None = None
 
 
+class ToolCallFunction(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatResponseMessage(BaseModel):
     role: str = "assistant"
     content: str | None = None
+    reasoning: str | None = None  # the thinking, with --reasoning-parser
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatChoice(BaseModel):
@@ -323,6 +386,8 @@ class DeltaMessage(BaseModel):
 
     role: str | None = None
     content: str | None = None
+    reasoning: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # OpenAI's tool-call deltas (index, id, type, function)
 
     @model_serializer(mode="wrap")
     def _drop_none(self, handler: Any) -> dict[str, Any]:

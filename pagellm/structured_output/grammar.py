@@ -82,14 +82,17 @@ class GrammarCompiler:
         self._lock = threading.Lock()
         self._compiler = None
 
-    def request_grammar(self, params: StructuredOutputsParams) -> RequestGrammar:
-        """A matcher-to-be for one request; compiling starts now (or is shared with an equal grammar)."""
+    def request_grammar(
+        self, params: StructuredOutputsParams, start_after: Sequence[int] = ()
+    ) -> RequestGrammar:
+        """A matcher-to-be for one request; compiling starts now (or is shared with an equal grammar).
+        `start_after`: token ids that end a reasoning section; the grammar applies to what follows them."""
         key = _key(params)
         with self._lock:
             future = self._compiled.get(key)
             if future is None:
                 future = self._compiled[key] = self._pool.submit(self._compile, params)
-        return RequestGrammar(future, self.vocab_size)
+        return RequestGrammar(future, self.vocab_size, start_after)
 
     def _compile(self, params: StructuredOutputsParams):
         xgr = _xgrammar()
@@ -130,12 +133,19 @@ def _key(params: StructuredOutputsParams) -> tuple:
 
 
 class RequestGrammar:
-    """One request's grammar state."""
+    """One request's grammar state. With `start_after` (the tokens that end a reasoning section) the
+    output is free until they appear, and the grammar constrains what follows."""
 
-    def __init__(self, compiled: Future, vocab_size: int):
+    def __init__(self, compiled: Future, vocab_size: int, start_after: Sequence[int] = ()):
         self._compiled = compiled
         self.vocab_size = vocab_size
         self._matcher = None
+        self._start_after = list(start_after)
+        self._recent: list[int] = []  # the output's last tokens, while waiting for `start_after`
+
+    @property
+    def active(self) -> bool:
+        return not self._start_after
 
     @property
     def ready(self) -> bool:
@@ -150,10 +160,19 @@ class RequestGrammar:
 
     @property
     def terminated(self) -> bool:
-        return self.matcher.is_terminated()
+        return self.active and self.matcher.is_terminated()
 
     def valid_prefix(self, drafts: Sequence[int]) -> list[int]:
-        """The leading drafts the grammar admits (the rest could never be accepted)."""
+        """The leading drafts the grammar admits (the rest could never be accepted). Before the grammar
+        applies: the drafts up to the end of the reasoning, if they reach it (the grammar masks the rest
+        from the next step on)."""
+        if not self.active:
+            tag, recent = self._start_after, self._recent[-len(self._start_after) :]
+            seen = recent + list(drafts)
+            for end in range(len(recent) + 1, len(seen) + 1):
+                if seen[max(0, end - len(tag)) : end] == tag:
+                    return list(drafts[: end - len(recent)])
+            return list(drafts)
         matcher = self.matcher
         n = 0
         for token in drafts:
@@ -164,9 +183,12 @@ class RequestGrammar:
             matcher.rollback(n)
         return list(drafts[:n])
 
-    def bitmask(self, drafts: Sequence[int] = ()) -> torch.Tensor:
+    def bitmask(self, drafts: Sequence[int] = ()) -> torch.Tensor | None:
         """int32 [len(drafts) + 1, ceil(vocab / 32)]: bit t of row j set when token t may follow the
-        outputs and drafts[:j] (xgrammar's layout). The drafts must be admitted (`valid_prefix`)."""
+        outputs and drafts[:j] (xgrammar's layout); None while the reasoning runs. The drafts must be
+        admitted (`valid_prefix`)."""
+        if not self.active:
+            return None
         xgr = _xgrammar()
         matcher = self.matcher
         mask = xgr.allocate_token_bitmask(len(drafts) + 1, self.vocab_size)
@@ -180,6 +202,13 @@ class RequestGrammar:
 
     def accept(self, token_ids: Iterable[int]) -> None:
         """Advance over a step's new tokens (each was sampled under this grammar's mask)."""
+        token_ids = list(token_ids)
+        while token_ids and not self.active:  # the reasoning: watch for its end
+            self._recent.append(token_ids.pop(0))
+            if self._recent[-len(self._start_after) :] == self._start_after:
+                self._start_after, self._recent = [], []
+        if not token_ids:
+            return
         matcher = self.matcher
         for token in token_ids:
             if matcher.is_terminated():

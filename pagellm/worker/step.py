@@ -51,6 +51,7 @@ class EngineSetup:
     backend_choice: BackendChoice
     quant_method: type[QuantMethod] | None
     explanation: list[str] = field(default_factory=list)
+    reasoning_parser: type | None = None  # --reasoning-parser's class (from the registry)
 
     @property
     def backend(self) -> type[AttentionBackend]:

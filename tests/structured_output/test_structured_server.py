@@ -3,14 +3,12 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import re
 
-import httpx
 import jsonschema
-import openai
 import pytest
+from openai_asgi import call_app
 from test_structured_output import SCHEMAS
 from tiny import make_tiny_checkpoint
 
@@ -24,18 +22,6 @@ def app(tmp_path_factory):
     llm = AsyncLLM(str(path), dtype="float32", num_kv_blocks=128, max_model_len=512, engine_process=False)
     yield build_app(llm, ["tiny"], log_requests=False)
     llm.shutdown()
-
-
-def call(app, work):
-    async def run():
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://app") as http:
-            client = openai.AsyncOpenAI(
-                base_url="http://app/v1", api_key="none", http_client=http, max_retries=0
-            )
-            return await work(client, http)
-
-    return asyncio.run(run())
 
 
 def test_response_format_json_schema_through_the_openai_client(app):
@@ -54,7 +40,7 @@ def test_response_format_json_schema_through_the_openai_client(app):
         )
         return [c.message.content for c in reply.choices]
 
-    for text in call(app, work):
+    for text in call_app(app, work):
         jsonschema.validate(json.loads(text, strict=False), schema)
 
 
@@ -80,7 +66,7 @@ def test_structured_outputs_and_guided_fields_on_completions(app):
         texts["streamed"] = "".join([chunk.choices[0].text async for chunk in stream])
         return texts
 
-    texts = call(app, work)
+    texts = call_app(app, work)
     assert texts["choice"] in ("left", "right") and texts["guided_choice"] in ("up", "down")
     assert re.fullmatch(r"\d{3}-[a-z]{2}", texts["regex"]) and re.fullmatch(r"[a-c]{4}", texts["streamed"])
 
@@ -110,7 +96,7 @@ def test_a_bad_grammar_is_a_400_naming_the_problem(app, body, message):
         ok = await http.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2})
         return response, ok
 
-    response, ok = call(app, work)
+    response, ok = call_app(app, work)
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert message in error["message"] and error["type"] == "invalid_request_error"
