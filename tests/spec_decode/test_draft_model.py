@@ -6,7 +6,7 @@ at start-up."""
 from __future__ import annotations
 
 import pytest
-from parity import assert_greedy_parity, mixed_prompts, tiny_model_and_reference
+from parity import ARCHS, assert_greedy_parity, mixed_prompts, tiny_model_and_reference
 from test_spec_engine import copy_friendly_prompts
 from tiny import make_tiny_checkpoint
 
@@ -16,7 +16,7 @@ from pagellm.core.errors import ConfigError
 MAX_TOKENS = 16
 
 
-@pytest.fixture(scope="module", params=["qwen2", "mistral-sliding-window", "gpt2", "opt"])
+@pytest.fixture(scope="module", params=list(ARCHS))
 def target(request, tmp_path_factory):
     return tiny_model_and_reference(request.param, tmp_path_factory.mktemp(request.param), MAX_TOKENS)
 
@@ -56,8 +56,22 @@ def test_a_different_draft_model_keeps_the_greedy_tokens(target, tmp_path):
     assert stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens  # a random draft is often wrong
 
 
-def test_a_draft_with_another_vocabulary_is_refused_at_start_up(target, tmp_path):
-    path, _ = target
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    return tiny_model_and_reference("llama", tmp_path_factory.mktemp("llama"), MAX_TOKENS)
+
+
+@pytest.mark.parametrize("backend", ["TORCH_SDPA", "FLEX_ATTENTION"])  # CPU_ATTN: the tests above
+def test_the_draft_runs_on_every_cpu_backend(llama, tmp_path, backend):
+    path, reference = llama
+    llm = engine(path, path, k=3, attention_backend=backend)
+    assert_greedy_parity(llm, reference, copy_friendly_prompts(300, seed=3) + mixed_prompts(300, seed=3)[:6])
+    stats = llm.engine.stats()
+    assert stats.spec_num_accepted_tokens >= 0.95 * stats.spec_num_draft_tokens > 0
+
+
+def test_a_draft_with_another_vocabulary_is_refused_at_start_up(llama, tmp_path):
+    path, _ = llama
     draft = make_tiny_checkpoint("llama", tmp_path, vocab_size=400)
     with pytest.raises(ConfigError, match="vocabulary"):
         engine(path, draft)
