@@ -5,6 +5,7 @@ from importlib.metadata import PackageNotFoundError, version
 from pagellm.engine.async_llm import AsyncLLM
 from pagellm.engine.llm import LLM
 from pagellm.engine.outputs import CompletionOutput, RequestOutput
+from pagellm.lora.request import LoRARequest
 from pagellm.sampling.params import SamplingParams, StructuredOutputsParams
 
 try:
@@ -16,6 +17,7 @@ __all__ = [
     "AsyncLLM",
     "LLM",
     "CompletionOutput",
+    "LoRARequest",
     "RequestOutput",
     "SamplingParams",
     "StructuredOutputsParams",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -14,6 +14,7 @@ from pagellm.bench.steps import StepRecord, StepRecorder, records_work
 from pagellm.bench.workloads import Workload
 from pagellm.core.config import EngineConfig
 from pagellm.engine.llm import LLM
+from pagellm.lora.request import LoRARequest
 from pagellm.models.loader import model_weight_bytes
 from pagellm.sampling.params import SamplingParams, StructuredOutputsParams
 
@@ -63,20 +64,22 @@ def run_pagellm(
     engine: str = "pagellm",
     machine: Machine | None = None,
     structured_outputs: StructuredOutputsParams | None = None,
+    lora_requests: Sequence[LoRARequest] = (),
 ) -> ThroughputResult:
     """Generate every request of `workload` in one `LLM.generate` call and time it.
 
     Output tokens are counted from what came back, not from what was asked (a grammar may end a request
-    early). With `machine`, the result's extra["floor"] holds the run's floor (the work of the steps the
+    early). With `lora_requests`, request i runs with adapter i mod their number. With `machine`, the result's extra["floor"] holds the run's floor (the work of the steps the
     engine ran) and its fraction of it."""
     prompts = [{"prompt_token_ids": p} for p in workload.prompts]
     params = [
         SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, structured_outputs=structured_outputs)
         for n in workload.output_lens
     ]
+    loras = [lora_requests[i % len(lora_requests)] for i in range(len(prompts))] if lora_requests else None
     with StepRecorder(llm.engine) as recorder:
         start = time.perf_counter()
-        outputs = llm.generate(prompts, params, use_tqdm=False)
+        outputs = llm.generate(prompts, params, use_tqdm=False, lora_request=loras)
         elapsed = time.perf_counter() - start
     ttfts = [o.metrics.time_to_first_token for o in outputs if o.metrics is not None]
     output_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)

@@ -239,6 +239,12 @@ def _ints(text: str) -> list[int]:
 )
 @click.option("--llama-args", default="", help="llama.cpp: extra llama-server arguments (one string).")
 @click.option(
+    "--lora-modules",
+    multiple=True,
+    help="Also run the requests spread over these LoRA adapters (NAME=PATH, repeatable; turns on "
+    "--enable-lora with --max-loras their number), for the cost against the base model.",
+)
+@click.option(
     "--json-schema",
     default=None,
     help="Also run the same requests constrained to this JSON schema (structured output), for its cost.",
@@ -258,6 +264,7 @@ def throughput(
     llama_slots,
     llama_flash_attn,
     llama_args,
+    lora_modules,
     json_schema,
     model,
     output_json,
@@ -271,6 +278,7 @@ def throughput(
     from pagellm.bench.speculation import acceptance, format_acceptance
     from pagellm.bench.throughput import make_llm, run_pagellm, warm_up
     from pagellm.bench.workloads import w1
+    from pagellm.lora.request import LoRARequest
     from pagellm.sampling.params import StructuredOutputsParams
 
     peers = _peer_list(compare)
@@ -278,6 +286,11 @@ def throughput(
     if set(flash_attn) - {"on", "off"}:
         raise click.BadParameter("give on, off or on,off", param_hint="--llama-flash-attn")
     config = _config(model, options)
+    adapters = [
+        LoRARequest(m.partition("=")[0], i + 1, m.partition("=")[2]) for i, m in enumerate(lora_modules)
+    ]
+    if adapters:
+        config = config.replace(enable_lora=True, max_loras=len(adapters), max_lora_rank=64)
     llm = make_llm(config)
     requests = w1(
         llm.engine.setup.hf_config.vocab_size,
@@ -290,6 +303,11 @@ def throughput(
     before = llm.engine.stats()
     results = {"pagellm": run_pagellm(llm, requests, machine=machine)}
     _progress(results["pagellm"])
+    if adapters:  # the same requests spread over the adapters, for their cost
+        llm.reset_prefix_cache()
+        name = f"pagellm + {len(adapters)} LoRA adapters"
+        results[name] = run_pagellm(llm, requests, name, lora_requests=adapters)
+        _progress(results[name])
     if json_schema:  # the same requests under a JSON-schema constraint, for its cost
         schema = StructuredOutputsParams(json=json.loads(json_schema))
         llm.reset_prefix_cache()  # no head start from the first run's prompts

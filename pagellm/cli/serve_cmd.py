@@ -61,6 +61,16 @@ logger = logging.getLogger("pagellm")
     default=None,
     help="How to find tool calls in replies: hermes, llama3_json, or a plugin's (see `pagellm plugins`).",
 )
+@click.option(
+    "--lora-modules",
+    multiple=True,
+    help="Serve a LoRA adapter as a model: NAME=PATH (repeatable; needs --enable-lora).",
+)
+@click.option(
+    "--allow-runtime-lora-updating",
+    is_flag=True,
+    help="Add POST /v1/load_lora_adapter and /v1/unload_lora_adapter.",
+)
 @engine_options()
 def serve(
     model_arg: str | None,
@@ -74,6 +84,8 @@ def serve(
     max_request_body_mb: float,
     enable_auto_tool_choice: bool,
     tool_call_parser: str | None,
+    lora_modules: tuple[str, ...],
+    allow_runtime_lora_updating: bool,
     **options,
 ) -> None:
     """Serve MODEL (default: the embedded SmolLM2) over the OpenAI API: /v1/completions,
@@ -86,6 +98,12 @@ def serve(
     if model_arg and options.get("model") and model_arg != options["model"]:
         raise click.UsageError(f"MODEL {model_arg!r} and --model {options['model']!r} disagree; give one")
     config = config_from_options(options, model=model_arg)
+    adapters = {}
+    for module in lora_modules:
+        name, sep, path = module.partition("=")
+        if not sep or not name or not path:
+            raise click.BadParameter(f"{module!r}: give NAME=PATH", param_hint="--lora-modules")
+        adapters[name] = path
     if enable_auto_tool_choice and not tool_call_parser:
         raise click.UsageError(
             "--enable-auto-tool-choice needs --tool-call-parser (hermes, llama3_json, ...)"
@@ -104,6 +122,8 @@ def serve(
                 max_body_bytes=int(max_request_body_mb * 2**20),
                 tool_call_parser=tool_call_parser,
                 enable_auto_tool_choice=enable_auto_tool_choice,
+                lora_modules=adapters,
+                allow_runtime_lora_updating=allow_runtime_lora_updating,
             )
             logger.info("serving %s on http://%s:%d", ", ".join(names), host, port)
             level = logging.getLogger("pagellm").getEffectiveLevel()

@@ -60,6 +60,10 @@ class EngineConfig:
         '\'{"method": "draft_model", "model": PATH, "num_speculative_tokens": 3}\'.',
         json=True,
     )
+    enable_lora: bool = _opt(False, "Serve LoRA adapters (PEFT format) chosen per request.")
+    max_loras: int = _opt(1, "LoRA adapters one step may use (device slots).")
+    max_lora_rank: int = _opt(16, "Largest LoRA rank accepted.")
+    max_cpu_loras: int | None = _opt(None, "LoRA adapters kept loaded in memory (default: max_loras).")
     reasoning_parser: str | None = _opt(
         None,
         "Split replies into reasoning and content (deepseek_r1, qwen3, or a plugin's); a grammar "

@@ -39,6 +39,7 @@ from pagellm.engine.core_process import EngineFacts, EngineProcess
 from pagellm.engine.llm_engine import LLMEngine
 from pagellm.engine.outputs import RequestOutput
 from pagellm.engine.scheduler import SchedulerStats
+from pagellm.lora.request import LoRARequest
 from pagellm.sampling.params import SamplingParams
 
 __all__ = ["AsyncLLM", "EngineError", "FinishedRequestStats", "IterationStats", "RequestStream", "StatLogger"]
@@ -172,6 +173,7 @@ class AsyncLLM:
         sampling_params: SamplingParams | None = None,
         request_id: str | None = None,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> RequestStream:
         """Queue a request and wait until the engine accepted it; invalid input raises here (ConfigError or
         ValueError), so a server can answer 400 before it starts a response."""
@@ -182,7 +184,7 @@ class AsyncLLM:
             raise ConfigError(f"request id {request_id!r} is already running")
         stream = RequestStream(request_id, self, asyncio.get_running_loop())
         self._streams[request_id] = stream
-        self._send(AddRequest(request_id, prompt, sampling_params, priority, time.monotonic()))
+        self._send(AddRequest(request_id, prompt, sampling_params, priority, time.monotonic(), lora_request))
         try:
             first = await stream._queue.get()
         except asyncio.CancelledError:
@@ -199,10 +201,11 @@ class AsyncLLM:
         sampling_params: SamplingParams | None = None,
         request_id: str | None = None,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs (cumulative or delta, as `sampling_params.output_kind` says). Leaving
         the loop early, or cancelling the task that iterates, aborts the request."""
-        stream = await self.add_request(prompt, sampling_params, request_id, priority)
+        stream = await self.add_request(prompt, sampling_params, request_id, priority, lora_request)
         try:
             async for output in stream:
                 yield output

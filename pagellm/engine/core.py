@@ -18,6 +18,7 @@ from pagellm.core.errors import PagellmError
 from pagellm.engine.llm_engine import LLMEngine
 from pagellm.engine.outputs import RequestOutput
 from pagellm.engine.scheduler import SchedulerStats
+from pagellm.lora.request import LoRARequest
 from pagellm.sampling.params import SamplingParams
 
 logger = logging.getLogger("pagellm")
@@ -42,6 +43,7 @@ class AddRequest:
     params: SamplingParams | None
     priority: int
     arrival_time: float
+    lora_request: LoRARequest | None = None
 
 
 @dataclass
@@ -148,7 +150,12 @@ class EngineCore:
         params = command.params or self.engine.default_sampling_params()
         try:
             self.engine.add_request(
-                command.prompt, params, command.request_id, command.priority, command.arrival_time
+                command.prompt,
+                params,
+                command.request_id,
+                command.priority,
+                command.arrival_time,
+                lora_request=command.lora_request,
             )
         except Exception as exc:
             self._items.append((command.request_id, exc))

@@ -124,7 +124,7 @@ class KVCacheManager:
         return self.enable_prefix_caching and request.sampling_params.prompt_logprobs is None
 
     def _block_key(self, request: Request, i: int) -> tuple:
-        parent = request.block_hashes[i - 1] if i else None
+        parent = request.block_hashes[i - 1] if i else request.cache_salt
         tokens = tuple(request.all_token_ids[i * self.block_size : (i + 1) * self.block_size])
         return parent, tokens
 

@@ -10,6 +10,7 @@ from tqdm import tqdm
 from pagellm.core.config import EngineConfig
 from pagellm.engine.llm_engine import LLMEngine
 from pagellm.engine.outputs import RequestOutput
+from pagellm.lora.request import LoRARequest
 from pagellm.sampling.params import SamplingParams
 
 Prompt = str | dict[str, Any]
@@ -37,27 +38,28 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt (a string, or {"prompt_token_ids": [...]}); outputs in prompt order.
+        `lora_request`: one adapter for all prompts, or one (or None) per prompt.
 
-        Every prompt is validated before any runs, so one bad prompt fails the call with nothing queued."""
+        Every prompt (and adapter) is validated before any runs, so one bad prompt fails the call with
+        nothing queued."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None:
-            params_list = [self.engine.default_sampling_params()] * len(prompts)
-        elif isinstance(sampling_params, SamplingParams):
-            params_list = [sampling_params] * len(prompts)
-        else:
-            params_list = list(sampling_params)
-            if len(params_list) != len(prompts):
-                raise ValueError(
-                    f"got {len(params_list)} sampling_params for {len(prompts)} prompts; pass one or one each"
-                )
+            sampling_params = self.engine.default_sampling_params()
+        params_list = _one_each(sampling_params, SamplingParams, len(prompts), "sampling_params")
+        loras = _one_each(lora_request, LoRARequest, len(prompts), "lora_request")
         for prompt, params in zip(prompts, params_list, strict=True):
             self.engine.validate(self.engine.tokenize(prompt)[1], params)
+        for lora in {lora for lora in loras if lora is not None}:
+            self.engine.runner.add_lora(lora)
         ids = [
-            self.engine.add_request(prompt, params, priority=priority[i] if priority else 0)
+            self.engine.add_request(
+                prompt, params, priority=priority[i] if priority else 0, lora_request=loras[i]
+            )
             for i, (prompt, params) in enumerate(zip(prompts, params_list, strict=True))
         ]
         return self._run(ids, use_tqdm)
@@ -69,6 +71,7 @@ class LLM:
         use_tqdm: bool = True,
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them, using the tokenizer's chat template."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
@@ -76,7 +79,7 @@ class LLM:
             {"prompt_token_ids": self.apply_chat_template(c, chat_template, add_generation_prompt)}
             for c in conversations
         ]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
 
     def apply_chat_template(
         self,
@@ -109,3 +112,14 @@ class LLM:
         finally:
             bar.close()
         return [finished[i] for i in request_ids]
+
+
+def _one_each(value: Any, kind: type, n: int, name: str) -> list:
+    """One value for every prompt: `value` repeated when it is a single `kind` (or None), else its items,
+    which must be one per prompt."""
+    if value is None or isinstance(value, kind):
+        return [value] * n
+    values = list(value)
+    if len(values) != n:
+        raise ValueError(f"got {len(values)} {name} for {n} prompts; pass one or one each")
+    return values

@@ -21,6 +21,7 @@ from pagellm.engine.outputs import RequestOutput
 from pagellm.engine.request import Request, RequestStatus
 from pagellm.engine.scheduler import Scheduler
 from pagellm.engine.setup import resolve_engine
+from pagellm.lora.request import LoRARequest
 from pagellm.sampling.params import SamplingParams
 from pagellm.structured_output import grammar
 from pagellm.worker.model_runner import ModelRunner
@@ -59,6 +60,7 @@ class LLMEngine:
             enable_chunked_prefill=config.enable_chunked_prefill,
             policy=config.scheduling_policy,
             num_lookahead_tokens=self.runner.num_lookahead_tokens,
+            max_loras=config.max_loras if config.enable_lora else None,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self._grammar_compiler: grammar.GrammarCompiler | None = None
@@ -162,11 +164,14 @@ class LLMEngine:
         request_id: str | None = None,
         priority: int = 0,
         arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> str:
         """Queue a request; returns its id. Raises ConfigError (nothing queued) for invalid input."""
         params = params or self.default_sampling_params()
         text, prompt_token_ids = self.tokenize(prompt)
         self.validate(prompt_token_ids, params)
+        if lora_request is not None:
+            self.runner.add_lora(lora_request)  # loads it now: a bad adapter fails here, alone
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.output_processor.parents:
             raise ConfigError(f"request id {request_id!r} is already running")
@@ -175,7 +180,15 @@ class LLMEngine:
             child_params = params if params.n == 1 else params.for_sample(i)
             child_id = request_id if params.n == 1 else f"{request_id}#{i}"
             children.append(
-                Request(child_id, prompt_token_ids, child_params, self.eos_token_ids, arrival_time, priority)
+                Request(
+                    child_id,
+                    prompt_token_ids,
+                    child_params,
+                    self.eos_token_ids,
+                    arrival_time,
+                    priority,
+                    lora_request,
+                )
             )
         if params.structured_outputs is not None:
             for child in children:

@@ -47,6 +47,7 @@ class Request:
         eos_token_ids: Iterable[int] = (),
         arrival_time: float | None = None,
         priority: int = 0,
+        lora_request: Any = None,
     ):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -62,6 +63,7 @@ class Request:
         self.block_hashes: list[int] = []
         self.spec_token_ids: list[int] = []  # drafts proposed for the next step (speculative decoding)
         self.grammar: Any = None  # structured_output.grammar.RequestGrammar when the output is constrained
+        self.lora_request = lora_request  # lora.request.LoRARequest, or None for the base model
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
@@ -71,6 +73,17 @@ class Request:
     def all_token_ids(self) -> list[int]:
         """Prompt then outputs; a live list, do not modify."""
         return self._all_token_ids
+
+    @property
+    def lora_int_id(self) -> int:
+        """Its adapter's id; 0 for the base model."""
+        return self.lora_request.lora_int_id if self.lora_request is not None else 0
+
+    @property
+    def cache_salt(self) -> tuple | None:
+        """What its prefix-cache keys start from: an adapter's KV never serves another's requests."""
+        r = self.lora_request
+        return ("lora", r.lora_int_id, r.lora_name, r.lora_path) if r is not None else None
 
     @property
     def num_prompt_tokens(self) -> int:

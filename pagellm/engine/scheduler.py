@@ -114,6 +114,7 @@ class Scheduler:
         enable_chunked_prefill: bool = True,
         policy: str = "fcfs",
         num_lookahead_tokens: int = 0,
+        max_loras: int | None = None,
     ):
         if policy not in ("fcfs", "priority"):
             raise ConfigError(f"scheduling_policy must be fcfs or priority, not {policy!r}")
@@ -140,6 +141,7 @@ class Scheduler:
         self.running: list[Request] = []  # admission order
         self.num_preemptions = 0
         self.num_lookahead_tokens = num_lookahead_tokens
+        self.max_loras = max_loras  # distinct LoRA adapters a step may use
         self.spec_num_drafts = 0
         self.spec_num_draft_tokens = 0
         self.spec_num_accepted_tokens = 0
@@ -245,10 +247,17 @@ class Scheduler:
             i += 1
 
         new_request_ids = set()
-        compiling: list[Request] = []  # waiting for their grammar: they keep their place in the queue
+        compiling: list[Request] = []  # waiting for a grammar or an adapter slot: they keep their place
+        adapters = {r.lora_int_id for r in self.running} - {0}
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting.peek()
-            if request.grammar is not None and not request.grammar.ready:
+            lora = request.lora_int_id
+            if (request.grammar is not None and not request.grammar.ready) or (
+                lora
+                and lora not in adapters
+                and self.max_loras is not None
+                and len(adapters) >= self.max_loras
+            ):
                 compiling.append(self.waiting.pop())
                 continue
             computed_blocks, num_hit = kv.get_computed_blocks(request)
@@ -269,6 +278,8 @@ class Scheduler:
             scheduled.append(request)
             num_scheduled[request.request_id] = n
             new_request_ids.add(request.request_id)
+            if lora:
+                adapters.add(lora)
             budget -= n
 
         for request in reversed(compiling):

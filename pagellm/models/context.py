@@ -19,6 +19,7 @@ class ForwardContext:
     metadata: Any  # what the attention backend's build_metadata returned for this step
     kv_caches: list[torch.Tensor]  # one per attention layer, indexed by Attention.layer_idx
     attention_layers: Sequence[Any] = ()  # the `Attention` layers by layer_idx, for the compiled graph's op
+    lora_groups: Sequence[tuple[int, Any]] = ()  # (LoRA slot, token indices) of the step's adapter tokens
 
 
 _context: ForwardContext | None = None
@@ -32,11 +33,19 @@ def get_forward_context() -> ForwardContext:
 
 @contextmanager
 def set_forward_context(
-    metadata: Any, kv_caches: list[torch.Tensor], attention_layers: Sequence[Any] = ()
+    metadata: Any,
+    kv_caches: list[torch.Tensor],
+    attention_layers: Sequence[Any] = (),
+    lora_groups: Sequence[tuple[int, Any]] = (),
 ) -> Iterator[None]:
     global _context
-    previous, _context = _context, ForwardContext(metadata, kv_caches, attention_layers)
+    previous, _context = _context, ForwardContext(metadata, kv_caches, attention_layers, lora_groups)
     try:
         yield
     finally:
         _context = previous
+
+
+def lora_groups() -> Sequence[tuple[int, Any]]:
+    """The current step's LoRA groups; none outside a step."""
+    return _context.lora_groups if _context is not None else ()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import itertools
 import json
 import logging
 import time
@@ -31,6 +32,8 @@ from pagellm.engine.async_llm import AsyncLLM, RequestStream
 from pagellm.engine.llm_engine import PromptTooLongError
 from pagellm.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from pagellm.engine.setup import reasoning_parser
+from pagellm.lora.adapter import load_adapter
+from pagellm.lora.request import LoRARequest
 from pagellm.plugins.loader import load_plugins
 from pagellm.sampling.params import SamplingParams
 from pagellm.server import errors
@@ -54,6 +57,7 @@ from pagellm.server.protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
     ErrorResponse,
+    LoadLoRARequest,
     ModelCard,
     ModelList,
     NamedToolChoice,
@@ -63,6 +67,7 @@ from pagellm.server.protocol import (
     ToolCall,
     ToolCallFunction,
     TopLogprob,
+    UnloadLoRARequest,
     UsageInfo,
     VersionResponse,
 )
@@ -87,6 +92,8 @@ def build_app(
     max_body_bytes: int = DEFAULT_MAX_BODY_MB * 2**20,
     tool_call_parser: str | None = None,
     enable_auto_tool_choice: bool = False,
+    lora_modules: dict[str, str] | None = None,
+    allow_runtime_lora_updating: bool = False,
 ) -> FastAPI:
     """The app serving `llm` under `served_model_names` (the first is the default for requests naming none).
 
@@ -99,6 +106,8 @@ def build_app(
     server = _Server(llm, list(served_model_names), chat_template, log_requests, max_n)
     server.tool_parser = _tool_parser(tool_call_parser)
     server.enable_auto_tool_choice = enable_auto_tool_choice
+    for name, path in (lora_modules or {}).items():
+        server.register_lora(name, path)
     app = FastAPI(title="pagellm", version=__version__, docs_url=None, redoc_url=None)
     errors.install_handlers(app)
     if api_keys:
@@ -120,6 +129,9 @@ def build_app(
     app.post("/v1/chat/completions", responses={**_json_or_events(ChatCompletionResponse), **posted})(
         server.chat_completions
     )
+    if allow_runtime_lora_updating:
+        app.post("/v1/load_lora_adapter", responses=posted)(server.load_lora_adapter)
+        app.post("/v1/unload_lora_adapter", responses=posted)(server.unload_lora_adapter)
     app.post("/tokenize", responses=posted)(server.tokenize)
     app.post("/detokenize", responses=posted)(server.detokenize)
     _document_400_not_422(app)
@@ -214,6 +226,8 @@ class _Server:
         self.tokenizer = llm.tokenizer
         self.reasoning = _reasoning_parser(llm)
         self.tool_parser: Any = None  # --tool-call-parser, for tool_choice auto
+        self.loras: dict[str, LoRARequest] = {}  # served adapter name -> its request
+        self._lora_ids = itertools.count(1)
         self.enable_auto_tool_choice = False
         self.stat_logger = PrometheusStatLogger(names[0])
         llm.add_stat_logger(self.stat_logger)
@@ -237,9 +251,34 @@ class _Server:
 
     async def models(self) -> ModelList:
         root = self.llm.config.model or self.names[0]
-        return ModelList(
-            data=[ModelCard(id=n, root=root, max_model_len=self.llm.max_model_len) for n in self.names]
-        )
+        cards = [ModelCard(id=n, root=root, max_model_len=self.llm.max_model_len) for n in self.names]
+        cards += [
+            ModelCard(id=name, root=root, parent=self.names[0], max_model_len=self.llm.max_model_len)
+            for name in self.loras
+        ]
+        return ModelList(data=cards)
+
+    def register_lora(self, name: str, path: str) -> LoRARequest:
+        """Serve the adapter at `path` as model `name` (its config is checked now: ValueError if bad)."""
+        if not self.llm.config.enable_lora:
+            raise ValueError("LoRA adapters need the engine started with --enable-lora")
+        if name in self.loras or name in self.names:
+            raise ValueError(f"a model named {name!r} is already served")
+        load_adapter(path, self.llm.config.max_lora_rank)
+        self.loras[name] = LoRARequest(name, next(self._lora_ids), path)
+        return self.loras[name]
+
+    async def load_lora_adapter(self, body: LoadLoRARequest) -> Response:
+        try:
+            await asyncio.to_thread(self.register_lora, body.lora_name, body.lora_path)
+        except ValueError as exc:
+            raise errors.bad_request(str(exc), "lora_name" if "already" in str(exc) else "lora_path") from exc
+        return PlainTextResponse(f"loaded LoRA adapter {body.lora_name}")
+
+    async def unload_lora_adapter(self, body: UnloadLoRARequest) -> Response:
+        if self.loras.pop(body.lora_name, None) is None:
+            raise errors.model_not_found(body.lora_name)
+        return PlainTextResponse(f"unloaded LoRA adapter {body.lora_name}")
 
     async def tokenize(self, request: TokenizeRequest) -> TokenizeResponse:
         self._model(request.model)
@@ -277,7 +316,8 @@ class _Server:
             )
         self._check_cost(prompts, params)
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        streams = await self._add(request_id, prompts, params, request.priority, "prompt")
+        lora = self.loras.get(model)
+        streams = await self._add(request_id, prompts, params, request.priority, "prompt", lora)
         if request.stream:
             return _sse_response(
                 self._completion_events(request, model, request_id, streams, raw_request), streams
@@ -376,7 +416,8 @@ class _Server:
         prompts: list[tuple[str | None, list[int]]] = [(None, ids)]
         self._check_cost(prompts, params)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        streams = await self._add(request_id, prompts, params, request.priority, "messages")
+        lora = self.loras.get(model)
+        streams = await self._add(request_id, prompts, params, request.priority, "messages", lora)
         if request.stream:
             events = self._chat_events(request, model, request_id, streams, raw_request, tool_parser)
             return _sse_response(events, streams)
@@ -534,7 +575,7 @@ class _Server:
     def _model(self, name: str | None) -> str:
         if name is None:
             return self.names[0]
-        if name not in self.names:
+        if name not in self.names and name not in self.loras:
             raise errors.model_not_found(name)
         return name
 
@@ -586,6 +627,7 @@ class _Server:
         params: SamplingParams,
         priority: int,
         prompt_field: str,
+        lora_request: LoRARequest | None = None,
     ) -> list[RequestStream]:
         """Add one engine request per prompt; on any invalid prompt, abort those added and answer 400."""
         streams: list[RequestStream] = []
@@ -593,7 +635,7 @@ class _Server:
             for i, (text, ids) in enumerate(prompts):
                 rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
                 prompt = {"prompt": text, "prompt_token_ids": ids}
-                streams.append(await self.llm.add_request(prompt, params, rid, priority))
+                streams.append(await self.llm.add_request(prompt, params, rid, priority, lora_request))
                 if self.log_requests:
                     logger.info("request %s: %d prompt tokens, %s", rid, len(ids), params)
         except BaseException as exc:

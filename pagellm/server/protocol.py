@@ -300,7 +300,17 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "pagellm"
     root: str
+    parent: str | None = None  # a LoRA adapter's base model
     max_model_len: int
+
+
+class LoadLoRARequest(OpenAIModel):
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+
+
+class UnloadLoRARequest(OpenAIModel):
+    lora_name: str = Field(min_length=1)
 
 
 class ModelList(BaseModel):

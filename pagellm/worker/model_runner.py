@@ -17,6 +17,8 @@ import torch
 from pagellm.core.attention import AttentionBatch
 from pagellm.core.errors import ConfigError
 from pagellm.core.platform import GiB
+from pagellm.lora.manager import LoRAManager
+from pagellm.lora.request import LoRARequest
 from pagellm.models.base import ModelInit
 from pagellm.models.context import set_forward_context
 from pagellm.models.layers.linear import Linear
@@ -62,8 +64,18 @@ class ModelRunner:
         self.draft_model = self._load(*draft) if draft else None
         self.num_blocks = self._num_blocks()
         self.kv_caches = self._kv_caches(setup, len(self.layers))
+        self.lora: LoRAManager | None = None
+        if config.enable_lora:
+            self.lora = LoRAManager(
+                self.model,
+                config.max_loras,
+                config.max_lora_rank,
+                config.max_cpu_loras or config.max_loras,
+                setup.dtype,
+                self.device,
+            )
         self.forward = self.model
-        if not config.enforce_eager:
+        if not config.enforce_eager and self.lora is None:  # the LoRA terms' row groups change every step
             compiled = setup.platform.compile_model(self.model)
             if compiled is not None:
                 self.forward = self._warm_up(compiled)
@@ -180,6 +192,12 @@ class ModelRunner:
             )
         return int(num_blocks)
 
+    def add_lora(self, request: LoRARequest) -> None:
+        """Load an adapter into memory (ConfigError when LoRA is off or the adapter cannot run)."""
+        if self.lora is None:
+            raise ConfigError("a request names a LoRA adapter, but LoRA is off; start with enable_lora=True")
+        self.lora.add(request)
+
     def add_requests(self, params: Mapping[str, SamplingParams]) -> None:
         """Create new requests' own state (a seeded generator) when they are added, not in a step: a
         failure is then theirs alone and comes before they are queued."""
@@ -242,7 +260,8 @@ class ModelRunner:
         )
         metadata = self.setup.backend.build_metadata(attn)
         input_ids_dev, positions_dev = self._dev(input_ids), self._dev(positions)
-        with set_forward_context(metadata, self.kv_caches, self.layers):
+        groups = self._lora_groups(out.scheduled, cu) if self.lora is not None else ()
+        with set_forward_context(metadata, self.kv_caches, self.layers, groups):
             hidden = self.forward(input_ids_dev, positions_dev)
         if self.proposer is not None:
             self.proposer.observe(StepInputs(input_ids_dev, positions_dev, attn, hidden))
@@ -258,6 +277,15 @@ class ModelRunner:
         if self.proposer is not None:
             self._propose(sampling, result)
         return result
+
+    def _lora_groups(self, scheduled, cu) -> list[tuple[int, torch.Tensor]]:
+        """(slot, token rows) for each adapter in the step; base-model rows are in none."""
+        slots = self.lora.activate(r.lora_request for r in scheduled if r.lora_request is not None)
+        rows: dict[int, list[np.ndarray]] = {}
+        for i, r in enumerate(scheduled):
+            if r.lora_request is not None:
+                rows.setdefault(slots[r.lora_request.lora_int_id], []).append(np.arange(cu[i], cu[i + 1]))
+        return [(slot, self._dev(np.concatenate(parts))) for slot, parts in rows.items()]
 
     def _sample(self, out: SchedulerOutput, hidden, sampling, cu, result: StepResult) -> None:
         index = torch.tensor([int(cu[i + 1]) - 1 for i, _ in sampling], device=self.device)

@@ -66,6 +66,7 @@ class ScheduledRequest(Protocol):
     output_token_ids: list[int]
     sampling_params: SamplingParams
     num_computed_tokens: int  # position of its first scheduled token, during the step
+    lora_request: Any  # lora.request.LoRARequest or None
 
     @property
     def all_token_ids(self) -> list[int]: ...

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -11,6 +12,15 @@ from torch import nn
 from pagellm.core.errors import ConfigError
 from pagellm.core.platform import PackedLinear
 from pagellm.core.quant import QuantMethod
+from pagellm.models.context import lora_groups
+
+
+@dataclass
+class LoRAWeights:
+    """Per-slot LoRA matrices of one layer (filled by `pagellm.lora.manager.LoRAManager`)."""
+
+    a: torch.Tensor  # [slots, shards x max_rank, in]
+    b: torch.Tensor  # [slots, out, shards x max_rank], scaling folded in
 
 
 class Linear(nn.Module):
@@ -43,13 +53,20 @@ class Linear(nn.Module):
             Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor] | None
         ) = None
         """The platform's matmul for `packed_weight` (`Platform.pack_linear`), set after loading."""
+        self.lora: LoRAWeights | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quant_method is not None:
-            return self.quant_method.apply(self, x, self.bias)
-        if self.packed_matmul is not None:
-            return self.packed_matmul(x, self.packed_weight, self.bias)
-        return F.linear(x, self.weight, self.bias)
+            y = self.quant_method.apply(self, x, self.bias)
+        elif self.packed_matmul is not None:
+            y = self.packed_matmul(x, self.packed_weight, self.bias)
+        else:
+            y = F.linear(x, self.weight, self.bias)
+        if self.lora is not None:
+            for slot, rows in lora_groups():  # each adapter's tokens: y += (x A^T) B^T
+                delta = (x.index_select(0, rows) @ self.lora.a[slot].T) @ self.lora.b[slot].T
+                y.index_add_(0, rows, delta.to(y.dtype))
+        return y
 
     def use_packed(self, packed: PackedLinear | None) -> None:
         """Keep the weight only in the platform's packed layout (a buffer, so it is counted and moved like
