@@ -1,10 +1,10 @@
 """`LoRAManager`: adapters in `max_loras` slots on the device (least recently used one replaced), up to
 `max_cpu_loras` kept loaded in memory, and each step's grouping of tokens by slot.
 
-Every targeted `Linear` gets per-slot buffers: A [slots, shards x R, in] and B [slots, out, shards x R]
-(R = max_lora_rank, zero-padded; B block-diagonal over a fused layer's shards, the scaling folded in), so
-one slot's term for its tokens is two matmuls: y[rows] += (x[rows] A^T) B^T. Rows of other slots and of
-the base model are never touched.
+Every targeted `Linear` gets per-slot buffers stacked by slot: A [slots x W, in] and B^T [slots x W, out]
+(W = shards x R, R = max_lora_rank, zero-padded; B block-diagonal over a fused layer's shards, the
+scaling folded in). A step's adapter tokens then take two matmuls a layer (`models.context.LoRABatch`);
+rows of the base model are never touched.
 """
 
 from __future__ import annotations
@@ -34,8 +34,9 @@ class LoRAManager:
             if isinstance(module, Linear) and leaf in _LAYERS:
                 width = _LAYERS[leaf] * max_rank
                 module.lora = LoRAWeights(
-                    torch.zeros(max_loras, width, module.in_features, dtype=dtype, device=device),
-                    torch.zeros(max_loras, module.out_features, width, dtype=dtype, device=device),
+                    torch.zeros(max_loras * width, module.in_features, dtype=dtype, device=device),
+                    torch.zeros(max_loras * width, module.out_features, dtype=dtype, device=device),
+                    width,
                 )
                 self.modules[name] = module
         if not self.modules:
@@ -85,7 +86,9 @@ class LoRAManager:
     def _write(self, slot: int, adapter: LoRAAdapter) -> None:
         r = self.max_rank
         for name, module in self.modules.items():
-            a_buf, b_buf = module.lora.a[slot], module.lora.b[slot]
+            width = module.lora.width
+            a_buf = module.lora.a[slot * width : (slot + 1) * width]
+            b_buf = module.lora.b[slot * width : (slot + 1) * width]
             a_buf.zero_()
             b_buf.zero_()
             offsets = [0]
@@ -94,8 +97,8 @@ class LoRAManager:
             for shard, (a, b) in adapter.weights.get(name, {}).items():
                 rank = a.shape[0]
                 a_buf[shard * r : shard * r + rank].copy_(a)
-                rows = slice(offsets[shard], offsets[shard + 1])
-                b_buf[rows, shard * r : shard * r + rank].copy_(b * adapter.scaling)
+                columns = slice(offsets[shard], offsets[shard + 1])
+                b_buf[shard * r : shard * r + rank, columns].copy_((b * adapter.scaling).T)
 
     def _evict(self, lora_id: int) -> None:
         if lora_id in self.slots:

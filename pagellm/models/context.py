@@ -8,10 +8,31 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+
+@dataclass
+class LoRABatch:
+    """The step's tokens that run with an adapter (`rows`) and each one's slot (`slots`). A layer whose
+    per-slot matrices are `width` columns each multiplies all those rows by every slot's A at once and
+    keeps only each row's own slot's columns (`mask`), then by the stacked B: two matmuls a layer however
+    many adapters the step has, and rows of the base model are not touched."""
+
+    rows: torch.Tensor  # [N] token indices
+    slots: torch.Tensor  # [N] slot of each
+    num_slots: int
+    _masks: dict = field(default_factory=dict)
+
+    def mask(self, width: int, dtype: torch.dtype) -> torch.Tensor:
+        """[N, num_slots * width]: 1 in the columns of the row's own slot, else 0."""
+        key = (width, dtype)
+        if key not in self._masks:
+            column_slot = torch.arange(self.num_slots * width, device=self.slots.device) // width
+            self._masks[key] = (column_slot.unsqueeze(0) == self.slots.unsqueeze(1)).to(dtype)
+        return self._masks[key]
 
 
 @dataclass
@@ -19,7 +40,7 @@ class ForwardContext:
     metadata: Any  # what the attention backend's build_metadata returned for this step
     kv_caches: list[torch.Tensor]  # one per attention layer, indexed by Attention.layer_idx
     attention_layers: Sequence[Any] = ()  # the `Attention` layers by layer_idx, for the compiled graph's op
-    lora_groups: Sequence[tuple[int, Any]] = ()  # (LoRA slot, token indices) of the step's adapter tokens
+    lora: LoRABatch | None = None  # the step's tokens that run with a LoRA adapter
 
 
 _context: ForwardContext | None = None
@@ -36,16 +57,16 @@ def set_forward_context(
     metadata: Any,
     kv_caches: list[torch.Tensor],
     attention_layers: Sequence[Any] = (),
-    lora_groups: Sequence[tuple[int, Any]] = (),
+    lora: LoRABatch | None = None,
 ) -> Iterator[None]:
     global _context
-    previous, _context = _context, ForwardContext(metadata, kv_caches, attention_layers, lora_groups)
+    previous, _context = _context, ForwardContext(metadata, kv_caches, attention_layers, lora)
     try:
         yield
     finally:
         _context = previous
 
 
-def lora_groups() -> Sequence[tuple[int, Any]]:
-    """The current step's LoRA groups; none outside a step."""
-    return _context.lora_groups if _context is not None else ()
+def lora_batch() -> LoRABatch | None:
+    """The current step's LoRA tokens; None outside a step or when none has an adapter."""
+    return _context.lora if _context is not None else None

@@ -20,7 +20,7 @@ from pagellm.core.platform import GiB
 from pagellm.lora.manager import LoRAManager
 from pagellm.lora.request import LoRARequest
 from pagellm.models.base import ModelInit
-from pagellm.models.context import set_forward_context
+from pagellm.models.context import LoRABatch, set_forward_context
 from pagellm.models.layers.linear import Linear
 from pagellm.models.loader import load_model, model_weight_bytes
 from pagellm.sampling.params import SamplingParams
@@ -260,8 +260,8 @@ class ModelRunner:
         )
         metadata = self.setup.backend.build_metadata(attn)
         input_ids_dev, positions_dev = self._dev(input_ids), self._dev(positions)
-        groups = self._lora_groups(out.scheduled, cu) if self.lora is not None else ()
-        with set_forward_context(metadata, self.kv_caches, self.layers, groups):
+        lora = self._lora_batch(out.scheduled, cu) if self.lora is not None else None
+        with set_forward_context(metadata, self.kv_caches, self.layers, lora):
             hidden = self.forward(input_ids_dev, positions_dev)
         if self.proposer is not None:
             self.proposer.observe(StepInputs(input_ids_dev, positions_dev, attn, hidden))
@@ -278,14 +278,19 @@ class ModelRunner:
             self._propose(sampling, result)
         return result
 
-    def _lora_groups(self, scheduled, cu) -> list[tuple[int, torch.Tensor]]:
-        """(slot, token rows) for each adapter in the step; base-model rows are in none."""
+    def _lora_batch(self, scheduled, cu) -> LoRABatch | None:
+        """The step's adapter tokens and their slots; None when every request runs the base model."""
         slots = self.lora.activate(r.lora_request for r in scheduled if r.lora_request is not None)
-        rows: dict[int, list[np.ndarray]] = {}
+        if not slots:
+            return None
+        rows, row_slots = [], []
         for i, r in enumerate(scheduled):
             if r.lora_request is not None:
-                rows.setdefault(slots[r.lora_request.lora_int_id], []).append(np.arange(cu[i], cu[i + 1]))
-        return [(slot, self._dev(np.concatenate(parts))) for slot, parts in rows.items()]
+                rows.append(np.arange(cu[i], cu[i + 1]))
+                row_slots.append(np.full(cu[i + 1] - cu[i], slots[r.lora_request.lora_int_id]))
+        return LoRABatch(
+            self._dev(np.concatenate(rows)), self._dev(np.concatenate(row_slots)), self.lora.max_loras
+        )
 
     def _sample(self, out: SchedulerOutput, hidden, sampling, cu, result: StepResult) -> None:
         index = torch.tensor([int(cu[i + 1]) - 1 for i, _ in sampling], device=self.device)

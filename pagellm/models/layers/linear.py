@@ -12,15 +12,17 @@ from torch import nn
 from pagellm.core.errors import ConfigError
 from pagellm.core.platform import PackedLinear
 from pagellm.core.quant import QuantMethod
-from pagellm.models.context import lora_groups
+from pagellm.models.context import lora_batch
 
 
 @dataclass
 class LoRAWeights:
-    """Per-slot LoRA matrices of one layer (filled by `pagellm.lora.manager.LoRAManager`)."""
+    """Per-slot LoRA matrices of one layer, slot s in rows s * width .. (s + 1) * width of both (filled by
+    `pagellm.lora.manager.LoRAManager`)."""
 
-    a: torch.Tensor  # [slots, shards x max_rank, in]
-    b: torch.Tensor  # [slots, out, shards x max_rank], scaling folded in
+    a: torch.Tensor  # [slots x width, in]; width = shards x max_rank
+    b: torch.Tensor  # [slots x width, out]: B transposed, block-diagonal over shards, scaling folded in
+    width: int
 
 
 class Linear(nn.Module):
@@ -62,10 +64,10 @@ class Linear(nn.Module):
             y = self.packed_matmul(x, self.packed_weight, self.bias)
         else:
             y = F.linear(x, self.weight, self.bias)
-        if self.lora is not None:
-            for slot, rows in lora_groups():  # each adapter's tokens: y += (x A^T) B^T
-                delta = (x.index_select(0, rows) @ self.lora.a[slot].T) @ self.lora.b[slot].T
-                y.index_add_(0, rows, delta.to(y.dtype))
+        batch = lora_batch() if self.lora is not None else None
+        if batch is not None:  # the adapter tokens: y += (x A_slot^T) B_slot^T, all slots at once
+            shrunk = (x.index_select(0, batch.rows) @ self.lora.a.T) * batch.mask(self.lora.width, x.dtype)
+            y.index_add_(0, batch.rows, (shrunk @ self.lora.b).to(y.dtype))
         return y
 
     def use_packed(self, packed: PackedLinear | None) -> None:
