@@ -2,11 +2,19 @@
 
 from importlib.metadata import PackageNotFoundError, version
 
+from pagellm.core.pooling import PoolingParams
 from pagellm.engine.async_llm import AsyncLLM
+from pagellm.engine.beam_search import BeamSearchOutput, BeamSearchSequence
 from pagellm.engine.llm import LLM
-from pagellm.engine.outputs import CompletionOutput, RequestOutput
+from pagellm.engine.outputs import (
+    CompletionOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    PoolingRequestOutput,
+    RequestOutput,
+)
 from pagellm.lora.request import LoRARequest
-from pagellm.sampling.params import SamplingParams, StructuredOutputsParams
+from pagellm.sampling.params import BeamSearchParams, SamplingParams, StructuredOutputsParams
 
 try:
     __version__ = version("pagellm")
@@ -15,9 +23,16 @@ except PackageNotFoundError:  # running from a source tree that was not installe
 
 __all__ = [
     "AsyncLLM",
+    "BeamSearchOutput",
+    "BeamSearchParams",
+    "BeamSearchSequence",
     "LLM",
     "CompletionOutput",
+    "EmbeddingOutput",
+    "EmbeddingRequestOutput",
     "LoRARequest",
+    "PoolingParams",
+    "PoolingRequestOutput",
     "RequestOutput",
     "SamplingParams",
     "StructuredOutputsParams",

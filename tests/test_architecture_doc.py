@@ -36,7 +36,7 @@ def test_every_hookspec_says_when_it_is_called_and_what_to_return():
     specs = [
         f for name, f in inspect.getmembers(hookspecs, inspect.isfunction) if name.startswith("pagellm_")
     ]
-    assert len(specs) == 7
+    assert len(specs) == 8
     for spec in specs:
         doc = inspect.getdoc(spec)
         assert "Called when" in doc and ":returns:" in doc, spec.__name__

@@ -48,7 +48,7 @@ def cli(log_level: str) -> None:
 
 
 def _register_builtin_commands() -> None:
-    from pagellm.cli import bench_cmd, env_cmd, generate_cmd, plugins_cmd, serve_cmd
+    from pagellm.cli import bench_cmd, env_cmd, generate_cmd, plugins_cmd, proxy_cmd, run_batch_cmd, serve_cmd
 
     for command in (
         plugins_cmd.plugins,
@@ -57,6 +57,8 @@ def _register_builtin_commands() -> None:
         generate_cmd.chat,
         bench_cmd.bench,
         serve_cmd.serve,
+        run_batch_cmd.run_batch,
+        proxy_cmd.proxy,
     ):
         cli.add_command(command)
 

@@ -58,6 +58,10 @@ def plugins(explain_model: str | None, **options) -> None:
     click.echo(f"Models: {', '.join(sorted(registry.models)) or 'none'}")
     click.echo(f"Reasoning parsers: {', '.join(sorted(registry.reasoning_parsers)) or 'none'}")
     click.echo(f"Tool-call parsers: {', '.join(sorted(registry.tool_parsers)) or 'none'}")
+    connectors = [
+        f"{name} [{registry.owner('kv_connectors', name)}]" for name in sorted(registry.kv_connectors)
+    ]
+    click.echo(f"KV connectors (--kv-transfer-config): {', '.join(connectors) or 'none'}")
 
 
 def _probe_spec(platform, options) -> AttentionSpec:

@@ -7,12 +7,15 @@ once. Platforms adjust it in `check_and_update_config`.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pagellm.core.dtypes import DTYPES, KV_CACHE_DTYPES
+from pagellm.core.json_setting import json_setting
+
+if TYPE_CHECKING:
+    from pagellm.core.kv_connector import KVTransferConfig
 
 
 def _opt(default: Any, help: str, **extra: Any) -> Any:
@@ -53,11 +56,30 @@ class EngineConfig:
     )
     seed: int = _opt(0, "Seed for sampling of requests that set none.")
     generation_config: str = _opt("auto", "auto: the model's generation_config.json defaults; pagellm: none.")
-    tensor_parallel_size: int = _opt(1, "Number of devices to split the model over.")
+    tensor_parallel_size: int = _opt(
+        1, "Ranks to split each layer over (heads, MLP columns, vocabulary); one process per rank."
+    )
+    pipeline_parallel_size: int = _opt(1, "Ranks to split the layers over (stages); one process per rank.")
+    data_parallel_size: int = _opt(1, "Engine copies behind one front end, each request on the least loaded.")
+    distributed_executor_backend: str = _opt(
+        "mp",
+        "How ranks and engine copies are started: mp (processes on this machine) or ray (placed by Ray, "
+        "across machines; `pip install pagellm[ray]`).",
+        choices=("mp", "ray"),
+    )
+    distributed_timeout: float = _opt(
+        60.0, "Seconds a rank may take to answer a step before the engine fails naming it."
+    )
     speculative_config: dict[str, Any] | str | None = _opt(
         None,
         'Speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' or '
         '\'{"method": "draft_model", "model": PATH, "num_speculative_tokens": 3}\'.',
+        json=True,
+    )
+    kv_transfer_config: dict[str, Any] | str | None = _opt(
+        None,
+        'Disaggregated prefill/decode or an external KV cache, as JSON: \'{"kv_connector": "shared_storage" '
+        'or "zmq", "kv_role": "kv_producer" | "kv_consumer" | "kv_both", ...}\' (docs/serving.md).',
         json=True,
     )
     enable_lora: bool = _opt(False, "Serve LoRA adapters (PEFT format) chosen per request.")
@@ -74,11 +96,30 @@ class EngineConfig:
         "Never compile or capture graphs: faster start-up, slower steps.",
         envvar="PAGELLM_ENFORCE_EAGER",
     )
+    runner: str = _opt(
+        "generate",
+        "generate (sample tokens) or pooling (embeddings: LLM.embed, /v1/embeddings; no tokens generated).",
+        choices=("generate", "pooling"),
+    )
+    pooler_config: dict[str, Any] | str | None = _opt(
+        None,
+        'With --runner pooling: how hidden states become an embedding, as JSON, e.g. \'{"pooling_type": '
+        '"MEAN", "normalize": false}\' (pooling_type LAST, MEAN or CLS); default: the model\'s '
+        "sentence-transformers config (modules.json), else LAST, normalized.",
+        json=True,
+    )
 
     @property
     def speculative(self) -> SpeculativeConfig | None:
         """`speculative_config` parsed and checked (ConfigError when it cannot work), or None when off."""
         return SpeculativeConfig.parse(self.speculative_config)
+
+    @property
+    def kv_transfer(self) -> KVTransferConfig | None:
+        """`kv_transfer_config` parsed and checked (ConfigError naming the bad key), or None when off."""
+        from pagellm.core.kv_connector import KVTransferConfig
+
+        return KVTransferConfig.parse(self.kv_transfer_config)
 
     def replace(self, **changes: Any) -> EngineConfig:
         return dataclasses.replace(self, **changes)
@@ -130,23 +171,9 @@ class SpeculativeConfig:
     def parse(cls, value: dict[str, Any] | str | None) -> SpeculativeConfig | None:
         from pagellm.core.errors import ConfigError
 
-        if value is None or value == "" or value == {}:
+        value = json_setting(value, "speculative_config", cls, '{"method": "ngram", ...}')
+        if value is None:
             return None
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ConfigError(
-                    f"speculative_config: not valid JSON ({e.msg} at column {e.colno})"
-                ) from None
-        if not isinstance(value, dict):
-            raise ConfigError('speculative_config: expected a JSON object such as {"method": "ngram", ...}')
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise ConfigError(
-                f"speculative_config: unknown key(s) {', '.join(unknown)}; valid: {', '.join(sorted(known))}"
-            )
         method = value.get("method")
         if method not in SPECULATIVE_METHODS:
             raise ConfigError(

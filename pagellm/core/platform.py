@@ -54,6 +54,8 @@ class Platform:
     """Name users pass to `--device` (lower case): `cuda`, `cpu`, or a vendor's."""
     device_type: ClassVar[str]
     """torch device type: `cuda`, `xpu`, `cpu`, `xla`, ..."""
+    dist_backend: ClassVar[str] = "gloo"
+    """torch.distributed backend the ranks of a split model use on this device: gloo, nccl, xccl, ..."""
     priority: ClassVar[int] = 0
     """Auto-detection picks the available platform with the highest priority."""
     supported_dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float32,)

@@ -7,6 +7,7 @@ from typing import Any
 
 from pagellm.core.attention import AttentionBackend
 from pagellm.core.errors import PluginError
+from pagellm.core.kv_connector import KVConnector
 from pagellm.core.platform import Platform
 from pagellm.core.quant import QuantMethod
 
@@ -31,6 +32,7 @@ class Registry:
     models: dict[str, str] = field(default_factory=dict)  # HF architecture -> "module:Class"
     reasoning_parsers: dict[str, type] = field(default_factory=dict)  # name -> class with split()
     tool_parsers: dict[str, type] = field(default_factory=dict)  # name -> class with parse()
+    kv_connectors: dict[str, type[KVConnector]] = field(default_factory=dict)
     cli_commands: list[Any] = field(default_factory=list)
     plugins: list[PluginInfo] = field(default_factory=list)
     owners: dict[tuple[str, str], str] = field(default_factory=dict)  # (kind, name) -> "dist (plugin)"

@@ -3,8 +3,9 @@
 An `EngineCore` owns the `LLMEngine` and steps it while there is work: in a process of its own by default
 (`engine_process=True`; see `core_process` for why), or on a thread of this process (`engine_process=False`,
 where `self.engine` is the live engine, for tests and for plugins registered in-process rather than through
-entry points). Callers add and abort requests as commands the core runs between steps, and read each
-request's outputs from its own asyncio queue, fed with `loop.call_soon_threadsafe`. A step never blocks
+entry points); with `data_parallel_size` N > 1, in N processes behind this front end (`data_parallel`).
+Callers add and abort requests as commands the core runs between steps, and read each request's outputs
+from its own asyncio queue, fed with `loop.call_soon_threadsafe`. A step never blocks
 the event loop, concurrent requests share every step, a request the model runner fails on fails alone
 (`RequestOutput.error`), and a step that raises fails the requests it held, not the engine.
 """
@@ -22,6 +23,7 @@ from typing import Any, Protocol
 
 from pagellm.core.config import EngineConfig
 from pagellm.core.errors import ConfigError
+from pagellm.core.pooling import PoolingParams
 from pagellm.engine.core import (
     ACCEPTED,
     AbortRequest,
@@ -36,8 +38,9 @@ from pagellm.engine.core import (
     engine_error,
 )
 from pagellm.engine.core_process import EngineFacts, EngineProcess
+from pagellm.engine.data_parallel import DataParallelEngines, check_data_parallel
 from pagellm.engine.llm_engine import LLMEngine
-from pagellm.engine.outputs import RequestOutput
+from pagellm.engine.outputs import PoolingRequestOutput, RequestOutput
 from pagellm.engine.scheduler import SchedulerStats
 from pagellm.lora.request import LoRARequest
 from pagellm.sampling.params import SamplingParams
@@ -101,14 +104,23 @@ class AsyncLLM:
         **kwargs: Any,
     ):
         self.config = EngineConfig.from_kwargs(model=model, **kwargs)
+        check_data_parallel(self.config)
+        if self.config.data_parallel_size > 1 and not engine_process:
+            raise ConfigError(
+                "data_parallel_size > 1 runs each engine copy in a process of its own, and "
+                "engine_process=False runs one engine on a thread; leave engine_process at True"
+            )
         self.stat_loggers = list(stat_loggers or [])
         self._streams: dict[str, RequestStream] = {}
         self._stopping = False
         self._ended = threading.Event()  # the core's last turn was delivered
         self.engine: LLMEngine | None = None
-        self._process: EngineProcess | None = None
-        if engine_process:
+        self._process: EngineProcess | DataParallelEngines | None = None
+        if self.config.data_parallel_size > 1:
+            self._process = DataParallelEngines(self.config, self._on_turn, self._on_exit)
+        elif engine_process:
             self._process = EngineProcess(self.config, self._on_turn, self._on_exit)
+        if self._process is not None:
             self.facts = self._process.facts
             from transformers import AutoTokenizer
 
@@ -170,7 +182,7 @@ class AsyncLLM:
     async def add_request(
         self,
         prompt: str | dict | list[int],
-        sampling_params: SamplingParams | None = None,
+        sampling_params: SamplingParams | PoolingParams | None = None,
         request_id: str | None = None,
         priority: int = 0,
         lora_request: LoRARequest | None = None,
@@ -212,6 +224,25 @@ class AsyncLLM:
         finally:
             stream.abort()
 
+    async def encode(
+        self,
+        prompt: str | dict | list[int],
+        pooling_params: PoolingParams | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+        lora_request: LoRARequest | None = None,
+    ) -> AsyncIterator[PoolingRequestOutput]:
+        """An embedding request (runner="pooling"): yields its one output, `.outputs.embedding`, when its
+        prompt has run. Leaving early or cancelling aborts it."""
+        stream = await self.add_request(
+            prompt, pooling_params or PoolingParams(), request_id, priority, lora_request
+        )
+        try:
+            async for output in stream:
+                yield output
+        finally:
+            stream.abort()
+
     def abort(self, request_id: str) -> None:
         """Abort a request in any state; the engine frees its KV blocks on its next turn."""
         if self.is_running:
@@ -229,6 +260,7 @@ class AsyncLLM:
         else:
             self._send(Shutdown())
             self._thread.join(timeout=30)
+            self.engine.shutdown()
         self._fail_streams("the engine shut down before it finished")
 
     # -- turns, on the engine thread or the process's receiver thread --------------------------------------

@@ -1,6 +1,7 @@
-"""`EngineCore`: the loop that owns an `LLMEngine` for `AsyncLLM`, on a thread or in a process of its own.
+"""`EngineCore`: the loop that owns an `LLMEngine` for `AsyncLLM` (and for each data-parallel copy), on a
+thread or in a process of its own.
 
-Between steps it runs the commands that arrived (add, abort, shut down); each turn of the loop becomes one
+Between steps it runs the commands that arrived (add, abort, shut down, ...); each turn of the loop becomes one
 `Turn` (what each request got, the scheduler's stats, what the turn produced for metrics) handed to `emit`.
 Commands and turns are plain data, so the same loop runs behind a queue on a thread or behind sockets in
 another process. A request the model runner fails on fails alone (its error output), and a step that
@@ -15,6 +16,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagellm.core.errors import PagellmError
+from pagellm.core.pooling import PoolingParams
+from pagellm.distributed import RankFailure
 from pagellm.engine.llm_engine import LLMEngine
 from pagellm.engine.outputs import RequestOutput
 from pagellm.engine.scheduler import SchedulerStats
@@ -40,7 +43,7 @@ class EngineError(PagellmError):
 class AddRequest:
     request_id: str
     prompt: str | dict | list[int]
-    params: SamplingParams | None
+    params: SamplingParams | PoolingParams | None  # PoolingParams: an embedding request
     priority: int
     arrival_time: float
     lora_request: LoRARequest | None = None
@@ -56,7 +59,23 @@ class Shutdown:
     reason: str = "the engine shut down before it finished"
 
 
-Command = AddRequest | AbortRequest | Shutdown
+@dataclass
+class ValidateRequest:
+    """Check a request as AddRequest would (and load its adapter) without queuing it: the item is ACCEPTED
+    or the error. For a front end without an engine of its own that checks a batch before running any."""
+
+    request_id: str
+    prompt: str | dict | list[int]
+    params: SamplingParams | PoolingParams | None  # PoolingParams: an embedding request
+    lora_request: LoRARequest | None = None
+
+
+@dataclass
+class ResetPrefixCache:
+    pass
+
+
+Command = AddRequest | AbortRequest | Shutdown | ValidateRequest | ResetPrefixCache
 
 
 # -- what a turn produced -------------------------------------------------------------------------------
@@ -141,6 +160,10 @@ class EngineCore:
                     self._add(command)
                 elif isinstance(command, AbortRequest):
                     self._abort(command.request_id, iteration)
+                elif isinstance(command, ValidateRequest):
+                    self._validate(command)
+                elif isinstance(command, ResetPrefixCache):
+                    self.engine.reset_prefix_cache()
                 else:
                     self._stop_reason = command.reason
             except Exception:
@@ -160,7 +183,18 @@ class EngineCore:
         except Exception as exc:
             self._items.append((command.request_id, exc))
             return
-        self._requests[command.request_id] = _Tracked(params.output_kind == "delta")
+        self._requests[command.request_id] = _Tracked(getattr(params, "output_kind", None) == "delta")
+        self._items.append((command.request_id, ACCEPTED))
+
+    def _validate(self, command: ValidateRequest) -> None:
+        params = command.params or self.engine.default_sampling_params()
+        try:
+            self.engine.validate(self.engine.tokenize(command.prompt)[1], params)
+            if command.lora_request is not None:
+                self.engine.runner.add_lora(command.lora_request)
+        except Exception as exc:
+            self._items.append((command.request_id, exc))
+            return
         self._items.append((command.request_id, ACCEPTED))
 
     def _abort(self, request_id: str, iteration: IterationStats) -> None:
@@ -175,6 +209,9 @@ class EngineCore:
     def _step(self, iteration: IterationStats) -> None:
         try:
             outputs = self.engine.step()
+        except RankFailure as exc:  # the model's ranks are gone: this engine cannot run anything more
+            self._stop_reason = str(exc)
+            return
         except Exception:
             logger.exception(
                 "an engine step failed; failing the requests it held: %s", ", ".join(self._requests)
@@ -215,7 +252,7 @@ class EngineCore:
         finish_reason: str | None = None,
     ) -> None:
         tracked.num_prompt_tokens = len(output.prompt_token_ids)
-        for sample in output.outputs:
+        for sample in output.outputs if isinstance(output, RequestOutput) else ():  # a pooling output: none
             before = tracked.output_tokens.get(sample.index, 0)
             now = before + len(sample.token_ids) if tracked.delta else len(sample.token_ids)
             tracked.output_tokens[sample.index] = now
@@ -245,7 +282,9 @@ def _finished_stats(
     if metrics and metrics.first_token_time is not None and metrics.finished_time is not None and tokens > 1:
         tpot = (metrics.finished_time - metrics.first_token_time) / (tokens - 1)
     return FinishedRequestStats(
-        finish_reason=finish_reason or output.outputs[0].finish_reason or "abort",
+        finish_reason=finish_reason
+        or (output.outputs[0].finish_reason if isinstance(output, RequestOutput) else None)
+        or ("abort" if getattr(output, "aborted", True) else "stop"),
         num_prompt_tokens=tracked.num_prompt_tokens,
         num_generation_tokens=sum(tracked.output_tokens.values()),
         e2e_latency=e2e,

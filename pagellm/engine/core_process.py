@@ -7,7 +7,7 @@ main thread. A process runs the engine on its main thread, the way `LLM` does, a
 Python (JSON, SSE, tokenizing chat templates) off the cores the engine steps on.
 
 The front end binds two ZeroMQ sockets in a private directory and starts a Python child that runs
-`main(DIR)`: commands go down one socket, pickled, and every `Turn` comes back on
+`main(COMMANDS, TURNS)` (the two sockets' addresses): commands go down one socket, pickled, and every `Turn` comes back on
 the other. A child that dies fails its requests (the front end notices within a fraction of a second);
 a front end that dies makes the child exit at its next idle moment or turn.
 """
@@ -23,6 +23,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -46,6 +47,7 @@ class EngineFacts:
     default_params: SamplingParams
     tokenizer_path: str
     scheduler_stats: SchedulerStats
+    eos_token_ids: frozenset[int] = frozenset()  # the model's EOS tokens (beam search ends beams on them)
 
     @classmethod
     def of(cls, engine: Any) -> EngineFacts:
@@ -55,6 +57,7 @@ class EngineFacts:
             default_params=engine.default_sampling_params(),
             tokenizer_path=engine.setup.config.tokenizer or engine.setup.source.directory,
             scheduler_stats=engine.stats(),
+            eos_token_ids=frozenset(engine.eos_token_ids),
         )
 
 
@@ -63,6 +66,7 @@ class _Start:
     config: EngineConfig
     log_level: int
     log_format: str | None
+    log_prefix: str = ""
 
 
 @dataclass
@@ -73,13 +77,22 @@ class _StartFailed:
 class EngineProcess:
     """Starts the engine process for `config` and waits until it is ready (raising what its start-up
     raised). `on_turn` runs on a receiver thread for every turn; `on_exit(reason)` once, if the process
-    ends without a last turn."""
+    ends without a last turn. `env`: the child's environment (default: ours). `wait=False` returns once
+    the child is started, so several can load at once; then call `wait_ready` (and `close` if it raises).
+    `log_prefix` starts each of the child's log lines (data parallelism names the rank there).
+    `launch`: starts the child somewhere else (e.g. `ray_engine.RayEngineLauncher`) given the two socket
+    addresses to connect to, returning a Popen-like handle (poll, wait, kill, returncode); the sockets are
+    then TCP on all interfaces rather than ipc in a private folder."""
 
     def __init__(
         self,
         config: EngineConfig,
         on_turn: Callable[[Turn], None],
         on_exit: Callable[[str], None],
+        env: dict[str, str] | None = None,
+        wait: bool = True,
+        log_prefix: str = "",
+        launch: Callable[[str, str, dict[str, str] | None], Any] | None = None,
     ):
         import zmq
 
@@ -89,21 +102,30 @@ class EngineProcess:
         self._context = zmq.Context()
         self._commands = self._context.socket(zmq.PUSH)
         self._commands.setsockopt(zmq.LINGER, 0)
-        self._commands.bind(f"ipc://{self._dir}/commands")
         self._turns = self._context.socket(zmq.PULL)
         self._turns.setsockopt(zmq.LINGER, 0)
-        self._turns.bind(f"ipc://{self._dir}/turns")
+        if launch is None:
+            commands, turns = f"ipc://{self._dir}/commands", f"ipc://{self._dir}/turns"
+            self._commands.bind(commands)
+            self._turns.bind(turns)
+        else:
+            host = _host_address()
+            commands = f"tcp://{host}:{self._commands.bind_to_random_port('tcp://*')}"
+            turns = f"tcp://{host}:{self._turns.bind_to_random_port('tcp://*')}"
         self._send_lock = threading.Lock()
         self._closed = False
-        self.process = subprocess.Popen([sys.executable, "-c", _CHILD, self._dir])
+        self.facts: EngineFacts | None = None
+        if launch is None:
+            self.process = subprocess.Popen([sys.executable, "-c", _CHILD, commands, turns], env=env)
+        else:
+            self.process = launch(commands, turns, env)
         try:
-            self._send(_Start(config, logger.getEffectiveLevel(), _log_format()))
-            self.facts = self._wait_ready()
+            self._send(_Start(config, logger.getEffectiveLevel(), _log_format(), log_prefix))
+            if wait:
+                self.wait_ready()
         except BaseException:
             self.close(wait=False)
             raise
-        self._receiver = threading.Thread(target=self._receive, name="pagellm-engine-receiver", daemon=True)
-        self._receiver.start()
 
     @property
     def is_alive(self) -> bool:
@@ -113,23 +135,49 @@ class EngineProcess:
         self._send(command)
 
     def _send(self, message: Any) -> None:
+        """Send, waiting while the child's queue is full; a child that has exited (or is exiting: its socket
+        is gone, so a plain send would block for ever) gets nothing."""
+        import zmq
+
         data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
         with self._send_lock:
-            if not self._closed:
-                self._commands.send(data)
+            while not self._closed:
+                try:
+                    self._commands.send(data, zmq.NOBLOCK)
+                    return
+                except zmq.Again:
+                    if self.process.poll() is not None:
+                        return
+                    self._commands.poll(_POLL_MS, zmq.POLLOUT)
 
-    def _wait_ready(self) -> EngineFacts:
-        while True:
-            if self._turns.poll(_POLL_MS):
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        """Wait up to `timeout` seconds (None: as long as it takes) for the engine to load; True once it is
+        ready (then `facts` is set and turns start flowing), raising what its start-up raised."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.facts is None:
+            wait_ms = (
+                _POLL_MS
+                if deadline is None
+                else max(0, min(_POLL_MS, int((deadline - time.monotonic()) * 1000)))
+            )
+            if self._turns.poll(wait_ms):
                 message = pickle.loads(self._turns.recv())
                 if isinstance(message, _StartFailed):
                     raise message.error
-                return message
+                self.facts = message
+                self._receiver = threading.Thread(
+                    target=self._receive, name="pagellm-engine-receiver", daemon=True
+                )
+                self._receiver.start()
+                return True
             code = self.process.poll()
             if code is not None:
                 raise EngineError(
                     f"the engine process exited with code {code} while starting; its log says why"
                 )
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+        return True
 
     def _receive(self) -> None:
         while True:
@@ -189,22 +237,38 @@ def _portable(item: Any) -> Any:
 # -- the child ----------------------------------------------------------------------------------------
 
 
-def main(directory: str) -> int:
+def _host_address() -> str:
+    """This machine's address as other machines reach it (Ray's view when Ray runs, else the hostname's)."""
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return ray.util.get_node_ip_address()
+    except ImportError:
+        pass
+    import socket
+
+    return socket.gethostbyname(socket.gethostname())
+
+
+def main(commands_address: str, turns_address: str) -> int:
     import zmq
 
     from pagellm.engine.llm_engine import LLMEngine
 
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the front end, which shuts us down
+    if threading.current_thread() is threading.main_thread():  # not so in some hosts (a Ray actor)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the front end, which shuts us down
     parent = os.getppid()
     context = zmq.Context()
     commands = context.socket(zmq.PULL)
-    commands.connect(f"ipc://{directory}/commands")
+    commands.connect(commands_address)
     turns = context.socket(zmq.PUSH)
     turns.setsockopt(zmq.LINGER, 5000)
-    turns.connect(f"ipc://{directory}/turns")
+    turns.connect(turns_address)
     start: _Start = pickle.loads(commands.recv())
     handler = logging.StreamHandler(sys.stderr)  # the front end's stderr: one log for both processes
-    handler.setFormatter(logging.Formatter(start.log_format or logging.BASIC_FORMAT))
+    prefix = start.log_prefix.replace("%", "%%")
+    handler.setFormatter(logging.Formatter(prefix + (start.log_format or logging.BASIC_FORMAT)))
     logger.addHandler(handler)
     logger.setLevel(start.log_level)
     logger.propagate = False
@@ -245,12 +309,13 @@ def main(directory: str) -> int:
         return 1
     send(EngineFacts.of(engine))
     EngineCore(engine, emit).run(receive)
+    engine.shutdown()
     turns.close()
     commands.close(linger=0)
     context.term()
     return 0
 
 
-_CHILD = "import sys; from pagellm.engine.core_process import main; sys.exit(main(sys.argv[1]))"
+_CHILD = "import sys; from pagellm.engine.core_process import main; sys.exit(main(sys.argv[1], sys.argv[2]))"
 """The child's program: `main` imported by the module's own name (not run as __main__), so the classes
 it pickles unpickle in the front end."""

@@ -50,7 +50,7 @@ class KVCacheManager:
         """The longest cached prefix of the request's full blocks, and its length in tokens.
 
         Never covers the last known token (its logits must be computed), and finds nothing for requests
-        asking for prompt logprobs (those need every prompt position computed)."""
+        that need every prompt position computed (prompt logprobs, MEAN or CLS pooling)."""
         if not self._uses_prefix_cache(request):
             return [], 0
         max_blocks = (request.num_tokens - 1) // self.block_size
@@ -116,12 +116,27 @@ class KVCacheManager:
         del self._num_cached[request.request_id]
         self.pool.free_blocks(reversed(blocks))
 
+    def has_blocks(self, request_id: str) -> bool:
+        return request_id in self._blocks
+
+    def release_loaded(self, request: Request, num_hit: int, num_loaded_tokens: int) -> None:
+        """A KV connector's load into the request's blocks ended: make the first `num_loaded_tokens` findable,
+        free every block, and take back the lookup its admission counted (`num_hit` tokens found), since it is
+        admitted again and then finds the loaded blocks as hits."""
+        self.cache_blocks(request, num_loaded_tokens)
+        self.prefix_cache_queries -= request.num_tokens
+        self.prefix_cache_hits -= num_hit
+        self.free(request)
+
+    def uses_prefix_cache(self, request: Request) -> bool:
+        return self._uses_prefix_cache(request)
+
     def block_table(self, request_id: str) -> list[int]:
         """The request's block ids in order; a live list that grows as blocks are added, do not modify."""
         return self._block_ids[request_id]
 
     def _uses_prefix_cache(self, request: Request) -> bool:
-        return self.enable_prefix_caching and request.sampling_params.prompt_logprobs is None
+        return self.enable_prefix_caching and not request.needs_every_prompt_position
 
     def _block_key(self, request: Request, i: int) -> tuple:
         parent = request.block_hashes[i - 1] if i else request.cache_salt

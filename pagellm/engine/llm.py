@@ -8,10 +8,13 @@ from typing import Any
 from tqdm import tqdm
 
 from pagellm.core.config import EngineConfig
+from pagellm.core.pooling import PoolingParams
+from pagellm.engine import beam_search as beams
+from pagellm.engine.data_parallel import DataParallelClient, check_data_parallel
 from pagellm.engine.llm_engine import LLMEngine
-from pagellm.engine.outputs import RequestOutput
+from pagellm.engine.outputs import PoolingRequestOutput, RequestOutput
 from pagellm.lora.request import LoRARequest
-from pagellm.sampling.params import SamplingParams
+from pagellm.sampling.params import BeamSearchParams, SamplingParams
 
 Prompt = str | dict[str, Any]
 Message = dict[str, Any]
@@ -19,10 +22,22 @@ Message = dict[str, Any]
 
 class LLM:
     """LLM(model=..., dtype=..., device=..., attention_backend=..., block_size=..., ...): every keyword is an
-    EngineConfig field (the same names as the CLI flags)."""
+    EngineConfig field (the same names as the CLI flags).
+
+    `self.engine` is the `LLMEngine`, stepped here; with `data_parallel_size` N > 1, a `DataParallelClient`
+    over N engine processes that makes the same calls (call `shutdown()` to stop them before exit)."""
 
     def __init__(self, model: str | None = None, **kwargs: Any):
-        self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **kwargs))
+        config = EngineConfig.from_kwargs(model=model, **kwargs)
+        check_data_parallel(config)
+        self.engine: LLMEngine | DataParallelClient = (
+            DataParallelClient(config) if config.data_parallel_size > 1 else LLMEngine(config)
+        )
+
+    def shutdown(self) -> None:
+        """Stop the engine's other processes: data-parallel engines, tensor/pipeline-parallel ranks (they
+        also stop when this process exits); nothing to do for one engine in this process."""
+        self.engine.shutdown()
 
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
@@ -52,10 +67,7 @@ class LLM:
             sampling_params = self.engine.default_sampling_params()
         params_list = _one_each(sampling_params, SamplingParams, len(prompts), "sampling_params")
         loras = _one_each(lora_request, LoRARequest, len(prompts), "lora_request")
-        for prompt, params in zip(prompts, params_list, strict=True):
-            self.engine.validate(self.engine.tokenize(prompt)[1], params)
-        for lora in {lora for lora in loras if lora is not None}:
-            self.engine.runner.add_lora(lora)
+        self._validate_all(prompts, params_list, loras)
         ids = [
             self.engine.add_request(
                 prompt, params, priority=priority[i] if priority else 0, lora_request=loras[i]
@@ -63,6 +75,82 @@ class LLM:
             for i, (prompt, params) in enumerate(zip(prompts, params_list, strict=True))
         ]
         return self._run(ids, use_tqdm)
+
+    def embed(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+    ) -> list[PoolingRequestOutput]:
+        """Embed every prompt (a string, token ids in {"prompt_token_ids": [...]}) with an engine started
+        with runner="pooling"; outputs in prompt order, each vector in `.outputs.embedding`. The prompts
+        share the scheduler and its batches; nothing is generated. `pooling_params`: one for all prompts or
+        one each (`dimensions`, `normalize`).
+
+        Every prompt is validated before any runs, so one bad prompt fails the call with nothing queued."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        params_list = _one_each(
+            pooling_params or PoolingParams(), PoolingParams, len(prompts), "pooling_params"
+        )
+        loras = _one_each(lora_request, LoRARequest, len(prompts), "lora_request")
+        self._validate_all(prompts, params_list, loras)
+        ids = [
+            self.engine.add_request(prompt, params, lora_request=loras[i])
+            for i, (prompt, params) in enumerate(zip(prompts, params_list, strict=True))
+        ]
+        return self._run(ids, use_tqdm)
+
+    def _validate_all(self, prompts: list, params_list: list, loras: list) -> None:
+        """Check every request (and load its adapter) before any is queued: one bad prompt fails the call
+        with nothing queued."""
+        if isinstance(self.engine, DataParallelClient):
+            self.engine.validate_all(prompts, params_list, loras)
+            return
+        for prompt, params in zip(prompts, params_list, strict=True):
+            self.engine.validate(self.engine.tokenize(prompt)[1], params)
+        for lora in {lora for lora in loras if lora is not None}:
+            self.engine.runner.add_lora(lora)
+
+    def beam_search(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: BeamSearchParams,
+        lora_request: LoRARequest | None = None,
+        use_tqdm: bool = False,
+    ) -> list[beams.BeamSearchOutput]:
+        """Beam search (vLLM's call): for each prompt, the `params.beam_width` best sequences, best first,
+        as transformers' `generate(num_beams=...)` finds them (`BeamSearchParams` says how they rank).
+
+        Each step runs every live beam of every prompt as a one-token request (`generate`); the prefix
+        cache serves what the beams share, so a step computes about one token's KV per beam."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        tokenizer = self.get_tokenizer()
+        ids = [beams.prompt_token_ids(p, tokenizer) for p in prompts]
+        for prompt in ids:
+            beams.check_fits(prompt, params.max_tokens, self.engine.max_model_len)
+        if isinstance(self.engine, DataParallelClient):
+            eos = self.engine.engines.facts.eos_token_ids
+        else:
+            eos = self.engine.eos_token_ids
+
+        def step(sequences: list[list[int]], k: int) -> list[beams.TopLogprobs]:
+            outputs = self.generate(
+                [{"prompt_token_ids": s} for s in sequences],
+                beams.step_params(k),
+                use_tqdm=False,
+                lora_request=lora_request,
+            )
+            return [beams.next_token_logprobs(o) for o in outputs]
+
+        bar = tqdm(total=params.max_tokens, desc="Beam search", disable=not use_tqdm, unit="step")
+        try:
+            return beams.beam_search(ids, params, eos, step, tokenizer, on_step=lambda: bar.update(1))
+        finally:
+            bar.close()
 
     def chat(
         self,

@@ -12,24 +12,31 @@ import time
 from dataclasses import replace
 from typing import Any
 
+import torch
+
 from pagellm.core.config import EngineConfig
 from pagellm.core.dtypes import dtype_name
 from pagellm.core.errors import ConfigError
+from pagellm.core.kv_connector import KVConnector, KVConnectorRole
 from pagellm.core.platform import GiB
+from pagellm.core.pooling import Pooler, PoolerConfig, PoolingParams, resolve_pooler
+from pagellm.distributed import RankFailure
 from pagellm.engine.output_processor import OutputProcessor
-from pagellm.engine.outputs import RequestOutput
+from pagellm.engine.outputs import EmbeddingOutput, PoolingRequestOutput, RequestMetrics, RequestOutput
 from pagellm.engine.request import Request, RequestStatus
 from pagellm.engine.scheduler import Scheduler
 from pagellm.engine.setup import resolve_engine
 from pagellm.lora.request import LoRARequest
 from pagellm.sampling.params import SamplingParams
 from pagellm.structured_output import grammar
+from pagellm.worker.executor import Ranks, start_ranks
 from pagellm.worker.model_runner import ModelRunner
 from pagellm.worker.step import EngineSetup, SchedulerOutput, StepResult
 
 logger = logging.getLogger("pagellm")
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+_TRANSFER_POLL_S = 0.002  # an empty step's pause while KV transfers are in flight
 _GENERATION_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
@@ -44,24 +51,29 @@ class LLMEngine:
         self.setup: EngineSetup = resolve_engine(config)
         for line in self.setup.explanation:
             logger.info(line)
+        self.pooler = self._pooler(config)  # None unless runner="pooling"
+        _check_kv_transfer(self.setup)
+        self._pooling: dict[str, tuple[str | None, Request]] = {}  # unfinished pooling requests
         self.tokenizer, weights = _load_tokenizer_and_weights(self.setup)
         self.eos_token_ids = _eos_token_ids(self.setup, self.tokenizer)
         self.default_params = _generation_defaults(self.setup) if config.generation_config == "auto" else {}
-        self.runner = ModelRunner(self.setup, weights, self.eos_token_ids, self._draft())
+        self.ranks: Ranks | None = None
+        self._failure: RankFailure | None = None
+        parallel = None
+        if config.tensor_parallel_size * config.pipeline_parallel_size > 1:
+            self.ranks = start_ranks(self.setup)
+            parallel = self.ranks.join()
+        try:
+            self.runner = ModelRunner(self.setup, weights, self.eos_token_ids, self._draft(), parallel)
+            self.scheduler = self._scheduler(config)
+        except Exception as exc:
+            if self.ranks is not None:
+                failure = self.ranks.failure(exc)
+                self.shutdown()
+                if failure is not None:
+                    raise failure from exc
+            raise
         self.max_model_len = self.setup.max_model_len
-        budget = config.max_num_batched_tokens or max(DEFAULT_MAX_NUM_BATCHED_TOKENS, config.max_num_seqs)
-        self.scheduler = Scheduler(
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=budget,
-            max_model_len=self.max_model_len,
-            block_size=config.block_size,
-            num_blocks=self.runner.num_blocks,
-            enable_prefix_caching=config.enable_prefix_caching,
-            enable_chunked_prefill=config.enable_chunked_prefill,
-            policy=config.scheduling_policy,
-            num_lookahead_tokens=self.runner.num_lookahead_tokens,
-            max_loras=config.max_loras if config.enable_lora else None,
-        )
         self.output_processor = OutputProcessor(self.tokenizer)
         self._grammar_compiler: grammar.GrammarCompiler | None = None
         parser = self.setup.reasoning_parser
@@ -86,6 +98,55 @@ class LLMEngine:
             usable_tokens / self.max_model_len,
             self.max_model_len,
         )
+
+    def _scheduler(self, config: EngineConfig) -> Scheduler:
+        budget = config.max_num_batched_tokens or max(DEFAULT_MAX_NUM_BATCHED_TOKENS, config.max_num_seqs)
+        return Scheduler(
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=budget,
+            max_model_len=self.setup.max_model_len,
+            block_size=config.block_size,
+            num_blocks=self.runner.num_blocks,
+            enable_prefix_caching=config.enable_prefix_caching,
+            enable_chunked_prefill=config.enable_chunked_prefill,
+            policy=config.scheduling_policy,
+            num_lookahead_tokens=self.runner.num_lookahead_tokens,
+            max_loras=config.max_loras if config.enable_lora else None,
+            kv_connector=self._scheduler_connector(),
+        )
+
+    def _scheduler_connector(self) -> KVConnector | None:
+        """The KV connector's scheduler half, told what its worker half (the runner's) needs it to know."""
+        worker, transfer = self.runner.kv_connector, self.config.kv_transfer
+        if worker is None:
+            return None
+        context = replace(self.runner.kv_context, worker_info=worker.worker_info())
+        return self.setup.registry.kv_connectors[transfer.kv_connector](
+            transfer, KVConnectorRole.SCHEDULER, context
+        )
+
+    def _pooler(self, config: EngineConfig) -> Pooler | None:
+        """runner="pooling": the pooling from pooler_config and the model's files (checked before any weight
+        loads); None for a generating engine."""
+        if config.runner != "pooling":
+            if config.pooler_config not in (None, "", {}):
+                raise ConfigError(
+                    "pooler_config applies to embeddings; start with runner='pooling' to use it"
+                )
+            return None
+        if config.speculative_config not in (None, "", {}):
+            raise ConfigError(
+                "speculative_config: runner='pooling' generates no tokens to speculate; leave it out"
+            )
+        override = PoolerConfig.parse(config.pooler_config)
+        pooler = resolve_pooler(self.setup.source.directory, self.setup.hf_config, override)
+        logger.info(
+            "pooling runner: %s pooling, %snormalized (from %s)",
+            pooler.pooling_type,
+            "" if pooler.normalize else "not ",
+            pooler.source,
+        )
+        return pooler
 
     def _draft(self) -> tuple[EngineSetup, Any] | None:
         """The draft model's setup and weights when speculative_config asks for one: same platform, dtype,
@@ -131,17 +192,14 @@ class LLMEngine:
             return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
         return None, [int(t) for t in prompt]
 
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams | PoolingParams) -> None:
         """Reject what cannot run, with a message that says what to change."""
-        if not prompt_token_ids:
-            raise ConfigError("the prompt is empty; give at least one token")
-        vocab = self.setup.hf_config.vocab_size
-        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
-        if bad:
-            raise ConfigError(
-                f"prompt token id {bad[0]} is out of range for the vocabulary of {vocab} tokens"
-            )
-        params.validate_token_ids(vocab)
+        self._check_runner(params)
+        if isinstance(params, PoolingParams):
+            self._validate_pooling(prompt_token_ids, params)
+            return
+        self._check_prompt_ids(prompt_token_ids)
+        params.validate_token_ids(self.setup.hf_config.vocab_size)
         if params.structured_outputs is not None:
             grammar.check(params.structured_outputs)
         n = len(prompt_token_ids)
@@ -157,6 +215,107 @@ class LLMEngine:
                 f"or shorten the prompt"
             )
 
+    def _check_prompt_ids(self, prompt_token_ids: list[int]) -> None:
+        if not prompt_token_ids:
+            raise ConfigError("the prompt is empty; give at least one token")
+        vocab = self.setup.hf_config.vocab_size
+        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ConfigError(
+                f"prompt token id {bad[0]} is out of range for the vocabulary of {vocab} tokens"
+            )
+
+    def _check_runner(self, params: SamplingParams | PoolingParams) -> None:
+        """A generating engine takes SamplingParams, a pooling one PoolingParams (as vLLM: one task each)."""
+        if isinstance(params, PoolingParams) and self.pooler is None:
+            raise ConfigError(
+                "embeddings need an engine started with runner='pooling' (LLM(model, runner='pooling'), "
+                "pagellm serve --runner pooling); this one generates text"
+            )
+        if not isinstance(params, PoolingParams) and self.pooler is not None:
+            raise ConfigError(
+                "this engine was started with runner='pooling': it computes embeddings (LLM.embed, "
+                "/v1/embeddings) and generates no text; start another with runner='generate' to generate"
+            )
+
+    def _validate_pooling(self, prompt_token_ids: list[int], params: PoolingParams) -> PoolingParams:
+        """The checks of `validate` for an embedding request; returns its params with the model's choices
+        filled in. A pooling prompt may fill the whole context: nothing is generated after it."""
+        self._check_prompt_ids(prompt_token_ids)
+        n = len(prompt_token_ids)
+        if n > self.max_model_len:
+            raise PromptTooLongError(
+                f"the prompt has {n} tokens but this model's context is {self.max_model_len} tokens "
+                f"(max_model_len); shorten the prompt"
+            )
+        return self.pooler.resolve(params)
+
+    def _add_pooling_request(
+        self,
+        prompt: str | dict | list[int],
+        params: PoolingParams,
+        request_id: str | None,
+        priority: int,
+        arrival_time: float | None,
+        lora_request: LoRARequest | None,
+    ) -> str:
+        """Queue an embedding request: one Request, no sampling state; it finishes after its prompt."""
+        text, prompt_token_ids = self.tokenize(prompt)
+        self._check_runner(params)
+        resolved = self._validate_pooling(prompt_token_ids, params)
+        if lora_request is not None:
+            self.runner.add_lora(lora_request)
+        request_id = request_id if request_id is not None else str(next(self._ids))
+        if request_id in self.output_processor.parents or request_id in self._pooling:
+            raise ConfigError(f"request id {request_id!r} is already running")
+        request = Request(
+            request_id,
+            prompt_token_ids,
+            None,
+            (),
+            arrival_time,
+            priority,
+            lora_request,
+            pooling_params=resolved,
+        )
+        self._pooling[request_id] = (text, request)
+        self.scheduler.add_request(request)
+        return request_id
+
+    def _pooling_output(
+        self, request_id: str, vector: Any = None, aborted: bool = False
+    ) -> PoolingRequestOutput | None:
+        """The finished (or aborted) output of a pooling request: `vector` truncated to its dimensions, then
+        L2-normalised if it asks."""
+        entry = self._pooling.pop(request_id, None)
+        if entry is None:
+            return None
+        text, request = entry
+        embedding: list[float] = []
+        if vector is not None:
+            params = request.pooling_params
+            if params.dimensions is not None:
+                vector = vector[: params.dimensions]
+            if params.normalize:
+                vector = torch.nn.functional.normalize(vector, p=2, dim=-1)
+            embedding = vector.tolist()
+        metrics = RequestMetrics(
+            request.arrival_time,
+            request.first_scheduled_time,
+            finished_time=request.finished_time or time.monotonic(),
+            num_cached_tokens=request.num_cached_tokens,
+        )
+        return PoolingRequestOutput(
+            request_id,
+            text,
+            request.prompt_token_ids,
+            EmbeddingOutput(embedding),
+            finished=True,
+            metrics=metrics,
+            num_cached_tokens=request.num_cached_tokens,
+            aborted=aborted or vector is None,
+        )
+
     def add_request(
         self,
         prompt: str | dict | list[int],
@@ -165,11 +324,20 @@ class LLMEngine:
         priority: int = 0,
         arrival_time: float | None = None,
         lora_request: LoRARequest | None = None,
+        kv_transfer_params: dict[str, Any] | None = None,
     ) -> str:
-        """Queue a request; returns its id. Raises ConfigError (nothing queued) for invalid input."""
+        """Queue a request; returns its id. Raises ConfigError (nothing queued) for invalid input. With
+        PoolingParams (runner="pooling"), an embedding request. `kv_transfer_params` (or the prompt dict's
+        "kv_transfer_params", how AsyncLLM's callers pass it) is for the KV connector: disaggregated prefill."""
+        if isinstance(params, PoolingParams):
+            return self._add_pooling_request(prompt, params, request_id, priority, arrival_time, lora_request)
         params = params or self.default_sampling_params()
         text, prompt_token_ids = self.tokenize(prompt)
         self.validate(prompt_token_ids, params)
+        if kv_transfer_params is None and isinstance(prompt, dict):
+            kv_transfer_params = prompt.get("kv_transfer_params")
+        if kv_transfer_params is not None and (not isinstance(kv_transfer_params, dict) or params.n > 1):
+            raise ConfigError("kv_transfer_params must be a JSON object, on a request with n = 1")
         if lora_request is not None:
             self.runner.add_lora(lora_request)  # loads it now: a bad adapter fails here, alone
         request_id = request_id if request_id is not None else str(next(self._ids))
@@ -188,6 +356,7 @@ class LLMEngine:
                     arrival_time,
                     priority,
                     lora_request,
+                    kv_transfer_params=kv_transfer_params,
                 )
             )
         if params.structured_outputs is not None:
@@ -211,34 +380,61 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Abort a request (all its samples) in any state; its KV blocks are freed at once."""
+        if request_id in self._pooling:
+            self.scheduler.abort_request(request_id)
+            self.runner.release([request_id])
+            return self._pooling_output(request_id, aborted=True)
         for child_id in self.output_processor.child_ids(request_id):
             self.scheduler.abort_request(child_id)
         self.runner.release(self.output_processor.child_ids(request_id))
         return self.output_processor.abort(request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        """Requests to run, or KV transfers in flight (the loop steps until they end, then frees their blocks)."""
+        return self.scheduler.has_unfinished_requests() or self.scheduler.has_kv_transfers()
 
     # -- the loop ---------------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        if self._failure is not None:
+            raise self._failure
         out = self.scheduler.schedule()
         self.runner.forget(out.preempted)
         self.runner.release(out.finished_ids)
-        if out.is_empty:
+        if out.is_empty and out.kv_connector_metadata is None:
             return []
         try:
             result = self.runner.execute(out)
-        except Exception:
+        except Exception as exc:
+            self._check_ranks(exc)
             logger.exception("a step of %d requests failed; running them one at a time", len(out.scheduled))
             return self._step_one_by_one(out)
-        return self._update(out, result)
+        outputs = self._update(out, result)
+        if out.is_empty and not result.kv_connector_output:
+            time.sleep(_TRANSFER_POLL_S)  # only transfers in flight, none ended: wait a little, do not spin
+        return outputs
 
     def _update(self, out: SchedulerOutput, result: StepResult) -> list[RequestOutput]:
+        if result.kv_connector_output is not None:
+            self.scheduler.update_kv_transfers(result.kv_connector_output)
         updated = self.scheduler.update_from_output(out, result.sampled, result.spec_token_ids)
+        pooled = [r for r in updated if r.pooling_params is not None]  # finished with their prompt
+        if pooled:
+            updated = [r for r in updated if r.pooling_params is None]
         outputs, stopped = self.output_processor.process(updated, result.logprobs, result.prompt_logprobs)
         for request_id, stop_string in stopped:
             self.scheduler.finish_request(request_id, RequestStatus.FINISHED_STOPPED, stop_string)
+        if self.scheduler.kv_connector is not None:  # what the connector returned when each finished
+            finished = {r.request_id: r for r in updated if r.is_finished}
+            for output in outputs:
+                if output.finished and output.request_id in finished:
+                    output.kv_transfer_params = finished[output.request_id].kv_transfer_output
+        for request in pooled:
+            vector = result.pooled.get(request.request_id)
+            if vector is None:
+                outputs.append(self._fail(request.request_id, RuntimeError("the runner pooled nothing")))
+            else:
+                outputs.append(self._pooling_output(request.request_id, vector))
         return outputs
 
     def _step_one_by_one(self, out: SchedulerOutput) -> list[RequestOutput]:
@@ -259,18 +455,51 @@ class LLMEngine:
                 finished_ids=set(),
                 block_ids={rid: out.block_ids[rid]},
                 total_num_scheduled_tokens=out.num_scheduled_tokens[rid],
+                kv_connector_metadata=None,
             )
             try:
                 result = self.runner.execute(alone)
             except Exception as exc:
+                self._check_ranks(exc)
                 outputs.append(self._fail(rid, exc))
                 continue
             outputs += self._update(alone, result)
         return outputs
 
+    def _check_ranks(self, exc: Exception) -> None:
+        """Raise RankFailure, for good, when a failed step means the model's ranks are gone."""
+        if self.ranks is None:
+            return
+        failure = self.ranks.failure(exc)
+        if failure is not None:
+            self._failure = failure
+            logger.error("%s", failure)
+            raise failure from exc
+
+    def shutdown(self) -> None:
+        """Stop the model's other ranks, if it has any (an engine without them needs no shutdown), and close
+        the KV connector's sockets and threads."""
+        for connector in (
+            getattr(getattr(self, name, None), "kv_connector", None) for name in ("runner", "scheduler")
+        ):
+            if connector is not None:
+                connector.close()
+        if self.ranks is None or self.ranks.closed:
+            return
+        runner = getattr(self, "runner", None)
+        if runner is not None and self._failure is None:
+            try:
+                runner.stop_ranks()
+            except Exception:
+                logger.debug("the ranks did not take the stop message", exc_info=True)
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+        self.ranks.close(wait=10.0 if self._failure is None else 0.5)
+
     def _fail(self, child_id: str, exc: Exception) -> RequestOutput:
         """End the request a failing sample belongs to (all its samples), saying why in `error`."""
-        parent_id = self.output_processor.child_to_parent[child_id][0].request_id
+        entry = self.output_processor.child_to_parent.get(child_id)
+        parent_id = entry[0].request_id if entry is not None else child_id  # a pooling request has no parent
         logger.error("request %s failed in the model runner; ending it alone", parent_id, exc_info=exc)
         output = self.abort_request(parent_id)
         output.error = f"the model runner failed on this request: {exc!r}"
@@ -296,7 +525,8 @@ def _load_tokenizer_and_weights(setup: EngineSetup):
         from pagellm.models.gguf import iter_gguf_weights  # packed blocks straight from the file
 
         return tokenizer, iter_gguf_weights(source.gguf_original, setup.hf_config, raw_linear=True)
-    return tokenizer, iter_checkpoint_weights(source.directory)
+    split = setup.config.tensor_parallel_size * setup.config.pipeline_parallel_size > 1
+    return tokenizer, iter_checkpoint_weights(source.directory, lazy=split)  # a rank reads only its part
 
 
 def _eos_token_ids(setup: EngineSetup, tokenizer) -> set[int]:
@@ -329,3 +559,26 @@ def _generation_defaults(setup: EngineSetup) -> dict[str, Any]:
         return {}
     diff = generation.to_diff_dict()
     return {k: diff[k] for k in _GENERATION_DEFAULTS if k in diff and diff[k] is not None}
+
+
+def _check_kv_transfer(setup: EngineSetup) -> None:
+    """Refuse a kv_transfer_config that cannot work, before any weight loads."""
+    config, transfer = setup.config, setup.config.kv_transfer
+    if transfer is None:
+        return
+    known = setup.registry.kv_connectors
+    if transfer.kv_connector not in known:
+        raise ConfigError(
+            f"kv_transfer_config.kv_connector: no connector {transfer.kv_connector!r} is installed; "
+            f"installed: {', '.join(sorted(known)) or 'none'} (see `pagellm plugins`)"
+        )
+    known[transfer.kv_connector].check_config(transfer)
+    refused = [
+        (config.tensor_parallel_size * config.pipeline_parallel_size > 1, "tensor or pipeline parallelism"),
+        (config.speculative is not None and config.speculative.method == "draft_model", "a draft model"),
+        (not config.enable_prefix_caching, "prefix caching off (loaded KV is found as prefix-cache hits)"),
+        (getattr(config, "runner", "generate") != "generate", "runner='pooling'"),
+    ]
+    for refuse, what in refused:
+        if refuse:
+            raise ConfigError(f"kv_transfer_config cannot run with {what} yet; leave one of them out")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass
@@ -57,3 +58,34 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
     error: str | None = None  # set when the engine failed on this request alone; its samples end "abort"
+    # what the KV connector returned when it finished (disaggregated prefill: where the decode side fetches)
+    kv_transfer_params: dict[str, Any] | None = None
+
+
+@dataclass
+class EmbeddingOutput:
+    """A pooling request's vector: truncated to its `dimensions` and normalised as it asked."""
+
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class PoolingRequestOutput:
+    """What an embedding request returns (vLLM's EmbeddingRequestOutput): one output, when it finishes."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = True
+    metrics: RequestMetrics | None = None
+    num_cached_tokens: int = 0
+    error: str | None = None  # set when the engine failed on this request alone (then `outputs` is empty)
+    aborted: bool = False  # ended before its prompt ran through (an abort, or the error above)
+
+
+EmbeddingRequestOutput = PoolingRequestOutput

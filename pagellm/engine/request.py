@@ -13,11 +13,12 @@ from typing import Any
 
 class RequestStatus(enum.IntEnum):
     WAITING = 0
-    RUNNING = 1
-    PREEMPTED = 2
-    FINISHED_STOPPED = 3
-    FINISHED_LENGTH = 4
-    FINISHED_ABORTED = 5
+    WAITING_FOR_REMOTE_KVS = 1  # holds blocks a KV connector is filling; not in the waiting queue
+    RUNNING = 2
+    PREEMPTED = 3
+    FINISHED_STOPPED = 4
+    FINISHED_LENGTH = 5
+    FINISHED_ABORTED = 6
 
     @property
     def is_finished(self) -> bool:
@@ -48,10 +49,14 @@ class Request:
         arrival_time: float | None = None,
         priority: int = 0,
         lora_request: Any = None,
+        pooling_params: Any = None,
+        kv_transfer_params: dict[str, Any] | None = None,
     ):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
-        self.sampling_params = sampling_params
+        self.sampling_params = sampling_params  # None for a pooling request
+        # core.pooling.PoolingParams (resolved) for a pooling request: it finishes after its prompt, no tokens
+        self.pooling_params = pooling_params
         self.eos_token_ids = frozenset(eos_token_ids)
         self.priority = priority  # lower is scheduled sooner
         self.status = RequestStatus.WAITING
@@ -64,6 +69,10 @@ class Request:
         self.spec_token_ids: list[int] = []  # drafts proposed for the next step (speculative decoding)
         self.grammar: Any = None  # structured_output.grammar.RequestGrammar when the output is constrained
         self.lora_request = lora_request  # lora.request.LoRARequest, or None for the base model
+        # disaggregated prefill/decode: what the client sent for the KV connector, and what goes back to it
+        self.kv_transfer_params = kv_transfer_params
+        self.kv_transfer_output: dict[str, Any] | None = None
+        self.kv_loaded = False  # its KV connector load ended since it was last admitted: do not load again
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
@@ -84,6 +93,14 @@ class Request:
         """What its prefix-cache keys start from: an adapter's KV never serves another's requests."""
         r = self.lora_request
         return ("lora", r.lora_int_id, r.lora_name, r.lora_path) if r is not None else None
+
+    @property
+    def needs_every_prompt_position(self) -> bool:
+        """Whether each prompt position must run here, so no prefix-cache hit may stand in for it: prompt
+        logprobs, or pooling over more than the last token (MEAN, CLS)."""
+        if self.pooling_params is not None:
+            return self.pooling_params.pooling_type != "LAST"
+        return self.sampling_params.prompt_logprobs is not None
 
     @property
     def num_prompt_tokens(self) -> int:

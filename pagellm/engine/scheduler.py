@@ -15,6 +15,14 @@ Once verified, `num_computed_tokens` moves past the accepted drafts only, so the
 overwritten when those positions run again, and a block is offered to the prefix cache only when
 accepted tokens fill it. `num_lookahead_tokens` more slots are allocated for a draft model's own KV.
 
+KV connector (disaggregated prefill/decode, core/kv_connector.py): a waiting request whose next blocks can
+be loaded from outside gets blocks for them and waits out of the queue (WAITING_FOR_REMOTE_KVS) until the
+worker reports the load ended; then its loaded blocks, up to the first that failed, go into the prefix
+cache, it releases every block and goes back to the head of the queue, where it finds them as hits. So only
+running and loading requests hold blocks, a failed load costs a recompute, and a request preempted later
+finds what it received in the prefix cache. A finished request the connector must still send keeps its
+blocks until the worker reports them sent.
+
 Between `schedule()` and `update_from_output()`, a scheduled request's `num_computed_tokens` is the
 position of its first scheduled token.
 """
@@ -23,14 +31,18 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass
 
 from pagellm.core.errors import ConfigError
+from pagellm.core.kv_connector import KVConnector, KVConnectorOutput
 from pagellm.engine.kv_cache_manager import KVCacheManager
 from pagellm.engine.request import Request, RequestStatus
 from pagellm.worker.step import SchedulerOutput
+
+logger = logging.getLogger("pagellm")
 
 
 @dataclass
@@ -45,6 +57,8 @@ class SchedulerStats:
     spec_num_draft_tokens: int = 0  # cumulative: drafts the target verified
     spec_num_accepted_tokens: int = 0  # cumulative: of those, accepted
     spec_accepted_per_position: tuple[int, ...] = ()  # cumulative acceptances of the 1st, 2nd, ... draft
+    kv_transfer_loaded_tokens: int = 0  # cumulative: tokens a KV connector loaded (then prefix-cache hits)
+    kv_transfer_load_failures: int = 0  # cumulative: loads that ended short (missing, corrupt, timed out)
 
     @property
     def spec_acceptance_rate(self) -> float | None:
@@ -115,6 +129,7 @@ class Scheduler:
         policy: str = "fcfs",
         num_lookahead_tokens: int = 0,
         max_loras: int | None = None,
+        kv_connector: KVConnector | None = None,
     ):
         if policy not in ("fcfs", "priority"):
             raise ConfigError(f"scheduling_policy must be fcfs or priority, not {policy!r}")
@@ -147,6 +162,17 @@ class Scheduler:
         self.spec_num_accepted_tokens = 0
         self.spec_accepted_per_position: list[int] = []
         self._finished_ids: set[str] = set()
+        if kv_connector is not None and not enable_prefix_caching:
+            raise ConfigError(
+                "kv_transfer_config needs prefix caching (loaded KV is found as prefix-cache hits); "
+                "leave enable_prefix_caching on"
+            )
+        self.kv_connector = kv_connector  # the scheduler's half
+        # loading: request id -> (request, tokens of its local prefix-cache hit, external tokens)
+        self._parked: dict[str, tuple[Request, int, int]] = {}
+        self._sending: dict[str, Request] = {}  # finished, blocks held until the connector sent them
+        self.kv_transfer_loaded_tokens = 0
+        self.kv_transfer_load_failures = 0
 
     def add_request(self, request: Request) -> None:
         if not 0 < request.num_prompt_tokens <= self.max_model_len:
@@ -171,12 +197,16 @@ class Scheduler:
             return
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
-        else:
+        elif request.status != RequestStatus.WAITING_FOR_REMOTE_KVS:
             self.waiting.remove(request)
         self._finish(request, status, stop_reason)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
+
+    def has_kv_transfers(self) -> bool:
+        """Loads or sends in flight: the engine must keep stepping to hear how they end."""
+        return bool(self._parked or self._sending)
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)
@@ -202,6 +232,8 @@ class Scheduler:
             spec_num_draft_tokens=self.spec_num_draft_tokens,
             spec_num_accepted_tokens=self.spec_num_accepted_tokens,
             spec_accepted_per_position=tuple(self.spec_accepted_per_position),
+            kv_transfer_loaded_tokens=self.kv_transfer_loaded_tokens,
+            kv_transfer_load_failures=self.kv_transfer_load_failures,
         )
 
     def schedule(self) -> SchedulerOutput:
@@ -249,7 +281,12 @@ class Scheduler:
         new_request_ids = set()
         compiling: list[Request] = []  # waiting for a grammar or an adapter slot: they keep their place
         adapters = {r.lora_int_id for r in self.running} - {0}
-        while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while (
+            not preempted
+            and self.waiting
+            and budget > 0
+            and len(self.running) + len(self._parked) < self.max_num_seqs  # a loading request runs next
+        ):
             request = self.waiting.peek()
             lora = request.lora_int_id
             if (request.grammar is not None and not request.grammar.ready) or (
@@ -261,6 +298,16 @@ class Scheduler:
                 compiling.append(self.waiting.pop())
                 continue
             computed_blocks, num_hit = kv.get_computed_blocks(request)
+            if self.kv_connector is not None and not request.kv_loaded and kv.uses_prefix_cache(request):
+                num_external = self._external_tokens(request, num_hit)
+                if num_external is None:  # the connector does not know yet: it keeps its place
+                    compiling.append(self.waiting.pop())
+                    continue
+                if num_external:
+                    if not kv.allocate_slots(request, num_external, computed_blocks):
+                        break
+                    self._park(request, num_hit, num_external)
+                    continue
             n = request.num_tokens - num_hit
             if n > budget:
                 if not self.enable_chunked_prefill:
@@ -271,6 +318,8 @@ class Scheduler:
             self.waiting.pop()
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_hit
+            if self.kv_connector is not None:  # admitted without external tokens (it may release an offer)
+                self.kv_connector.update_state_after_alloc(request, kv.block_table(request.request_id), 0)
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = time.monotonic()
                 request.num_cached_tokens = num_hit
@@ -286,7 +335,7 @@ class Scheduler:
             self.waiting.prepend(request)
 
         finished_ids, self._finished_ids = self._finished_ids, set()
-        return SchedulerOutput(
+        output = SchedulerOutput(
             scheduled=scheduled,
             num_scheduled_tokens=num_scheduled,
             new_request_ids=new_request_ids,
@@ -297,6 +346,67 @@ class Scheduler:
             spec_token_ids=spec_token_ids,
             grammar_bitmasks=self._grammar_bitmasks(scheduled, num_scheduled, spec_token_ids),
         )
+        if self.kv_connector is not None:
+            output.kv_connector_metadata = self.kv_connector.build_connector_meta(output)
+        return output
+
+    def _external_tokens(self, request: Request, num_hit: int) -> int | None:
+        """Whole blocks after the local hit the connector can load, never the last known token."""
+        n = self.kv_connector.get_num_new_matched_tokens(request, num_hit)
+        if n is None:
+            return None
+        bs = self.kv_cache_manager.block_size
+        return max(0, min(n - n % bs, (request.num_tokens - 1) // bs * bs - num_hit))
+
+    def _park(self, request: Request, num_hit: int, num_external: int) -> None:
+        """The request (the queue's head) holds blocks for its external tokens and waits, out of the queue,
+        until the worker reports the load ended (`update_kv_transfers`)."""
+        self.waiting.pop()
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+        request.num_computed_tokens = num_hit
+        self._parked[request.request_id] = (request, num_hit, num_external)
+        block_ids = self.kv_cache_manager.block_table(request.request_id)
+        self.kv_connector.update_state_after_alloc(request, block_ids, num_external)
+
+    def update_kv_transfers(self, output: KVConnectorOutput) -> None:
+        """What the connector's worker reported after a step: requests whose KV was sent release their
+        blocks; requests whose load ended go back to the head of the queue, their loaded blocks up to the
+        first that failed made prefix-cache hits (the rest is recomputed)."""
+        kv = self.kv_cache_manager
+        for request_id in output.finished_sending:
+            request = self._sending.pop(request_id, None)
+            if request is not None:
+                kv.free(request)
+        for request_id in output.finished_recving:
+            entry = self._parked.pop(request_id, None)
+            if entry is None:
+                continue
+            request, num_hit, num_external = entry
+            if request.is_finished:  # aborted while loading: its blocks may be reused only now
+                kv.free(request)
+                continue
+            table, first = kv.block_table(request_id), num_hit // kv.block_size
+            num_ok = 0
+            while (
+                num_ok < num_external // kv.block_size
+                and table[first + num_ok] not in output.invalid_block_ids
+            ):
+                num_ok += 1
+            loaded = num_ok * kv.block_size
+            kv.release_loaded(request, num_hit, num_hit + loaded)
+            self.kv_transfer_loaded_tokens += loaded
+            if loaded < num_external:
+                self.kv_transfer_load_failures += 1
+                logger.warning(
+                    "request %s: %d of %d tokens of KV failed to load; recomputing them",
+                    request_id,
+                    num_external - loaded,
+                    num_external,
+                )
+            request.status = RequestStatus.WAITING
+            request.num_computed_tokens = 0
+            request.kv_loaded = True
+            self.waiting.prepend(request)
 
     @staticmethod
     def _grammar_bitmasks(scheduled, num_scheduled, spec_token_ids) -> dict:
@@ -330,7 +440,8 @@ class Scheduler:
 
         A request gets sampled tokens only when the step reached the end of its known tokens (a
         partial prefill chunk's sample is dropped). With drafts, the tokens are the accepted drafts then
-        the target's own token: the KV computed covers the accepted drafts, not the rejected ones."""
+        the target's own token: the KV computed covers the accepted drafts, not the rejected ones. A pooling
+        request (embeddings) finishes in the step that reaches the end of its prompt."""
         kv = self.kv_cache_manager
         now = time.monotonic()
         updated = []
@@ -343,6 +454,17 @@ class Scheduler:
             known = output.num_scheduled_tokens[rid] - len(drafts)
             new_token_ids = sampled.get(rid)
             request.spec_token_ids = []
+            if (
+                request.pooling_params is not None
+                and request.num_computed_tokens + known >= request.num_tokens
+            ):
+                # nothing to decode: a pooling request finishes with its prompt (the runner pooled it)
+                request.num_computed_tokens += known
+                kv.cache_blocks(request, request.num_computed_tokens)
+                self._finish(request, RequestStatus.FINISHED_STOPPED, None)
+                any_finished = True
+                updated.append(request)
+                continue
             if request.num_computed_tokens + known < request.num_tokens or not new_token_ids:
                 request.num_computed_tokens += known
                 kv.cache_blocks(request, request.num_computed_tokens)
@@ -410,6 +532,7 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.spec_token_ids = []
+        request.kv_loaded = False
         self.waiting.prepend(request)
         self.num_preemptions += 1
 
@@ -417,6 +540,16 @@ class Scheduler:
         request.status = status
         request.stop_reason = stop_reason
         request.finished_time = time.monotonic()
-        self.kv_cache_manager.free(request)
+        kv, request_id = self.kv_cache_manager, request.request_id
+        delay_free = False
+        if self.kv_connector is not None:
+            block_ids = list(kv.block_table(request_id)) if kv.has_blocks(request_id) else []
+            delay_free, request.kv_transfer_output = self.kv_connector.request_finished(request, block_ids)
+        if request_id in self._parked:
+            pass  # the connector may still be filling its blocks: freed when the load ends
+        elif delay_free and kv.has_blocks(request_id):
+            self._sending[request_id] = request
+        else:
+            kv.free(request)
         del self.requests[request.request_id]
         self._finished_ids.add(request.request_id)

@@ -108,10 +108,6 @@ def _backend_timer():
 
 def resolve_engine(config: EngineConfig) -> EngineSetup:
     """Everything decided at start-up, before weights are read. Raises ConfigError with the fix."""
-    if config.tensor_parallel_size != 1:
-        raise ConfigError(
-            f"--tensor-parallel-size {config.tensor_parallel_size}: tensor parallelism is not available yet; use 1"
-        )
     config.speculative  # noqa: B018 (a bad speculative_config fails here, before anything loads)
     registry = load_plugins()
     platform_choice = select_platform(registry, config.device)
@@ -120,6 +116,7 @@ def resolve_engine(config: EngineConfig) -> EngineSetup:
     source = resolve_model_source(config)
     hf_config = load_hf_config(source)
     model_class_path = resolve_model_class(hf_config, registry.models)
+    check_parallel(config, hf_config, import_model_class(model_class_path))
     dtype = resolve_dtype(config.dtype, hf_config, platform, gguf=source.gguf_original is not None)
     max_model_len = resolve_max_model_len(config.max_model_len, hf_config)
     quant = select_quant_method(
@@ -157,6 +154,48 @@ def resolve_engine(config: EngineConfig) -> EngineSetup:
         explanation=explanation,
         reasoning_parser=reasoning_parser(registry, config.reasoning_parser),
     )
+
+
+def check_parallel(config: EngineConfig, hf_config: Any, model_class: type) -> None:
+    """Refuse, before anything loads, a split the model or the engine cannot run, saying what fits."""
+    tp, pp, dp = config.tensor_parallel_size, config.pipeline_parallel_size, config.data_parallel_size
+    for name, size in (("tensor", tp), ("pipeline", pp), ("data", dp)):
+        if size < 1:
+            raise ConfigError(f"--{name}-parallel-size must be at least 1, got {size}")
+    if tp == 1 and pp == 1:
+        return
+    if not getattr(model_class, "supports_parallel", False):
+        raise ConfigError(
+            f"{model_class.__name__} does not support tensor or pipeline parallelism yet; use "
+            f"--tensor-parallel-size 1 --pipeline-parallel-size 1 (--data-parallel-size works with any model)"
+        )
+    heads = hf_config.num_attention_heads
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    if heads % tp:
+        raise ConfigError(
+            f"--tensor-parallel-size {tp}: the model's {heads} attention heads do not divide by it"
+        )
+    if (kv_heads % tp) if kv_heads >= tp else (tp % kv_heads):
+        raise ConfigError(
+            f"--tensor-parallel-size {tp}: the model's {kv_heads} KV heads neither divide by it nor divide it"
+        )
+    if hf_config.intermediate_size % tp:
+        raise ConfigError(
+            f"--tensor-parallel-size {tp}: the MLP width {hf_config.intermediate_size} does not divide by it"
+        )
+    if pp > hf_config.num_hidden_layers:
+        raise ConfigError(
+            f"--pipeline-parallel-size {pp} is more than the model's {hf_config.num_hidden_layers} layers"
+        )
+    refused = {
+        "quantization": config.quantization is not None or getattr(hf_config, "quantization_config", None),
+        "LoRA (enable_lora)": config.enable_lora,
+        "a draft model (speculative_config)": (config.speculative or None)
+        and config.speculative.method == "draft_model",
+    }
+    for what, on in refused.items():
+        if on:
+            raise ConfigError(f"{what} with tensor or pipeline parallelism is not supported yet")
 
 
 def reasoning_parser(registry, name: str | None) -> type | None:

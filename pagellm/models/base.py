@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -13,6 +14,7 @@ from torch import nn
 from pagellm.core.attention import AttentionBackend, AttentionSpec
 from pagellm.core.platform import PackedLinear
 from pagellm.core.quant import QuantMethod
+from pagellm.distributed import Group, Parallel
 
 
 def head_size(hf_config: Any) -> int:
@@ -31,6 +33,24 @@ class ModelInit:
     block_size: int = 16
     quant_method: QuantMethod | None = None  # an instance, shared by every linear layer
     kv_cache_dtype: torch.dtype | None = None  # None: the model's dtype
+    parallel: Parallel = field(default_factory=Parallel)  # this rank's tensor/pipeline-parallel place
+
+
+def rank_heads(spec: AttentionSpec, tp: Group) -> AttentionSpec:
+    """The spec of one tensor-parallel rank: its share of the query heads, and of the KV heads (one each,
+    replicated, when there are fewer KV heads than ranks)."""
+    if tp.size == 1:
+        return spec
+    return dataclasses.replace(
+        spec, num_heads=spec.num_heads // tp.size, num_kv_heads=max(1, spec.num_kv_heads // tp.size)
+    )
+
+
+def stage_layers(num_layers: int, pp: Group) -> range:
+    """The decoder layers of pipeline stage `pp.rank`: an even split, earlier stages taking the remainder."""
+    base, extra = divmod(num_layers, pp.size)
+    start = pp.rank * base + min(pp.rank, extra)
+    return range(start, start + base + (pp.rank < extra))
 
 
 class CausalLM(nn.Module):
@@ -43,6 +63,9 @@ class CausalLM(nn.Module):
     - attention_spec(hf_config, dtype, block_size, layer_idx) -> the spec of attention layer layer_idx
     Attention layers are `pagellm.models.layers.attention.Attention` with layer_idx 0..L-1.
     """
+
+    supports_parallel: bool = False
+    """Whether the class builds its layers for `ModelInit.parallel` (tensor and pipeline parallelism)."""
 
     packed_lm_head: PackedLinear | None = None
     """The output projection repacked by the platform (`Platform.pack_linear`, set by the model runner)."""

@@ -12,11 +12,12 @@ import torch
 from torch import nn
 
 from pagellm.core.attention import AttentionSpec
-from pagellm.models.base import CausalLM, ModelInit, head_size
+from pagellm.distributed import Group
+from pagellm.models.base import CausalLM, ModelInit, head_size, rank_heads, stage_layers
 from pagellm.models.layers.activation import GatedActivation
 from pagellm.models.layers.attention import Attention
 from pagellm.models.layers.embedding import Embedding
-from pagellm.models.layers.linear import Linear
+from pagellm.models.layers.linear import Linear, Shard
 from pagellm.models.layers.norm import RMSNorm
 from pagellm.models.layers.rotary import RotaryEmbedding, apply_rotary
 from pagellm.models.loader import copy_weights
@@ -50,17 +51,30 @@ def attention_spec(hf_config, dtype: torch.dtype, block_size: int, layer_idx: in
 
 
 class LlamaAttention(nn.Module):
+    """q/k/v column parallel by heads (a KV head replicated on several ranks when there are fewer KV heads
+    than ranks), o_proj row parallel."""
+
     def __init__(self, init: ModelInit, layer_idx: int, qkv_bias: bool, qk_norm: bool):
         super().__init__()
         c = init.hf_config
-        spec = attention_spec(c, init.dtype, init.block_size, layer_idx)
+        tp = init.parallel.tp
+        full = attention_spec(c, init.dtype, init.block_size, layer_idx)
+        spec = rank_heads(full, tp)
         self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_size
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         sizes = [self.q_size, self.kv_size, self.kv_size]
-        self.qkv_proj = Linear(c.hidden_size, sum(sizes), qkv_bias, init.dtype, init.quant_method, sizes)
+        kv_head = tp.rank * full.num_kv_heads // tp.size  # this rank's first KV head
+        kv = (kv_head * self.head_dim, self.kv_size)
+        qkv_shard = Shard(0, ((tp.rank * self.q_size, self.q_size), kv, kv)) if tp.size > 1 else None
+        self.qkv_proj = Linear(
+            c.hidden_size, sum(sizes), qkv_bias, init.dtype, init.quant_method, sizes, qkv_shard
+        )
         o_bias = getattr(c, "attention_bias", False)
-        self.o_proj = Linear(self.q_size, c.hidden_size, o_bias, init.dtype, init.quant_method)
+        o_shard = Shard(1, ((tp.rank * self.q_size, self.q_size),)) if tp.size > 1 else None
+        self.o_proj = Linear(
+            self.q_size, c.hidden_size, o_bias, init.dtype, init.quant_method, shard=o_shard, reduce=tp
+        )
         self.q_norm = RMSNorm(self.head_dim, c.rms_norm_eps, init.dtype) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, c.rms_norm_eps, init.dtype) if qk_norm else None
         self.attn = Attention(init, spec, layer_idx)
@@ -77,14 +91,34 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
+    """gate/up column parallel, down row parallel."""
+
     def __init__(self, init: ModelInit):
         super().__init__()
         c = init.hf_config
+        tp = init.parallel.tp
         bias = getattr(c, "mlp_bias", False)
-        size = c.intermediate_size
-        self.gate_up_proj = Linear(c.hidden_size, 2 * size, bias, init.dtype, init.quant_method, [size, size])
+        size = c.intermediate_size // tp.size
+        part = (tp.rank * size, size)
+        self.gate_up_proj = Linear(
+            c.hidden_size,
+            2 * size,
+            bias,
+            init.dtype,
+            init.quant_method,
+            [size, size],
+            Shard(0, (part, part)) if tp.size > 1 else None,
+        )
         self.act = GatedActivation(c.hidden_act)
-        self.down_proj = Linear(size, c.hidden_size, bias, init.dtype, init.quant_method)
+        self.down_proj = Linear(
+            size,
+            c.hidden_size,
+            bias,
+            init.dtype,
+            init.quant_method,
+            shard=Shard(1, (part,)) if tp.size > 1 else None,
+            reduce=tp,
+        )
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(h)))
@@ -109,22 +143,48 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    """With pipeline parallelism a stage builds only its own layers (the others are empty placeholders,
+    so parameter names stay the checkpoint's); the first stage embeds, the last normalises and hands the
+    final hidden states back to the first, which holds the output projection."""
+
     def __init__(self, init: ModelInit, qkv_bias: bool, qk_norm: bool):
         super().__init__()
         c = init.hf_config
-        self.embed_tokens = Embedding(c.vocab_size, c.hidden_size, init.dtype)
+        self.pp: Group = init.parallel.pp
+        self.own = stage_layers(c.num_hidden_layers, self.pp)
+        first, last = self.pp.rank == 0, self.pp.rank == self.pp.size - 1
+        self.embed_tokens = (
+            Embedding(c.vocab_size, c.hidden_size, init.dtype, init.parallel.tp) if first else None
+        )
         self.rotary_emb = RotaryEmbedding(c)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(init, i, qkv_bias, qk_norm) for i in range(c.num_hidden_layers)
+            LlamaDecoderLayer(init, i, qkv_bias, qk_norm) if i in self.own else nn.Identity()
+            for i in range(c.num_hidden_layers)
         )
-        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, init.dtype)
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, init.dtype) if last else None
+        self.hidden_size, self.dtype = c.hidden_size, init.dtype
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         cos, sin = self.rotary_emb.cos_sin(positions)
-        h, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
-            h, residual = layer(h, residual, cos, sin)
-        return self.norm.add_and_norm(h, residual)[0]
+        pp = self.pp
+        if pp.rank == 0:
+            h, residual = self.embed_tokens(input_ids), None
+        else:
+            h, residual = self._receive(input_ids, pp.rank - 1), self._receive(input_ids, pp.rank - 1)
+        for i in self.own:
+            h, residual = self.layers[i](h, residual, cos, sin)
+        if pp.rank < pp.size - 1:
+            pp.send(h, pp.rank + 1)
+            pp.send(residual, pp.rank + 1)
+            return self._receive(input_ids, pp.size - 1) if pp.rank == 0 else h
+        h = self.norm.add_and_norm(h, residual)[0]
+        if pp.size > 1:
+            pp.send(h, 0)
+        return h
+
+    def _receive(self, input_ids: torch.Tensor, source: int) -> torch.Tensor:
+        buffer = torch.empty(input_ids.shape[0], self.hidden_size, dtype=self.dtype, device=input_ids.device)
+        return self.pp.recv(buffer, source)
 
 
 class LlamaForCausalLM(CausalLM):
@@ -133,23 +193,34 @@ class LlamaForCausalLM(CausalLM):
     qk_norm: bool = False
     """RMSNorm over each head of q and k before rotary (Qwen3)."""
     attention_spec = staticmethod(attention_spec)
+    supports_parallel = True
 
     def __init__(self, init: ModelInit):
         super().__init__()
         c = init.hf_config
         qkv_bias = self.qkv_bias if self.qkv_bias is not None else getattr(c, "attention_bias", False)
         self.model = LlamaModel(init, qkv_bias, self.qk_norm)
+        self.tp = init.parallel.tp
+        self.vocab_size = c.vocab_size
         self.tied = bool(getattr(c, "tie_word_embeddings", False))
-        if self.tied:
+        self.first_stage = init.parallel.pp.rank == 0
+        if not self.first_stage:
+            self.lm_head = None
+        elif self.tied:
             self.lm_head = self.model.embed_tokens
         else:
-            self.lm_head = Linear(c.hidden_size, c.vocab_size, False, init.dtype)
+            rows = -(-c.vocab_size // self.tp.size)
+            shard = Shard(0, ((self.tp.rank * rows, rows),)) if self.tp.size > 1 else None
+            self.lm_head = Linear(c.hidden_size, rows, False, init.dtype, shard=shard)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.project_logits(hidden, self.lm_head.weight)
+        logits = self.project_logits(hidden, self.lm_head.weight)
+        if self.tp.size == 1:
+            return logits
+        return self.tp.all_gather(logits, dim=-1)[:, : self.vocab_size]  # each rank's rows of the vocab
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         return copy_weights(self, weights, STACKED, self._adapt)
@@ -157,7 +228,19 @@ class LlamaForCausalLM(CausalLM):
     def _adapt(self, name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor] | None:
         if name.endswith("rotary_emb.inv_freq") or (self.tied and name == "lm_head.weight"):
             return None
+        if not self._on_this_stage(name):
+            return None
         return name, tensor
+
+    def _on_this_stage(self, name: str) -> bool:
+        """Whether checkpoint tensor `name` belongs to this pipeline stage's modules."""
+        if name.startswith("model.layers."):
+            return int(name.split(".")[2]) in self.model.own
+        if name.startswith("model.norm."):
+            return self.model.norm is not None
+        if name.startswith(("model.embed_tokens.", "lm_head.")):
+            return self.first_stage
+        return True
 
 
 class MistralForCausalLM(LlamaForCausalLM):

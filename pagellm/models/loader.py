@@ -102,6 +102,11 @@ def _copy_one(model: nn.Module, name: str, tensor: torch.Tensor, shard: int | No
     param = getattr(module, attr, None)
     if not isinstance(param, torch.Tensor):
         raise ConfigError(f"checkpoint tensor {name!r} has no counterpart in {type(model).__name__}")
+    narrow = getattr(module, "narrow_checkpoint", None)
+    if narrow is not None:  # tensor parallelism: this rank's slice only
+        tensor = narrow(attr, tensor, shard)
+    if isinstance(tensor, CheckpointSlice):
+        tensor = tensor.load()
     weight_loader = getattr(param, "weight_loader", None)
     if weight_loader is not None:
         weight_loader(param, tensor, shard)
@@ -116,10 +121,31 @@ def _copy_one(model: nn.Module, name: str, tensor: torch.Tensor, shard: int | No
         param.data.copy_(tensor)
 
 
-def iter_checkpoint_weights(model_dir: str | os.PathLike) -> Iterator[tuple[str, torch.Tensor]]:
+class CheckpointSlice:
+    """A safetensors tensor not read yet: `narrow` reads only the part asked for (a tensor-parallel rank's
+    rows or columns), `load` all of it."""
+
+    def __init__(self, handle, name: str):
+        self._slice = handle.get_slice(name)
+        self.shape = torch.Size(self._slice.get_shape())
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        index = [slice(None)] * len(self.shape)
+        index[dim] = slice(start, start + length)
+        return self._slice[tuple(index)]
+
+    def load(self) -> torch.Tensor:
+        return self._slice[:]
+
+
+def iter_checkpoint_weights(
+    model_dir: str | os.PathLike, lazy: bool = False
+) -> Iterator[tuple[str, torch.Tensor | CheckpointSlice]]:
     """(name, tensor) for every tensor of a Hugging Face checkpoint directory, one file at a time.
 
-    Prefers safetensors (sharded by index json, or every *.safetensors file) over pytorch_model*.bin."""
+    Prefers safetensors (sharded by index json, or every *.safetensors file) over pytorch_model*.bin.
+    `lazy`: safetensors tensors come as `CheckpointSlice`s, read when copied, and then only the part the
+    layer keeps (for a model class whose name mapping does not touch tensor data: `supports_parallel`)."""
     root = Path(model_dir)
     files = _checkpoint_files(root, "model.safetensors.index.json", "*.safetensors")
     if files:
@@ -128,7 +154,7 @@ def iter_checkpoint_weights(model_dir: str | os.PathLike) -> Iterator[tuple[str,
         for path in files:
             with safe_open(str(path), framework="pt") as f:
                 for name in f.keys():
-                    yield name, f.get_tensor(name)
+                    yield name, CheckpointSlice(f, name) if lazy else f.get_tensor(name)
         return
     files = _checkpoint_files(root, "pytorch_model.bin.index.json", "pytorch_model*.bin")
     if not files:

@@ -75,6 +75,12 @@ def check_tensor_parallel(platform: type[Platform], config: EngineConfig) -> Non
             f"tensor_parallel_size {config.tensor_parallel_size} is more than the {count} {platform.name} "
             f"device(s) visible here; pass --tensor-parallel-size {count} or less"
         )
+    ranks = config.tensor_parallel_size * config.pipeline_parallel_size
+    if ranks > count and config.distributed_executor_backend != "ray":
+        raise ConfigError(
+            f"tensor_parallel_size {config.tensor_parallel_size} x pipeline_parallel_size "
+            f"{config.pipeline_parallel_size} needs {ranks} {platform.name} devices, {count} are visible here"
+        )
 
 
 class AcceleratorPlatform(Platform):

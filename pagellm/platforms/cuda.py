@@ -30,6 +30,7 @@ def _cuda_device_count() -> int:
 class CudaPlatform(TorchRuntimePlatform):
     name = "cuda"
     device_type = "cuda"
+    dist_backend = "nccl"
     runtime = "cuda"
     priority = 100
     attention_backends = ("FLASH_ATTN", "TRITON_ATTN", "FLEX_ATTENTION", "TORCH_SDPA")

@@ -35,6 +35,7 @@ def _rocm_device_count() -> int:
 class RocmPlatform(TorchRuntimePlatform):
     name = "rocm"
     device_type = "cuda"
+    dist_backend = "nccl"
     runtime = "cuda"
     priority = 100
     supported_dtypes = (torch.bfloat16, torch.float16, torch.float32)

@@ -24,6 +24,7 @@ def _xpu_device_count() -> int:
 class XpuPlatform(TorchRuntimePlatform):
     name = "xpu"
     device_type = "xpu"
+    dist_backend = "xccl"
     runtime = "xpu"
     priority = 90
     supported_dtypes = (torch.bfloat16, torch.float16, torch.float32)

@@ -100,6 +100,19 @@ def pagellm_tool_parsers() -> list:
 
 
 @hookspec
+def pagellm_kv_connectors() -> list:
+    """Return the KV connectors this plugin provides (`--kv-transfer-config`; plugin API 1.2).
+
+    Called when plugins load. A connector moves KV-cache blocks between an engine and the outside (another
+    engine over a network or a fabric, a directory), for disaggregated prefill and decode.
+
+    :returns: `pagellm.core.kv_connector.KVConnector` subclasses. Each is registered under its `name`,
+        which users pass as `kv_transfer_config.kv_connector`; a name already registered is an error naming
+        both distributions.
+    """
+
+
+@hookspec
 def pagellm_cli_commands() -> list:
     """Return commands to add to the `pagellm` command line.
 

@@ -25,7 +25,7 @@ from pagellm.plugins import hookspecs
 logger = logging.getLogger("pagellm.plugins")
 
 ENTRY_POINT_GROUP = "pagellm.plugins"
-API_VERSION = "1.1"  # 1.1: pagellm_reasoning_parsers, pagellm_tool_parsers
+API_VERSION = "1.2"  # 1.1: pagellm_reasoning_parsers, pagellm_tool_parsers; 1.2: pagellm_kv_connectors
 """Plugins declare the version they were written for; same major and a minor no newer than ours loads."""
 
 DEPRECATED_HOOKS: dict[str, str] = {}
@@ -38,6 +38,7 @@ _HOOK_TABLES = {
     "pagellm_models": "models",
     "pagellm_reasoning_parsers": "reasoning_parsers",
     "pagellm_tool_parsers": "tool_parsers",
+    "pagellm_kv_connectors": "kv_connectors",
 }
 
 _lock = threading.Lock()

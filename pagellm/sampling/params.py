@@ -150,3 +150,44 @@ class SamplingParams:
 
     def clone(self) -> SamplingParams:
         return copy.deepcopy(self)
+
+
+@dataclass
+class BeamSearchParams:
+    """How `LLM.beam_search` searches (vLLM's names, plus transformers' `early_stopping`).
+
+    It keeps the `beam_width` sequences with the highest cumulative log-probability, for up to `max_tokens`
+    tokens; a beam that samples an EOS token (unless `ignore_eos`) is finished. Finished beams rank by
+    `cum_logprob / generated_tokens ** length_penalty` (the EOS token counted), as in transformers.
+    `early_stopping` is transformers' rule for when to stop: False (its default) stops once `beam_width`
+    beams are finished and the best running beam, at its current length, cannot beat the worst of them;
+    True stops as soon as `beam_width` beams are finished; "never" stops only when no running beam can
+    beat them at any length (the exhaustive search). Beam search is deterministic: `temperature` (kept for
+    vLLM's signature) must be 0, and the model's sampling defaults do not apply."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
+
+    def __post_init__(self) -> None:
+        rules = (
+            ("beam_width", _is_int(self.beam_width) and self.beam_width >= 1, "must be an integer >= 1"),
+            ("max_tokens", _is_int(self.max_tokens) and self.max_tokens >= 1, "must be an integer >= 1"),
+            ("temperature", self.temperature == 0, "must be 0: beam search is deterministic"),
+            ("length_penalty", math.isfinite(self.length_penalty), "must be a finite number"),
+            (
+                "early_stopping",
+                isinstance(self.early_stopping, bool) or self.early_stopping == "never",
+                'must be true, false or "never"',
+            ),
+        )
+        for name, ok, rule in rules:
+            if not ok:
+                raise ValueError(f"{name} {rule}, got {getattr(self, name)!r}")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

@@ -9,7 +9,10 @@ or before its first token.
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
+import dataclasses
+import functools
 import hmac
 import itertools
 import json
@@ -20,6 +23,7 @@ from collections.abc import AsyncIterator, Sequence
 from http import HTTPStatus
 from typing import Any
 
+import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel
@@ -28,14 +32,16 @@ from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from pagellm.core.pooling import PoolingParams
 from pagellm.engine.async_llm import AsyncLLM, RequestStream
+from pagellm.engine.beam_search import BeamSearchOutput, async_llm_step, beam_search_async, check_fits
 from pagellm.engine.llm_engine import PromptTooLongError
 from pagellm.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from pagellm.engine.setup import reasoning_parser
 from pagellm.lora.adapter import load_adapter
 from pagellm.lora.request import LoRARequest
 from pagellm.plugins.loader import load_plugins
-from pagellm.sampling.params import SamplingParams
+from pagellm.sampling.params import BeamSearchParams, SamplingParams
 from pagellm.server import errors
 from pagellm.server.limits import DEFAULT_MAX_BODY_MB, DEFAULT_MAX_N
 from pagellm.server.metrics import PrometheusStatLogger
@@ -56,6 +62,10 @@ from pagellm.server.protocol import (
     DeltaMessage,
     DetokenizeRequest,
     DetokenizeResponse,
+    EmbeddingData,
+    EmbeddingRequest,
+    EmbeddingResponse,
+    EmbeddingUsage,
     ErrorResponse,
     LoadLoRARequest,
     ModelCard,
@@ -78,7 +88,13 @@ logger = logging.getLogger("pagellm")
 
 OPEN_PATHS = ("/health", "/metrics")  # answered without an API key
 _MIN_LOGPROB = -9999.0  # JSON has no -inf
+MAX_EMBEDDING_INPUTS = 2048  # OpenAI's limit on one embeddings request's inputs
 CLIENT_CLOSED_REQUEST = 499  # nobody reads it; it keeps the log free of tracebacks
+FIM_TOKENS = (  # fill-in-the-middle (prefix, suffix, middle) tokens, as tokenizers spell them
+    ("<fim_prefix>", "<fim_suffix>", "<fim_middle>"),  # StarCoder, StarCoder2
+    ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"),  # Qwen2.5-Coder, CodeGemma
+    ("<｜fim▁begin｜>", "<｜fim▁hole｜>", "<｜fim▁end｜>"),  # DeepSeek-Coder
+)
 
 
 def build_app(
@@ -134,6 +150,10 @@ def build_app(
         app.post("/v1/unload_lora_adapter", responses=posted)(server.unload_lora_adapter)
     app.post("/tokenize", responses=posted)(server.tokenize)
     app.post("/detokenize", responses=posted)(server.detokenize)
+    app.post("/v1/embeddings", responses=posted)(server.embeddings)
+    from pagellm.server import anthropic  # it builds on this module's _Server
+
+    anthropic.add_routes(app, server)
     _document_400_not_422(app)
     return app
 
@@ -172,15 +192,20 @@ class APIKeyMiddleware:
         if scope["type"] != "http" or scope["path"] in OPEN_PATHS or self._authorized(scope):
             await self.app(scope, receive, send)
             return
-        await errors.error_response(errors.invalid_api_key())(scope, receive, send)
+        path = scope["path"]
+        await errors.error_response(errors.invalid_api_key(path), path=path)(scope, receive, send)
 
     def _authorized(self, scope: Scope) -> bool:
-        header = Headers(scope=scope).get("authorization", "")
-        scheme, _, token = header.partition(" ")
-        given = token.strip().encode() if scheme.lower() == "bearer" else b""
+        """`Authorization: Bearer KEY`; on Anthropic's paths also `x-api-key: KEY`, as its clients send."""
+        headers = Headers(scope=scope)
+        scheme, _, token = headers.get("authorization", "").partition(" ")
+        given = [token.strip().encode() if scheme.lower() == "bearer" else b""]
+        if errors.is_anthropic(scope["path"]):
+            given.append(headers.get("x-api-key", "").strip().encode())
         match = False
         for key in self.keys:  # no early exit: the time does not depend on which key matched
-            match |= hmac.compare_digest(given, key)
+            for candidate in given:
+                match |= hmac.compare_digest(candidate, key)
         return match
 
 
@@ -199,7 +224,7 @@ class BodySizeLimitMiddleware:
         too_large = errors.body_too_large(self.max_bytes)
         length = Headers(scope=scope).get("content-length", "")
         if length.isdigit() and int(length) > self.max_bytes:
-            await errors.error_response(too_large)(scope, receive, send)
+            await errors.error_response(too_large, path=scope["path"])(scope, receive, send)
             return
         received = 0
 
@@ -304,32 +329,171 @@ class _Server:
             )
         return DetokenizeResponse(prompt=await asyncio.to_thread(self.tokenizer.decode, request.tokens))
 
+    # -- embeddings -------------------------------------------------------------------------------------
+
+    async def embeddings(self, request: EmbeddingRequest, raw_request: Request) -> EmbeddingResponse:
+        """OpenAI's embeddings: one engine request per input, pooled by the engine (--runner pooling)."""
+        model = self._model(request.model)
+        if self.llm.config.runner != "pooling":
+            raise errors.bad_request(
+                "this server generates text; embeddings need a model served with --runner pooling", "model"
+            )
+        prompts = await asyncio.to_thread(self._tokenize_prompts, request.inputs())
+        if not prompts:
+            raise errors.bad_request("input is empty; give a string, a list of strings or token ids", "input")
+        if len(prompts) > MAX_EMBEDDING_INPUTS:
+            raise errors.bad_request(
+                f"input has {len(prompts)} items; send at most {MAX_EMBEDDING_INPUTS} at once", "input"
+            )
+        params = PoolingParams(dimensions=request.dimensions, normalize=request.normalize)
+        request_id = f"embd-{uuid.uuid4().hex}"
+        lora = self.loras.get(model)
+        streams: list[RequestStream] = []
+        try:
+            for i, (text, ids) in enumerate(prompts):
+                rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
+                prompt = {"prompt": text, "prompt_token_ids": ids}
+                streams.append(await self.llm.add_request(prompt, params, rid, request.priority, lora))
+        except BaseException as exc:
+            _abort_all(streams)
+            if isinstance(exc, ValueError):
+                field = str(exc).split(":", 1)[0]
+                raise errors.bad_request(str(exc), field if field == "dimensions" else "input") from exc
+            raise
+        if self.log_requests:
+            logger.info("request %s: %d inputs, %s", request_id, len(prompts), params)
+        finals = await self._final_outputs(streams, raw_request)
+        data = [
+            EmbeddingData(index=i, embedding=_encode_embedding(o.outputs.embedding, request.encoding_format))
+            for i, o in enumerate(finals)
+        ]
+        tokens = sum(len(o.prompt_token_ids) for o in finals)
+        usage = EmbeddingUsage(prompt_tokens=tokens, total_tokens=tokens)
+        return EmbeddingResponse(id=request_id, model=model, data=data, usage=usage)
+
     # -- completions ------------------------------------------------------------------------------------
 
     async def completions(self, request: CompletionRequest, raw_request: Request) -> Any:
         model = self._model(request.model)
         params = self._params(request, "logprobs")
-        prompts = await asyncio.to_thread(self._tokenize_prompts, request.prompts())
+        beam = self._beam_search_params(request) if request.use_beam_search else None
+        if request.suffix is not None and self._fim_ids is None:
+            raise errors.bad_request(
+                "suffix needs a model whose tokenizer has fill-in-the-middle tokens (such as <fim_prefix>, "
+                "<fim_suffix>, <fim_middle>); this one has none",
+                "suffix",
+            )
+        prompts = await asyncio.to_thread(self._tokenize_prompts, request.prompts(), request.suffix)
         if not prompts:
             raise errors.bad_request(
                 "prompt is empty; give a string, a list of strings or token ids", "prompt"
             )
-        self._check_cost(prompts, params)
+        self._check_cost(prompts, params, request.samples_field)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         lora = self.loras.get(model)
-        streams = await self._add(request_id, prompts, params, request.priority, "prompt", lora)
+        if beam is not None:
+            outputs = await self._beam_search(request, request_id, prompts, beam, lora, raw_request)
+            return self._beam_search_response(request, model, request_id, prompts, outputs)
+        streams = await self._add(
+            request_id, prompts, params, request.priority, "prompt", lora, request.kv_transfer_params
+        )
         if request.stream:
             return _sse_response(
                 self._completion_events(request, model, request_id, streams, raw_request), streams
             )
         finals = await self._final_outputs(streams, raw_request)
+        usage = _usage(finals)  # every sample's tokens, best_of's unanswered ones too
         choices = []
         for prompt_index, output in enumerate(finals):
-            for sample in output.outputs:
+            for sample in _best(output.outputs, request.n):
                 choices.append(
                     self._completion_choice(request, prompt_index, output, sample, echo=request.echo)
                 )
         choices.sort(key=lambda c: c.index)
+        kv_transfer_params = finals[0].kv_transfer_params if len(finals) == 1 else None
+        return CompletionResponse(
+            id=request_id, model=model, choices=choices, usage=usage, kv_transfer_params=kv_transfer_params
+        )
+
+    def _beam_search_params(self, request: CompletionRequest) -> BeamSearchParams:
+        try:
+            return request.to_beam_search_params(request.max_tokens or 1)
+        except ValueError as exc:
+            field = str(exc).split(" ", 1)[0]
+            raise errors.bad_request(str(exc), "n" if field == "beam_width" else field) from exc
+
+    async def _beam_search(
+        self,
+        request: CompletionRequest,
+        request_id: str,
+        prompts: list[tuple[str | None, list[int]]],
+        beam: BeamSearchParams,
+        lora: LoRARequest | None,
+        raw_request: Request,
+    ) -> list[BeamSearchOutput]:
+        """use_beam_search: each step one engine request of one token per live beam (the prefix cache serves
+        what the beams share); a client disconnect cancels it, aborting the step's requests."""
+        longest = self.llm.max_model_len
+        each = []
+        for _, ids in prompts:
+            max_tokens = request.max_tokens or max(longest - len(ids), 1)
+            try:
+                check_fits(ids, max_tokens, longest)
+            except ValueError as exc:
+                too_long = not ids or len(ids) >= longest or request.max_tokens is None
+                raise errors.bad_request(str(exc), "prompt" if too_long else "max_tokens") from exc
+            each.append(dataclasses.replace(beam, max_tokens=max_tokens))
+        if self.log_requests:
+            logger.info(
+                "request %s: beam search of %d beams, %d prompts", request_id, beam.beam_width, len(prompts)
+            )
+        step = async_llm_step(self.llm, request_id, request.priority, lora, request.logprobs or 0)
+        search = asyncio.create_task(
+            beam_search_async(
+                [ids for _, ids in prompts], each, self.llm.facts.eos_token_ids, step, self.tokenizer
+            )
+        )
+        disconnect = asyncio.create_task(_disconnected(raw_request))
+        try:
+            await asyncio.wait({search, disconnect}, return_when=asyncio.FIRST_COMPLETED)
+            if not search.done():
+                raise errors.APIError(CLIENT_CLOSED_REQUEST, "the client disconnected before the response")
+            return search.result()
+        except ValueError as exc:  # what the engine refused in a prompt (a token id out of range, ...)
+            field = str(exc).split(" ", 1)[0]
+            raise errors.bad_request(str(exc), "n" if field == "beam_width" else "prompt") from exc
+        finally:
+            search.cancel()
+            disconnect.cancel()
+
+    def _beam_search_response(
+        self,
+        request: CompletionRequest,
+        model: str,
+        request_id: str,
+        prompts: list[tuple[str | None, list[int]]],
+        results: list[BeamSearchOutput],
+    ) -> CompletionResponse:
+        """n choices per prompt, best beam first; usage counts the answered beams' tokens."""
+        finals, choices = [], []
+        for prompt_index, ((text, ids), result) in enumerate(zip(prompts, results, strict=True)):
+            samples = [
+                CompletionOutput(
+                    index=rank,
+                    text=seq.text or "",
+                    token_ids=seq.output_token_ids,
+                    logprobs=seq.logprobs,
+                    finish_reason=seq.finish_reason,
+                    stop_reason=seq.stop_reason,
+                )
+                for rank, seq in enumerate(result.sequences)
+            ]
+            output = RequestOutput(f"{request_id}-{prompt_index}", text, ids, samples, finished=True)
+            finals.append(output)
+            choices += [
+                self._completion_choice(request, prompt_index, output, sample, echo=request.echo)
+                for sample in samples
+            ]
         return CompletionResponse(id=request_id, model=model, choices=choices, usage=_usage(finals))
 
     def _completion_choice(
@@ -402,22 +566,8 @@ class _Server:
     # -- chat completions -------------------------------------------------------------------------------
 
     async def chat_completions(self, request: ChatCompletionRequest, raw_request: Request) -> Any:
-        model = self._model(request.model)
-        params = self._params(request, "top_logprobs")
-        tool_parser = self._request_tool_parser(request)
-        tools = [t.model_dump(exclude_none=True) for t in request.tools] if request.tools else None
-        ids = await asyncio.to_thread(
-            self._chat_prompt_ids,
-            request.messages,
-            request.chat_template,
-            request.add_generation_prompt,
-            tools,
-        )
-        prompts: list[tuple[str | None, list[int]]] = [(None, ids)]
-        self._check_cost(prompts, params)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        lora = self.loras.get(model)
-        streams = await self._add(request_id, prompts, params, request.priority, "messages", lora)
+        model, tool_parser, _, streams = await self._start_chat(request, request_id)
         if request.stream:
             events = self._chat_events(request, model, request_id, streams, raw_request, tool_parser)
             return _sse_response(events, streams)
@@ -436,7 +586,13 @@ class _Server:
                     stop_reason=sample.stop_reason,
                 )
             )
-        return ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=_usage([output]))
+        return ChatCompletionResponse(
+            id=request_id,
+            model=model,
+            choices=choices,
+            usage=_usage([output]),
+            kv_transfer_params=output.kv_transfer_params,
+        )
 
     async def _chat_events(
         self,
@@ -506,6 +662,31 @@ class _Server:
                 ChatCompletionChunk(id=request_id, created=created, model=model, choices=[], usage=usage)
             )
         yield "data: [DONE]\n\n"
+
+    async def _start_chat(
+        self, request: ChatCompletionRequest, request_id: str
+    ) -> tuple[str, Any, list[int], list[RequestStream]]:
+        """What a chat request does before it answers (shared with Anthropic's /v1/messages): the model, the
+        sampling params, the tool parser, the rendered prompt, the cost check, the engine request. Returns
+        (model, tool parser, prompt token ids, streams)."""
+        model = self._model(request.model)
+        params = self._params(request, "top_logprobs")
+        tool_parser = self._request_tool_parser(request)
+        tools = [t.model_dump(exclude_none=True) for t in request.tools] if request.tools else None
+        ids = await asyncio.to_thread(
+            self._chat_prompt_ids,
+            request.messages,
+            request.chat_template,
+            request.add_generation_prompt,
+            tools,
+        )
+        prompts: list[tuple[str | None, list[int]]] = [(None, ids)]
+        self._check_cost(prompts, params)
+        lora = self.loras.get(model)
+        streams = await self._add(
+            request_id, prompts, params, request.priority, "messages", lora, request.kv_transfer_params
+        )
+        return model, tool_parser, ids, streams
 
     def _message(self, text: str, tool_parser: Any = None, call_prefix: str = "") -> ChatResponseMessage:
         """A whole reply: split into reasoning and content when a reasoning parser is set, and its tool
@@ -582,6 +763,12 @@ class _Server:
     def _params(
         self, request: CompletionRequest | ChatCompletionRequest, logprobs_field: str
     ) -> SamplingParams:
+        if self.llm.config.runner == "pooling":
+            raise errors.bad_request(
+                "this server computes embeddings (--runner pooling): use /v1/embeddings, or serve the model "
+                "with --runner generate to generate text",
+                "model",
+            )
         try:
             params = request.to_sampling_params(self.llm.default_sampling_params())
         except ValueError as exc:
@@ -591,12 +778,15 @@ class _Server:
                 str(exc), param if param in type(request).model_fields else None
             ) from exc
         if params.n > self.max_n:
+            field = getattr(request, "samples_field", "n")
             raise errors.bad_request(
-                f"n must be <= {self.max_n} (this server's --max-n), got {params.n}", "n"
+                f"{field} must be <= {self.max_n} (this server's --max-n), got {params.n}", field
             )
         return params
 
-    def _check_cost(self, prompts: list[tuple[str | None, list[int]]], params: SamplingParams) -> None:
+    def _check_cost(
+        self, prompts: list[tuple[str | None, list[int]]], params: SamplingParams, samples_field: str = "n"
+    ) -> None:
         """Refuse a request whose samples, each at its longest (prompt + max_tokens, at most max_model_len),
         cannot all be in the KV cache at once: no single request may take the whole engine over."""
         longest = self.llm.max_model_len
@@ -609,16 +799,38 @@ class _Server:
             raise errors.bad_request(
                 f"this request's {params.n * len(prompts)} samples may reach {tokens} tokens together "
                 f"(n x (prompt + max_tokens), summed over the prompts), more than the {capacity} tokens the "
-                f"server's KV cache holds; lower n or max_tokens, or send fewer prompts at once",
-                "n" if params.n > 1 else "prompt",
+                f"server's KV cache holds; lower {samples_field} or max_tokens, or send fewer prompts at once",
+                samples_field if params.n > 1 else "prompt",
             )
 
-    def _tokenize_prompts(self, prompts: list[str | list[int]]) -> list[tuple[str | None, list[int]]]:
-        """(text, token ids) of each prompt; slow for long texts, so the caller runs it in a thread."""
+    def _tokenize_prompts(
+        self, prompts: list[str | list[int]], suffix: str | None = None
+    ) -> list[tuple[str | None, list[int]]]:
+        """(text, token ids) of each prompt; slow for long texts, so the caller runs it in a thread. With a
+        suffix, each becomes a fill-in-the-middle prompt: prefix token, prompt, suffix token, suffix,
+        middle token (after the BOS a text prompt would start with)."""
+        if suffix is None:
+            return [
+                (p, self.tokenizer.encode(p, add_special_tokens=True))
+                if isinstance(p, str)
+                else (None, list(p))
+                for p in prompts
+            ]
+        assert self._fim_ids is not None
+        pre, suf, mid = self._fim_ids
+        bos = self.tokenizer.encode("", add_special_tokens=True)[:1]
+        bos = bos if bos and bos[0] == self.tokenizer.bos_token_id else []
+        tail = [suf, *self.tokenizer.encode(suffix, add_special_tokens=False), mid]
         return [
-            (p, self.tokenizer.encode(p, add_special_tokens=True)) if isinstance(p, str) else (None, list(p))
+            (p, [*bos, pre, *self.tokenizer.encode(p, add_special_tokens=False), *tail])
+            if isinstance(p, str)
+            else (None, [pre, *p, *tail])
             for p in prompts
         ]
+
+    @functools.cached_property
+    def _fim_ids(self) -> tuple[int, int, int] | None:
+        return fim_token_ids(self.tokenizer)
 
     async def _add(
         self,
@@ -628,13 +840,21 @@ class _Server:
         priority: int,
         prompt_field: str,
         lora_request: LoRARequest | None = None,
+        kv_transfer_params: dict[str, Any] | None = None,
     ) -> list[RequestStream]:
-        """Add one engine request per prompt; on any invalid prompt, abort those added and answer 400."""
+        """Add one engine request per prompt; on any invalid prompt, abort those added and answer 400.
+        `kv_transfer_params` go to the engine's KV connector with the (one) prompt."""
+        if kv_transfer_params is not None and len(prompts) > 1:
+            raise errors.bad_request(
+                "kv_transfer_params go with one prompt, not several", "kv_transfer_params"
+            )
         streams: list[RequestStream] = []
         try:
             for i, (text, ids) in enumerate(prompts):
                 rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
                 prompt = {"prompt": text, "prompt_token_ids": ids}
+                if kv_transfer_params is not None:
+                    prompt["kv_transfer_params"] = kv_transfer_params
                 streams.append(await self.llm.add_request(prompt, params, rid, priority, lora_request))
                 if self.log_requests:
                     logger.info("request %s: %d prompt tokens, %s", rid, len(ids), params)
@@ -766,6 +986,12 @@ class _UsageCounter:
         )
 
 
+async def _disconnected(raw_request: Request) -> None:
+    """Return once the client has disconnected."""
+    while (await raw_request.receive())["type"] != "http.disconnect":
+        pass
+
+
 def _sse_response(events: AsyncIterator[str], streams: list[RequestStream]) -> StreamingResponse:
     """Server-sent events that abort their requests however the stream ends: closed mid-way, or cancelled by
     a disconnect before it started (the background task runs after the response, whatever happened)."""
@@ -791,6 +1017,37 @@ def _usage(outputs: list[RequestOutput]) -> UsageInfo:
     prompt = sum(len(o.prompt_token_ids) for o in outputs)
     completion = sum(len(s.token_ids) for o in outputs for s in o.outputs)
     return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+
+def _encode_embedding(embedding: list[float], encoding_format: str) -> list[float] | str:
+    """float: the list; base64: the little-endian float32 bytes, base64-encoded (as OpenAI sends them)."""
+    if encoding_format == "base64":
+        return base64.b64encode(np.asarray(embedding, dtype="<f4").tobytes()).decode("ascii")
+    return embedding
+
+
+def fim_token_ids(tokenizer: Any) -> tuple[int, int, int] | None:
+    """The (prefix, suffix, middle) fill-in-the-middle token ids, in the spelling this tokenizer's vocabulary
+    has; None when it has none of them."""
+    vocab = tokenizer.get_vocab()
+    for spelling in FIM_TOKENS:
+        if all(t in vocab for t in spelling):
+            return vocab[spelling[0]], vocab[spelling[1]], vocab[spelling[2]]
+    return None
+
+
+def _best(samples: list[CompletionOutput], n: int) -> list[CompletionOutput]:
+    """best_of: the n samples with the highest cumulative logprob, renumbered 0..n-1 (all when there are
+    only n)."""
+    if len(samples) <= n:
+        return samples
+    ranked = sorted(samples, key=_cumulative_logprob, reverse=True)[:n]
+    return [dataclasses.replace(s, index=i) for i, s in enumerate(ranked)]
+
+
+def _cumulative_logprob(sample: CompletionOutput) -> float:
+    entries = sample.logprobs or []
+    return sum(e[t].logprob for t, e in zip(sample.token_ids, entries, strict=False) if e and t in e)
 
 
 def _top(entry: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:

@@ -1,6 +1,8 @@
 """OpenAI's error body ({"error": {"message", "type", "param", "code"}}) and the exception handlers that answer
 with it: 400 names the invalid field, 401 for API keys, 404 for unknown models, 413 for oversized bodies, 500
-for failures (with an id to find the details in the server log, never the exception itself)."""
+for failures (with an id to find the details in the server log, never the exception itself). Under
+/v1/messages the same errors take Anthropic's body ({"type": "error", "error": {"type", "message"}}), which
+is what Anthropic's clients parse."""
 
 from __future__ import annotations
 
@@ -17,9 +19,20 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagellm.core.errors import ConfigError
 from pagellm.engine.async_llm import EngineError
-from pagellm.server.protocol import ErrorInfo, ErrorResponse
+from pagellm.server.protocol import AnthropicErrorInfo, AnthropicErrorResponse, ErrorInfo, ErrorResponse
 
 logger = logging.getLogger("pagellm")
+
+ANTHROPIC_PATH = "/v1/messages"  # it and the paths under it speak Anthropic's Messages API
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+}
 
 
 class APIError(Exception):
@@ -51,10 +64,13 @@ def model_not_found(model: str) -> APIError:
     )
 
 
-def invalid_api_key() -> APIError:
+def invalid_api_key(path: str = "") -> APIError:
+    header = "`Authorization: Bearer <key>`"
+    if is_anthropic(path):
+        header += " or `x-api-key: <key>`"
     return APIError(
         HTTPStatus.UNAUTHORIZED,
-        "Missing or incorrect API key; send it as the header `Authorization: Bearer <key>`.",
+        f"Missing or incorrect API key; send it as the header {header}.",
         code="invalid_api_key",
     )
 
@@ -66,10 +82,24 @@ def body_too_large(max_bytes: int) -> APIError:
     )
 
 
-def error_response(error: APIError, headers: Mapping[str, str] | None = None) -> JSONResponse:
-    return JSONResponse(
-        ErrorResponse(error=error.info).model_dump(), status_code=error.status, headers=headers
-    )
+def is_anthropic(path: str) -> bool:
+    return path == ANTHROPIC_PATH or path.startswith(ANTHROPIC_PATH + "/")
+
+
+def anthropic_error(error: APIError) -> AnthropicErrorResponse:
+    """Anthropic's body has no `param`: the message names the field instead."""
+    info = error.info
+    message = info.message
+    if info.param and info.param not in message:
+        message = f"{info.param}: {message}"
+    kind = _ANTHROPIC_TYPES.get(error.status, "api_error" if error.status >= 500 else "invalid_request_error")
+    return AnthropicErrorResponse(error=AnthropicErrorInfo(type=kind, message=message))
+
+
+def error_response(error: APIError, headers: Mapping[str, str] | None = None, path: str = "") -> JSONResponse:
+    """The error's body in the shape the request's path speaks (OpenAI's, or Anthropic's)."""
+    body = anthropic_error(error) if is_anthropic(path) else ErrorResponse(error=error.info)
+    return JSONResponse(body.model_dump(), status_code=error.status, headers=headers)
 
 
 def from_exception(exc: Exception, param: str | None = None) -> APIError:
@@ -90,15 +120,16 @@ def from_exception(exc: Exception, param: str | None = None) -> APIError:
     )
 
 
-def openapi_errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
+def openapi_errors(*statuses: int, anthropic: bool = False) -> dict[int | str, dict[str, Any]]:
     """OpenAPI `responses` documenting error statuses with the body they carry."""
-    return {status: {"model": ErrorResponse, "description": HTTPStatus(status).phrase} for status in statuses}
+    model = AnthropicErrorResponse if anthropic else ErrorResponse
+    return {status: {"model": model, "description": HTTPStatus(status).phrase} for status in statuses}
 
 
 def install_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
-        return error_response(exc)
+        return error_response(exc, path=request.url.path)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -106,20 +137,21 @@ def install_handlers(app: FastAPI) -> None:
         first = next((e for e in errors if len(e.get("loc", ())) > 1), None)
         param = str(first["loc"][1]) if first else None
         message = "; ".join(_describe(e) for e in errors) or "invalid request body"
-        return error_response(bad_request(message, param))
+        return error_response(bad_request(message, param), path=request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return error_response(APIError(exc.status_code, str(exc.detail)), headers=exc.headers)  # 405: Allow
+        error = APIError(exc.status_code, str(exc.detail))
+        return error_response(error, headers=exc.headers, path=request.url.path)  # 405: Allow
 
     @app.exception_handler(EngineError)
     async def _engine_error(request: Request, exc: EngineError) -> JSONResponse:
-        return error_response(from_exception(exc))
+        return error_response(from_exception(exc), path=request.url.path)
 
     # anything else: Starlette answers with this body, then re-raises so the server logs the traceback
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-        return error_response(from_exception(exc))
+        return error_response(from_exception(exc), path=request.url.path)
 
 
 def _describe(error: dict) -> str:

@@ -19,7 +19,7 @@ from pydantic import (
     model_validator,
 )
 
-from pagellm.sampling.params import SamplingParams, StructuredOutputsParams
+from pagellm.sampling.params import BeamSearchParams, SamplingParams, StructuredOutputsParams
 
 TokenIds = list[StrictInt]  # JSON true/false and 1.0 are not token ids
 Role = Literal["system", "developer", "user", "assistant", "tool", "function"]  # OpenAI's chat roles
@@ -93,6 +93,8 @@ class _SamplingFields(OpenAIModel):
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     priority: int = 0
+    # disaggregated prefill/decode: passed to the engine's KV connector (docs/serving.md)
+    kv_transfer_params: dict[str, Any] | None = None
     # structured output: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields
     response_format: ResponseFormat | None = None
     structured_outputs: dict[str, Any] | None = None
@@ -168,23 +170,76 @@ class CompletionRequest(_SamplingFields):
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
+    best_of: int | None = None  # sample this many, answer the n with the highest cumulative logprob
+    suffix: str | None = None  # fill in the middle, between prompt and suffix
+    # beam search (vLLM's extension): n beams, ranked as transformers' generate(num_beams=n) ranks them
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    early_stopping: bool | Literal["never"] = False
 
-    _valid_prompt = field_validator("prompt")(valid_unicode)
+    _valid_prompt = field_validator("prompt", "suffix")(valid_unicode)
 
     def to_sampling_params(self, defaults: SamplingParams) -> SamplingParams:
         prompt_logprobs = self.logprobs if self.echo and self.logprobs is not None else None
+        logprobs, n = self.logprobs, self.n
+        if self.best_of is not None:
+            if self.best_of < self.n:
+                raise ValueError(f"best_of must be >= n ({self.n}), got {self.best_of}")
+            if self.stream and self.best_of > self.n:
+                raise ValueError(
+                    "best_of greater than n cannot stream: the best samples are known at the end"
+                )
+            if self.best_of > self.n and logprobs is None:
+                logprobs = 0  # the engine then reports each sampled token's logprob, to rank the samples
+            n = self.best_of
         return self._sampling_params(
-            defaults, self.max_tokens, self.logprobs, prompt_logprobs=prompt_logprobs
+            defaults, self.max_tokens, logprobs, prompt_logprobs=prompt_logprobs, n=n
         )
+
+    def to_beam_search_params(self, max_tokens: int) -> BeamSearchParams:
+        """use_beam_search's params (`n` beams, greedy); ValueError naming the field that cannot go with it."""
+        if self.stream:
+            raise ValueError("stream cannot go with use_beam_search: the beams are ranked at the end")
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError("best_of must be unset (or n) with use_beam_search, which answers n beams")
+        if self.temperature not in (None, 0):
+            raise ValueError(f"temperature must be 0 or unset with use_beam_search, got {self.temperature}")
+        changes = {
+            "stop": self.stop,
+            "stop_token_ids": self.stop_token_ids,
+            "logit_bias": self.logit_bias,
+            "min_tokens": self.min_tokens,
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
+            "repetition_penalty": None if self.repetition_penalty == 1 else self.repetition_penalty,
+            "response_format": self.response_format and self.response_format.type != "text",
+            "structured_outputs": self.structured_outputs,
+            "guided_json": self.guided_json,
+            "guided_regex": self.guided_regex,
+            "guided_choice": self.guided_choice,
+            "guided_grammar": self.guided_grammar,
+        }
+        for name, value in changes.items():
+            if value:
+                raise ValueError(
+                    f"{name} cannot go with use_beam_search, which ranks beams by log-probability alone"
+                )
+        return BeamSearchParams(
+            beam_width=self.n,
+            max_tokens=max_tokens,
+            ignore_eos=self.ignore_eos,
+            length_penalty=self.length_penalty,
+            early_stopping=self.early_stopping,
+        )
+
+    @property
+    def samples_field(self) -> str:
+        """The field that sets how many samples run: best_of when given, else n."""
+        return "n" if self.best_of is None else "best_of"
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt field as a list of prompts: strings or token-id lists."""
-        prompt = self.prompt
-        if isinstance(prompt, str):
-            return [prompt]
-        if prompt and all(isinstance(p, int) for p in prompt):
-            return [list(prompt)]  # one prompt of token ids
-        return list(prompt)
+        return as_prompt_list(self.prompt)
 
 
 class ChatMessage(OpenAIModel):
@@ -285,6 +340,24 @@ class DetokenizeRequest(OpenAIModel):
     tokens: TokenIds
 
 
+class EmbeddingRequest(OpenAIModel):
+    """OpenAI's embeddings request; `normalize` (vLLM's) overrides the model's normalisation."""
+
+    model: str | None = None
+    input: str | list[str] | TokenIds | list[TokenIds]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    user: str | None = None
+    normalize: bool | None = None
+    priority: int = 0
+
+    _valid_input = field_validator("input")(valid_unicode)
+
+    def inputs(self) -> list[str | list[int]]:
+        """The input field as a list of prompts: strings or token-id lists."""
+        return as_prompt_list(self.input)
+
+
 # -- responses ------------------------------------------------------------------------------------------
 
 
@@ -340,6 +413,8 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
+    # what the engine's KV connector returned (a prefill engine: where the decode engine fetches the KV)
+    kv_transfer_params: dict[str, Any] | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
 class TopLogprob(BaseModel):
@@ -389,6 +464,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    kv_transfer_params: dict[str, Any] | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
 class DeltaMessage(BaseModel):
@@ -439,6 +515,26 @@ class DetokenizeResponse(BaseModel):
     prompt: str
 
 
+class EmbeddingData(BaseModel):
+    object: Literal["embedding"] = "embedding"
+    index: int
+    embedding: list[float] | str  # a str: base64 of the little-endian float32 values
+
+
+class EmbeddingUsage(BaseModel):
+    prompt_tokens: int = 0
+    total_tokens: int = 0
+
+
+class EmbeddingResponse(BaseModel):
+    id: str
+    object: Literal["list"] = "list"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    data: list[EmbeddingData]
+    usage: EmbeddingUsage
+
+
 class VersionResponse(BaseModel):
     version: str
 
@@ -452,3 +548,24 @@ class ErrorInfo(BaseModel):
 
 class ErrorResponse(BaseModel):
     error: ErrorInfo
+
+
+class AnthropicErrorInfo(BaseModel):
+    type: str  # invalid_request_error, authentication_error, not_found_error, api_error, ...
+    message: str
+
+
+class AnthropicErrorResponse(BaseModel):
+    """Anthropic's error body, which the /v1/messages paths answer with."""
+
+    type: Literal["error"] = "error"
+    error: AnthropicErrorInfo
+
+
+def as_prompt_list(value: str | list) -> list[str | list[int]]:
+    """A prompt field (a string, strings, token ids or lists of them) as a list of prompts."""
+    if isinstance(value, str):
+        return [value]
+    if value and all(isinstance(p, int) for p in value):
+        return [list(value)]  # one prompt of token ids
+    return list(value)

@@ -8,18 +8,30 @@ the positions that sample (or that asked for prompt logprobs), and samples on th
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from pagellm.core.attention import AttentionBatch
 from pagellm.core.errors import ConfigError
+from pagellm.core.kv_connector import (
+    KVCacheBlocks,
+    KVConnector,
+    KVConnectorContext,
+    KVConnectorOutput,
+    KVConnectorRole,
+    kv_block_dim,
+    kv_namespace,
+)
 from pagellm.core.platform import GiB
+from pagellm.distributed import Parallel
 from pagellm.lora.manager import LoRAManager
 from pagellm.lora.request import LoRARequest
-from pagellm.models.base import ModelInit
+from pagellm.models.base import ModelInit, rank_heads
 from pagellm.models.context import LoRABatch, set_forward_context
 from pagellm.models.layers.linear import Linear
 from pagellm.models.loader import load_model, model_weight_bytes
@@ -38,6 +50,7 @@ from pagellm.spec_decode.ngram import NgramProposer
 from pagellm.spec_decode.proposer import DraftRequest, Proposer, StepInputs
 from pagellm.spec_decode.rejection import verify
 from pagellm.worker.input_batch import InputBatch
+from pagellm.worker.pooler import PoolingState
 from pagellm.worker.step import EngineSetup, SchedulerOutput, StepResult
 
 logger = logging.getLogger("pagellm")
@@ -50,20 +63,28 @@ class ModelRunner:
         weights: Iterable[tuple[str, torch.Tensor]],
         eos_token_ids: Iterable[int],
         draft: tuple[EngineSetup, Iterable[tuple[str, torch.Tensor]]] | None = None,
+        parallel: Parallel | None = None,
     ):
-        """`draft`: the draft model's setup and weights, for speculative decoding with a draft model."""
+        """`draft`: the draft model's setup and weights, for speculative decoding with a draft model.
+        `parallel`: this rank's place when the model is split over several processes; every rank builds a
+        runner, the driver (rank 0) runs `execute` and the others `serve`."""
         config = setup.config
         self.setup = setup
-        self.device = setup.platform.device()
+        self.parallel = parallel or Parallel()
+        self.device = setup.platform.device(self.parallel.local_rank)
+        if (
+            self.parallel.world_size > 1 and self.device.type != "cpu"
+        ):  # nccl and friends use the current device
+            getattr(torch, self.device.type).set_device(self.device)
         self.block_size = config.block_size
         self.eos_token_ids = set(eos_token_ids)
         self.model_bytes = 0  # both models' weights as loaded (before the platform packs them)
         self.model = self._load(setup, weights)
-        self.layers = self.model.attention_layers()
+        self.layers = _by_layer_idx(self.model.attention_layers())
         self.draft_setup = draft[0] if draft else None
         self.draft_model = self._load(*draft) if draft else None
-        self.num_blocks = self._num_blocks()
-        self.kv_caches = self._kv_caches(setup, len(self.layers))
+        self.num_blocks = self.parallel.min(self._num_blocks())  # what fits on every rank
+        self.kv_caches = self._kv_caches(setup, self.layers)
         self.lora: LoRAManager | None = None
         if config.enable_lora:
             self.lora = LoRAManager(
@@ -75,17 +96,23 @@ class ModelRunner:
                 self.device,
             )
         self.forward = self.model
-        if not config.enforce_eager and self.lora is None:  # the LoRA terms' row groups change every step
+        # the LoRA terms' row groups change every step; collectives stay out of compiled graphs
+        if not config.enforce_eager and self.lora is None and self.parallel.world_size == 1:
             compiled = setup.platform.compile_model(self.model)
             if compiled is not None:
                 self.forward = self._warm_up(compiled)
         self.input_batch = InputBatch(config.max_num_seqs, setup.max_model_len, self.block_size)
         self.generators: dict[str, torch.Generator | None] = {}
+        self.pooling_states: dict[str, PoolingState] = {}  # pooling requests mid-prompt
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(config.seed))
         self.speculative = config.speculative
         self.proposer: Proposer | None = self._make_proposer() if self.speculative else None
         # KV slots a proposer writes past a step's tokens: a draft model's own k - 1 steps ahead, and one more
         self.num_lookahead_tokens = self.speculative.num_speculative_tokens if self.draft_model else 0
+        self.kv_connector: KVConnector | None = None  # the worker's half, with --kv-transfer-config
+        self.kv_context: KVConnectorContext | None = None
+        if config.kv_transfer is not None:
+            self.kv_connector = self._make_kv_connector()
 
     def _load(self, setup: EngineSetup, weights: Iterable[tuple[str, torch.Tensor]]):
         quant = (
@@ -94,7 +121,13 @@ class ModelRunner:
             else None
         )
         init = ModelInit(
-            setup.hf_config, setup.dtype, setup.backend, self.block_size, quant, setup.spec.kv_cache_dtype
+            setup.hf_config,
+            setup.dtype,
+            setup.backend,
+            self.block_size,
+            quant,
+            setup.spec.kv_cache_dtype,
+            self.parallel,
         )
         torch.set_default_dtype(setup.dtype)
         try:
@@ -105,12 +138,17 @@ class ModelRunner:
         self._pack_linears(model)
         return model
 
-    def _kv_caches(self, setup: EngineSetup, num_layers: int) -> list[torch.Tensor]:
-        spec = setup.spec
+    def _kv_caches(self, setup: EngineSetup, layers: list) -> list[torch.Tensor]:
+        """One cache per attention layer, by layer_idx; an empty tensor for another pipeline stage's."""
+        spec = rank_heads(setup.spec, self.parallel.tp)
         shape = setup.backend.kv_cache_shape(
             self.num_blocks, self.block_size, spec.num_kv_heads, spec.cache_row_size
         )
-        return [torch.zeros(shape, dtype=spec.cache_dtype, device=self.device) for _ in range(num_layers)]
+        empty = torch.empty(0, dtype=spec.cache_dtype, device=self.device)
+        return [
+            torch.zeros(shape, dtype=spec.cache_dtype, device=self.device) if layer is not None else empty
+            for layer in layers
+        ]
 
     def _make_proposer(self) -> Proposer:
         spec = self.speculative
@@ -118,7 +156,7 @@ class ModelRunner:
             return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
         if self.draft_model is None:
             raise ConfigError("speculative_config: draft_model needs the draft model loaded with the target")
-        draft_caches = self._kv_caches(self.draft_setup, len(self.draft_model.attention_layers()))
+        draft_caches = self._kv_caches(self.draft_setup, self.draft_model.attention_layers())
         return DraftModelProposer(
             self.draft_model,
             draft_caches,
@@ -171,7 +209,7 @@ class ModelRunner:
         for setup, model in ((self.setup, self.model), (self.draft_setup, self.draft_model)):
             if model is None:
                 continue
-            spec = setup.spec
+            spec = rank_heads(setup.spec, self.parallel.tp)
             shape = setup.backend.kv_cache_shape(1, self.block_size, spec.num_kv_heads, spec.cache_row_size)
             elem = torch.empty((), dtype=spec.cache_dtype).element_size()
             total += int(np.prod(shape)) * elem * len(model.attention_layers())
@@ -208,18 +246,25 @@ class ModelRunner:
         """Drop per-request state of finished or preempted requests."""
         for request_id in request_ids:
             self.input_batch.remove(request_id)
+            self.pooling_states.pop(request_id, None)  # a preempted request pools its prompt again
 
     def release(self, request_ids: Iterable[str]) -> None:
         """Drop everything of finished requests, their seeded generator included."""
         for request_id in request_ids:
             self.input_batch.remove(request_id)
             self.generators.pop(request_id, None)
+            self.pooling_states.pop(request_id, None)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> StepResult:
+        if out.kv_connector_metadata is not None:  # loads go into blocks no request of this step reads
+            self.kv_connector.bind_connector_metadata(out.kv_connector_metadata)
+            self.kv_connector.start_load_kv()
+        if out.is_empty:  # only transfers to run
+            return StepResult(kv_connector_output=self._kv_done(out))
         batch = self.input_batch
         rows, counts, starts = [], [], []
-        sampling, prompt_lp = [], []  # (index in batch, request)
+        sampling, prompt_lp, pooling = [], [], []  # (index in batch, request)
         for i, request in enumerate(out.scheduled):
             rid = request.request_id
             row = batch.row(rid)
@@ -232,6 +277,9 @@ class ModelRunner:
             rows.append(row)
             counts.append(n)
             starts.append(start)
+            if request.pooling_params is not None:  # embeddings: pooled, never sampled
+                pooling.append((i, request))
+                continue
             if start + n == request.num_tokens + len(drafts):
                 sampling.append((i, request))
             if request.sampling_params.prompt_logprobs is not None and start < request.num_prompt_tokens:
@@ -242,30 +290,26 @@ class ModelRunner:
         num_tokens = int(cu[-1])
         token_rows = np.repeat(np.asarray(rows, dtype=np.int64), counts_np)
         positions = np.arange(num_tokens, dtype=np.int64) - np.repeat(cu[:-1] - np.asarray(starts), counts_np)
-        input_ids = batch.token_ids[token_rows, positions]
         bs = self.block_size
-        slots = batch.block_table[token_rows, positions // bs].astype(np.int64) * bs + positions % bs
         seq_lens = np.asarray(starts, dtype=np.int64) + counts_np
-        max_blocks = int(-(-seq_lens.max() // bs))
-        block_tables = batch.block_table[rows, :max_blocks]
-        attn = AttentionBatch(
-            query_start_loc=self._dev(cu.astype(np.int32)),
-            seq_lens=self._dev(seq_lens.astype(np.int32)),
-            block_tables=self._dev(block_tables),
-            slot_mapping=self._dev(slots),
-            query_start_loc_cpu=torch.from_numpy(cu.astype(np.int32)),
-            seq_lens_cpu=torch.from_numpy(seq_lens.astype(np.int32)),
-            max_query_len=int(counts_np.max()),
-            max_seq_len=int(seq_lens.max()),
+        step = StepArrays(
+            input_ids=batch.token_ids[token_rows, positions],
+            positions=positions,
+            query_start_loc=cu.astype(np.int32),
+            seq_lens=seq_lens.astype(np.int32),
+            block_tables=batch.block_table[rows, : int(-(-seq_lens.max() // bs))],
+            slot_mapping=batch.block_table[token_rows, positions // bs].astype(np.int64) * bs
+            + positions % bs,
         )
-        metadata = self.setup.backend.build_metadata(attn)
-        input_ids_dev, positions_dev = self._dev(input_ids), self._dev(positions)
         lora = self._lora_batch(out.scheduled, cu) if self.lora is not None else None
-        with set_forward_context(metadata, self.kv_caches, self.layers, lora):
-            hidden = self.forward(input_ids_dev, positions_dev)
+        if self.parallel.world_size > 1:
+            self.parallel.broadcast(("forward", step))
+        input_ids_dev, positions_dev, attn, hidden = self._forward(step, lora)
         if self.proposer is not None:
             self.proposer.observe(StepInputs(input_ids_dev, positions_dev, attn, hidden))
-        result = StepResult()
+        result = StepResult(kv_connector_output=self._kv_done(out))
+        if pooling:
+            self._pool(hidden, pooling, cu, starts, result)
         if prompt_lp:
             self._prompt_logprobs(hidden, prompt_lp, cu, starts, result)
         if not sampling:
@@ -277,6 +321,88 @@ class ModelRunner:
         if self.proposer is not None:
             self._propose(sampling, result)
         return result
+
+    def _kv_done(self, out: SchedulerOutput) -> KVConnectorOutput | None:
+        """After the forward: the connector saves what the step computed, then reports finished transfers."""
+        connector = self.kv_connector
+        if out.kv_connector_metadata is None:
+            return None
+        connector.wait_for_save()
+        sending, recving = connector.get_finished(out.finished_ids)
+        output = KVConnectorOutput(sending, recving, connector.get_block_ids_with_load_errors())
+        connector.clear_connector_metadata()
+        return output
+
+    def _make_kv_connector(self) -> KVConnector:
+        """The connector's worker half over this runner's KV caches. Its namespace names the model and the
+        KV layout, so KV saved by another model or layout is never loaded here."""
+        import uuid
+
+        setup, transfer = self.setup, self.setup.config.kv_transfer
+        spec = rank_heads(setup.spec, self.parallel.tp)
+        shape = setup.backend.kv_cache_shape
+        block_dim = kv_block_dim(shape, self.block_size, spec.num_kv_heads, spec.cache_row_size)
+        namespace = kv_namespace(
+            os.path.realpath(setup.source.directory),
+            setup.source.gguf_file,
+            str(setup.dtype),
+            str(spec.cache_dtype),
+            self.block_size,
+            tuple(shape(1, self.block_size, spec.num_kv_heads, spec.cache_row_size)),
+            len(self.kv_caches),
+            setup.quant_method.name if setup.quant_method else None,
+        )
+        self.kv_context = KVConnectorContext(
+            self.block_size, namespace, transfer.engine_id or uuid.uuid4().hex[:12]
+        )
+        connector = setup.registry.kv_connectors[transfer.kv_connector](
+            transfer, KVConnectorRole.WORKER, self.kv_context
+        )
+        connector.register_kv_caches(KVCacheBlocks(self.kv_caches, block_dim))
+        return connector
+
+    def _forward(self, step: StepArrays, lora: LoRABatch | None = None):
+        """Run the model on one step's arrays: (input ids, positions, attention batch, hidden states)."""
+        attn = AttentionBatch(
+            query_start_loc=self._dev(step.query_start_loc),
+            seq_lens=self._dev(step.seq_lens),
+            block_tables=self._dev(step.block_tables),
+            slot_mapping=self._dev(step.slot_mapping),
+            query_start_loc_cpu=torch.from_numpy(step.query_start_loc),
+            seq_lens_cpu=torch.from_numpy(step.seq_lens),
+            max_query_len=int(np.diff(step.query_start_loc).max()),
+            max_seq_len=int(step.seq_lens.max()),
+        )
+        metadata = self.setup.backend.build_metadata(attn)
+        input_ids, positions = self._dev(step.input_ids), self._dev(step.positions)
+        with set_forward_context(metadata, self.kv_caches, self.layers, lora):
+            hidden = self.forward(input_ids, positions)
+        return input_ids, positions, attn, hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The model's logits for these hidden states; with tensor parallelism every rank computes its part
+        of the vocabulary, so the driver first sends them the rows."""
+        if self.parallel.tp.size > 1:
+            self.parallel.broadcast(("logits", hidden.cpu()))
+        return self.model.compute_logits(hidden)
+
+    @torch.inference_mode()
+    def serve(self) -> None:
+        """The loop of a rank other than the driver: run what the driver sends until it says stop."""
+        while True:
+            op, payload = self.parallel.broadcast()
+            if op == "forward":
+                self._forward(payload)
+            elif op == "logits":
+                if self.model.lm_head is not None:  # the first pipeline stage's ranks hold the vocabulary
+                    self.model.compute_logits(payload.to(self.device))
+            else:
+                return
+
+    def stop_ranks(self) -> None:
+        """Tell the other ranks' `serve` loops to return (driver only)."""
+        if self.parallel.world_size > 1 and self.parallel.is_driver:
+            self.parallel.broadcast(("stop", None))
 
     def _lora_batch(self, scheduled, cu) -> LoRABatch | None:
         """The step's adapter tokens and their slots; None when every request runs the base model."""
@@ -294,7 +420,7 @@ class ModelRunner:
 
     def _sample(self, out: SchedulerOutput, hidden, sampling, cu, result: StepResult) -> None:
         index = torch.tensor([int(cu[i + 1]) - 1 for i, _ in sampling], device=self.device)
-        logits = self.model.compute_logits(hidden.index_select(0, index))
+        logits = self.compute_logits(hidden.index_select(0, index))
         masks = out.grammar_bitmasks
         requests = [
             SamplingRequest(
@@ -337,7 +463,7 @@ class ModelRunner:
                         r.sampling_params, r.prompt_token_ids, outputs + draft[:j], generator, allowed
                     )
                 )
-        logits = self.model.compute_logits(hidden.index_select(0, torch.tensor(index, device=self.device)))
+        logits = self.compute_logits(hidden.index_select(0, torch.tensor(index, device=self.device)))
         batch = build_sampling_batch(requests, self.eos_token_ids, self.device)
         new_tokens = verify(
             self.sampler,
@@ -389,6 +515,18 @@ class ModelRunner:
                 if draft:
                     result.spec_token_ids[request.request_id] = list(draft)
 
+    def _pool(self, hidden, pooling, cu, starts, result: StepResult) -> None:
+        """Feed each pooling request's rows to its `PoolingState`; a prompt that ends in this step gets its
+        pooled float32 vector (on the CPU) in `result.pooled`."""
+        for i, request in pooling:
+            rid = request.request_id
+            state = self.pooling_states.setdefault(rid, PoolingState())
+            rows = hidden[int(cu[i]) : int(cu[i + 1])]
+            vector = state.add(request.pooling_params.pooling_type, rows, starts[i], request.num_tokens)
+            if vector is not None:
+                result.pooled[rid] = vector.cpu()
+                del self.pooling_states[rid]
+
     def _prompt_logprobs(self, hidden, prompt_lp, cu, starts, result: StepResult) -> None:
         for i, request in prompt_lp:
             start, end = starts[i], min(starts[i] + int(cu[i + 1] - cu[i]), request.num_prompt_tokens)
@@ -396,7 +534,7 @@ class ModelRunner:
             last = min(end, request.num_prompt_tokens - 1)
             entries: list = [None] if start == 0 else []
             if last > start:
-                logits = self.model.compute_logits(hidden[int(cu[i]) : int(cu[i]) + last - start])
+                logits = self.compute_logits(hidden[int(cu[i]) : int(cu[i]) + last - start])
                 targets = torch.tensor(request.prompt_token_ids[start + 1 : last + 1], device=self.device)
                 k = request.sampling_params.prompt_logprobs
                 tensors = compute_prompt_logprobs(logits, targets, k)
@@ -406,6 +544,26 @@ class ModelRunner:
     def _dev(self, array: np.ndarray) -> torch.Tensor:
         tensor = torch.from_numpy(np.ascontiguousarray(array))
         return tensor if self.device.type == "cpu" else tensor.to(self.device, non_blocking=True)
+
+
+@dataclass
+class StepArrays:
+    """One step's model inputs as host arrays: what the driver sends the other ranks."""
+
+    input_ids: np.ndarray  # [T] int64
+    positions: np.ndarray  # [T] int64
+    query_start_loc: np.ndarray  # [B + 1] int32
+    seq_lens: np.ndarray  # [B] int32
+    block_tables: np.ndarray  # [B, max blocks] int32
+    slot_mapping: np.ndarray  # [T] int64
+
+
+def _by_layer_idx(layers: list) -> list:
+    """Attention layers at their layer_idx, None where another pipeline stage holds the layer."""
+    table = [None] * (max((layer.layer_idx for layer in layers), default=-1) + 1)
+    for layer in layers:
+        table[layer.layer_idx] = layer
+    return table
 
 
 def _dummy_prefill(num_tokens: int, block_size: int, device: torch.device) -> AttentionBatch:

@@ -16,6 +16,7 @@ import torch
 
 from pagellm.core.attention import AttentionBackend, AttentionSpec
 from pagellm.core.config import EngineConfig
+from pagellm.core.kv_connector import KVConnectorOutput
 from pagellm.core.platform import Platform
 from pagellm.core.quant import QuantMethod
 from pagellm.core.registry import Registry
@@ -64,7 +65,8 @@ class ScheduledRequest(Protocol):
     request_id: str
     prompt_token_ids: list[int]
     output_token_ids: list[int]
-    sampling_params: SamplingParams
+    sampling_params: SamplingParams  # None for a pooling request
+    pooling_params: Any  # core.pooling.PoolingParams (pooling_type resolved) for a pooling request, else None
     num_computed_tokens: int  # position of its first scheduled token, during the step
     lora_request: Any  # lora.request.LoRARequest or None
 
@@ -94,6 +96,9 @@ class SchedulerOutput:
     # structured output: int32 token bitmasks [1 + drafts, ceil(V / 32)] of requests with a grammar that
     # sample this step, by request id (row 0: after the last known token; row j: after draft j)
     grammar_bitmasks: dict[str, torch.Tensor] = field(default_factory=dict)
+    # the KV connector's `build_connector_meta` for this step; None without a connector (or when a failed
+    # step's requests rerun one by one: the step's transfers already ran)
+    kv_connector_metadata: Any = None
 
     @property
     def is_empty(self) -> bool:
@@ -111,3 +116,6 @@ class StepResult:
     logprobs: dict[str, list[dict[int, tuple[float, int]]]] = field(default_factory=dict)
     # request id -> one entry per prompt position computed this step (None for the first prompt token)
     prompt_logprobs: dict[str, list[dict[int, tuple[float, int]] | None]] = field(default_factory=dict)
+    # pooling requests whose prompt ended this step: the pooled float32 vector [hidden] on the CPU
+    pooled: dict[str, torch.Tensor] = field(default_factory=dict)
+    kv_connector_output: KVConnectorOutput | None = None  # the KV connector's finished transfers

@@ -11,6 +11,7 @@ import torch
 from tiny import make_tiny_checkpoint
 
 from pagellm import LLM
+from pagellm.core.config import EngineConfig
 from pagellm.core.platform import Availability, Platform
 from pagellm.core.quant import QuantMethod
 from pagellm.engine import llm_engine, setup
@@ -42,7 +43,7 @@ def _weights(model_dir, method: type[QuantMethod], monkeypatch) -> object:
     packed = object()
     monkeypatch.setattr(gguf, "iter_gguf_weights", lambda path, config, raw_linear: packed)
     fake_setup = SimpleNamespace(
-        config=SimpleNamespace(tokenizer=None),
+        config=EngineConfig(),
         source=ModelSource(str(model_dir), gguf_original="/models/m.Q4_0.gguf"),
         hf_config=None,
         quant_method=method,

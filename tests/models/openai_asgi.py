@@ -20,3 +20,16 @@ def call_app(app, work):
             return await work(client, http)
 
     return asyncio.run(run())
+
+
+async def assert_engine_ended(llm, app) -> None:
+    """After its engine died: not running, new requests refused, /health 503."""
+    import pytest
+
+    from pagellm.engine.async_llm import EngineError
+
+    assert not llm.is_running
+    with pytest.raises(EngineError, match="shut down"):
+        await llm.add_request("Hello")
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://app") as client:
+        assert (await client.get("/health")).status_code == 503

@@ -25,3 +25,18 @@ def llm(tiny_model_dir):
     )
     yield llm
     llm.shutdown()
+
+
+@pytest.fixture(scope="session")
+def pooling_llm(tiny_model_dir):
+    """The same checkpoint as an embedding model (`runner="pooling"`, LAST pooling, normalized), on a thread."""
+    llm = AsyncLLM(
+        str(tiny_model_dir),
+        runner="pooling",
+        dtype="float32",
+        num_kv_blocks=32,
+        max_model_len=128,
+        engine_process=False,
+    )
+    yield llm
+    llm.shutdown()

@@ -231,8 +231,9 @@ def test_a_500_carries_an_id_for_the_log_not_the_exception(app, llm, monkeypatch
 def test_the_openapi_schema_documents_what_the_server_answers(app):
     (schema,) = call(app, ("GET", "/openapi.json", None))
     paths = schema.json()["paths"]
-    error_body = {"$ref": "#/components/schemas/ErrorResponse"}
     for path, operations in paths.items():
+        name = "AnthropicErrorResponse" if path.startswith("/v1/messages") else "ErrorResponse"
+        error_body = {"$ref": f"#/components/schemas/{name}"}
         for method, operation in operations.items():
             responses = operation["responses"]
             assert "422" not in responses, (method, path)

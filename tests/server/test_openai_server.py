@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+import anthropic
 import httpx
 import openai
 import pytest
@@ -303,7 +304,7 @@ def _wait_for_abort(server, aborts_before: float) -> str:
     while True:
         text = metrics(server)
         done = (
-            metric(text, "pagellm:request_success_total", finished_reason="abort") == aborts_before + 1
+            _aborts(server) == aborts_before + 1  # no sample until the first abort
             and metric(text, "pagellm:num_requests_running") == 0
             and metric(text, "pagellm:kv_cache_usage_perc") == 0
         )
@@ -353,6 +354,20 @@ def test_disconnect_while_waiting_for_a_whole_completion(server):
         httpx.TimeoutException
     ):  # hundreds of tokens take far longer than 0.1 s: hang up before
         httpx.post(f"{server.url}/v1/chat/completions", json=body, headers=headers, timeout=0.1)
+    text = _wait_for_abort(server, before)
+    assert metric(text, "pagellm:request_success_total", finished_reason="abort") == before + 1
+    assert metric(text, "pagellm:kv_cache_usage_perc") == 0
+
+
+def test_disconnect_mid_anthropic_stream_aborts_and_frees_blocks(server):
+    before = _aborts(server)
+    client = anthropic.Anthropic(base_url=server.url, api_key=API_KEY, max_retries=0)
+    messages = [{"role": "user", "content": "Hello"}]
+    extra = {"ignore_eos": True}
+    with client.messages.stream(
+        model="tiny", max_tokens=MAX_MODEL_LEN - 32, messages=messages, extra_body=extra
+    ) as stream:
+        next(e for e in stream if e.type == "content_block_delta")  # the first token arrived; now hang up
     text = _wait_for_abort(server, before)
     assert metric(text, "pagellm:request_success_total", finished_reason="abort") == before + 1
     assert metric(text, "pagellm:kv_cache_usage_perc") == 0

@@ -1,0 +1,40 @@
+"""Pooling a prompt's final hidden states into one vector per request (`runner="pooling"`), across the
+steps its prompt runs in (chunked prefill).
+
+Per request: MEAN keeps the float32 sum of each chunk's rows by the chunk's start position (a step rerun
+after a failure overwrites its own chunk rather than adding it twice), CLS the first position's state, LAST
+reads the final chunk's last row. A LAST request may start past a prefix-cache hit; MEAN and CLS requests
+never get one (`Request.needs_every_prompt_position`). Truncation (`dimensions`) and normalisation are the
+engine's, on the vector this returns.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class PoolingState:
+    """What one request's earlier chunks left for its pooled vector."""
+
+    def __init__(self) -> None:
+        self.chunk_sums: dict[int, tuple[torch.Tensor, int]] = {}  # MEAN: chunk start -> (row sum, rows)
+        self.first: torch.Tensor | None = None  # CLS: the state at position 0
+
+    def add(self, pooling_type: str, rows: torch.Tensor, start: int, num_tokens: int) -> torch.Tensor | None:
+        """Take the hidden states of positions start .. start + len(rows) - 1; return the pooled float32
+        vector once they reach the prompt's end (`num_tokens`), else None."""
+        if pooling_type == "MEAN":
+            self.chunk_sums[start] = rows.float().sum(dim=0), rows.shape[0]
+        elif pooling_type == "CLS" and start == 0:
+            self.first = rows[0].float()
+        if start + rows.shape[0] < num_tokens:
+            return None
+        if pooling_type == "LAST":
+            return rows[-1].float()
+        if pooling_type == "CLS":
+            if self.first is None:
+                raise RuntimeError("CLS pooling never saw the prompt's first position")
+            return self.first
+        if sum(n for _, n in self.chunk_sums.values()) != num_tokens:
+            raise RuntimeError("MEAN pooling did not see every position of the prompt")
+        return torch.stack([total for total, _ in self.chunk_sums.values()]).sum(dim=0) / num_tokens
