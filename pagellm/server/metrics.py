@@ -63,6 +63,24 @@ class PrometheusStatLogger:
             ["model_name", "position"],
             registry=self.registry,
         )
+        self.kv_loaded_tokens = counter(
+            "kv_transfer_loaded_tokens", "Prompt tokens a KV connector loaded (disaggregated prefill)."
+        )
+        self.kv_load_failures = counter(
+            "kv_transfer_load_failures",
+            "KV loads that ended short (missing, corrupt, timed out): recomputed.",
+        )
+        # counters fed from the scheduler's cumulative counts, by increments
+        self._cumulative = [
+            (self.prefix_queries, "prefix_cache_queries"),
+            (self.prefix_hits, "prefix_cache_hits"),
+            (self.preemptions, "num_preemptions"),
+            (self.spec_drafts, "spec_num_drafts"),
+            (self.spec_draft_tokens, "spec_num_draft_tokens"),
+            (self.spec_accepted_tokens, "spec_num_accepted_tokens"),
+            (self.kv_loaded_tokens, "kv_transfer_loaded_tokens"),
+            (self.kv_load_failures, "kv_transfer_load_failures"),
+        ]
         self.model_name = model_name
         self._last = SchedulerStats(0, 0, 0.0, 0, 0, 0)
 
@@ -71,13 +89,8 @@ class PrometheusStatLogger:
         self.running.set(s.num_running)
         self.waiting.set(s.num_waiting)
         self.kv_cache_usage.set(s.kv_cache_usage)
-        # the scheduler's counts are cumulative; Prometheus counters take increments
-        self.prefix_queries.inc(max(0, s.prefix_cache_queries - last.prefix_cache_queries))
-        self.prefix_hits.inc(max(0, s.prefix_cache_hits - last.prefix_cache_hits))
-        self.preemptions.inc(max(0, s.num_preemptions - last.num_preemptions))
-        self.spec_drafts.inc(max(0, s.spec_num_drafts - last.spec_num_drafts))
-        self.spec_draft_tokens.inc(max(0, s.spec_num_draft_tokens - last.spec_num_draft_tokens))
-        self.spec_accepted_tokens.inc(max(0, s.spec_num_accepted_tokens - last.spec_num_accepted_tokens))
+        for counter, name in self._cumulative:  # cumulative counts; Prometheus counters take increments
+            counter.inc(max(0, getattr(s, name) - getattr(last, name)))
         for position, accepted in enumerate(s.spec_accepted_per_position):
             before = (
                 last.spec_accepted_per_position[position]

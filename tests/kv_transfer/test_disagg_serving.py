@@ -135,11 +135,13 @@ def assert_nothing_held(*engines: Engine) -> None:
 def test_greedy_answers_through_the_proxy_equal_one_engines(stacks, reference, connector):
     prefill, decode, proxy = stacks[connector]
     hits = decode.metric("pagellm:prefix_cache_hits_total")
+    transferred = decode.metric("pagellm:kv_transfer_loaded_tokens_total")
     prompts = PROMPTS[1:4]
     for prompt in prompts:
         assert tokens(complete(proxy.url, prompt)) == expected_tokens(reference, prompt)
     loaded = sum((len(p) - 1) // BLOCK * BLOCK for p in prompts)
     assert decode.metric("pagellm:prefix_cache_hits_total") - hits == loaded
+    assert decode.metric("pagellm:kv_transfer_loaded_tokens_total") - transferred == loaded
     assert_nothing_held(prefill, decode)
 
 
@@ -183,6 +185,7 @@ def test_a_truncated_or_deleted_kv_file_is_recomputed(stacks, reference, tmp_pat
     directory = json.loads(prefill.process.args[prefill.process.args.index("--kv-transfer-config") + 1])
     root = directory["kv_connector_extra_config"]["shared_storage_path"]
     hits = decode.metric("pagellm:prefix_cache_hits_total")
+    failures = decode.metric("pagellm:kv_transfer_load_failures_total")
     for damage, prompt in (("truncate", prompt_of(64, 21)), ("delete", prompt_of(64, 22))):
         before = set(_files(root))
         complete(prefill.url, prompt, 1, kv_transfer_params=DECODE)
@@ -196,6 +199,7 @@ def test_a_truncated_or_deleted_kv_file_is_recomputed(stacks, reference, tmp_pat
                 path.unlink()
         assert tokens(complete(decode.url, prompt)) == expected_tokens(reference, prompt)
     assert decode.metric("pagellm:prefix_cache_hits_total") == hits  # nothing loaded: recomputed
+    assert decode.metric("pagellm:kv_transfer_load_failures_total") > failures  # the truncated file
     assert_nothing_held(prefill, decode)
 
 
