@@ -2,7 +2,8 @@
 
 Requests are taken in order in batches of a fixed size, left-padded; each batch runs greedily to its
 longest requested output (min_new_tokens = max_new_tokens, so EOS cannot end it early), but only the
-tokens each request asked for count. The same weights are loaded in the same dtype as pagellm's.
+tokens each request asked for count. The same weights are loaded in the same dtype as pagellm's, on the
+engine's device (a GPU engine against a CPU peer would be no comparison).
 """
 
 from __future__ import annotations
@@ -18,18 +19,22 @@ from pagellm.bench.throughput import ThroughputResult
 from pagellm.bench.workloads import Workload
 
 
-def load_transformers_model(model: str, gguf_file: str | None, dtype: torch.dtype) -> Any:
-    """The model pagellm was given (`--model`, `--gguf-file`) as transformers loads it; a GGUF file is
-    dequantized into dense `dtype` weights, as pagellm does."""
+def load_transformers_model(
+    model: str, gguf_file: str | None, dtype: torch.dtype, device: torch.device | str = "cpu"
+) -> Any:
+    """The model pagellm was given (`--model`, `--gguf-file`) as transformers loads it, on `device`; a GGUF
+    file is dequantized into dense `dtype` weights, as pagellm does."""
     from transformers import AutoModelForCausalLM, GgufConfig
 
     if model.endswith(".gguf"):
         model, gguf_file = os.path.dirname(os.path.abspath(model)), os.path.basename(model)
     if gguf_file:
-        return AutoModelForCausalLM.from_pretrained(
+        loaded = AutoModelForCausalLM.from_pretrained(
             model, gguf_file=gguf_file, dtype=dtype, quantization_config=GgufConfig(dequantize=True)
         )
-    return AutoModelForCausalLM.from_pretrained(model, dtype=dtype)
+    else:
+        loaded = AutoModelForCausalLM.from_pretrained(model, dtype=dtype)
+    return loaded.to(device)
 
 
 def _pad_id(model: Any) -> int:
@@ -49,8 +54,8 @@ def _generate(model: Any, prompts: Sequence[list[int]], new_tokens: int, pad_id:
         input_ids[row, width - len(prompt) :] = torch.tensor(prompt)
         attention_mask[row, width - len(prompt) :] = 1
     return model.generate(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
+        input_ids=input_ids.to(model.device),
+        attention_mask=attention_mask.to(model.device),
         max_new_tokens=new_tokens,
         min_new_tokens=new_tokens,
         do_sample=False,
@@ -65,6 +70,8 @@ def run_static_batches(model: Any, workload: Workload, batch_size: int) -> Throu
     for i in range(0, workload.num_requests, batch_size):
         prompts = workload.prompts[i : i + batch_size]
         _generate(model, prompts, max(workload.output_lens[i : i + batch_size]), pad_id)
+    if model.device.type != "cpu":  # queued device work counts
+        getattr(torch, model.device.type).synchronize()
     elapsed = time.perf_counter() - start
     return ThroughputResult(
         engine=f"transformers (batch {batch_size})",

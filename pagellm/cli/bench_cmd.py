@@ -315,7 +315,7 @@ def throughput(
             llm, requests, "pagellm + JSON schema", structured_outputs=schema
         )
         _progress(results["pagellm + JSON schema"])
-    dtype = llm.engine.setup.dtype
+    dtype, device = llm.engine.setup.dtype, llm.engine.runner.device
     speculation = acceptance(before, llm.engine.stats()) if config.speculative else None
     del llm
     gc.collect()
@@ -330,7 +330,7 @@ def throughput(
     if "transformers" in peers:
         from pagellm.bench.peers import load_transformers_model, run_transformers
 
-        peer_model = load_transformers_model(config.model, config.gguf_file, dtype)
+        peer_model = load_transformers_model(config.model, config.gguf_file, dtype, device)
         results["transformers"] = run_transformers(
             peer_model, requests, _ints(peer_batch_sizes), on_result=_progress
         )

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import torch
 
+from pagellm.core.config import EngineConfig
+from pagellm.core.errors import ConfigError
 from pagellm.core.platform import Availability, Platform
-from pagellm.platforms._common import TorchRuntimePlatform, classproperty, hidden_by
+from pagellm.platforms._common import TorchRuntimePlatform, hidden_by
 from pagellm.plugins.hookspecs import hookimpl
 
 PAGELLM_PLUGIN_API = "1.0"
@@ -54,16 +56,24 @@ class CudaPlatform(TorchRuntimePlatform):
     def device_capability(cls, index: int = 0) -> tuple[int, int] | None:
         return torch.cuda.get_device_capability(index)
 
-    @classproperty
-    def supported_dtypes(cls) -> tuple[torch.dtype, ...]:
-        """bfloat16 only from compute capability 8.0; reads the device only when one is available."""
-        if cls.availability().ok and cls.device_capability() < BF16_CAPABILITY:
-            return (torch.float16, torch.float32)
-        return (torch.bfloat16, torch.float16, torch.float32)
+    supported_dtypes = (torch.bfloat16, torch.float16, torch.float32)
+    default_dtype = torch.bfloat16
+    """Facts of CUDA devices in general, read without touching one: reading them must not create a CUDA
+    context before the platform is even selected. A device older than Ampere narrows them in
+    `check_and_update_config`, which runs after selection."""
 
-    @classproperty
-    def default_dtype(cls) -> torch.dtype:
-        return cls.supported_dtypes[0]
+    @classmethod
+    def check_and_update_config(cls, config: EngineConfig) -> None:
+        super().check_and_update_config(config)
+        capability = cls.device_capability()
+        if capability < BF16_CAPABILITY:  # no bfloat16 arithmetic: auto means float16
+            if config.dtype == "bfloat16":
+                raise ConfigError(
+                    f"dtype bfloat16 is not supported by {cls.device_name()} (compute capability "
+                    f"{capability[0]}.{capability[1]}); supported here: float16, float32. Use --dtype float16."
+                )
+            if config.dtype == "auto":
+                config.dtype = "float16"
 
 
 @hookimpl

@@ -149,11 +149,34 @@ def test_peer_loads_a_gguf_file_dequantized(monkeypatch):
     from pagellm.bench.peers import load_transformers_model
 
     calls = []
+    loaded = torch.nn.Linear(1, 1)
     monkeypatch.setattr(
-        transformers.AutoModelForCausalLM, "from_pretrained", lambda *a, **kw: calls.append((a, kw))
+        transformers.AutoModelForCausalLM,
+        "from_pretrained",
+        lambda *a, **kw: calls.append((a, kw)) or loaded,
     )
-    load_transformers_model("/models/s/model.Q4_1.gguf", None, torch.bfloat16)
+    assert load_transformers_model("/models/s/model.Q4_1.gguf", None, torch.bfloat16) is loaded
     ((args, kwargs),) = calls
     assert args == ("/models/s",)
     assert kwargs["gguf_file"] == "model.Q4_1.gguf" and kwargs["dtype"] == torch.bfloat16
     assert kwargs["quantization_config"].dequantize
+
+
+def test_the_transformers_peer_runs_on_the_engines_device(tiny_model):
+    """On a GPU the peer must run there too, or the ratio compares a GPU with a CPU (issue 17): the model
+    goes to the engine's device and every batch's inputs follow it."""
+    import torch
+
+    from pagellm.bench.peers import _generate, load_transformers_model
+
+    model = load_transformers_model(str(tiny_model), None, torch.float32, "meta")
+    assert model.device.type == "meta"
+
+    class Stub:
+        device = torch.device("meta")
+
+        def generate(self, input_ids, attention_mask, **kwargs):
+            assert input_ids.device.type == attention_mask.device.type == "meta"
+            return input_ids
+
+    _generate(Stub(), [[5, 6, 7], [8]], 2, 0)

@@ -67,22 +67,23 @@ def test_cuda_available(monkeypatch):
     assert a and a.reason == "found 2 NVIDIA device(s) (CUDA 12.8)"
 
 
-@pytest.mark.parametrize(
-    "capability, default, has_bf16",
-    [((7, 5), torch.float16, False), ((8, 0), torch.bfloat16, True), ((9, 0), torch.bfloat16, True)],
-)
-def test_cuda_dtypes_follow_capability(monkeypatch, capability, default, has_bf16):
+@pytest.mark.parametrize("capability, resolved", [((7, 5), "float16"), ((8, 0), "auto"), ((9, 0), "auto")])
+def test_cuda_auto_dtype_follows_capability_after_selection(monkeypatch, capability, resolved):
     fake(monkeypatch, cuda, _torch_hip_version=None, _torch_cuda_version="12.8", _cuda_device_count=1)
     fake_device(monkeypatch, cuda.CudaPlatform, capability=capability)
-    assert cuda.CudaPlatform.default_dtype == default
-    assert (torch.bfloat16 in cuda.CudaPlatform.supported_dtypes) is has_bf16
-    assert torch.float16 in cuda.CudaPlatform.supported_dtypes
+    monkeypatch.setattr(cuda.CudaPlatform, "device_count", classmethod(lambda cls: 1))
+    config = EngineConfig(dtype="auto")
+    cuda.CudaPlatform.check_and_update_config(config)
+    assert config.dtype == resolved  # auto on a pre-Ampere device: float16; else the checkpoint decides
 
 
-def test_cuda_dtypes_without_device_read_nothing(monkeypatch):
-    fake(monkeypatch, cuda, _torch_hip_version=None, _torch_cuda_version=None)
+def test_cuda_dtype_facts_create_no_cuda_context(monkeypatch):
+    """Reading the facts of an available CUDA platform must not query the device (issue 17): a capability
+    query creates a CUDA context, before the platform is even selected."""
+    fake(monkeypatch, cuda, _torch_hip_version=None, _torch_cuda_version="12.8", _cuda_device_count=1)
     monkeypatch.setattr(cuda.CudaPlatform, "device_capability", classmethod(lambda cls, index=0: 1 / 0))
     assert cuda.CudaPlatform.default_dtype == torch.bfloat16
+    assert torch.float16 in cuda.CudaPlatform.supported_dtypes
 
 
 def test_cuda_refuses_bf16_before_ampere(monkeypatch):
@@ -106,6 +107,7 @@ def test_accelerators_refuse_bad_memory_utilization(platform, utilization):
 @pytest.mark.parametrize("platform", [cuda.CudaPlatform, rocm.RocmPlatform, xpu.XpuPlatform, tpu.TpuPlatform])
 def test_accelerators_refuse_more_tensor_parallelism_than_devices(monkeypatch, platform):
     monkeypatch.setattr(platform, "device_count", classmethod(lambda cls: 4))
+    monkeypatch.setattr(platform, "device_capability", classmethod(lambda cls, index=0: (9, 0)))
     expected = f"tensor_parallel_size 8 .* 4 {platform.name} device.*--tensor-parallel-size 4"
     with pytest.raises(ConfigError, match=expected):
         platform.check_and_update_config(EngineConfig(tensor_parallel_size=8))
