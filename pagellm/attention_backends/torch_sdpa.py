@@ -101,12 +101,26 @@ class TorchSDPABackend(PagedBackend):
     ) -> torch.Tensor:
         """q: [..., H, Q, d], k/v: [..., KV, C, d]; mask None means causal with Q == C."""
         cap, scale = self.spec.logits_soft_cap, self.spec.softmax_scale
-        if cap is None:
-            gqa = q.shape[-3] != k.shape[-3]
+        if cap is not None:
+            return _soft_capped_attention(q, k, v, mask, scale, cap)
+        num_kv, group = k.shape[-3], q.shape[-3] // k.shape[-3]
+        if group == 1:
             return F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=gqa
+                q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale
             )
-        return _soft_capped_attention(q, k, v, mask, scale, cap)
+        # GQA as [KV, group] heads with K/V broadcast over each KV head's query heads: torch keeps its fused
+        # kernels (enable_gqa with a bool mask falls back to the math path on CPU, and CUDA's fused kernels
+        # refuse it)
+        expanded = (*k.shape[:-3], num_kv, group, *k.shape[-2:])
+        o = F.scaled_dot_product_attention(
+            q.unflatten(-3, (num_kv, group)),
+            k.unsqueeze(-3).expand(expanded),
+            v.unsqueeze(-3).expand(expanded),
+            attn_mask=mask,
+            is_causal=mask is None,
+            scale=scale,
+        )
+        return o.flatten(-4, -3)
 
 
 def _soft_capped_attention(

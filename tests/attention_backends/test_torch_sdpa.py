@@ -40,6 +40,22 @@ def test_dtypes_and_sliding_window(dtype, sliding_window):
     assert check_backend(TorchSDPABackend, spec, "cpu", ALL_CASES) < TOLERANCE[dtype]
 
 
+def test_gqa_reaches_sdpa_as_4d_heads_without_enable_gqa(monkeypatch):
+    """CUDA's fused kernels refuse 3-D inputs with a bool mask and enable_gqa (and CPU falls back to the math
+    path), so grouped heads go in as [KV, group] with K/V broadcast (issue 17)."""
+    calls = []
+    sdpa = F.scaled_dot_product_attention
+
+    def spy(q, k, v, **kwargs):
+        calls.append((q.dim(), q.shape[:-2] == k.shape[:-2], kwargs.get("enable_gqa", False)))
+        return sdpa(q, k, v, **kwargs)
+
+    monkeypatch.setattr(torch_sdpa.F, "scaled_dot_product_attention", spy)
+    spec = AttentionSpec(8, 2, head_size=32, dtype=torch.float32, block_size=16)
+    assert check_backend(TorchSDPABackend, spec, "cpu", CASES["mixed"]) < 1e-5
+    assert calls and all(dims >= 4 and same_heads and not gqa for dims, same_heads, gqa in calls)
+
+
 def test_logits_soft_cap():
     spec = AttentionSpec(8, 2, 32, torch.float32, sliding_window=9, logits_soft_cap=5.0)
     assert check_backend(TorchSDPABackend, spec, "cpu", ALL_CASES) < 1e-5
