@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -124,12 +125,20 @@ class TritonAttnBackend(PagedBackend):
 def _dot_dtype(dtype: torch.dtype):
     """The dtype tl.dot multiplies in: the compute dtype, except float32 for bfloat16 under the
     interpreter, which runs on numpy and has no bfloat16 matmul."""
+    if dtype == torch.bfloat16:
+        return tl.float32 if _interpreting() else tl.bfloat16
+    return tl.float16 if dtype == torch.float16 else tl.float32
+
+
+def _interpreting() -> bool:
+    """Whether Triton runs kernels in its interpreter: `triton.knobs` from Triton 3.4, the environment
+    variable it reads before that."""
     import triton
 
-    interpreting = triton.knobs.runtime.interpret
-    if dtype == torch.bfloat16:
-        return tl.float32 if interpreting else tl.bfloat16
-    return tl.float16 if dtype == torch.float16 else tl.float32
+    knobs = getattr(triton, "knobs", None)
+    if knobs is not None:
+        return bool(knobs.runtime.interpret)
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 @functools.cache

@@ -80,3 +80,14 @@ def test_unsupported_reasons(monkeypatch):
         "the triton package is not installed (pip install triton)"
     ]
     assert triton_attn.PAGELLM_PLUGIN_API == "1.0"
+
+
+def test_interpreter_mode_is_read_without_triton_knobs(monkeypatch):
+    """`triton.knobs` exists from Triton 3.4 on; older Tritons are read through TRITON_INTERPRET (issue 17)."""
+    import triton
+
+    monkeypatch.delattr(triton, "knobs", raising=False)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert triton_attn._interpreting()
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert not triton_attn._interpreting()
