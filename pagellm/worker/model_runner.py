@@ -228,7 +228,10 @@ class ModelRunner:
                 f"no memory left for the KV cache ({budget / GiB:.2f} GiB after the model's "
                 f"{self.model_bytes / GiB:.2f} GiB); raise --kv-cache-space or --gpu-memory-utilization"
             )
-        return int(num_blocks)
+        # no more than max_num_seqs full contexts can use (plus the null block): on a large accelerator the
+        # memory alone would make millions of blocks, each a start-up cost
+        per_request = -(-(self.setup.max_model_len + self.block_size) // self.block_size)
+        return int(min(num_blocks, config.max_num_seqs * per_request + 1))
 
     def add_lora(self, request: LoRARequest) -> None:
         """Load an adapter into memory (ConfigError when LoRA is off or the adapter cannot run)."""

@@ -94,3 +94,21 @@ def test_a_host_run_platform_sizes_the_kv_cache_by_its_own_memory_facts(model_di
     # half of 64 MiB, less the 16 MiB in use on the device (not just the weights)
     assert runner.num_blocks == (32 - 16) * MiB // runner.block_bytes()
     assert torch.device("cpu") == runner.device
+
+
+def test_the_kv_cache_holds_no_more_blocks_than_max_num_seqs_full_contexts(model_dir, monkeypatch):
+    """A big device's memory would make millions of blocks (issue 17): no more than max_num_seqs requests
+    of max_model_len tokens can use, plus the null block."""
+    registry = load_plugins()
+    with_sim = dataclasses.replace(registry, platforms={**registry.platforms, "sim_accel": SimAccelerator})
+    monkeypatch.setattr(setup, "load_plugins", lambda: with_sim)
+    llm = LLM(
+        str(model_dir),
+        device="sim_accel",
+        dtype="float32",
+        max_model_len=64,
+        max_num_seqs=3,
+        attention_backend="TORCH_SDPA",
+    )
+    runner = llm.engine.runner
+    assert runner.num_blocks == 3 * (64 // 16 + 1) + 1 < 16 * MiB // runner.block_bytes()
