@@ -2,7 +2,8 @@
 
 The cache keeps each KV head's blocks together, [2, num_kv_heads, num_blocks, block_size, head_size].
 Decodes go to a native kernel (platforms/cpu_kernels/paged_attention.cpp, built on first use) that reads K/V in place
-through the block table with an online softmax, splitting long contexts so every core has work. Where the
+through the block table with an online softmax, splitting long contexts so every core has work (on AMX CPUs,
+bfloat16 scores and value sums are tile products). Where the
 kernel cannot be built, decodes of similar length share two `bmm` calls over K/V gathered block by block
 (whole blocks of block_size * head_size contiguous elements), with a float32 softmax between them. Each
 prefill chunk gets one call of torch's fused kernel against exactly the blocks its queries can see: at
@@ -69,7 +70,7 @@ class CpuAttnMetadata(PagedMetadata):
 
 class CpuAttnBackend(PagedBackend):
     name = "CPU_ATTN"
-    version = "2"  # in-place decode kernel
+    version = "3"  # in-place decode kernel, AMX tiles for bfloat16
     device_types = ("cpu",)
     supports_sliding_window = True
     kv_cache_dtypes = (
@@ -81,6 +82,8 @@ class CpuAttnBackend(PagedBackend):
         torch.int8,
     )
     metadata_type = CpuAttnMetadata
+    use_amx = True
+    """bfloat16 decodes may multiply AMX tiles where the CPU has them (False: the AVX-512 path; tests)."""
 
     def __init__(self, spec: AttentionSpec):
         super().__init__(spec)
@@ -137,6 +140,7 @@ class CpuAttnBackend(PagedBackend):
                 s.softmax_scale,
                 s.sliding_window or 0,
                 plan.partition,
+                self.use_amx,
             )
         scale = s.softmax_scale
         group = s.num_heads // num_kv

@@ -37,13 +37,18 @@ class _GPU(Platform):
     device_type = "cuda"
 
 
-@pytest.fixture(params=["kernel", "torch"])
+@pytest.fixture(params=["kernel", "kernel-no-amx", "torch"])
 def decode_path(request, monkeypatch):
-    """Run a test on the native decode kernel and again on the PyTorch path it falls back to."""
-    if request.param == "kernel":
+    """Run a test on the native decode kernel (its AMX path where the CPU has one), on its AVX-512 path, and
+    on the PyTorch path it falls back to."""
+    if request.param.startswith("kernel"):
         if shutil.which(os.environ.get("CXX", "c++")) is None:
             pytest.skip("no C++ compiler here")
         assert cpu_kernels.load() is not None, cpu_kernels.why_unavailable()
+        if request.param == "kernel-no-amx":
+            if "amx" not in cpu_kernels.load().isa():
+                pytest.skip("no AMX here: the kernel case already ran the same path")
+            monkeypatch.setattr(CpuAttnBackend, "use_amx", False)
     else:
         monkeypatch.setattr(cpu_attn.cpu_kernels, "load", lambda: None)
     return request.param
@@ -64,6 +69,17 @@ def test_matches_reference(kind, heads, block_size, decode_path):
 def test_dtypes_and_sliding_window(dtype, sliding_window, decode_path):
     spec = AttentionSpec(8, 2, 64, dtype, block_size=16, sliding_window=sliding_window)
     assert check_backend(CpuAttnBackend, spec, "cpu", ALL_CASES) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("head_size", [64, 128])
+@pytest.mark.parametrize("heads", [(16, 1), (32, 1), (12, 4)], ids=["group16", "group32", "group3"])
+@pytest.mark.parametrize("block_size", [16, 48])
+def test_bf16_decode_shapes(head_size, heads, block_size, decode_path):
+    """The AMX path's limits: head sizes 64 and 128, groups up to 16 query heads (32 take the AVX-512 path),
+    blocks of any multiple of 16 tokens; contexts ending mid-tile and mid-block."""
+    spec = AttentionSpec(*heads, head_size, torch.bfloat16, block_size=block_size)
+    cases = [([1, 15, 16, 17, 31, 33, 100], [1] * 7), ([47, 20], [1, 20])]
+    assert check_backend(CpuAttnBackend, spec, "cpu", cases) < TOLERANCE[torch.bfloat16]
 
 
 def test_cache_dtype_differs_from_compute_dtype(decode_path):

@@ -24,6 +24,7 @@ from pagellm.core.paths import cache_dir
 logger = logging.getLogger("pagellm")
 
 SOURCES = ("paged_attention.cpp", "linear_amx.cpp")
+HEADERS = ("amx_tiles.h",)
 ENV_SWITCH = "PAGELLM_CPU_KERNELS"
 
 _lock = threading.Lock()
@@ -60,7 +61,7 @@ def _build() -> tuple[ModuleType | None, str | None]:
         return None, f"no C++ compiler ({compiler!r} not on PATH; set CXX or install g++)"
     here = Path(__file__).parent
     digest = hashlib.sha256()
-    for name in SOURCES:
+    for name in SOURCES + HEADERS:
         digest.update((here / name).read_bytes())
     digest.update(torch.__version__.encode())
     digest.update(_cpu_flags().encode())

@@ -28,6 +28,8 @@
 #define PL_AMX 1  // AMX CPUs all have AVX-512 (and BF16)
 #include <immintrin.h>
 #include <sys/syscall.h>
+
+#include "amx_tiles.h"
 #include <unistd.h>
 #else
 #define PL_AMX 0
@@ -41,29 +43,12 @@ constexpr int64_t kRowsPerTile = 16;
 constexpr int64_t kCachedBytes = 1 << 20;  // bytes of x kept in cache while a thread's panels pass
 
 #if PL_AMX
-struct alignas(64) TileConfig {
-  uint8_t palette_id = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
 bool request_amx() {
   // Linux hands out the AMX register state only on request (once per process).
   constexpr int kArchReqXcompPerm = 0x1023;
   constexpr int kXfeatureXtiledata = 18;
   static const bool ok = syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
   return ok;
-}
-
-void configure_tiles() {
-  TileConfig config;
-  for (int t = 0; t < 8; ++t) {  // tmm0-3: float32 sums, tmm4: rows of x, tmm5: weight tile
-    config.rows[t] = kRowsPerTile;
-    config.colsb[t] = 64;
-  }
-  _tile_loadconfig(&config);
 }
 
 // 16 floats to bf16, rounding to nearest even (as torch does; NaN stays NaN).
@@ -157,7 +142,7 @@ void run_panels(const uint8_t* xs, int64_t x_stride, int64_t m, int64_t m_pad, c
   const int64_t block_rows = std::max<int64_t>(32, (kCachedBytes / x_stride) / 32 * 32);
   const int64_t panel_bytes = k_tiles * kTileBytes;
   at::parallel_for(0, n_pairs, 1, [&](int64_t begin, int64_t end) {
-    configure_tiles();
+    pagellm_amx::configure_full_tiles();
     alignas(64) int32_t sums[2 * 2 * kRowsPerTile * kTileCols];
     for (int64_t block0 = 0; block0 < m_pad; block0 += block_rows) {
       const int64_t block_end = std::min(m_pad, block0 + block_rows);

@@ -5,7 +5,8 @@
 // a softmax over its partition and the weighted sum of values. Long contexts are split into partitions
 // (flash-decoding) so that both cores stay busy at small batch; a second pass merges the partitions with
 // their maxima and sums. Built at run time with -march=native (see __init__.py): the AVX-512 path, the AVX2
-// path or plain C++ is chosen by what the compiler may use on this CPU.
+// path or plain C++ is chosen by what the compiler may use on this CPU. On CPUs with AMX, bfloat16 decode
+// work multiplies tiles instead (scores and values as tile products; see "AMX" below).
 //
 // Cache layouts: k_cache, v_cache [num_kv_heads, num_blocks, block_size, head_size] of
 //   kind 0: float32, 1: bfloat16, 2: float16, 3: fp8 e4m3fn, 4: fp8 e5m2 (uint8 storage for both fp8),
@@ -25,10 +26,16 @@
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #define PL_AVX512 1
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define PL_AMX_ATTN 1
+#include "amx_tiles.h"
+#endif
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define PL_AVX2 1
 #endif
+
+bool amx_available();  // linear_amx.cpp: this build and CPU have AMX and the OS granted its state
 
 namespace {
 
@@ -275,14 +282,19 @@ inline float row_scale(const void* cache, int64_t at, int64_t d) {
   return s;
 }
 
-inline float load_q(const at::Tensor& q, int64_t flat) {
-  switch (q.scalar_type()) {
-    case at::kFloat: return q.data_ptr<float>()[flat];
-    case at::kBFloat16: return static_cast<float>(q.data_ptr<at::BFloat16>()[flat]);
-    case at::kHalf: return static_cast<float>(q.data_ptr<at::Half>()[flat]);
-    default: TORCH_CHECK(false, "q must be float32, bfloat16 or float16");
+// element `flat` of the query as float32 (the dtype checked once, not per element)
+struct QueryReader {
+  at::ScalarType type;
+  const void* data;
+  explicit QueryReader(const at::Tensor& q) : type(q.scalar_type()), data(q.data_ptr()) {
+    TORCH_CHECK(type == at::kFloat || type == at::kBFloat16 || type == at::kHalf, "q must be float32, bfloat16 or float16");
   }
-}
+  float operator()(int64_t flat) const {
+    if (type == at::kBFloat16) return bits_to_float(uint32_t(static_cast<const uint16_t*>(data)[flat]) << 16);
+    if (type == at::kHalf) return half_to_float(static_cast<const uint16_t*>(data)[flat]);
+    return static_cast<const float*>(data)[flat];
+  }
+};
 
 struct Problem {
   int64_t num_heads, num_kv, head_size, group, block_size, num_blocks, max_blocks;
@@ -295,6 +307,7 @@ struct Problem {
   const int32_t* reqs;
   const void* k;
   const void* v;
+  bool amx = false;  // the AMX path may run (this build and CPU have it, and the OS granted it)
 };
 
 #if PL_AVX512
@@ -404,6 +417,148 @@ void accumulate_rows_pairs(const Problem& P, const float* scores, int64_t width,
 }
 #endif
 
+#if PL_AMX_ATTN
+// ---- AMX: the decode path for bfloat16 caches and queries -------------------------------------------
+//
+// Scores as tile products: a tile of 16 cached keys (16 consecutive rows of one block, as they lie in
+// memory) times the group's queries laid out as AMX's B operand gives 16 tokens x up to 16 query rows at
+// once, with no horizontal sums; values likewise: the bfloat16 weights [16 rows x 32 tokens] times 32
+// value rows interleaved in pairs. Products of bf16 pairs summed in float32, as the AVX-512 path does.
+// Needs head size 64 or 128, blocks of a multiple of 16 tokens, partitions starting on a 16-token
+// boundary and at most 16 query rows per KV head.
+
+struct alignas(64) AmxScratch {
+  uint16_t qt[4][16][32];   // the queries as B tiles, one per 32 elements of the head
+  uint16_t vb[4][16][32];   // value rows interleaved in pairs, one tile per 16 output columns
+  float c[4][16][16];       // tile results on their way out
+  std::vector<float> sc;    // scores as tiles: [token][16 query rows]
+  std::vector<uint16_t> pw; // bfloat16 weights [16][stride], zero-padded
+};
+
+inline AmxScratch& amx_scratch() {
+  static thread_local AmxScratch s;
+  return s;
+}
+
+// scores[row * width + i] = scale * q[row] . k[lo + i] for the item's `rows` query rows
+inline void amx_scores(const Problem& P, const uint16_t* q, int64_t rows, int64_t lo, int64_t hi,
+                       const int64_t* offsets, float* scores, AmxScratch& s) {
+  const int64_t d = P.head_size, width = hi - lo, tiles = (width + 15) / 16;
+  const int64_t chunks = d / 32;
+  std::memset(s.qt, 0, sizeof(s.qt));
+  for (int64_t n = 0; n < rows; ++n)
+    for (int64_t c = 0; c < chunks; ++c)
+      for (int64_t k2 = 0; k2 < 16; ++k2) {
+        s.qt[c][k2][2 * n] = q[n * d + 32 * c + 2 * k2];
+        s.qt[c][k2][2 * n + 1] = q[n * d + 32 * c + 2 * k2 + 1];
+      }
+  s.sc.resize(tiles * 256 + 16);
+  float* sc = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(s.sc.data()) + 63) & ~uintptr_t(63));
+  const uint16_t* k = static_cast<const uint16_t*>(P.k);
+  const int64_t stride = P.row * 2;
+  _tile_loadd(2, s.qt[0], 64);
+  _tile_loadd(3, s.qt[1], 64);
+  if (chunks == 4) {
+    _tile_loadd(4, s.qt[2], 64);
+    _tile_loadd(5, s.qt[3], 64);
+  }
+  const int64_t row_bytes = P.row * 2;
+  for (int64_t tile = 0; tile < tiles; ++tile) {
+    const int64_t t = tile * 16;
+    for (int64_t i = t + PREFETCH_AHEAD; i < std::min(width, t + PREFETCH_AHEAD + 16); ++i) {
+      prefetch_row<_MM_HINT_T0>(P.k, offsets[i], row_bytes, 2);
+      prefetch_row<_MM_HINT_T1>(P.v, offsets[i], row_bytes, 2);
+    }
+    const uint16_t* rows0 = k + offsets[t];  // 16 consecutive rows of one block
+    _tile_zero(0);
+    _tile_loadd(1, rows0, stride);
+    _tile_dpbf16ps(0, 1, 2);
+    _tile_loadd(1, rows0 + 32, stride);
+    _tile_dpbf16ps(0, 1, 3);
+    if (chunks == 4) {
+      _tile_loadd(1, rows0 + 64, stride);
+      _tile_dpbf16ps(0, 1, 4);
+      _tile_loadd(1, rows0 + 96, stride);
+      _tile_dpbf16ps(0, 1, 5);
+    }
+    _tile_stored(0, sc + tile * 256, 64);
+  }
+  // [token][row] -> [row][token], scaled
+  const __m512i column = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                            _mm512_set1_epi32(16));
+  const __m512 scale = _mm512_set1_ps(P.scale);
+  for (int64_t row = 0; row < rows; ++row) {
+    float* dst = scores + row * width;
+    int64_t i = 0;
+    for (; i + 16 <= width; i += 16)
+      _mm512_storeu_ps(dst + i, _mm512_mul_ps(_mm512_i32gather_ps(column, sc + i * 16 + row, 4), scale));
+    for (; i < width; ++i) dst[i] = sc[i * 16 + row] * P.scale;
+  }
+}
+
+// row_acc[row] = sum over i of scores[row * width + i] * v[lo + i], weights rounded to bfloat16
+inline void amx_values(const Problem& P, const float* scores, int64_t rows, int64_t width, const int64_t* offsets,
+                       float* row_acc, AmxScratch& s) {
+  const int64_t d = P.head_size;
+  const int64_t stride = (width + 31) & ~int64_t(31);
+  s.pw.assign(16 * stride + 32, 0);
+  uint16_t* pw = reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(s.pw.data()) + 63) & ~uintptr_t(63));
+  for (int64_t row = 0; row < rows; ++row) {
+    int64_t i = 0;
+    for (; i + 16 <= width; i += 16)
+      _mm256_store_si256(reinterpret_cast<__m256i*>(pw + row * stride + i),
+                         (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(scores + row * width + i)));
+    for (; i < width; ++i) {  // round to nearest even, as the instruction does (weights are finite)
+      uint32_t bits;
+      std::memcpy(&bits, scores + row * width + i, 4);
+      pw[row * stride + i] = uint16_t((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+    }
+  }
+  const uint16_t* v = static_cast<const uint16_t*>(P.v);
+  const __m512i zero = _mm512_setzero_si512();
+  for (int64_t e0 = 0; e0 < d; e0 += 64) {
+    _tile_zero(4);
+    _tile_zero(5);
+    _tile_zero(6);
+    _tile_zero(7);
+    for (int64_t t = 0; t < width; t += 32) {
+      for (int64_t k2 = 0; k2 < 16; ++k2) {
+        const int64_t a = t + 2 * k2, b = a + 1;
+        // rows past the context are not read: their weights are 0, but 0 x NaN is not
+        const __m512i x0 = a < width ? _mm512_loadu_si512(v + offsets[a] + e0) : zero;
+        const __m512i x1 = a < width ? _mm512_loadu_si512(v + offsets[a] + e0 + 32) : zero;
+        const __m512i y0 = b < width ? _mm512_loadu_si512(v + offsets[b] + e0) : zero;
+        const __m512i y1 = b < width ? _mm512_loadu_si512(v + offsets[b] + e0 + 32) : zero;
+        _mm512_store_si512(s.vb[0][k2], _mm512_unpacklo_epi16(x0, y0));
+        _mm512_store_si512(s.vb[1][k2], _mm512_unpackhi_epi16(x0, y0));
+        _mm512_store_si512(s.vb[2][k2], _mm512_unpacklo_epi16(x1, y1));
+        _mm512_store_si512(s.vb[3][k2], _mm512_unpackhi_epi16(x1, y1));
+      }
+      _tile_loadd(1, pw + t, stride * 2);
+      _tile_loadd(2, s.vb[0], 64);
+      _tile_dpbf16ps(4, 1, 2);
+      _tile_loadd(3, s.vb[1], 64);
+      _tile_dpbf16ps(5, 1, 3);
+      _tile_loadd(2, s.vb[2], 64);
+      _tile_dpbf16ps(6, 1, 2);
+      _tile_loadd(3, s.vb[3], 64);
+      _tile_dpbf16ps(7, 1, 3);
+    }
+    _tile_stored(4, s.c[0], 64);
+    _tile_stored(5, s.c[1], 64);
+    _tile_stored(6, s.c[2], 64);
+    _tile_stored(7, s.c[3], 64);
+    // tile 2c (lo) column n holds element 8 (n / 4) + n % 4 of the 32 at e0 + 32c; tile 2c + 1 (hi) that + 4
+    for (int64_t row = 0; row < rows; ++row)
+      for (int c = 0; c < 2; ++c) {
+        float* dst = row_acc + row * d + e0 + 32 * c;
+        for (int L = 0; L < 4; ++L)
+          for (int j = 0; j < 4; ++j) dst[8 * L + j] = s.c[2 * c][row][4 * L + j], dst[8 * L + 4 + j] = s.c[2 * c + 1][row][4 * L + j];
+      }
+  }
+}
+#endif
+
 // One work item: request `r`, KV head `h`, context positions [lo, hi). Writes, for each of the request's
 // query tokens j and query heads g of the group, row (j * group + g): the running max, the sum of
 // exponentials and the unnormalised weighted sum of values (head_size floats). Rows whose visible range
@@ -428,6 +583,14 @@ void attend_partition(const Problem& P, const float* qf, const void* qb, int64_t
   }
   auto offset = [&](int64_t t) { return offsets[t - lo]; };
   int64_t t = lo;
+#if PL_AMX_ATTN
+  const bool amx = K == BF16 && P.amx && qb != nullptr && (d == 64 || d == 128) && P.block_size % 16 == 0 &&
+                   lo % 16 == 0 && rows <= 16;
+  if (amx) {
+    amx_scores(P, static_cast<const uint16_t*>(qb), rows, lo, hi, offsets.data(), scores.data(), amx_scratch());
+    t = hi;
+  }
+#endif
 #if PL_AVX512
   if (d % 16 == 0) {
     __m512 part[16];
@@ -530,6 +693,12 @@ void attend_partition(const Problem& P, const float* qf, const void* qb, int64_t
       for (int64_t row = 0; row < rows; ++row) scores[row * width + i] *= vs;
     }
   }
+#if PL_AMX_ATTN
+  if (amx) {
+    amx_values(P, scores.data(), rows, width, offsets.data(), row_acc, amx_scratch());
+    return;
+  }
+#endif
 #if PL_AVX512 && defined(__AVX512BF16__)
   if (K == BF16 && qb != nullptr && (d == 64 || d == 128)) {  // bfloat16 cache and output
     if (d == 64)
@@ -599,7 +768,11 @@ void run(at::Tensor& out, const at::Tensor& q, const Problem& P, int64_t num_req
   const int64_t stride = max_rows * (2 + d);
   std::vector<float> partial(num_items * stride);
 
+  const QueryReader q_at(q);
   at::parallel_for(0, num_items, 1, [&](int64_t begin, int64_t end) {
+#if PL_AMX_ATTN
+    if (P.amx) pagellm_amx::configure_full_tiles();
+#endif
     std::vector<float> scores, qf, vrow;
     std::vector<int64_t> offsets;
     std::vector<uint16_t> qb, weights;
@@ -616,7 +789,7 @@ void run(at::Tensor& out, const at::Tensor& q, const Problem& P, int64_t num_req
         for (int64_t g = 0; g < G; ++g) {
           const int64_t src = ((q0 + j) * P.num_heads + h * G + g) * d;
           float* dst = qf.data() + (j * G + g) * d;
-          for (int64_t e = 0; e < d; ++e) dst[e] = load_q(q, src + e);
+          for (int64_t e = 0; e < d; ++e) dst[e] = q_at(src + e);
         }
       if (bf16_query) {  // 64-byte aligned for the vector loads
         qb.resize(Q * G * d + 32);
@@ -630,6 +803,9 @@ void run(at::Tensor& out, const at::Tensor& q, const Problem& P, int64_t num_req
       attend_partition<K>(P, qf.data(), qbits, r, h, lo, hi, base, base + max_rows, base + 2 * max_rows, scores, vrow, offsets,
                          weights);
     }
+#if PL_AMX_ATTN
+    if (P.amx) _tile_release();
+#endif
   });
 
   // merge each (request, KV head)'s partitions and write the output rows
@@ -671,9 +847,10 @@ void run(at::Tensor& out, const at::Tensor& q, const Problem& P, int64_t num_req
 // out, q: [num_tokens, num_heads, head_size], contiguous. k_cache, v_cache: [num_kv_heads, num_blocks,
 // block_size, head_size], contiguous. block_tables int32 [num_reqs, max_blocks]; seq_lens int32 [num_reqs];
 // query_start_loc int32 [num_reqs + 1]; reqs int32: the requests to compute (others' rows are untouched).
+// use_amx: bfloat16 work may take the AMX tile path where this build and CPU have it (false: AVX-512 only).
 void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,
                      at::Tensor seq_lens, at::Tensor query_start_loc, at::Tensor reqs, int64_t cache_kind, double scale,
-                     int64_t window, int64_t partition) {
+                     int64_t window, int64_t partition, bool use_amx) {
   TORCH_CHECK(q.is_contiguous() && out.is_contiguous(), "q and out must be contiguous");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the caches must be contiguous");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
@@ -702,6 +879,11 @@ void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tenso
   P.v = v_cache.data_ptr();
   const int64_t n = reqs.numel();
   if (n == 0) return;
+  (void)use_amx;
+#if PL_AMX_ATTN
+  P.amx = use_amx && cache_kind == BF16 && q.scalar_type() == at::kBFloat16 && amx_available();
+#endif
+  partition = (partition + 15) / 16 * 16;  // tiles of 16 tokens never straddle two partitions
   switch (cache_kind) {
     case F32: run<F32>(out, q, P, n, partition); break;
     case BF16: run<BF16>(out, q, P, n, partition); break;
@@ -714,7 +896,9 @@ void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tenso
 }
 
 std::string isa() {
-#if PL_AVX512
+#if PL_AMX_ATTN
+  return amx_available() ? "avx512+amx" : "avx512";
+#elif PL_AVX512
   return "avx512";
 #elif PL_AVX2
   return "avx2";
