@@ -1,11 +1,28 @@
-"""Shared test set-up: the helpers in tests/models (`tiny` checkpoints, the `parity` oracle) import everywhere."""
+"""Shared test set-up: the helpers in tests/models (`tiny` checkpoints, the `parity` oracle) import everywhere,
+and the session runs on one device (`--device`)."""
 
+import os
 import sys
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent / "models"))
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--device",
+        default=None,
+        help="platform the engines and the transformers references run on (cpu, cuda, ...): sets PAGELLM_DEVICE "
+        "for the session [default: PAGELLM_DEVICE if set, else cpu]",
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The device is set for the whole session, and cpu unless asked: left to auto, a GPU machine would run
+    the engines on CUDA and the references on the CPU. Engine processes the tests start inherit it."""
+    os.environ["PAGELLM_DEVICE"] = config.getoption("device") or os.environ.get("PAGELLM_DEVICE") or "cpu"
 
 
 @pytest.fixture

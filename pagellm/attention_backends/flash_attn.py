@@ -7,7 +7,8 @@ decodes need nothing but the cumulative sequence lengths. The new K/V are stored
 flash-attn is optional: nothing here imports it until `forward`, and `unsupported_reasons` says when it is
 missing or cannot run the model. Its CUDA kernels need compute capability 8.x or 9.0, fp16 or bf16 for
 both compute and cache, head sizes up to 256 that are multiples of 8, and a paged cache whose blocks are a
-multiple of 256 tokens (the check in its `mha_varlen_fwd`), so the engine must run with --block-size 256.
+multiple of 256 tokens (the check in its `mha_varlen_fwd`): its `preferred_block_size` is 256, which the
+selector gives it when the user sets no --block-size; an explicit smaller one rules it out.
 """
 
 from __future__ import annotations
@@ -58,6 +59,11 @@ class FlashAttnBackend(PagedBackend):
     supports_sliding_window = True
     supports_logits_soft_cap = True
     metadata_type = FlashAttnMetadata
+    cuda_graph_decode = True
+
+    @classmethod
+    def preferred_block_size(cls) -> int:
+        return PAGE_MULTIPLE
 
     @classmethod
     def unsupported_reasons(cls, spec: AttentionSpec, platform: type[Platform]) -> list[str]:

@@ -4,14 +4,19 @@ The step is planned exactly as TORCH_SDPA plans it (the same gather of each requ
 through its block table, the same decode batch), and each attention call runs `flex_attention` with a
 `BlockMask` built from that plan's causal and sliding-window visibility, so fully hidden tiles are
 skipped where flex_attention is compiled. Block masks are built once per step and shared by all layers.
-Logit soft-capping is a `score_mod`. On accelerators flex_attention is compiled (its fused kernels); on
-CPU it runs eagerly, which materialises the scores: correct everywhere, rarely the fastest there.
+Logit soft-capping is a `score_mod`. On accelerators flex_attention is compiled (its fused kernels), once
+per variant (`CompiledFlex`), and each compile is logged with what it cost; on CPU it runs eagerly, which
+materialises the scores: correct everywhere, rarely the fastest there.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib.util
+import logging
+import re
+import time
+import types
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,7 +30,12 @@ from pagellm.plugins import hookimpl
 
 PAGELLM_PLUGIN_API = "1.0"
 
+logger = logging.getLogger("pagellm")
+
 FLEX_MODULE = "torch.nn.attention.flex_attention"
+
+RECOMPILE_LIMIT = 64
+"""Graphs one compiled variant may keep (Dynamo's default, shared by all callers, is 8)."""
 
 
 @dataclass
@@ -36,6 +46,7 @@ class FlexMetadata(TorchSDPAMetadata):
 
 class FlexAttentionBackend(TorchSDPABackend):
     name = "FLEX_ATTENTION"
+    version = "2"  # compiled once per variant
     device_types = ("cpu", "cuda", "xpu")
     metadata_type = FlexMetadata
 
@@ -66,14 +77,20 @@ class FlexAttentionBackend(TorchSDPABackend):
         if squeeze:
             q, k, v = q[None], k[None], v[None]
         cap = self.spec.logits_soft_cap
-        out = _flex(q.device.type)(
+        gqa = q.shape[-3] != k.shape[-3]
+        kind = "causal" if mask is None else ("prefill" if mask.dim() == 2 else "decode")
+        if _compiles(q.device.type):
+            flex = _compiled_flex(q.device.type, q.dtype, q.shape[-1], kind, cap, gqa)
+        else:
+            flex = _eager
+        out = flex(
             q,
             k,
             v,
-            score_mod=None if cap is None else functools.partial(_soft_cap, cap=cap),
+            score_mod=None if cap is None else _soft_cap_mod(cap, q.device),
             block_mask=self._block_mask(mask, q.shape[0], q.shape[-2], k.shape[-2], q.device),
             scale=self.spec.softmax_scale,
-            enable_gqa=q.shape[-3] != k.shape[-3],
+            enable_gqa=gqa,
         )
         return out[0] if squeeze else out
 
@@ -105,25 +122,123 @@ class FlexAttentionBackend(TorchSDPABackend):
         return self._block_masks[key][1]
 
 
-def _soft_cap(score: torch.Tensor, b, h, q_idx, kv_idx, cap: float) -> torch.Tensor:
+def _soft_cap(score: torch.Tensor, b, h, q_idx, kv_idx, cap: torch.Tensor) -> torch.Tensor:
     return cap * torch.tanh(score / cap)
 
 
 @functools.cache
-def _flex(device_type: str):
-    """flex_attention compiled for accelerators; eager on CPU, where compiling it costs more than it saves
-    and the eager path's warning about materialised scores is expected."""
+def _soft_cap_mod(cap: float, device: torch.device):
+    """The soft-cap `score_mod`, one object per cap and device, with the cap as a 0-d tensor: compiled with
+    dynamic=True, a Python float would reach flex_attention as a symbolic float, which it refuses."""
+    return functools.partial(_soft_cap, cap=torch.tensor(cap, device=device))
+
+
+def _compiles(device_type: str) -> bool:
+    """Whether flex_attention is compiled on this device type: on accelerators, not on CPU, where compiling
+    it costs more than it saves."""
+    return device_type != "cpu"
+
+
+def _eager(*args, **kwargs) -> torch.Tensor:
+    """flex_attention uncompiled, without its warning about materialised scores (expected here)."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    if device_type != "cpu":
-        return torch.compile(flex_attention, dynamic=True)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+        return flex_attention(*args, **kwargs)
 
-    def eager(*args, **kwargs):
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
-            return flex_attention(*args, **kwargs)
 
-    return eager
+def _call_flex(*args, **kwargs) -> torch.Tensor:
+    """The function each variant compiles, through its own copy of this code object."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return flex_attention(*args, **kwargs)
+
+
+class CompiledFlex:
+    """flex_attention compiled for one variant: device type, dtype, head size, mask kind, soft-cap, GQA.
+
+    Dynamo keeps compiled graphs, and counts recompiles against `recompile_limit` (8), per code object: one
+    compiled flex_attention shared by every variant fell back to eager after the eighth graph. Each variant
+    here compiles its own copy of `_call_flex`'s code, named after the variant (Dynamo's logs show it), so
+    variants never evict one another. Within a variant `dynamic=True` keeps most size changes in one
+    graph, but flex_attention still specialises some (block counts of 1, batch 1, storage offsets), so a
+    variant's calls run under `RECOMPILE_LIMIT` rather than 8. The first call compiles and is timed in the
+    log. Should compiling fail or a limit be hit anyway (`fullgraph=True` makes that an error, not a
+    silent fallback), the variant warns once and runs eagerly from then on.
+    """
+
+    compiled_count = 0
+    compile_seconds = 0.0
+    """Variants compiled in this process and the seconds their first calls took, for the log."""
+
+    def __init__(self, name: str):
+        self.name = name
+        code = _call_flex.__code__.replace(co_name="flex_attention_" + re.sub(r"\W", "_", name))
+        entry = types.FunctionType(code, _call_flex.__globals__, code.co_name)
+        self._compiled = torch.compile(entry, dynamic=True, fullgraph=True)
+        self._warm = False
+
+    def __call__(self, *args, **kwargs) -> torch.Tensor:
+        if self._compiled is None:
+            return _eager(*args, **kwargs)
+        start = time.perf_counter()
+        try:
+            with _recompile_limit():
+                out = self._compiled(*args, **kwargs)
+        except _compile_errors() as exc:
+            logger.warning(
+                "FLEX_ATTENTION: flex_attention for %s could not be compiled and runs eagerly from now on "
+                "(slower: it materialises the scores): %s: %s",
+                self.name,
+                type(exc).__name__,
+                next(iter(str(exc).splitlines()), ""),
+            )
+            self._compiled = None
+            return _eager(*args, **kwargs)
+        if not self._warm:
+            self._warm = True
+            seconds = time.perf_counter() - start
+            CompiledFlex.compiled_count += 1
+            CompiledFlex.compile_seconds += seconds
+            logger.info(
+                "FLEX_ATTENTION: compiled flex_attention for %s in %.1f s (%d variants, %.1f s in all)",
+                self.name,
+                seconds,
+                CompiledFlex.compiled_count,
+                CompiledFlex.compile_seconds,
+            )
+        return out
+
+
+@functools.cache
+def _compiled_flex(
+    device_type: str, dtype: torch.dtype, head_size: int, kind: str, cap: float | None, gqa: bool
+) -> CompiledFlex:
+    """The compiled variant for these facts, made on first use and kept for the process."""
+    name = f"{device_type} {str(dtype).removeprefix('torch.')} d{head_size} {kind}"
+    name += (f" softcap{cap:g}" if cap is not None else "") + (" gqa" if gqa else "")
+    return CompiledFlex(name)
+
+
+def _recompile_limit():
+    """Dynamo's per-code-object recompile limit raised to RECOMPILE_LIMIT for one call (older torch names
+    the setting `cache_size_limit`)."""
+    from torch._dynamo import config
+
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    return config.patch(**{name: RECOMPILE_LIMIT})
+
+
+def _compile_errors() -> tuple[type[BaseException], ...]:
+    """What a failed compile raises: Dynamo's errors, and the recompile limit under fullgraph (a class of
+    its own in recent torch, a Dynamo error in older)."""
+    from torch._dynamo import exc
+
+    errors: tuple[type[BaseException], ...] = (exc.TorchDynamoException,)
+    if hasattr(exc, "FailOnRecompileLimitHit"):
+        errors += (exc.FailOnRecompileLimitHit,)
+    return errors
 
 
 @hookimpl

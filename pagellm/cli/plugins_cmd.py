@@ -5,9 +5,9 @@ from __future__ import annotations
 import click
 
 from pagellm.cli.options import config_from_options, engine_options
-from pagellm.core.attention import AttentionSpec
+from pagellm.core.attention import DEFAULT_BLOCK_SIZE, AttentionSpec
 from pagellm.core.dtypes import DTYPES
-from pagellm.core.selector import backend_reasons, platform_availability, select_platform
+from pagellm.core.selector import backend_reasons, candidate_spec, platform_availability, select_platform
 from pagellm.plugins import API_VERSION, load_plugins
 
 
@@ -43,12 +43,19 @@ def plugins(explain_model: str | None, **options) -> None:
         )
     platform = select_platform(registry, options.get("device")).platform
     spec = _probe_spec(platform, options)
+    choose = options.get("block_size") is None
+    shapes = spec.shape_key()
+    if choose:  # each backend is checked at its own preferred block size, shown on its line
+        shapes = shapes.replace(f"-bs{spec.block_size}-", "-bs(preferred)-") + ", no --block-size given"
     click.echo(
-        f"Attention backends (on {platform.name}, for {spec.shape_key()}; preference: "
+        f"Attention backends (on {platform.name}, for {shapes}; preference: "
         f"{', '.join(platform.preferred_attention_backends()) or 'none'}):"
     )
-    for name, reasons in backend_reasons(registry, platform, spec).items():
+    for name, reasons in backend_reasons(registry, platform, spec, choose).items():
         verdict = "compatible" if not reasons else "incompatible: " + "; ".join(reasons)
+        if choose and not reasons:
+            backend = registry.attention_backends[name]
+            verdict += f" (block size {candidate_spec(backend, spec, choose).block_size})"
         click.echo(f"  {name:<16} {verdict}  [{registry.owner('attention_backends', name)}]")
     click.echo(f"Quantization methods (on {platform.name}):")
     for name, method in sorted(registry.quant_methods.items()):
@@ -68,5 +75,9 @@ def _probe_spec(platform, options) -> AttentionSpec:
     """A typical spec (SmolLM2's shapes) to report compatibility when no model is named."""
     dtype = DTYPES.get(options.get("dtype") or "", platform.default_dtype)
     return AttentionSpec(
-        num_heads=9, num_kv_heads=3, head_size=64, dtype=dtype, block_size=options.get("block_size") or 16
+        num_heads=9,
+        num_kv_heads=3,
+        head_size=64,
+        dtype=dtype,
+        block_size=options.get("block_size") or DEFAULT_BLOCK_SIZE,
     )

@@ -24,6 +24,9 @@ from pagellm.core.dtypes import INT8_SCALE_BYTES, dtype_name
 if TYPE_CHECKING:
     from pagellm.core.platform import Platform
 
+DEFAULT_BLOCK_SIZE = 16
+"""Tokens per KV-cache block when neither the user nor the backend says otherwise."""
+
 
 @dataclass(frozen=True)
 class AttentionSpec:
@@ -33,7 +36,7 @@ class AttentionSpec:
     num_kv_heads: int
     head_size: int
     dtype: torch.dtype
-    block_size: int = 16
+    block_size: int = DEFAULT_BLOCK_SIZE
     kv_cache_dtype: torch.dtype | None = None  # None: same as dtype
     sliding_window: int | None = None  # attend to at most this many most recent tokens (incl. itself)
     logits_soft_cap: float | None = None
@@ -102,6 +105,15 @@ class AttentionBackend:
     block_sizes: ClassVar[tuple[int, ...] | None] = None  # None: any
     supports_sliding_window: ClassVar[bool] = False
     supports_logits_soft_cap: ClassVar[bool] = False
+    cuda_graph_decode: ClassVar[bool] = False
+    """Whether a decode-only step's `forward` may be captured in a CUDA graph and replayed with new
+    inputs (worker/cuda_graphs.py). The runner builds the metadata once per captured batch size, over
+    fixed-size device tensors (padding rows: one token at a slot of the null block, seq_len 1; no
+    negative slot; `max_seq_len` is the model's maximum and `seq_lens_cpu` says so too), and before each
+    replay copies the step into the batch's tensors and into the metadata's other tensor attributes
+    (computed again by `build_metadata`). So `forward` must read the step only through those tensors: no
+    host sync, no `.tolist()` of a device tensor, no tensor made from host values (one cached on the
+    metadata may depend on the number of requests alone)."""
 
     @classmethod
     def unsupported_reasons(cls, spec: AttentionSpec, platform: type[Platform]) -> list[str]:
@@ -128,6 +140,15 @@ class AttentionBackend:
         if spec.logits_soft_cap is not None and not cls.supports_logits_soft_cap:
             reasons.append("no logits soft-cap support")
         return reasons
+
+    @classmethod
+    def preferred_block_size(cls) -> int:
+        """The KV-cache block size the selector checks, times and runs this backend with when the user
+        gives no --block-size. The default is 16, or the smallest of `block_sizes` when 16 is not one of
+        them; override it when the kernels need or run best with other blocks."""
+        if cls.block_sizes is None or DEFAULT_BLOCK_SIZE in cls.block_sizes:
+            return DEFAULT_BLOCK_SIZE
+        return min(cls.block_sizes)
 
     @classmethod
     def kv_cache_shape(cls, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple:

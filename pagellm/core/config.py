@@ -37,7 +37,11 @@ class EngineConfig:
         "auto", "Attention backend name (see `pagellm plugins`), or auto.", envvar="PAGELLM_ATTENTION_BACKEND"
     )
     quantization: str | None = _opt(None, "Quantization method (see `pagellm plugins`).")
-    block_size: int = _opt(16, "Tokens per KV-cache block.")
+    block_size: int | None = _opt(
+        None,
+        "Tokens per KV-cache block; only attention backends that run it are candidates. Default: chosen "
+        "with the backend, its preferred size (16; 256 for FLASH_ATTN).",
+    )  # start-up sets the chosen size here, so it is an int once an engine runs
     kv_cache_dtype: str = _opt(
         "auto",
         f"KV-cache dtype: auto (the model's dtype) or {', '.join(KV_CACHE_DTYPES)} (half the memory and traffic).",
@@ -121,6 +125,11 @@ class EngineConfig:
 
         return KVTransferConfig.parse(self.kv_transfer_config)
 
+    @property
+    def token_budget(self) -> int:
+        """Tokens one step may schedule: max_num_batched_tokens, else 2048 (at least one per sequence)."""
+        return self.max_num_batched_tokens or max(DEFAULT_MAX_NUM_BATCHED_TOKENS, self.max_num_seqs)
+
     def replace(self, **changes: Any) -> EngineConfig:
         return dataclasses.replace(self, **changes)
 
@@ -148,6 +157,7 @@ class EngineConfig:
 
 
 _TRUE = ("1", "true", "yes", "on")
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 
 
 SPECULATIVE_METHODS = ("ngram", "draft_model")

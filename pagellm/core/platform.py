@@ -100,10 +100,28 @@ class Platform:
         """Bytes of the device's memory taken once the model is loaded, which the KV cache must leave
         free; the engine passes it to `kv_cache_bytes` as `peak_bytes`.
 
-        Default, for a device with memory of its own: total less free, which counts the weights, the
-        activation peak and any other process on it. A platform whose memory is the host's RAM, shared
+        Used where `peak_memory_allocated` is None (else the model runner profiles a forward pass).
+        Default, for a device with memory of its own: total less free, which counts the weights and any
+        other process on it but no activation peak. A platform whose memory is the host's RAM, shared
         with every process on the machine, returns `model_bytes` (the cpu platform does)."""
         return cls.total_memory(index) - cls.free_memory(index)
+
+    @classmethod
+    def reset_peak_memory(cls, index: int = 0) -> None:
+        """Restart the peak `peak_memory_allocated` reports at what the allocator holds now."""
+
+    @classmethod
+    def peak_memory_allocated(cls, index: int = 0) -> int | None:
+        """Most bytes torch's allocator held on the device since `reset_peak_memory`, or None where the
+        platform keeps no such counter. Where it does, the model runner sizes the KV cache by profiling:
+        it runs a forward pass at the largest step and leaves free this peak plus `non_torch_memory`."""
+        return None
+
+    @classmethod
+    def non_torch_memory(cls, index: int = 0) -> int:
+        """Bytes in use on the device outside torch's allocator (the runtime's context, communication
+        buffers, other processes), read when profiling; 0 by default."""
+        return 0
 
     @classmethod
     def kv_cache_bytes(cls, config: EngineConfig, model_bytes: int, peak_bytes: int) -> int:
@@ -139,6 +157,13 @@ class Platform:
         it eagerly. Called once after the weights load unless --enforce-eager; the model runner warms the
         result up on dummy steps and falls back to eager, with a warning, if that fails."""
         return None
+
+    @classmethod
+    def supports_cuda_graphs(cls) -> bool:
+        """Whether the model runner may capture decode steps in CUDA graphs (`torch.cuda.graph`) on this
+        device, when the attention backend allows it (`AttentionBackend.cuda_graph_decode`) and
+        --enforce-eager is off."""
+        return False
 
     @classmethod
     def synchronize(cls) -> None:

@@ -6,6 +6,7 @@ alternatives; `auto` takes the best available platform and the fastest compatibl
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -34,6 +35,7 @@ class PlatformChoice:
 @dataclass
 class BackendChoice:
     backend: type[AttentionBackend]
+    spec: AttentionSpec  # what it runs: the spec asked for, with the block size chosen with it
     rejected: dict[str, list[str]]  # backend name -> reasons, for every incompatible backend
     timings: dict[str, float] = field(default_factory=dict)  # seconds per timed step, when measured
     explanation: list[str] = field(default_factory=list)
@@ -96,14 +98,28 @@ def backend_ranking(registry: Registry, platform: type[Platform]) -> list[str]:
     return preferred + sorted(n for n in registry.attention_backends if n not in preferred)
 
 
+def candidate_spec(
+    backend: type[AttentionBackend], spec: AttentionSpec, choose_block_size: bool
+) -> AttentionSpec:
+    """`spec` as `backend` would run it: with the backend's preferred block size when the user gave none
+    (`choose_block_size`), else exactly as given."""
+    if not choose_block_size:
+        return spec
+    return dataclasses.replace(spec, block_size=backend.preferred_block_size())
+
+
 def backend_reasons(
-    registry: Registry, platform: type[Platform], spec: AttentionSpec
+    registry: Registry, platform: type[Platform], spec: AttentionSpec, choose_block_size: bool = False
 ) -> dict[str, list[str]]:
-    """name -> reasons it cannot run `spec` on `platform`, in ranking order (empty list: compatible)."""
+    """name -> reasons it cannot run `spec` on `platform`, in ranking order (empty list: compatible).
+    With `choose_block_size` each backend is checked with its own preferred block size."""
     result = {}
     for name in backend_ranking(registry, platform):
+        backend = registry.attention_backends[name]
         try:
-            result[name] = registry.attention_backends[name].unsupported_reasons(spec, platform)
+            result[name] = backend.unsupported_reasons(
+                candidate_spec(backend, spec, choose_block_size), platform
+            )
         except Exception as exc:
             result[name] = [f"compatibility check raised {type(exc).__name__}: {exc}"]
     return result
@@ -119,13 +135,19 @@ def select_attention_backend(
     requested: str | None = AUTO,
     timer: Timer | None = None,
     cache: TimingCache | None = None,
+    choose_block_size: bool = False,
 ) -> BackendChoice:
     """Pick the attention backend. `timer` measures one backend on `spec` (seconds, lower is better);
-    without one, auto takes the first compatible backend in the platform's preference order."""
+    without one, auto takes the first compatible backend in the platform's preference order.
+
+    `choose_block_size` (no --block-size given): every candidate is checked and timed with its own
+    `preferred_block_size()`, so a backend that needs large blocks (FLASH_ATTN: 256) can win, and the
+    choice's `spec` carries the winner's block size. Otherwise `spec.block_size` binds every candidate."""
     requested = (requested or AUTO).strip()
-    reasons = backend_reasons(registry, platform, spec)
+    reasons = backend_reasons(registry, platform, spec, choose_block_size)
     compatible = [n for n, r in reasons.items() if not r]
     rejected = {n: r for n, r in reasons.items() if r}
+    specs = {n: candidate_spec(registry.attention_backends[n], spec, choose_block_size) for n in compatible}
     if requested.lower() != AUTO:
         name = requested.upper()
         if name not in registry.attention_backends:
@@ -140,22 +162,30 @@ def select_attention_backend(
                 f"{'; '.join(rejected[name])}. Compatible here: {', '.join(compatible) or 'none'}. "
                 f"Use --attention-backend {compatible[0] if compatible else AUTO}."
             )
-        return BackendChoice(
-            registry.attention_backends[name], rejected, {}, [f"attention backend {name} (requested)"]
-        )
+        explanation = [
+            f"attention backend {name} (requested)",
+            _block_size_line(name, specs, choose_block_size),
+        ]
+        return BackendChoice(registry.attention_backends[name], specs[name], rejected, {}, explanation)
     if not compatible:
         detail = "; ".join(f"{n}: {', '.join(r)}" for n, r in rejected.items())
+        shapes = spec.shape_key() + (
+            ", each backend at its preferred block size" if choose_block_size else ""
+        )
         raise BackendUnsupportedError(
-            f"No attention backend can run this model on {platform.name} ({spec.shape_key()}). {detail or 'none registered'}."
+            f"No attention backend can run this model on {platform.name} ({shapes}). {detail or 'none registered'}."
         )
     timings: dict[str, float] = {}
     chosen = compatible[0]
     how = "the only compatible backend" if len(compatible) == 1 else "first compatible in preference order"
     if len(compatible) > 1 and timer is not None:
         for name in compatible:
-            timings[name] = _timed(registry.attention_backends[name], spec, platform, timer, cache)
+            timings[name] = _timed(registry.attention_backends[name], specs[name], platform, timer, cache)
         chosen = min(compatible, key=lambda n: timings[n])
-        how = "fastest measured: " + ", ".join(f"{n} {t * 1e3:.2f} ms" for n, t in timings.items())
+        how = "fastest measured: " + ", ".join(
+            f"{n} {t * 1e3:.2f} ms" + (f" (block size {specs[n].block_size})" if choose_block_size else "")
+            for n, t in timings.items()
+        )
     explanation = [f"attention backend {chosen} (auto: {how})"]
     ranking = list(reasons)
     for name in ranking[: ranking.index(chosen)]:
@@ -163,7 +193,13 @@ def select_attention_backend(
             explanation.append(f"  rejected {name}: {'; '.join(rejected[name])}")
         else:
             explanation.append(f"  slower: {name}")
-    return BackendChoice(registry.attention_backends[chosen], rejected, timings, explanation)
+    explanation.append(_block_size_line(chosen, specs, choose_block_size))
+    return BackendChoice(registry.attention_backends[chosen], specs[chosen], rejected, timings, explanation)
+
+
+def _block_size_line(name: str, specs: dict[str, AttentionSpec], chosen: bool) -> str:
+    why = f"{name}'s preferred, as no --block-size was given" if chosen else "as given by --block-size"
+    return f"KV-cache block size {specs[name].block_size} ({why})"
 
 
 def _timed(backend, spec, platform, timer: Timer, cache: TimingCache | None) -> float:

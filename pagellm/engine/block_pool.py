@@ -5,14 +5,20 @@ Block 0 is the null block: it is never handed out, so the model runner can pad b
 and padded reads land in a real block. `num_blocks - 1` blocks are usable.
 
 A freed block keeps its hash and stays findable in the cache until it is handed out again: freeing
-never loses cached KV, reuse evicts it. The free queue is LRU: allocation takes from the head, freed
-blocks join the tail. Every operation is O(1) per block (an OrderedDict is the doubly linked list).
+never loses cached KV, reuse evicts it. Allocation takes, in this order: freed blocks without cached
+content (reusing them loses nothing; most recently freed first), then blocks never handed out (in id
+order), then freed cached blocks (least recently freed first, so the cache is LRU).
+
+Start-up is O(1) in the number of blocks, which reaches millions on a large accelerator: blocks never
+handed out are a counter, not objects, and a `KVBlock` is made when its block is first handed out (or
+read through `blocks`). Every other operation is O(1) per block (OrderedDicts are the linked lists).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, Sequence
+from typing import overload
 
 
 class KVBlock:
@@ -35,16 +41,25 @@ class BlockPool:
         if num_blocks < 2:
             raise ValueError(f"num_blocks must be >= 2 (block 0 is reserved), got {num_blocks}")
         self.num_blocks = num_blocks
-        self.blocks = [KVBlock(i) for i in range(num_blocks)]
-        self.null_block = self.blocks[0]
+        self.null_block = KVBlock(0)
         self.null_block.ref_cnt = 1
-        self._free: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in self.blocks[1:])
+        # blocks handed out at least once (and the null block), by id; ids from len(_made) on were never
+        # handed out and are free, taken in id order
+        self._made = [self.null_block]
+        self._read_ahead: dict[int, KVBlock] = {}  # blocks never handed out whose object was read
+        self._free_plain: OrderedDict[int, KVBlock] = OrderedDict()  # freed uncached: newest taken first
+        self._free_cached: OrderedDict[int, KVBlock] = OrderedDict()  # freed cached: oldest taken first
         self._cached: dict[int, KVBlock] = {}
+
+    @property
+    def blocks(self) -> Sequence[KVBlock]:
+        """Every block by id, the null block included (reading a block never handed out makes its object)."""
+        return _BlockView(self)
 
     @property
     def num_free_blocks(self) -> int:
         """Blocks no request holds, cached or not: all can be allocated."""
-        return len(self._free)
+        return len(self._free_plain) + (self.num_blocks - len(self._made)) + len(self._free_cached)
 
     @property
     def num_cached_blocks(self) -> int:
@@ -53,15 +68,22 @@ class BlockPool:
     @property
     def usage(self) -> float:
         """Fraction of usable blocks held by requests."""
-        return 1.0 - len(self._free) / (self.num_blocks - 1)
+        return 1.0 - self.num_free_blocks / (self.num_blocks - 1)
 
     def get_new_blocks(self, n: int) -> list[KVBlock]:
-        """Take n blocks from the head of the free queue, evicting their cached content."""
-        if n > len(self._free):
-            raise ValueError(f"asked for {n} blocks, only {len(self._free)} free")
+        """Take n free blocks in allocation order (see the module docstring), evicting their cached content."""
+        if n > self.num_free_blocks:
+            raise ValueError(f"asked for {n} blocks, only {self.num_free_blocks} free")
         blocks = []
         for _ in range(n):
-            _, block = self._free.popitem(last=False)
+            if self._free_plain:
+                _, block = self._free_plain.popitem(last=True)
+            elif len(self._made) < self.num_blocks:
+                block_id = len(self._made)
+                block = self._read_ahead.pop(block_id, None) or KVBlock(block_id)
+                self._made.append(block)
+            else:
+                _, block = self._free_cached.popitem(last=False)
             if block.block_hash is not None:
                 del self._cached[block.block_hash]
                 block.block_hash = block.hash_key = None
@@ -86,30 +108,69 @@ class BlockPool:
         return True
 
     def reset_prefix_cache(self) -> int:
-        """Forget every cached block no request holds (held ones stay findable); returns how many."""
+        """Forget every cached block no request holds (held ones stay findable); returns how many.
+        The forgotten blocks keep their place in the free queue."""
         dropped = 0
-        for block in self._free.values():
-            if block.block_hash is not None:
-                del self._cached[block.block_hash]
-                block.block_hash = block.hash_key = None
-                dropped += 1
+        for queue in (self._free_plain, self._free_cached):
+            for block in queue.values():
+                if block.block_hash is not None:
+                    del self._cached[block.block_hash]
+                    block.block_hash = block.hash_key = None
+                    dropped += 1
         return dropped
 
     def touch(self, blocks: Iterable[KVBlock]) -> None:
-        """Take a reference to cached blocks, removing free ones from the free queue."""
+        """Take a reference to blocks already handed out once (cached ones), taking free ones out of
+        the free queue."""
         for block in blocks:
             if block.ref_cnt == 0:
-                del self._free[block.block_id]
+                if self._free_plain.pop(block.block_id, None) is None:
+                    if self._free_cached.pop(block.block_id, None) is None:
+                        raise ValueError(f"block {block.block_id} was never handed out")
             block.ref_cnt += 1
 
     def free_blocks(self, blocks: Iterable[KVBlock]) -> None:
         """Drop one reference from each block; those no longer held join the free queue in this order.
 
         Pass a request's blocks last first, so its tail (the least shared part) is evicted first.
-        A block with no cached content goes to the head instead: reusing it loses nothing."""
+        A block with no cached content is taken before any other: reusing it loses nothing."""
         for block in blocks:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
-                self._free[block.block_id] = block
-                if block.block_hash is None:
-                    self._free.move_to_end(block.block_id, last=False)
+                queue = self._free_plain if block.block_hash is None else self._free_cached
+                queue[block.block_id] = block
+
+    def _block(self, block_id: int) -> KVBlock:
+        """The block's object; one never handed out is made on this first read."""
+        if block_id < len(self._made):
+            return self._made[block_id]
+        block = self._read_ahead.get(block_id)
+        if block is None:
+            block = self._read_ahead[block_id] = KVBlock(block_id)
+        return block
+
+
+class _BlockView(Sequence[KVBlock]):
+    """`BlockPool.blocks`: the blocks by id without making every object up front."""
+
+    def __init__(self, pool: BlockPool):
+        self._pool = pool
+
+    def __len__(self) -> int:
+        return self._pool.num_blocks
+
+    @overload
+    def __getitem__(self, index: int) -> KVBlock: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[KVBlock]: ...
+
+    def __getitem__(self, index: int | slice) -> KVBlock | list[KVBlock]:
+        if isinstance(index, slice):
+            return [self._pool._block(i) for i in range(*index.indices(len(self)))]
+        if not -len(self) <= index < len(self):
+            raise IndexError(f"block {index} out of range (num_blocks {len(self)})")
+        return self._pool._block(index % len(self))
+
+    def __iter__(self) -> Iterator[KVBlock]:
+        return (self._pool._block(i) for i in range(len(self)))

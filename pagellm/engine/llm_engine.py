@@ -35,7 +35,6 @@ from pagellm.worker.step import EngineSetup, SchedulerOutput, StepResult
 
 logger = logging.getLogger("pagellm")
 
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 _TRANSFER_POLL_S = 0.002  # an empty step's pause while KV transfers are in flight
 _GENERATION_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
@@ -100,10 +99,9 @@ class LLMEngine:
         )
 
     def _scheduler(self, config: EngineConfig) -> Scheduler:
-        budget = config.max_num_batched_tokens or max(DEFAULT_MAX_NUM_BATCHED_TOKENS, config.max_num_seqs)
         return Scheduler(
             max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=budget,
+            max_num_batched_tokens=config.token_budget,
             max_model_len=self.setup.max_model_len,
             block_size=config.block_size,
             num_blocks=self.runner.num_blocks,

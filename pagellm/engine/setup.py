@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from pagellm.core.attention import DEFAULT_BLOCK_SIZE
 from pagellm.core.config import EngineConfig
 from pagellm.core.dtypes import DTYPES, KV_CACHE_DTYPES, dtype_name
 from pagellm.core.errors import ConfigError
@@ -122,7 +123,9 @@ def resolve_engine(config: EngineConfig) -> EngineSetup:
     quant = select_quant_method(
         registry, platform, config.quantization, getattr(hf_config, "quantization_config", None)
     )
-    spec = import_model_class(model_class_path).selection_spec(hf_config, dtype, config.block_size)
+    # without --block-size the spec's block size is a placeholder: each candidate backend runs its own
+    block_size = DEFAULT_BLOCK_SIZE if config.block_size is None else config.block_size
+    spec = import_model_class(model_class_path).selection_spec(hf_config, dtype, block_size)
     spec = dataclasses.replace(spec, kv_cache_dtype=KV_CACHE_DTYPES.get(config.kv_cache_dtype))
     backend_choice = select_attention_backend(
         registry,
@@ -131,7 +134,10 @@ def resolve_engine(config: EngineConfig) -> EngineSetup:
         config.attention_backend,
         timer=_backend_timer(),
         cache=TimingCache(os.path.join(cache_dir(), "attention_timings.json")),
+        choose_block_size=config.block_size is None,
     )
+    spec = backend_choice.spec
+    config.block_size = spec.block_size  # everything after start-up reads the chosen size from here
     explanation = [
         *platform_choice.explanation,
         f"model {source.gguf_original or source.directory} ({model_class_path}), dtype {dtype_name(dtype)}, "

@@ -123,8 +123,28 @@ class TorchRuntimePlatform(AcceleratorPlatform):
         return cls._runtime().mem_get_info(index)[0]
 
     @classmethod
+    def reset_peak_memory(cls, index: int = 0) -> None:
+        cls._runtime().reset_peak_memory_stats(index)
+
+    @classmethod
+    def peak_memory_allocated(cls, index: int = 0) -> int:
+        return cls._runtime().max_memory_allocated(index)
+
+    @classmethod
+    def non_torch_memory(cls, index: int = 0) -> int:
+        """In use on the device (total less free) less what torch's caching allocator reserved."""
+        runtime = cls._runtime()
+        free, total = runtime.mem_get_info(index)
+        return max(total - free - runtime.memory_reserved(index), 0)
+
+    @classmethod
     def synchronize(cls) -> None:
         cls._runtime().synchronize()
+
+    @classmethod
+    def supports_cuda_graphs(cls) -> bool:
+        """CUDA and ROCm builds capture through torch.cuda.graph; XPU has no such API there."""
+        return cls.runtime == "cuda"
 
     @classmethod
     def describe(cls) -> dict[str, str]:

@@ -5,13 +5,18 @@
 (float32 [out, 1], [out], or a per-tensor scalar as AutoFP8 writes). Only dynamic activation scaling is
 read: static `input_scale` and block-wise `weight_block_size` checkpoints are refused.
 
-Compute: on CUDA devices of capability >= 8.9 with bfloat16 activations, activations are quantized per
-token to FP8 and multiplied with torch._scaled_mm (as vLLM does); everywhere else the weight is
-dequantized into the activation dtype (weight-only), which any device that can cast float8 runs.
+Compute: on CUDA devices with FP8 tensor cores, activations are quantized to FP8 too and multiplied with
+torch._scaled_mm (as vLLM does), laid out as its CUDA kernels require (`scaled_mm_linear`): row-wise
+(a scale per token and per output channel) from compute capability 9.0 with bfloat16 activations, or
+tensor-wise (one scale each) on 8.9 when the checkpoint's weight scale is per-tensor. Everywhere else, and
+where a one-off probe at load finds the kernel missing, the weight is dequantized into the activation
+dtype (weight-only), which any device that can cast float8 runs.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
 from typing import Any
 
 import torch
@@ -24,10 +29,21 @@ from pagellm.quantization.channelwise import ChannelwiseMethod, dequantized_line
 
 PAGELLM_PLUGIN_API = "1.0"
 
+logger = logging.getLogger("pagellm")
+
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max
-SCALED_MM_CAPABILITY = (8, 9)
-"""Ada / Hopper and later have FP8 tensor cores."""
+ROWWISE, TENSORWISE = "rowwise", "tensorwise"
+ROWWISE_CAPABILITY = (9, 0)
+"""torch's row-wise FP8 kernel (float32 scales [M, 1] and [1, N]) needs Hopper or later, and writes
+bfloat16 only."""
+TENSORWISE_CAPABILITY = (8, 9)
+"""Ada has FP8 tensor cores, but torch runs only tensor-wise scaling there (cuBLASLt, one float32 scale per
+operand; bfloat16, float16 or float32 out)."""
+ROWS_MULTIPLE = 16
+"""cuBLASLt's FP8 GEMMs refuse a token count M that is not a multiple of 16 (K and N must be too), so
+the quantized activations are padded with zero rows up to it and the result sliced back."""
+TENSORWISE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 class Fp8Method(ChannelwiseMethod):
@@ -54,31 +70,84 @@ class Fp8Method(ChannelwiseMethod):
         return scaled.clamp(-cls.qmax, cls.qmax).to(FP8)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
-        layer.fp8_scaled_mm = _scaled_mm_runs(layer.weight)
+        layer.fp8_scaled_mm = _scaled_mm_runs(layer.weight, layer.weight_scale)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if layer.fp8_scaled_mm and x.dtype == torch.bfloat16:
-            return scaled_mm_linear(x, layer.weight, layer.weight_scale, bias)
+        scheme = layer.fp8_scaled_mm
+        if (scheme == ROWWISE and x.dtype == torch.bfloat16) or (
+            scheme == TENSORWISE and x.dtype in TENSORWISE_DTYPES
+        ):
+            return scaled_mm_linear(x, layer.weight, layer.weight_scale, bias, scheme)
         return dequantized_linear(x, layer.weight, layer.weight_scale, bias)
 
 
 def scaled_mm_linear(
-    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    scheme: str = ROWWISE,
 ) -> torch.Tensor:
-    """FP8 x FP8 matmul: x quantized per token (row-wise scale), weight per output channel."""
+    """FP8 x FP8 matmul with torch._scaled_mm, its arguments as CUDA's kernels require: x [M, K] quantized
+    row-major, M padded to ROWS_MULTIPLE; the weight [N, K] (contiguous) passed as its transpose, which is
+    the column-major [K, N] they take; float32 scales, [M, 1] per token and [1, N] per output channel
+    (`ROWWISE`), or one each (`TENSORWISE`)."""
     rows = x.reshape(-1, x.shape[-1])
-    x_scale = (rows.abs().amax(dim=1, keepdim=True).float() / FP8_MAX).clamp(min=1e-12)
+    m = rows.shape[0]
+    if scheme == ROWWISE:
+        x_scale = rows.abs().amax(dim=1, keepdim=True).float()
+        w_scale = scale.float().reshape(1, -1)
+    else:
+        x_scale = rows.abs().amax().float()
+        w_scale = scale.float().reshape(-1)[0]
+    x_scale = (x_scale / FP8_MAX).clamp(min=1e-12)
     x_fp8 = (rows / x_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
-    y = torch._scaled_mm(x_fp8, weight.t(), scale_a=x_scale, scale_b=scale.view(1, -1), out_dtype=x.dtype)
+    pad = -m % ROWS_MULTIPLE
+    if pad:
+        x_fp8 = torch.cat([x_fp8, x_fp8.new_zeros(pad, x_fp8.shape[1])])
+        if scheme == ROWWISE:
+            x_scale = torch.cat([x_scale, x_scale.new_ones(pad, 1)])
+    y = torch._scaled_mm(x_fp8, weight.t(), scale_a=x_scale, scale_b=w_scale, out_dtype=x.dtype)[:m]
     y = y.reshape(*x.shape[:-1], weight.shape[0])
     return y if bias is None else y + bias
 
 
-def _scaled_mm_runs(weight: torch.Tensor) -> bool:
-    """torch._scaled_mm needs FP8 tensor cores and both weight dimensions divisible by 16."""
-    if weight.device.type != "cuda" or weight.shape[0] % 16 or weight.shape[1] % 16:
+def _scaled_mm_runs(weight: torch.Tensor, scale: torch.Tensor | None = None) -> str | None:
+    """The torch._scaled_mm scheme this layer runs on its device (`ROWWISE` or `TENSORWISE`), or None:
+    dequantize. `scale` None means per-channel. Both weight dimensions must divide by 16 and the weight
+    be contiguous (its transpose is then column-major)."""
+    capability = _cuda_capability(weight.device)
+    if capability is None or capability < TENSORWISE_CAPABILITY:
+        return None
+    if weight.shape[0] % 16 or weight.shape[1] % 16 or not weight.is_contiguous():
+        return None
+    if capability >= ROWWISE_CAPABILITY:
+        scheme = ROWWISE
+    elif scale is not None and bool((scale == scale.reshape(-1)[0]).all()):
+        scheme = TENSORWISE
+    else:
+        return None
+    return scheme if _scheme_works(weight.device, scheme) else None
+
+
+def _cuda_capability(device: torch.device) -> tuple[int, int] | None:
+    return torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+
+
+@functools.cache
+def _scheme_works(device: torch.device, scheme: str) -> bool:
+    """One 16 x 16 x 16 product through the scheme, once per device: a torch build without that kernel
+    for this architecture fails here, at load, and its layers dequantize instead of failing a step."""
+    weight = torch.ones(16, 16, device=device).to(FP8)
+    try:
+        x = torch.ones(16, 16, dtype=torch.bfloat16, device=device)
+        scaled_mm_linear(x, weight, torch.ones(16, 1, device=device), None, scheme)
+    except RuntimeError as exc:
+        logger.warning(
+            "fp8: torch._scaled_mm (%s) fails on %s, dequantizing instead: %s", scheme, device, exc
+        )
         return False
-    return torch.cuda.get_device_capability(weight.device) >= SCALED_MM_CAPABILITY
+    return True
 
 
 @hookimpl

@@ -3,8 +3,10 @@ by tile in registers, never whole in memory. Used on CUDA/ROCm devices; on CPU t
 
 One kernel serves both layouts: GPTQ packs weights along the input dimension (K), AWQ along the output
 dimension (N) in its interleaved order; both pack zero points along N. GPTQ names each input row's group
-in `g_idx` (act-order), AWQ's groups are consecutive rows. Triton is imported and the kernel compiled on first use, so
-`TRITON_INTERPRET=1` set before the first call runs it on CPU tensors (tests).
+in `g_idx` (act-order), AWQ's groups are consecutive rows. The kernel is jitted on first use in each interpreter
+mode, so calls made while `TRITON_INTERPRET=1` is set run it on CPU tensors (tests), the others compiled.
+Compiled, its tiles are autotuned over DEVICE_TILES once per (M rounded up to a power of two, N, K) and
+dtypes, the first time each comes up; interpreted, it runs INTERPRETER_TILE alone.
 """
 
 from __future__ import annotations
@@ -18,10 +20,38 @@ try:
 except ImportError:  # the CUDA path checks for triton; the kernel below is never compiled
     tl = None
 
-BLOCK_M, BLOCK_N, BLOCK_K = 16, 32, 32
 MAX_TOKENS = 32
 """Above this many tokens one dequantization feeding the vendor matmul amortises better than the fused
 kernel, whose gain is reading 4-bit weights once per decode step."""
+
+DEVICE_TILES = (  # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)
+    (16, 32, 128, 4, 4),
+    (16, 64, 64, 4, 4),
+    (16, 64, 128, 4, 3),
+    (16, 128, 64, 4, 3),
+    (32, 64, 64, 4, 3),
+    (32, 128, 64, 8, 3),
+)
+"""What the autotuner tries on a device. M is at most MAX_TOKENS, so the M tiles are 16 (the smallest tl.dot
+takes) or 32; narrow N tiles with deep K tiles keep enough programs busy for a decode's few rows (no split over K),
+wider ones suit the larger batches and projections."""
+INTERPRETER_TILE = (16, 32, 32, 4, 1)
+"""The one tile under TRITON_INTERPRET: timing configs there would measure numpy, slowly, for nothing."""
+
+
+def tile_configs(interpret: bool) -> list:
+    """The `triton.Config`s the kernel is autotuned over: DEVICE_TILES, or INTERPRETER_TILE alone."""
+    import triton
+
+    return [
+        triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k}, num_warps=warps, num_stages=stages)
+        for m, n, k, warps, stages in ((INTERPRETER_TILE,) if interpret else DEVICE_TILES)
+    ]
+
+
+def _prune_tiles(configs: list, named_args: dict, **kwargs) -> list:
+    """Rows past the batch are masked work: up to 16 rows, only the 16-row tiles are timed."""
+    return [c for c in configs if c.kwargs["BLOCK_M"] <= max(16, named_args["M_BUCKET"])]
 
 
 def triton_runs(weight: torch.Tensor) -> bool:
@@ -49,13 +79,16 @@ def packed_matmul(
     m, k = rows.shape
     n = scales.shape[1]
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N))
+
+    def grid(meta: dict) -> tuple[int, int]:
+        return triton.cdiv(m, meta["BLOCK_M"]), triton.cdiv(n, meta["BLOCK_N"])
+
     weights = (t.contiguous() for t in (qweight, qzeros, scales))
+    # M_BUCKET, a power of two, is the autotuning key's M: one tuning per bucket, not per batch size
     _kernel()[grid](
         rows, *weights, g_idx if g_idx is None else g_idx.contiguous(), out, m, n, k, group_size,
-        HAS_G_IDX=g_idx is not None, BITS=bits, ZERO_OFFSET=zero_offset, AWQ=awq, DOT_DTYPE=dot_dtype,
-        DOT_PRECISION="ieee" if dot_dtype == tl.float32 else None,
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+        triton.next_power_of_2(m), HAS_G_IDX=g_idx is not None, BITS=bits, ZERO_OFFSET=zero_offset, AWQ=awq,
+        DOT_DTYPE=dot_dtype, DOT_PRECISION="ieee" if dot_dtype == tl.float32 else None,
     )  # fmt: skip
     return out.reshape(*x.shape[:-1], n)
 
@@ -70,15 +103,27 @@ def _dot_dtype(dtype: torch.dtype):
     return tl.float16 if dtype == torch.float16 else tl.float32
 
 
-@functools.cache
 def _kernel():
+    """The kernel for the current interpreter mode: `triton.jit` picks interpreted or compiled when it wraps
+    the function, so one cached kernel would run a whole process in the mode of its first call."""
     import triton
 
-    return triton.jit(_packed_matmul)
+    return _kernel_in_mode(bool(triton.knobs.runtime.interpret))
+
+
+@functools.cache
+def _kernel_in_mode(interpreting: bool):
+    import triton
+
+    return triton.autotune(
+        configs=tile_configs(interpreting),
+        key=["M_BUCKET", "N", "K"],
+        prune_configs_by={"early_config_prune": _prune_tiles},
+    )(triton.jit(_packed_matmul))
 
 
 def _packed_matmul(
-    x_ptr, qweight_ptr, qzeros_ptr, scales_ptr, g_idx_ptr, out_ptr, M, N, K, group_size,
+    x_ptr, qweight_ptr, qzeros_ptr, scales_ptr, g_idx_ptr, out_ptr, M, N, K, group_size, M_BUCKET,
     HAS_G_IDX: tl.constexpr, BITS: tl.constexpr, ZERO_OFFSET: tl.constexpr, AWQ: tl.constexpr, DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pagellm.core.transfer import to_device
 from pagellm.sampling.params import SamplingParams
 from pagellm.sampling.penalties import apply_penalties
 
@@ -89,7 +90,7 @@ def build_sampling_batch(
     batch = SamplingBatch(num_requests=len(requests), all_greedy=all_greedy)
     if not all_greedy:
         if any(greedy):
-            batch.greedy = torch.tensor(greedy, dtype=torch.bool, device=device)
+            batch.greedy = _tensor(greedy, torch.bool, device)
         batch.temperature = _column(_per_row(params, greedy, "temperature", 1.0), 1.0, device)
         top_k = [max(k, 0) for k in _per_row(params, greedy, "top_k", 0)]
         batch.max_top_k = max(top_k)
@@ -103,8 +104,8 @@ def build_sampling_batch(
     _add_bias_and_bans(batch, requests, set(eos_token_ids), device)
     grammar_rows = [i for i, r in enumerate(requests) if r.allowed is not None]
     if grammar_rows:
-        masks = torch.stack([requests[i].allowed for i in grammar_rows]).to(device)
-        batch.grammar = (torch.tensor(grammar_rows, dtype=torch.long, device=device), masks)
+        masks = to_device(torch.stack([requests[i].allowed for i in grammar_rows]), torch.device(device))
+        batch.grammar = (_tensor(grammar_rows, torch.long, device), masks)
     logprobs = [p.logprobs for p in params if p.logprobs is not None]
     batch.max_num_logprobs = max(logprobs) if logprobs else None
     return batch
@@ -118,12 +119,18 @@ def _per_row(params: list[SamplingParams], greedy: list[bool], name: str, off: f
 def _column(values: list, default: float, device, dtype: torch.dtype = _F32) -> torch.Tensor | None:
     if all(v == default for v in values):
         return None
-    return torch.tensor(values, dtype=dtype, device=device)
+    return _tensor(values, dtype, device)
+
+
+def _tensor(values: list, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """A host list on the device, copied without stalling the host (`core.transfer`): a step's settings
+    are built while its forward still runs."""
+    return to_device(torch.tensor(values, dtype=dtype), torch.device(device))
 
 
 def _padded(rows: list[Sequence[int]], device) -> torch.Tensor:
     width = max((len(r) for r in rows), default=0)
-    return torch.tensor([list(r) + [-1] * (width - len(r)) for r in rows], dtype=torch.long, device=device)
+    return _tensor([list(r) + [-1] * (width - len(r)) for r in rows], torch.long, device)
 
 
 def _add_penalties(batch: SamplingBatch, requests: Sequence[SamplingRequest], device) -> None:
@@ -137,12 +144,12 @@ def _add_penalties(batch: SamplingBatch, requests: Sequence[SamplingRequest], de
     chosen = [requests[i] for i in rows]
     repetition = [r.params.repetition_penalty for r in chosen]
     any_repetition = any(p != 1.0 for p in repetition)
-    batch.penalty_rows = torch.tensor(rows, dtype=torch.long, device=device)
+    batch.penalty_rows = _tensor(rows, torch.long, device)
     batch.prompt_ids = _padded([r.prompt_token_ids if any_repetition else () for r in chosen], device)
     batch.output_ids = _padded([r.output_token_ids for r in chosen], device)
-    batch.presence = torch.tensor([r.params.presence_penalty for r in chosen], dtype=_F32, device=device)
-    batch.frequency = torch.tensor([r.params.frequency_penalty for r in chosen], dtype=_F32, device=device)
-    batch.repetition = torch.tensor(repetition, dtype=_F32, device=device)
+    batch.presence = _tensor([r.params.presence_penalty for r in chosen], _F32, device)
+    batch.frequency = _tensor([r.params.frequency_penalty for r in chosen], _F32, device)
+    batch.repetition = _tensor(repetition, _F32, device)
 
 
 def _add_bias_and_bans(
@@ -160,14 +167,14 @@ def _add_bias_and_bans(
             ban_ids.extend(banned)
     if bias_rows:
         batch.bias = (
-            torch.tensor(bias_rows, dtype=torch.long, device=device),
-            torch.tensor(bias_ids, dtype=torch.long, device=device),
-            torch.tensor(bias_values, dtype=_F32, device=device),
+            _tensor(bias_rows, torch.long, device),
+            _tensor(bias_ids, torch.long, device),
+            _tensor(bias_values, _F32, device),
         )
     if ban_rows:
         batch.banned = (
-            torch.tensor(ban_rows, dtype=torch.long, device=device),
-            torch.tensor(ban_ids, dtype=torch.long, device=device),
+            _tensor(ban_rows, torch.long, device),
+            _tensor(ban_ids, torch.long, device),
         )
 
 

@@ -28,6 +28,7 @@ from pagellm.core.kv_connector import (
     kv_namespace,
 )
 from pagellm.core.platform import GiB
+from pagellm.core.transfer import to_device
 from pagellm.distributed import Parallel
 from pagellm.lora.manager import LoRAManager
 from pagellm.lora.request import LoRARequest
@@ -35,7 +36,7 @@ from pagellm.models.base import ModelInit, rank_heads
 from pagellm.models.context import LoRABatch, set_forward_context
 from pagellm.models.layers.linear import Linear
 from pagellm.models.loader import load_model, model_weight_bytes
-from pagellm.sampling.params import SamplingParams
+from pagellm.sampling.params import MAX_LOGPROBS, SamplingParams
 from pagellm.sampling.sampler import (
     LogprobsTensors,
     Sampler,
@@ -49,6 +50,7 @@ from pagellm.spec_decode.draft_model import DraftModelProposer
 from pagellm.spec_decode.ngram import NgramProposer
 from pagellm.spec_decode.proposer import DraftRequest, Proposer, StepInputs
 from pagellm.spec_decode.rejection import verify
+from pagellm.worker.cuda_graphs import DecodeGraphs, capture_decode_graphs
 from pagellm.worker.input_batch import InputBatch
 from pagellm.worker.pooler import PoolingState
 from pagellm.worker.step import EngineSetup, SchedulerOutput, StepResult
@@ -113,6 +115,33 @@ class ModelRunner:
         self.kv_context: KVConnectorContext | None = None
         if config.kv_transfer is not None:
             self.kv_connector = self._make_kv_connector()
+        self.graphs: DecodeGraphs | None = None  # decode steps replayed from CUDA graphs
+        if self._uses_graphs():
+            self.graphs = capture_decode_graphs(
+                self.forward,
+                setup.backend,
+                self.kv_caches,
+                self.layers,
+                config.max_num_seqs,
+                setup.max_model_len,
+                self.block_size,
+                self.device,
+            )
+
+    def _uses_graphs(self) -> bool:
+        """CUDA graphs for decode steps where the platform and the backend allow them, unless
+        --enforce-eager. Never with LoRA (each step's adapter rows differ), a split model (collectives),
+        speculative decoding (the draft model reads every step's inputs) or a pooling runner (no decode)."""
+        config = self.setup.config
+        return (
+            not config.enforce_eager
+            and self.setup.platform.supports_cuda_graphs()
+            and self.setup.backend.cuda_graph_decode
+            and self.lora is None
+            and self.parallel.world_size == 1
+            and self.proposer is None
+            and config.runner != "pooling"
+        )
 
     def _load(self, setup: EngineSetup, weights: Iterable[tuple[str, torch.Tensor]]):
         quant = (
@@ -220,7 +249,10 @@ class ModelRunner:
         if config.num_kv_blocks is not None:
             return config.num_kv_blocks
         platform = self.setup.platform
-        peak = platform.memory_in_use(self.model_bytes)
+        index = self.device.index or 0
+        peak = self._profile_memory(index)
+        if peak is None:
+            peak = platform.memory_in_use(self.model_bytes, index)
         budget = platform.kv_cache_bytes(config, self.model_bytes, peak)
         num_blocks = budget // self.block_bytes()
         if num_blocks < 2:
@@ -231,7 +263,70 @@ class ModelRunner:
         # no more than max_num_seqs full contexts can use (plus the null block): on a large accelerator the
         # memory alone would make millions of blocks, each a start-up cost
         per_request = -(-(self.setup.max_model_len + self.block_size) // self.block_size)
-        return int(min(num_blocks, config.max_num_seqs * per_request + 1))
+        num_blocks = int(min(num_blocks, config.max_num_seqs * per_request + 1))
+        logger.info(
+            "KV cache budget (rank %d): %.2f GiB, %d blocks", self.parallel.rank, budget / GiB, num_blocks
+        )
+        return num_blocks
+
+    @torch.inference_mode()
+    def _profile_memory(self, index: int) -> int | None:
+        """Bytes of the device the KV cache must leave free, profiled as vLLM does: torch's allocator peak
+        over a dummy step at the largest size (the weights and the step's activations) plus the memory in
+        use outside the allocator. None where the platform keeps no peak counter (the cpu platform sizes
+        the cache by --kv-cache-space).
+
+        The step is a prompt of the scheduler's token budget that stores nothing, then the logits and the
+        sampler (top-k, top-p, min-p and logprobs: its largest buffers) on max_num_seqs rows (times the
+        tokens a speculative verify step scores). Every rank runs it at once, so the model's collectives
+        pair up, and measures its own part."""
+        platform = self.setup.platform
+        if platform.peak_memory_allocated(index) is None:
+            return None
+        config = self.setup.config
+        # the scheduler's token budget (LLMEngine._scheduler, Scheduler.token_budget): its largest step
+        num_tokens = config.token_budget
+        if not config.enable_chunked_prefill:
+            num_tokens = max(num_tokens, self.setup.max_model_len)
+        spec = rank_heads(self.setup.spec, self.parallel.tp)
+        shape = self.setup.backend.kv_cache_shape(1, self.block_size, spec.num_kv_heads, spec.cache_row_size)
+        cache = torch.zeros(shape, dtype=spec.cache_dtype, device=self.device)  # block 0, read, never written
+        if self.parallel.world_size > 1:
+            # ranks load at their own pace, and the step's collectives time out sooner than start-up's
+            torch.distributed.barrier(group=self.parallel.startup)
+        platform.synchronize()
+        platform.reset_peak_memory(index)
+        before = platform.peak_memory_allocated(index)
+        attn = _dummy_prefill(num_tokens, self.block_size, self.device)
+        with set_forward_context(
+            self.setup.backend.build_metadata(attn), [cache] * len(self.layers), self.layers
+        ):
+            hidden = self.model(
+                torch.zeros(num_tokens, dtype=torch.long, device=self.device),
+                torch.arange(num_tokens, device=self.device),
+            )
+        if config.runner == "generate" and getattr(self.model, "lm_head", None) is not None:
+            speculative = config.speculative  # a verify step takes logits of every draft and the bonus token
+            num_rows = config.max_num_seqs * (1 + (speculative.num_speculative_tokens if speculative else 0))
+            rows = torch.arange(num_rows, device=self.device) % num_tokens
+            logits = self.model.compute_logits(hidden.index_select(0, rows))
+            if self.parallel.is_driver:  # only the driver samples
+                params = SamplingParams(top_k=50, top_p=0.9, min_p=0.01, logprobs=MAX_LOGPROBS)
+                requests = [SamplingRequest(params, [0], [])] * num_rows
+                batch = build_sampling_batch(requests, self.eos_token_ids, self.device)
+                Sampler(torch.Generator(device=self.device))(logits, batch)
+        platform.synchronize()
+        peak, outside = platform.peak_memory_allocated(index), platform.non_torch_memory(index)
+        logger.info(
+            "memory profile (rank %d): weights %.2f GiB, activation peak %.2f GiB (%d tokens), outside "
+            "torch's allocator %.2f GiB",
+            self.parallel.rank,
+            self.model_bytes / GiB,
+            (peak - before) / GiB,
+            num_tokens,
+            outside / GiB,
+        )
+        return peak + outside
 
     def add_lora(self, request: LoRARequest) -> None:
         """Load an adapter into memory (ConfigError when LoRA is off or the adapter cannot run)."""
@@ -307,9 +402,11 @@ class ModelRunner:
         lora = self._lora_batch(out.scheduled, cu) if self.lora is not None else None
         if self.parallel.world_size > 1:
             self.parallel.broadcast(("forward", step))
-        input_ids_dev, positions_dev, attn, hidden = self._forward(step, lora)
-        if self.proposer is not None:
-            self.proposer.observe(StepInputs(input_ids_dev, positions_dev, attn, hidden))
+        hidden = self.graphs.run(step) if self.graphs is not None else None
+        if hidden is None:
+            input_ids_dev, positions_dev, attn, hidden = self._forward(step, lora)
+            if self.proposer is not None:
+                self.proposer.observe(StepInputs(input_ids_dev, positions_dev, attn, hidden))
         result = StepResult(kv_connector_output=self._kv_done(out))
         if pooling:
             self._pool(hidden, pooling, cu, starts, result)
@@ -422,7 +519,7 @@ class ModelRunner:
         )
 
     def _sample(self, out: SchedulerOutput, hidden, sampling, cu, result: StepResult) -> None:
-        index = torch.tensor([int(cu[i + 1]) - 1 for i, _ in sampling], device=self.device)
+        index = self._dev(np.array([cu[i + 1] - 1 for i, _ in sampling], dtype=np.int64))
         logits = self.compute_logits(hidden.index_select(0, index))
         masks = out.grammar_bitmasks
         requests = [
@@ -440,12 +537,11 @@ class ModelRunner:
         for j, (_, request) in enumerate(sampling):
             result.sampled[request.request_id] = [token_ids[j]]
         if sampled.logprobs is not None:
+            lp = _LogprobLists.read(sampled.logprobs)
             for j, (_, request) in enumerate(sampling):
                 k = request.sampling_params.logprobs
                 if k is not None:
-                    result.logprobs[request.request_id] = [
-                        _row_logprobs(sampled.logprobs, j, k, token_ids[j])
-                    ]
+                    result.logprobs[request.request_id] = [_row_logprobs(lp, j, k, token_ids[j])]
 
     def _verify(self, out: SchedulerOutput, hidden, sampling, cu, result: StepResult) -> None:
         """Speculative decoding: logits at each sampling request's last known token and at each of its
@@ -466,7 +562,7 @@ class ModelRunner:
                         r.sampling_params, r.prompt_token_ids, outputs + draft[:j], generator, allowed
                     )
                 )
-        logits = self.compute_logits(hidden.index_select(0, torch.tensor(index, device=self.device)))
+        logits = self.compute_logits(hidden.index_select(0, self._dev(np.array(index, dtype=np.int64))))
         batch = build_sampling_batch(requests, self.eos_token_ids, self.device)
         new_tokens = verify(
             self.sampler,
@@ -484,10 +580,12 @@ class ModelRunner:
         for draft, tokens in zip(drafts, new_tokens, strict=True):
             chosen.extend(tokens + [0] * (len(draft) + 1 - len(tokens)))
             row += len(draft) + 1
-        lp = compute_logprobs(
-            logits.float().log_softmax(dim=-1),
-            torch.tensor(chosen, device=self.device),
-            batch.max_num_logprobs,
+        lp = _LogprobLists.read(
+            compute_logprobs(
+                logits.float().log_softmax(dim=-1),
+                self._dev(np.array(chosen, dtype=np.int64)),
+                batch.max_num_logprobs,
+            )
         )
         row = 0
         for (_, r), draft, tokens in zip(sampling, drafts, new_tokens, strict=True):
@@ -531,22 +629,35 @@ class ModelRunner:
                 del self.pooling_states[rid]
 
     def _prompt_logprobs(self, hidden, prompt_lp, cu, starts, result: StepResult) -> None:
+        """Logprobs of the prompt tokens this step's rows predict (position p predicts token p + 1), for
+        all the requests that asked at once: one logits computation and one read to the host."""
+        rows, targets, counts = [], [], []
         for i, request in prompt_lp:
-            start, end = starts[i], min(starts[i] + int(cu[i + 1] - cu[i]), request.num_prompt_tokens)
-            # position p predicts prompt token p + 1
+            start = starts[i]
+            end = min(start + int(cu[i + 1] - cu[i]), request.num_prompt_tokens)
             last = min(end, request.num_prompt_tokens - 1)
-            entries: list = [None] if start == 0 else []
-            if last > start:
-                logits = self.compute_logits(hidden[int(cu[i]) : int(cu[i]) + last - start])
-                targets = torch.tensor(request.prompt_token_ids[start + 1 : last + 1], device=self.device)
-                k = request.sampling_params.prompt_logprobs
-                tensors = compute_prompt_logprobs(logits, targets, k)
-                entries += [_row_logprobs(tensors, j, k, int(targets[j])) for j in range(last - start)]
+            count = max(last - start, 0)
+            rows.append(np.arange(cu[i], cu[i] + count))
+            targets += request.prompt_token_ids[start + 1 : start + 1 + count]
+            counts.append(count)
+        lp = None
+        if targets:
+            k = max(request.sampling_params.prompt_logprobs for _, request in prompt_lp)
+            logits = self.compute_logits(hidden.index_select(0, self._dev(np.concatenate(rows))))
+            tensors = compute_prompt_logprobs(logits, self._dev(np.array(targets, dtype=np.int64)), k)
+            lp = _LogprobLists.read(tensors)
+        row = 0
+        for (i, request), count in zip(prompt_lp, counts, strict=True):
+            k = request.sampling_params.prompt_logprobs
+            entries: list = [None] if starts[i] == 0 else []
+            entries += [_row_logprobs(lp, row + j, k, targets[row + j]) for j in range(count)]
+            row += count
             result.prompt_logprobs[request.request_id] = entries
 
     def _dev(self, array: np.ndarray) -> torch.Tensor:
-        tensor = torch.from_numpy(np.ascontiguousarray(array))
-        return tensor if self.device.type == "cpu" else tensor.to(self.device, non_blocking=True)
+        """A host array on the device, through page-locked memory where the device has it (so the host
+        does not wait, and the array may change right after); on the CPU the array's own memory."""
+        return to_device(torch.from_numpy(np.ascontiguousarray(array)), self.device)
 
 
 @dataclass
@@ -585,9 +696,28 @@ def _dummy_prefill(num_tokens: int, block_size: int, device: torch.device) -> At
     )
 
 
-def _row_logprobs(t: LogprobsTensors, row: int, k: int, token_id: int) -> dict[int, tuple[float, int]]:
+@dataclass
+class _LogprobLists:
+    """A step's `LogprobsTensors` read to the host once, as lists (one transfer per tensor, not one per
+    element: each read of a device tensor waits for the device)."""
+
+    token_logprobs: list[float]
+    token_ranks: list[int]
+    topk_ids: list[list[int]]
+    topk_logprobs: list[list[float]]
+
+    @classmethod
+    def read(cls, t: LogprobsTensors) -> _LogprobLists:
+        return cls(
+            t.token_logprobs.tolist(), t.token_ranks.tolist(), t.topk_ids.tolist(), t.topk_logprobs.tolist()
+        )
+
+
+def _row_logprobs(lp: _LogprobLists, row: int, k: int, token_id: int) -> dict[int, tuple[float, int]]:
     """The chosen token first, then the top k: token id -> (logprob, rank)."""
-    entry = {token_id: (float(t.token_logprobs[row]), int(t.token_ranks[row]))}
-    for j in range(min(k, t.topk_ids.shape[1])):
-        entry.setdefault(int(t.topk_ids[row, j]), (float(t.topk_logprobs[row, j]), j + 1))
+    entry = {token_id: (lp.token_logprobs[row], lp.token_ranks[row])}
+    for j, (top_id, top_logprob) in enumerate(
+        zip(lp.topk_ids[row][:k], lp.topk_logprobs[row][:k], strict=True)
+    ):
+        entry.setdefault(top_id, (top_logprob, j + 1))
     return entry

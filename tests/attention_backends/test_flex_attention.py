@@ -1,4 +1,5 @@
 import importlib.util
+import logging
 
 import pytest
 import torch
@@ -86,3 +87,119 @@ def test_plugin_registration(monkeypatch):
     assert flex_attention.PAGELLM_PLUGIN_API == "1.0"
     monkeypatch.setenv("PAGELLM_PLUGINS", "flex_attention")
     assert load_plugins().attention_backends == {"FLEX_ATTENTION": FlexAttentionBackend}
+
+
+@pytest.fixture
+def fresh_variants():
+    """No compiled variant left over from another test, and none left behind."""
+    flex_attention._compiled_flex.cache_clear()
+    yield
+    flex_attention._compiled_flex.cache_clear()
+
+
+REAL_COMPILE = torch.compile
+
+
+class _CountingCompile:
+    """Stands in for torch.compile on the variants' functions (eager flex_attention compiles its own
+    wrapper, which goes to the real one): records what it is asked to compile and how often each result
+    runs, and runs flex_attention eagerly; `fail` makes the results raise as a failed compile does."""
+
+    def __init__(self, fail: BaseException | None = None):
+        self.compiled = []
+        self.calls = {}
+        self.fail = fail
+
+    def __call__(self, fn, **options):
+        if not fn.__code__.co_name.startswith("flex_attention_"):
+            return REAL_COMPILE(fn, **options)
+        self.compiled.append((fn, options))
+        self.calls[fn.__code__.co_name] = 0
+
+        def run(*args, **kwargs):
+            self.calls[fn.__code__.co_name] += 1
+            if self.fail is not None:
+                raise self.fail
+            return flex_attention._eager(*args, **kwargs)
+
+        return run
+
+
+STEPS = [([40, 17, 5], [8, 17, 1])]  # one of each mask kind: prefill over context, causal, decode
+
+
+def test_compiled_once_per_variant_and_reused(monkeypatch, caplog, fresh_variants):
+    """Issue 17: one compiled callable per dtype, head size, mask kind and GQA, each with its own code
+    object (Dynamo's graph cache and recompile limit are per code object), built once and reused."""
+    compile_ = _CountingCompile()
+    monkeypatch.setattr(flex_attention, "_compiles", lambda device_type: True)
+    monkeypatch.setattr(torch, "compile", compile_)
+    fp32 = AttentionSpec(4, 2, 32, torch.float32)
+    bf16 = AttentionSpec(4, 2, 64, torch.bfloat16)
+    with caplog.at_level(logging.INFO, logger="pagellm"):
+        assert check_backend(FlexAttentionBackend, fp32, "cpu", STEPS) < 1e-5
+        assert check_backend(FlexAttentionBackend, bf16, "cpu", STEPS) < 3e-2
+    names = [fn.__code__.co_name for fn, _ in compile_.compiled]
+    assert sorted(names) == sorted(
+        f"flex_attention_cpu_{dtype}_{kind}"
+        for dtype in ("float32_d32", "bfloat16_d64")
+        for kind in ("prefill_gqa", "causal_gqa", "decode")
+    )
+    assert len({fn.__code__ for fn, _ in compile_.compiled}) == 6
+    assert all(options == {"dynamic": True, "fullgraph": True} for _, options in compile_.compiled)
+    calls = dict(compile_.calls)
+    assert check_backend(FlexAttentionBackend, fp32, "cpu", STEPS) < 1e-5
+    assert len(compile_.compiled) == 6  # nothing compiled again
+    assert sum(compile_.calls.values()) == 2 * sum(calls.values()) - sum(
+        n for name, n in calls.items() if "bfloat16" in name
+    )
+    logged = [r.getMessage() for r in caplog.records if "compiled flex_attention" in r.getMessage()]
+    assert len(logged) == 6
+    assert logged[0].startswith("FLEX_ATTENTION: compiled flex_attention for cpu float32 d32 ")
+    assert logged[-1].endswith(" s in all)") and "(6 variants, " in logged[-1]
+
+
+def test_a_failed_compile_warns_once_and_runs_eagerly(monkeypatch, caplog, fresh_variants):
+    from torch._dynamo.exc import FailOnRecompileLimitHit
+
+    compile_ = _CountingCompile(fail=FailOnRecompileLimitHit("Hard failure due to fullgraph=True"))
+    monkeypatch.setattr(flex_attention, "_compiles", lambda device_type: True)
+    monkeypatch.setattr(torch, "compile", compile_)
+    spec = AttentionSpec(4, 2, 32, torch.float32)
+    with caplog.at_level(logging.WARNING, logger="pagellm"):
+        assert check_backend(FlexAttentionBackend, spec, "cpu", STEPS + STEPS) < 1e-5
+    warnings_ = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings_) == 3 and all("runs eagerly from now on" in w for w in warnings_)
+    assert "FailOnRecompileLimitHit" in warnings_[0]
+    assert set(compile_.calls.values()) == {1}  # each variant tried once, then eager
+
+
+def test_cpu_runs_eagerly_without_compiling(monkeypatch, fresh_variants):
+    compile_ = _CountingCompile()
+    monkeypatch.setattr(torch, "compile", compile_)
+    assert check_backend(FlexAttentionBackend, AttentionSpec(4, 2, 32, torch.float32), "cpu", STEPS) < 1e-5
+    assert compile_.compiled == []
+
+
+def test_real_dynamo_keeps_variants_apart_past_its_limit(monkeypatch, caplog, fresh_variants):
+    """Real Dynamo (its "eager" backend: no C++ compiler or GPU needed) with its limit at 1: every variant
+    still compiles, and recompiles for new sizes, and soft-capping compiles (a float cap reaches
+    flex_attention as a symbolic float, which it refuses)."""
+    import torch._dynamo
+
+    def compile_(fn, **options):
+        if fn.__code__.co_name.startswith("flex_attention_"):
+            options["backend"] = "eager"
+        return REAL_COMPILE(fn, **options)
+
+    monkeypatch.setattr(flex_attention, "_compiles", lambda device_type: True)
+    monkeypatch.setattr(torch, "compile", compile_)
+    try:
+        spec = AttentionSpec(4, 2, 16, torch.float32, logits_soft_cap=5.0)
+        # config.patch, not monkeypatch: undoing a monkeypatch deletes (hides) a torch config setting
+        with caplog.at_level(logging.INFO, logger="pagellm"), torch._dynamo.config.patch(recompile_limit=1):
+            assert check_backend(FlexAttentionBackend, spec, "cpu", [([6, 9], [6, 1])]) < 1e-5
+    finally:
+        torch._dynamo.reset()
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len([r for r in caplog.records if "compiled flex_attention" in r.getMessage()]) == 2

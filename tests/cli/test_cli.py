@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import re
 import subprocess
 import sys
 import time
@@ -29,6 +30,14 @@ def test_plugins_lists_platforms_with_reasons_backends_and_quant_methods():
         assert "unavailable" in line and len(line.split("unavailable", 1)[1].strip()) > 10, line
     assert "TORCH_SDPA" in out and "compatible" in out
     assert "Plugins (entry-point group pagellm.plugins" in out and "pagellm 0.1.0" in out
+
+
+def test_plugins_says_which_block_size_each_backend_was_checked_with():
+    out = run("plugins").output
+    assert "bs(preferred)-swNone, no --block-size given" in out
+    assert re.search(r"CPU_ATTN +compatible \(block size 16\)", out)
+    given = run("plugins", "--block-size", "32").output
+    assert "-bs32-" in given and "(block size" not in given
 
 
 def test_unavailable_device_fails_fast_with_one_clear_paragraph(tmp_path):
@@ -69,7 +78,7 @@ def test_bad_attention_backend_lists_reasons_and_valid_names(tmp_path, backend, 
 
 def test_explain_prints_the_start_up_decision(tmp_path):
     model = make_tiny_checkpoint("llama", tmp_path)
-    result = run("plugins", "--explain", str(model), "--dtype", "float32")
+    result = run("plugins", "--explain", str(model), "--dtype", "float32", env={"PAGELLM_DEVICE": None})
     assert result.exit_code == 0, result.output
     assert "device cpu (auto" in result.output and "attention backend" in result.output
     assert "LlamaForCausalLM" in result.output and "dtype float32" in result.output

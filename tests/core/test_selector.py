@@ -1,5 +1,6 @@
 """Selection rules of docs/architecture.md ("Start-up"), on a registry of fake platforms and backends."""
 
+import dataclasses
 import logging
 
 import pytest
@@ -12,6 +13,7 @@ from pagellm.core.quant import QuantMethod
 from pagellm.core.registry import Registry
 from pagellm.core.selector import (
     TimingCache,
+    backend_reasons,
     select_attention_backend,
     select_platform,
     select_quant_method,
@@ -184,3 +186,92 @@ def test_backend_log_is_info(caplog):
     caplog.set_level(logging.INFO)
     choice = select_attention_backend(registry(Host), Host, SPEC)
     assert choice.explanation  # the engine logs these lines at INFO at start-up
+
+
+class Paged256(AttentionBackend):
+    """Like FLASH_ATTN: runs only blocks of a multiple of 256 tokens, and says so."""
+
+    name = "PAGED256"
+
+    @classmethod
+    def preferred_block_size(cls):
+        return 256
+
+    @classmethod
+    def unsupported_reasons(cls, spec, platform):
+        reasons = super().unsupported_reasons(spec, platform)
+        if spec.block_size % 256:
+            reasons.append(f"block size {spec.block_size}: needs a multiple of 256")
+        return reasons
+
+
+class Narrow(AttentionBackend):
+    """An out-of-tree backend that lists block sizes without 16 and declares no preferred size."""
+
+    name = "NARROW"
+    block_sizes = (64, 32)
+
+
+class BigFirst(Host):
+    name = "bigfirst"
+    attention_backends = ("PAGED256", "REF")
+
+
+def block_registry(*backends):
+    r = Registry()
+    r.add("platforms", BigFirst.name, BigFirst, "test")
+    for b in backends:
+        r.add("attention_backends", b.name, b, "test")
+    return r
+
+
+def test_without_a_block_size_each_backend_runs_its_preferred_one():
+    choice = select_attention_backend(block_registry(Paged256, Ref), BigFirst, SPEC, choose_block_size=True)
+    assert choice.backend is Paged256 and choice.spec.block_size == 256
+    assert choice.spec == dataclasses.replace(SPEC, block_size=256)
+    assert (
+        choice.explanation[-1]
+        == "KV-cache block size 256 (PAGED256's preferred, as no --block-size was given)"
+    )
+    requested = select_attention_backend(
+        block_registry(Paged256, Ref), BigFirst, SPEC, "ref", choose_block_size=True
+    )
+    assert requested.spec.block_size == 16  # the base class's default
+
+
+def test_an_explicit_block_size_binds_every_candidate_and_says_why_one_is_refused():
+    choice = select_attention_backend(block_registry(Paged256, Ref), BigFirst, SPEC)
+    assert choice.backend is Ref and choice.spec is SPEC
+    text = "\n".join(choice.explanation)
+    assert "rejected PAGED256: block size 16: needs a multiple of 256" in text
+    assert choice.explanation[-1] == "KV-cache block size 16 (as given by --block-size)"
+    with pytest.raises(
+        BackendUnsupportedError, match="PAGED256 cannot run.*block size 16: needs a multiple of 256"
+    ):
+        select_attention_backend(block_registry(Paged256, Ref), BigFirst, SPEC, "paged256")
+
+
+def test_timing_compares_backends_at_their_own_block_sizes():
+    seen = {}
+
+    def timer(backend, spec, platform):
+        seen[backend.name] = spec.block_size
+        return {"PAGED256": 0.002, "REF": 0.001}[backend.name]
+
+    choice = select_attention_backend(
+        block_registry(Paged256, Ref), BigFirst, SPEC, timer=timer, choose_block_size=True
+    )
+    assert seen == {"PAGED256": 256, "REF": 16}
+    assert choice.backend is Ref and choice.spec.block_size == 16
+    assert "PAGED256 2.00 ms (block size 256)" in choice.explanation[0]
+
+
+def test_a_backend_declaring_no_preferred_size_gets_16_or_its_smallest_block_size():
+    assert Ref.preferred_block_size() == 16 and Narrow.preferred_block_size() == 32
+    choice = select_attention_backend(block_registry(Narrow), BigFirst, SPEC, choose_block_size=True)
+    assert choice.backend is Narrow and choice.spec.block_size == 32
+    reasons = backend_reasons(block_registry(Narrow, Paged256, Ref), BigFirst, SPEC, choose_block_size=True)
+    assert reasons == {"PAGED256": [], "NARROW": [], "REF": []}
+    assert backend_reasons(block_registry(Narrow), BigFirst, SPEC)["NARROW"] == [
+        "block size 16 not in [64, 32]"
+    ]

@@ -8,11 +8,11 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from sim_platforms import SimAccelerator
 from tiny import make_tiny_checkpoint
 
 from pagellm import LLM
 from pagellm.core.config import EngineConfig
-from pagellm.core.platform import Availability, Platform
 from pagellm.core.quant import QuantMethod
 from pagellm.engine import llm_engine, setup
 from pagellm.plugins import load_plugins
@@ -55,26 +55,6 @@ def _weights(model_dir, method: type[QuantMethod], monkeypatch) -> object:
 def test_a_method_that_loads_gguf_blocks_gets_them_from_the_file_whatever_its_name(model_dir, monkeypatch):
     assert _weights(model_dir, VendorGgufMethod, monkeypatch)
     assert not _weights(model_dir, VendorFloatMethod, monkeypatch)  # the converted copy's float weights
-
-
-class SimAccelerator(Platform):
-    """Runs on the host CPU, but measures its memory like a device of its own: 64 MiB, 16 MiB in use."""
-
-    name = "sim_accel"
-    device_type = "cpu"
-    attention_backends = ("TORCH_SDPA",)
-
-    @classmethod
-    def availability(cls) -> Availability:
-        return Availability.yes("simulated")
-
-    @classmethod
-    def total_memory(cls, index: int = 0) -> int:
-        return 64 * MiB
-
-    @classmethod
-    def free_memory(cls, index: int = 0) -> int:
-        return 48 * MiB
 
 
 def test_a_host_run_platform_sizes_the_kv_cache_by_its_own_memory_facts(model_dir, monkeypatch):

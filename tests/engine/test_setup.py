@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import importlib.metadata
+import sys
+import types
+
 import pytest
 import torch
 from tiny import make_tokenizer, tiny_config
 
 from pagellm.core.config import EngineConfig
+from pagellm.core.errors import ConfigError
 from pagellm.engine.setup import resolve_engine
 from pagellm.models.base import ModelInit
 from pagellm.models.loader import import_model_class
@@ -45,3 +50,63 @@ def test_the_selected_spec_is_what_the_layers_build(arch, overrides, tmp_path):
     assert setup.spec in specs
     windows = [s.sliding_window for s in specs if s.sliding_window is not None]
     assert setup.spec.sliding_window == (windows[0] if windows else None)
+
+
+@pytest.fixture
+def fake_cuda_with_flash_attn(monkeypatch):
+    """An H100 as the CUDA platform's probes see it, and flash-attn 2.7 installed (metadata and module)."""
+    from pagellm.platforms import cuda
+
+    for probe, value in (
+        ("_torch_hip_version", None),
+        ("_torch_cuda_version", "12.8"),
+        ("_cuda_device_count", 1),
+    ):
+        monkeypatch.setattr(cuda, probe, lambda v=value: v)
+    for fact, value in (("device_capability", (9, 0)), ("device_name", "Fake H100"), ("device_count", 1)):
+        monkeypatch.setattr(cuda.CudaPlatform, fact, classmethod(lambda cls, *a, v=value: v))
+    real_version = importlib.metadata.version
+    monkeypatch.setattr(
+        importlib.metadata, "version", lambda name: "2.7.4" if name == "flash-attn" else real_version(name)
+    )
+    monkeypatch.setitem(sys.modules, "flash_attn", types.ModuleType("flash_attn"))
+    monkeypatch.setenv("PAGELLM_ATTENTION_TIMING", "0")  # preference order: FLASH_ATTN first on CUDA
+
+
+def _llama_dir(tmp_path):
+    tiny_config("llama", len(make_tokenizer()), architectures=["LlamaForCausalLM"]).save_pretrained(tmp_path)
+    return str(tmp_path)
+
+
+def test_auto_on_cuda_picks_flash_attn_with_its_block_size(fake_cuda_with_flash_attn, tmp_path):
+    config = EngineConfig(model=_llama_dir(tmp_path), device="cuda", dtype="bfloat16")
+    setup = resolve_engine(config)
+    assert setup.backend.name == "FLASH_ATTN"
+    assert setup.spec.block_size == 256 and config.block_size == 256 and setup.config.block_size == 256
+    assert (
+        "KV-cache block size 256 (FLASH_ATTN's preferred, as no --block-size was given)" in setup.explanation
+    )
+
+
+def test_an_explicit_block_size_on_cuda_refuses_flash_attn_with_the_reason(
+    fake_cuda_with_flash_attn, tmp_path
+):
+    model = _llama_dir(tmp_path)
+    setup = resolve_engine(EngineConfig(model=model, device="cuda", dtype="bfloat16", block_size=16))
+    assert setup.backend.name != "FLASH_ATTN" and setup.spec.block_size == 16
+    assert any(
+        line.startswith("  rejected FLASH_ATTN: block size 16: flash-attn") for line in setup.explanation
+    )
+    with pytest.raises(ConfigError, match="FLASH_ATTN cannot run .*block size 16.*--block-size 256"):
+        resolve_engine(
+            EngineConfig(
+                model=model, device="cuda", dtype="bfloat16", block_size=16, attention_backend="FLASH_ATTN"
+            )
+        )
+
+
+def test_on_cpu_the_block_size_stays_16(tmp_path, monkeypatch):
+    monkeypatch.setenv("PAGELLM_ATTENTION_TIMING", "0")
+    config = EngineConfig(model=_llama_dir(tmp_path), device="cpu", dtype="float32")
+    setup = resolve_engine(config)
+    assert setup.platform.name == "cpu" and setup.spec.block_size == 16 and config.block_size == 16

@@ -1,10 +1,12 @@
-"""Run a pagellm model the way the model runner does: flat batches, a paged KV cache, TORCH_SDPA."""
+"""Run a pagellm model the way the model runner does: flat batches, a paged KV cache, TORCH_SDPA; the model and
+its transformers reference on the session's device (`pytest --device`)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import torch
+from session_device import session_device
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from pagellm.attention_backends.torch_sdpa import TorchSDPABackend
@@ -18,22 +20,29 @@ BLOCK_SIZE = 4
 NUM_BLOCKS = 32
 
 
-def load_pagellm(model_dir: Path, dtype: torch.dtype = torch.float32, **init_kwargs) -> CausalLM:
+def load_pagellm(
+    model_dir: Path,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str | None = None,
+    **init_kwargs,
+) -> CausalLM:
+    """The model on `device`, by default the session's."""
     config = AutoConfig.from_pretrained(model_dir)
     init = ModelInit(config, dtype, TorchSDPABackend, block_size=BLOCK_SIZE, **init_kwargs)
+    weights = iter_checkpoint_weights(model_dir)
     return load_model(
-        resolve_model_class(config, pagellm_models()), init, iter_checkpoint_weights(model_dir), "cpu"
+        resolve_model_class(config, pagellm_models()), init, weights, device or session_device()
     )
 
 
 def load_reference(model_dir: Path, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(session_device()).eval()
 
 
 @torch.no_grad()
 def reference_logits(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
     """transformers' logits at every position of one sequence: [len(ids), vocab]."""
-    return model(torch.tensor([ids])).logits[0].float()
+    return model(torch.tensor([ids], device=model.device)).logits[0].float()
 
 
 class PagedRunner:
@@ -42,12 +51,14 @@ class PagedRunner:
 
     def __init__(self, model: CausalLM, num_seqs: int = 2):
         self.model = model
+        self.device = next(model.parameters()).device
         self.caches = [
             torch.zeros(
                 TorchSDPABackend.kv_cache_shape(
                     NUM_BLOCKS, BLOCK_SIZE, a.spec.num_kv_heads, a.spec.head_size
                 ),
                 dtype=a.spec.cache_dtype,
+                device=self.device,
             )
             for a in model.attention_layers()
         ]
@@ -69,17 +80,18 @@ class PagedRunner:
             self.lens[s] += len(new)
             starts.append(starts[-1] + len(new))
             seq_lens.append(self.lens[s])
+        on = {"device": self.device}
         batch = AttentionBatch(
-            query_start_loc=torch.tensor(starts, dtype=torch.int32),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-            block_tables=self.block_tables[seqs],
-            slot_mapping=torch.tensor(slots, dtype=torch.int64),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, **on),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, **on),
+            block_tables=self.block_tables[seqs].to(self.device),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, **on),
             query_start_loc_cpu=torch.tensor(starts, dtype=torch.int32),
             seq_lens_cpu=torch.tensor(seq_lens, dtype=torch.int32),
             max_query_len=max(len(chunks[s]) for s in seqs),
             max_seq_len=max(seq_lens),
         )
         with set_forward_context(TorchSDPABackend.build_metadata(batch), self.caches):
-            hidden = self.model(torch.tensor(ids), torch.tensor(positions))
+            hidden = self.model(torch.tensor(ids, **on), torch.tensor(positions, **on))
         logits = self.model.compute_logits(hidden)
         return {s: logits[starts[i] : starts[i + 1]] for i, s in enumerate(seqs)}

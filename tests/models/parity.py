@@ -7,6 +7,7 @@ import warnings
 from pathlib import Path
 
 import torch
+from session_device import session_device
 
 from pagellm import LLM, SamplingParams
 
@@ -39,12 +40,14 @@ def mixed_prompts(vocab: int, seed: int = 0, shared_prefix: int = 0) -> list[lis
 
 
 class Reference:
-    """transformers greedy generate on the same weights, in float32, one prompt at a time (cached)."""
+    """transformers greedy generate on the same weights, in float32, one prompt at a time (cached), on the
+    session's device (`pytest --device`), where the engine under test runs."""
 
     def __init__(self, model_dir: Path, max_tokens: int):
         from transformers import AutoModelForCausalLM
 
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        self.model = model.to(session_device()).eval()
         self.max_tokens = max_tokens
         self.cache: dict[tuple[int, ...], list[int]] = {}
 
@@ -52,7 +55,7 @@ class Reference:
     def generate(self, prompt: list[int]) -> list[int]:
         key = tuple(prompt)
         if key not in self.cache:
-            ids = torch.tensor([prompt])
+            ids = torch.tensor([prompt], device=self.model.device)
             out = self.model.generate(
                 ids, attention_mask=torch.ones_like(ids), max_new_tokens=self.max_tokens, do_sample=False
             )
@@ -61,7 +64,8 @@ class Reference:
 
     @torch.no_grad()
     def logprobs(self, tokens: list[int]) -> torch.Tensor:
-        return self.model(torch.tensor([tokens])).logits[0, -1].float().log_softmax(-1)
+        ids = torch.tensor([tokens], device=self.model.device)
+        return self.model(ids).logits[0, -1].float().log_softmax(-1)
 
 
 def assert_greedy_parity(llm: LLM, reference: Reference, prompts: list[list[int]]) -> None:

@@ -1,16 +1,14 @@
-"""The AWQ/GPTQ Triton GEMM under the Triton interpreter on CPU tensors: equal to the torch
-dequantize-and-matmul path, alone and wired into the layers (the kernel reads TRITON_INTERPRET when it is
-first compiled, on the first call, so setting it here is enough)."""
+"""The AWQ/GPTQ Triton GEMM under the Triton interpreter on CPU tensors (the `triton_interpreter` fixture):
+equal to the torch dequantize-and-matmul path, alone and wired into the layers."""
 
-import os
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-os.environ["TRITON_INTERPRET"] = "1"
 pytest.importorskip("triton")
+pytestmark = pytest.mark.usefixtures("triton_interpreter")
 
 TESTS = Path(__file__).parents[1]
 sys.path[:0] = [str(TESTS / "models"), str(Path(__file__).parent)]
@@ -18,8 +16,8 @@ from models_harness import PagedRunner, load_pagellm  # noqa: E402
 from quant_formats import FORMATS, awq_quantizer, gptq_quantizer, quantized_layers, write_quantized  # noqa: E402
 from tiny import make_tiny_checkpoint  # noqa: E402
 
-from pagellm.quantization import awq, gptq  # noqa: E402
-from pagellm.quantization.packed_triton import packed_matmul  # noqa: E402
+from pagellm.quantization import awq, gptq, packed_triton  # noqa: E402
+from pagellm.quantization.packed_triton import packed_matmul, tile_configs  # noqa: E402
 
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
 CASES = {  # name: (quantizer, bits, zero offset, group size)
@@ -54,7 +52,7 @@ def test_layers_run_the_kernel_when_asked(fmt, tmp_path, monkeypatch):
     arch, method_cls, quantizer, config = FORMATS[fmt]
     src = make_tiny_checkpoint(arch, tmp_path)
     write_quantized(src, tmp_path / "q", quantizer, config)
-    model = load_pagellm(tmp_path / "q", quant_method=method_cls(config))
+    model = load_pagellm(tmp_path / "q", device="cpu", quant_method=method_cls(config))
     ids = list(range(3, 20))
     expected = PagedRunner(model, num_seqs=1).step({0: ids})[0]
     for layer in quantized_layers(model).values():
@@ -66,3 +64,68 @@ def test_layers_run_the_kernel_when_asked(fmt, tmp_path, monkeypatch):
     got = PagedRunner(model, num_seqs=1).step({0: ids})[0]
     assert len(calls) == 8  # every quantized layer of the 2-layer model
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.fixture
+def fresh_kernels():
+    """Kernels built anew for the test (it changes their configs) and again after it."""
+    packed_triton._kernel_in_mode.cache_clear()
+    yield
+    packed_triton._kernel_in_mode.cache_clear()
+
+
+def _act_order_product(tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's and the reference's x @ W for 4-bit act-order GPTQ, N=72 and K=80 (ragged tiles)."""
+    quantizer, bits, zero_offset, group = CASES["gptq-4bit-act-order"]
+    torch.manual_seed(0)
+    saved, dequantized = quantizer(torch.randn(72, 80))
+    saved = {name: tensor.contiguous() for name, tensor in saved.items()}
+    x = torch.randn(tokens, 80)
+    got = packed_matmul(
+        x, saved["qweight"], saved["qzeros"], saved["scales"], saved["g_idx"], group, bits, zero_offset, False
+    )
+    return got, x @ dequantized.t()
+
+
+def test_the_device_autotunes_over_the_device_tiles_and_the_interpreter_runs_one(fresh_kernels, monkeypatch):
+    from triton.runtime.autotuner import Autotuner
+    from triton.runtime.interpreter import InterpretedFunction
+
+    monkeypatch.delenv("TRITON_INTERPRET")
+    device = packed_triton._kernel()  # jitted for the device, not compiled (nothing runs on CPU)
+    assert isinstance(device, Autotuner) and not isinstance(device.fn, InterpretedFunction)
+    tiles = [(*c.kwargs.values(), c.num_warps, c.num_stages) for c in device.configs]
+    assert tiles == list(packed_triton.DEVICE_TILES) and device.keys == ["M_BUCKET", "N", "K"]
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    interpreted = packed_triton._kernel()
+    assert isinstance(interpreted.fn, InterpretedFunction)
+    assert [(*c.kwargs.values(), c.num_warps, c.num_stages) for c in interpreted.configs] == [
+        packed_triton.INTERPRETER_TILE
+    ]
+
+
+@pytest.mark.parametrize("tile", packed_triton.DEVICE_TILES, ids=lambda t: "x".join(map(str, t[:3])))
+def test_every_device_tile_computes_the_product(tile, fresh_kernels, monkeypatch):
+    monkeypatch.setattr(packed_triton, "INTERPRETER_TILE", tile)
+    got, expected = _act_order_product(33)  # several M tiles for each BLOCK_M
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-3)
+
+
+def test_tuning_is_keyed_by_m_bucket_and_prunes_tall_tiles_for_small_batches(fresh_kernels, monkeypatch):
+    monkeypatch.setattr(packed_triton, "tile_configs", lambda interpret: tile_configs(False))
+    kernel = packed_triton._kernel()
+    timed = []
+
+    def bench(*args, config, **kwargs):  # stands in for timing on a device: the last config tried wins
+        timed.append(config)
+        return [-float(len(timed))] * 3
+
+    monkeypatch.setattr(kernel, "_bench", bench)
+    for tokens, tried in [(5, 4), (7, 0), (20, 6)]:  # buckets 8, 8 (tuned already), 32
+        timed.clear()
+        got, expected = _act_order_product(tokens)
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-3)
+        assert len(timed) == tried
+        if tried:
+            assert all(c.kwargs["BLOCK_M"] == 16 for c in timed) == (tokens <= 16)
+            assert kernel.best_config is timed[-1]
