@@ -152,6 +152,12 @@ class Platform:
         return None
 
     @classmethod
+    def argmax(cls, logits: torch.Tensor) -> torch.Tensor:
+        """Each row's index of its largest value, as `logits.max(dim=-1).indices` gives it (the first on
+        ties, the first NaN where there is one): greedy sampling's one reduction over the vocabulary."""
+        return logits.max(dim=-1).indices
+
+    @classmethod
     def compile_model(cls, model: torch.nn.Module) -> Callable[..., torch.Tensor] | None:
         """The model's forward made faster for this device (torch.compile, graph capture), or None to run
         it eagerly. Called once after the weights load unless --enforce-eager; the model runner warms the

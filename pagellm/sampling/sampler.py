@@ -9,7 +9,7 @@ draws its noise from its own generator so its tokens do not depend on the rest o
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -280,18 +280,24 @@ class Sampler:
     """Chooses one token per request. `generator` feeds the noise of requests without a seed (None: torch's
     default generator of the logits' device)."""
 
-    def __init__(self, generator: torch.Generator | None = None) -> None:
+    def __init__(
+        self,
+        generator: torch.Generator | None = None,
+        argmax: Callable[[torch.Tensor], torch.Tensor] = argmax,
+    ) -> None:
+        """`argmax`: the row-wise argmax for greedy choices (the platform's, where it has a faster one)."""
         self.generator = generator
+        self.argmax = argmax
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         if batch.plain_greedy:
-            return SamplerOutput(argmax(logits))
+            return SamplerOutput(self.argmax(logits))
         raw_logprobs = logits.float().log_softmax(dim=-1) if batch.max_num_logprobs is not None else None
         logits = self._penalise(logits.to(torch.float32, copy=True), batch)
         if batch.all_greedy:
-            token_ids = argmax(logits)
+            token_ids = self.argmax(logits)
         else:
-            greedy_ids = argmax(logits) if batch.greedy is not None else None
+            greedy_ids = self.argmax(logits) if batch.greedy is not None else None
             token_ids = self._sample(logits, batch)
             if greedy_ids is not None:
                 token_ids = torch.where(batch.greedy, greedy_ids, token_ids)
@@ -325,9 +331,9 @@ class Sampler:
         and, when any row samples, the probabilities it would draw from (rows of greedy requests are
         computed too, unused). For speculative decoding, which draws its own way."""
         if batch.plain_greedy:
-            return argmax(logits), None
+            return self.argmax(logits), None
         logits = self._penalise(logits.to(torch.float32, copy=True), batch)
-        greedy_ids = argmax(logits)
+        greedy_ids = self.argmax(logits)
         return greedy_ids, (None if batch.all_greedy else self._probabilities(logits, batch))
 
     def _probabilities(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

@@ -106,7 +106,9 @@ class ModelRunner:
         self.input_batch = InputBatch(config.max_num_seqs, setup.max_model_len, self.block_size)
         self.generators: dict[str, torch.Generator | None] = {}
         self.pooling_states: dict[str, PoolingState] = {}  # pooling requests mid-prompt
-        self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(config.seed))
+        self.sampler = Sampler(
+            torch.Generator(device=self.device).manual_seed(config.seed), argmax=setup.platform.argmax
+        )
         self.speculative = config.speculative
         self.proposer: Proposer | None = self._make_proposer() if self.speculative else None
         # KV slots a proposer writes past a step's tokens: a draft model's own k - 1 steps ahead, and one more

@@ -205,3 +205,29 @@ def _check_packing(llm, packed: bool, tied: bool) -> None:
         logits = model.compute_logits(hidden)
         assert logits.dtype == torch.bfloat16  # not widened: the sampler does that only where it computes
         torch.testing.assert_close(logits, expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("vocab", [1, 15, 16, 37, 49152])
+def test_argmax_is_torchs(dtype, vocab):
+    """The native argmax (greedy sampling) equals max(dim=-1).indices: the first of tied maxima, the first
+    NaN where a row has one, -inf rows, a slice whose rows are not adjacent."""
+    if cpu._kernels() is None:
+        pytest.skip("no native kernels here")
+    gen = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(9, vocab + 3, generator=gen).to(dtype)
+    logits[1] = 2.0  # all tied
+    logits[2] = -float("inf")
+    logits[3, vocab // 2] = logits[3, vocab - 1] = 100.0  # tie between two maxima
+    logits[4, vocab - 1] = float("nan")
+    logits[5, 0] = logits[5, vocab // 2] = float("nan")
+    logits[6] = logits[6].round()  # many ties
+    rows = logits[:, :vocab]  # a view: row stride vocab + 3
+    assert torch.equal(CpuPlatform.argmax(rows), rows.max(dim=-1).indices)
+    assert torch.equal(cpu._kernels().argmax_rows(rows), rows.max(dim=-1).indices)
+
+
+def test_argmax_falls_back_to_torch_without_the_kernels(monkeypatch):
+    monkeypatch.setattr(cpu, "_kernels", lambda: None)
+    logits = torch.randn(4, 33, dtype=torch.float16)
+    assert torch.equal(CpuPlatform.argmax(logits), logits.max(dim=-1).indices)

@@ -184,3 +184,20 @@ def test_argmax_matches_torch_argmax_with_ties():
     logits[5] = 1.0  # all equal
     assert argmax(logits).tolist() == logits.argmax(dim=-1).tolist()
     assert argmax(logits)[3] == 10 and argmax(logits)[5] == 0
+
+
+def test_greedy_rows_use_the_argmax_it_is_given():
+    """The model runner hands the sampler its platform's argmax (the CPU's native one)."""
+    calls = []
+
+    def argmax(logits):
+        calls.append(logits.shape)
+        return logits.max(dim=-1).indices
+
+    sampler = Sampler(argmax=argmax)
+    logits = torch.randn(3, 11)
+    batch = build_sampling_batch(
+        [SamplingRequest(SamplingParams(temperature=0.0), [1], [], None, None)] * 3, set(), "cpu"
+    )
+    assert torch.equal(sampler(logits, batch).token_ids, logits.argmax(dim=-1))
+    assert calls == [(3, 11)]

@@ -23,7 +23,7 @@ from pagellm.core.paths import cache_dir
 
 logger = logging.getLogger("pagellm")
 
-SOURCES = ("paged_attention.cpp", "linear_amx.cpp")
+SOURCES = ("paged_attention.cpp", "linear_amx.cpp", "argmax.cpp")
 HEADERS = ("amx_tiles.h",)
 ENV_SWITCH = "PAGELLM_CPU_KERNELS"
 
