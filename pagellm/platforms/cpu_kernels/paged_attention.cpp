@@ -310,6 +310,16 @@ struct Problem {
   bool amx = false;  // the AMX path may run (this build and CPU have it, and the OS granted it)
 };
 
+// Where a work item's keys are: its request's block table, its KV head and its context range.
+struct ItemKeys {
+  const int32_t* table = nullptr;  // null: no such item
+  int64_t r = 0, h = 0;            // request, KV head
+  int64_t head_base = 0, lo = 0, hi = 0;
+  int64_t offset(const Problem& P, int64_t t) const {
+    return head_base + (int64_t(table[t / P.block_size]) * P.block_size + t % P.block_size) * P.row;
+  }
+};
+
 #if PL_AVX512
 // row_acc[row] = sum over positions i of p[row][i] * V[i] for query rows row0 .. row0 + R - 1 (those below
 // `rows`), head size CH * 16: the R x CH accumulators stay in registers, each value row is loaded and
@@ -498,9 +508,11 @@ inline void amx_scores(const Problem& P, const uint16_t* q, int64_t rows, int64_
   }
 }
 
-// row_acc[row] = sum over i of scores[row * width + i] * v[lo + i], weights rounded to bfloat16
+// row_acc[row] = sum over i of scores[row * width + i] * v[lo + i], weights rounded to bfloat16. Meanwhile
+// the first key row of every 16 of the thread's next item goes to L2: this pass reads values the first pass
+// already fetched, so memory would idle (the hardware prefetcher streams the rest of each block).
 inline void amx_values(const Problem& P, const float* scores, int64_t rows, int64_t width, const int64_t* offsets,
-                       float* row_acc, AmxScratch& s) {
+                       float* row_acc, AmxScratch& s, const ItemKeys& next) {
   const int64_t d = P.head_size;
   const int64_t stride = (width + 31) & ~int64_t(31);
   s.pw.assign(16 * stride + 32, 0);
@@ -523,7 +535,11 @@ inline void amx_values(const Problem& P, const float* scores, int64_t rows, int6
     _tile_zero(5);
     _tile_zero(6);
     _tile_zero(7);
+    const int64_t next_per_32 = next.table && e0 == 0 ? (next.hi - next.lo + width - 1) / width * 32 : 0;
     for (int64_t t = 0; t < width; t += 32) {
+      for (int64_t u = next.lo + t / 32 * next_per_32; u < std::min(next.hi, next.lo + (t / 32 + 1) * next_per_32);
+           u += 16)
+        prefetch_row<_MM_HINT_T1>(P.k, next.offset(P, u), P.row * 2, 2);
       for (int64_t k2 = 0; k2 < 16; ++k2) {
         const int64_t a = t + 2 * k2, b = a + 1;
         // rows past the context are not read: their weights are 0, but 0 x NaN is not
@@ -569,7 +585,8 @@ inline void amx_values(const Problem& P, const float* scores, int64_t rows, int6
 template <int64_t K>
 void attend_partition(const Problem& P, const float* qf, const void* qb, int64_t r, int64_t h, int64_t lo, int64_t hi,
                       float* row_max, float* row_sum, float* row_acc, std::vector<float>& scores,
-                      std::vector<float>& vrow, std::vector<int64_t>& offsets, std::vector<uint16_t>& weights) {
+                      std::vector<float>& vrow, std::vector<int64_t>& offsets, std::vector<uint16_t>& weights,
+                      const ItemKeys& next) {
   constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
   const int64_t d = P.head_size, G = P.group;
   const int64_t Q = P.query_start[r + 1] - P.query_start[r], L = P.seq_lens[r];
@@ -697,7 +714,7 @@ void attend_partition(const Problem& P, const float* qf, const void* qb, int64_t
   }
 #if PL_AMX_ATTN
   if (amx) {
-    amx_values(P, scores.data(), rows, width, offsets.data(), row_acc, amx_scratch());
+    amx_values(P, scores.data(), rows, width, offsets.data(), row_acc, amx_scratch(), next);
     return;
   }
 #endif
@@ -771,6 +788,18 @@ void run(at::Tensor& out, const at::Tensor& q, const Problem& P, int64_t num_req
   std::vector<float> partial(num_items * stride);
 
   const QueryReader q_at(q);
+  auto locate = [&](int64_t item) {  // work item -> its request's table, KV head and context range
+    const int64_t i = std::upper_bound(item_start.begin(), item_start.end(), item) - item_start.begin() - 1;
+    const int64_t r = P.reqs[i], local = item - item_start[i];
+    ItemKeys keys;
+    keys.table = P.block_tables + r * P.max_blocks;
+    keys.r = r;
+    keys.h = local / parts[i];
+    keys.head_base = keys.h * P.num_blocks * P.block_size * P.row;
+    keys.lo = local % parts[i] * partition;
+    keys.hi = std::min<int64_t>(P.seq_lens[r], keys.lo + partition);
+    return keys;
+  };
   at::parallel_for(0, num_items, 1, [&](int64_t begin, int64_t end) {
 #if PL_AMX_ATTN
     if (P.amx) pagellm_amx::configure_full_tiles();
@@ -780,11 +809,10 @@ void run(at::Tensor& out, const at::Tensor& q, const Problem& P, int64_t num_req
     std::vector<uint16_t> qb, weights;
     const bool bf16_query = q.scalar_type() == at::kBFloat16;
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t i = std::upper_bound(item_start.begin(), item_start.end(), item) - item_start.begin() - 1;
-      const int64_t r = P.reqs[i], local = item - item_start[i];
-      const int64_t h = local / parts[i], p = local % parts[i];
-      const int64_t L = P.seq_lens[r], q0 = P.query_start[r], Q = P.query_start[r + 1] - q0;
-      const int64_t lo = p * partition, hi = std::min(L, lo + partition);
+      const ItemKeys here = locate(item), next = item + 1 < end ? locate(item + 1) : ItemKeys{};
+      const int64_t r = here.r, h = here.h;
+      const int64_t q0 = P.query_start[r], Q = P.query_start[r + 1] - q0;
+      const int64_t lo = here.lo, hi = here.hi;
       // this KV head's query rows, scaled, as float32: [Q, G, d]
       qf.resize(Q * G * d);
       for (int64_t j = 0; j < Q; ++j)
@@ -803,7 +831,7 @@ void run(at::Tensor& out, const at::Tensor& q, const Problem& P, int64_t num_req
       float* base = partial.data() + item * stride;
       const void* qbits = bf16_query ? reinterpret_cast<const void*>((reinterpret_cast<uintptr_t>(qb.data()) + 63) & ~uintptr_t(63)) : nullptr;
       attend_partition<K>(P, qf.data(), qbits, r, h, lo, hi, base, base + max_rows, base + 2 * max_rows, scores, vrow, offsets,
-                         weights);
+                         weights, next);
     }
 #if PL_AMX_ATTN
     if (P.amx) _tile_release();
