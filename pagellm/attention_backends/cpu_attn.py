@@ -93,6 +93,20 @@ class CpuAttnBackend(PagedBackend):
     def kv_cache_shape(cls, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple:
         return (2, num_kv_heads, num_blocks, block_size, head_size)
 
+    def _store(
+        self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, metadata: CpuAttnMetadata
+    ) -> None:
+        """The new k/v into the cache: the kernel's row copies where the cache keeps k's dtype (a fused
+        projection's views qualify), else `store_kv`."""
+        if (
+            self.kernel is not None
+            and kv_cache.dtype == k.dtype == v.dtype
+            and all(t.stride(2) == 1 and t.stride(1) == t.shape[2] for t in (k, v))
+        ):
+            self.kernel.store_kv(kv_cache, k, v, metadata.batch.slot_mapping)
+        else:
+            store_kv(kv_cache, k, v, metadata, heads_first=True)
+
     def forward(
         self,
         q: torch.Tensor,
@@ -104,7 +118,7 @@ class CpuAttnBackend(PagedBackend):
         s = self.spec
         num_kv, num_blocks, block_size, row = kv_cache.shape[1:]  # row: head_size (+ scale bytes, int8)
         head_size = s.head_size
-        store_kv(kv_cache, k, v, metadata, heads_first=True)
+        self._store(kv_cache, k, v, metadata)
         k_blocks = kv_cache[0].view(num_kv, num_blocks, block_size * row)
         v_blocks = kv_cache[1].view(num_kv, num_blocks, block_size * row)
 

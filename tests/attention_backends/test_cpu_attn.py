@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from pagellm.attention_backends import cpu_attn
-from pagellm.attention_backends._base import dequantize_int8_rows, quantize_int8_rows
+from pagellm.attention_backends._base import dequantize_int8_rows, quantize_int8_rows, store_kv
 from pagellm.attention_backends.cpu_attn import CpuAttnBackend
 from pagellm.attention_backends.torch_sdpa import TorchSDPABackend
 from pagellm.core.attention import AttentionSpec
@@ -102,6 +102,50 @@ def test_negative_slots_are_not_written():
     stored = [i for i in range(25) if i not in (3, 22)]
     torch.testing.assert_close(flat[0, batch.slot_mapping[stored]], k[stored])
     torch.testing.assert_close(flat[1, batch.slot_mapping[stored]], v[stored])
+
+
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"]
+)
+def test_native_store_matches_store_kv(dtype):
+    """The kernel's row copies write what `store_kv` writes, from k/v that are views of a fused qkv
+    projection (rows strided), and skip negative slots."""
+    kernels = cpu_kernels.load()
+    if kernels is None:
+        pytest.skip(f"no native kernel: {cpu_kernels.why_unavailable()}")
+    gen = torch.Generator().manual_seed(0)
+    batch = make_paged_batch([9, 4], [9, 4], 16, num_blocks=6, generator=gen)
+    batch.slot_mapping[[2, 11]] = -1
+    qkv = torch.randn(13, 12 * 8 + 2 * 3 * 8, generator=gen).to(dtype)
+    k, v = qkv[:, 96:120].view(13, 3, 8), qkv[:, 120:].view(13, 3, 8)
+    cache = torch.randn(CpuAttnBackend.kv_cache_shape(6, 16, 3, 8), generator=gen).to(dtype)
+    expected = cache.clone()
+    store_kv(expected, k, v, CpuAttnBackend.build_metadata(batch), heads_first=True)
+    kernels.store_kv(cache, k, v, batch.slot_mapping)
+    assert torch.equal(cache, expected)
+    batch.slot_mapping[0] = 6 * 16  # one past the last slot
+    with pytest.raises(RuntimeError, match="out of range"):
+        kernels.store_kv(cache, k, v, batch.slot_mapping)
+
+
+def test_backend_stores_through_the_kernel_only_where_dtypes_match(monkeypatch):
+    """Same-dtype caches take the kernel's copy; an int8 cache quantizes through `store_kv`."""
+    if cpu_kernels.load() is None:
+        pytest.skip(f"no native kernel: {cpu_kernels.why_unavailable()}")
+    calls = []
+    monkeypatch.setattr(cpu_attn, "store_kv", lambda *args, **kwargs: calls.append("python"))
+    batch = make_paged_batch([5], [5], 16, num_blocks=2, generator=torch.Generator().manual_seed(0))
+    k = torch.randn(5, 2, 8).bfloat16()
+    for cache_dtype, expected in ((torch.bfloat16, []), (torch.int8, ["python"])):
+        spec = AttentionSpec(4, 2, 8, torch.bfloat16, block_size=16, kv_cache_dtype=cache_dtype)
+        backend = CpuAttnBackend(spec)
+        shape = list(CpuAttnBackend.kv_cache_shape(2, 16, 2, 8))
+        shape[-1] += 4 if cache_dtype == torch.int8 else 0
+        cache = torch.zeros(shape, dtype=cache_dtype)
+        calls.clear()
+        backend._store(cache, k, k, CpuAttnBackend.build_metadata(batch))
+        assert calls == expected
+        assert cache.any() == (cache_dtype == torch.bfloat16)
 
 
 @pytest.mark.parametrize("seq_lens", [[3000], [2500, 40], [700] * 3], ids=["one", "two", "three"])

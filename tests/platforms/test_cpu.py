@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 
 import pytest
 import torch
@@ -148,6 +149,32 @@ def test_packed_linear_matches_f_linear(matmul_impl, rows, bias, out_features, i
     torch.testing.assert_close(out.float(), expected, rtol=2**-8, atol=1e-3)
     assert out.dtype == torch.bfloat16 and out.shape == (rows, out_features)
     assert CpuPlatform.pack_linear(weight.float()) is None  # float32 keeps the reference GEMM
+
+
+def test_amx_linear_op_is_the_kernel_and_takes_any_leading_shape():
+    """The op a compiled graph calls is the C++ function itself (no Python custom-op layer), and it
+    flattens x and rounds it to bf16 as the eager wrapper did."""
+    if cpu._amx_kernels() is None:
+        pytest.skip("no AMX kernel here (CPU without AMX, or no compiler)")
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(40, 64, generator=gen).bfloat16()
+    packed = CpuPlatform.pack_linear(weight)
+    x = torch.randn(2, 3, 64, generator=gen)  # float32, 3-d
+    out = torch.ops.pagellm.amx_linear(x, packed.weight, None, 40)
+    expected = torch.nn.functional.linear(x.bfloat16().float(), weight.float())
+    assert out.shape == (2, 3, 40) and out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), expected, rtol=2**-8, atol=1e-3)
+    assert torch.equal(out, packed.matmul(x.bfloat16(), packed.weight, None))
+
+
+def test_compile_drops_the_graphs_stride_asserts(monkeypatch):
+    """~400 stride checks a decode step, on outputs that are contiguous by construction."""
+    seen = {}
+    monkeypatch.setattr(torch, "compile", lambda model, **kwargs: seen.update(kwargs) or model)
+    model = torch.nn.Linear(2, 2)
+    assert CpuPlatform.compile_model(model) is model or shutil.which("c++") is None
+    if seen:
+        assert seen["options"]["size_asserts"] is False and seen["options"]["alignment_asserts"] is False
 
 
 def test_half_precision_packs_for_onednn():

@@ -2,7 +2,7 @@
 
 Frequencies come from transformers' own rope functions for the config's `rope_parameters`, so every
 static rope type (default, linear, llama3, yarn, ...) matches the reference exactly. cos/sin are computed
-per step from the positions rather than cached, which costs little and has no length limit.
+once per step from the positions rather than cached, which costs little and has no length limit.
 """
 
 from __future__ import annotations
@@ -35,9 +35,32 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """float32 cos and sin of [T, head_dim // 2], shared by every layer of one step."""
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]
-        return freqs.cos() * self.scaling, freqs.sin() * self.scaling
+        """float32 cos and sin of [T, head_dim // 2], shared by every layer of one step. Compiled, one
+        opaque op: inductor would otherwise recompute them inside every layer's rotation (per head too),
+        and on a CPU those sines and cosines cost more than the rotation itself."""
+        if torch.compiler.is_compiling():
+            return torch.ops.pagellm.rope_cos_sin(positions, self.inv_freq, float(self.scaling))
+        return _cos_sin(positions, self.inv_freq, self.scaling)
+
+
+def _cos_sin(
+    positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    freqs = positions.float()[:, None] * inv_freq[None, :]
+    return freqs.cos() * scaling, freqs.sin() * scaling
+
+
+@torch.library.custom_op("pagellm::rope_cos_sin", mutates_args=())
+def _cos_sin_op(
+    positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _cos_sin(positions, inv_freq, scaling)
+
+
+@_cos_sin_op.register_fake
+def _(positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    shape = (positions.shape[0], inv_freq.shape[0])
+    return inv_freq.new_empty(shape), inv_freq.new_empty(shape)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -252,10 +252,17 @@ at::Tensor amx_pack_int8(const at::Tensor& weight) {
   return pack_tiles(weight, 4);
 }
 
-// x [M, K] bf16 @ W^T (+ bias) -> [M, N] bf16, W packed by amx_pack, with its N.
-at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+// x [..., K] @ W^T (+ bias) -> [..., N] bf16, W packed by amx_pack, with its N; x is rounded to bf16 first.
+at::Tensor amx_linear(const at::Tensor& input, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
                       int64_t n) {
 #if PL_AMX
+  TORCH_CHECK(input.dim() >= 1, "amx_linear: x needs a feature dimension");
+  if (input.dim() != 2 || input.scalar_type() != at::kBFloat16) {
+    std::vector<int64_t> shape(input.sizes().begin(), input.sizes().end());
+    shape.back() = n;
+    return amx_linear(input.reshape({-1, input.size(-1)}).to(at::kBFloat16), packed, bias, n).view(shape);
+  }
+  const at::Tensor& x = input;
   check_packed(x, packed, n, 32, "amx_linear");
   const int64_t m = x.size(0), k = x.size(1), k_tiles = packed.size(1);
   auto out = at::empty({m, n}, x.options());
