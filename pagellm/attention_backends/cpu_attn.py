@@ -11,7 +11,9 @@ that size the work is GEMM-bound and the gather is small beside it."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -57,6 +59,41 @@ class _Plan:
 @dataclass
 class CpuAttnMetadata(PagedMetadata):
     plans: dict[tuple, _Plan] = field(default_factory=dict)
+    native: object | None = None  # the kernels, while they hold this forward's tables (begin_forward)
+
+    def begin_forward(self, kv_caches: Sequence[torch.Tensor], layers: Sequence[Any]) -> None:
+        """Hand a decode-only step to the native `pagellm::cpu_attention`, which compiled graphs call:
+        the step's tables and every layer's cache and plan, once. Any other step (prefill chunks, a cache
+        in another dtype than the model's, another backend) keeps the Python op."""
+        impls = [layer.impl for layer in layers]
+        if not impls or len(kv_caches) != len(impls):
+            return
+        kernel = getattr(impls[0], "kernel", None)
+        if kernel is None or not all(isinstance(impl, CpuAttnBackend) for impl in impls):
+            return
+        native = []
+        for impl, kv_cache in zip(impls, kv_caches, strict=True):
+            s = impl.spec
+            if kv_cache.dtype != s.dtype:
+                return
+            plan = self.plan(s.sliding_window, kv_cache.shape[3], s.dtype, True, kv_cache.shape[1])
+            if plan.prefills or plan.kernel_reqs is None:
+                return
+            kind = _CACHE_KINDS[kv_cache.dtype]
+            window = s.sliding_window or 0
+            native.append(
+                (kv_cache, kind, s.softmax_scale, window, plan.kernel_reqs, plan.partition, impl.use_amx)
+            )
+        b = self.batch
+        kernel.begin_native_step(
+            b.block_tables, b.seq_lens_cpu, b.query_start_loc_cpu, b.slot_mapping, native
+        )
+        self.native = kernel
+
+    def end_forward(self) -> None:
+        if self.native is not None:
+            self.native.end_native_step()
+            self.native = None
 
     def plan(
         self, sliding_window: int | None, block_size: int, dtype: torch.dtype, kernel: bool, num_kv: int
@@ -88,6 +125,8 @@ class CpuAttnBackend(PagedBackend):
     def __init__(self, spec: AttentionSpec):
         super().__init__(spec)
         self.kernel = cpu_kernels.load()
+        if self.kernel is not None:
+            self.graph_op = torch.ops.pagellm.cpu_attention.default
 
     @classmethod
     def kv_cache_shape(cls, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple:
@@ -362,3 +401,13 @@ def _additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 @hookimpl
 def pagellm_attention_backends() -> list[type[AttentionBackend]]:
     return [CpuAttnBackend]
+
+
+# The compiled CPU graph's attention op where the kernels load: native for decode-only steps (see
+# `CpuAttnMetadata.begin_forward`), else it calls pagellm::attention; implemented in paged_attention.cpp.
+torch.library.define("pagellm::cpu_attention", "(Tensor q, Tensor k, Tensor v, int layer_idx) -> Tensor")
+
+
+@torch.library.register_fake("pagellm::cpu_attention")
+def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx: int) -> torch.Tensor:
+    return torch.empty_like(q)

@@ -105,6 +105,10 @@ class AttentionBackend:
     block_sizes: ClassVar[tuple[int, ...] | None] = None  # None: any
     supports_sliding_window: ClassVar[bool] = False
     supports_logits_soft_cap: ClassVar[bool] = False
+    graph_op: Any = None
+    """An op (q [T, H*D], k, v [T, KV*D], layer_idx) -> [T, H*D] that compiled graphs call instead of
+    `pagellm::attention` (the Python op, which calls `forward`), or None. It must give the same results and
+    may call `pagellm::attention` for steps it does not handle (CPU_ATTN's native op does)."""
     cuda_graph_decode: ClassVar[bool] = False
     """Whether a decode-only step's `forward` may be captured in a CUDA graph and replayed with new
     inputs (worker/cuda_graphs.py). The runner builds the metadata once per captured batch size, over

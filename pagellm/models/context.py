@@ -61,9 +61,15 @@ def set_forward_context(
 ) -> Iterator[None]:
     global _context
     previous, _context = _context, ForwardContext(metadata, kv_caches, attention_layers, lora)
+    # a backend's metadata may prepare native state for the forward (CPU_ATTN's compiled-graph op)
+    begin, end = getattr(metadata, "begin_forward", None), getattr(metadata, "end_forward", None)
     try:
+        if begin is not None:
+            begin(kv_caches, attention_layers)
         yield
     finally:
+        if end is not None:
+            end()
         _context = previous
 
 

@@ -156,6 +156,62 @@ def test_long_contexts_split_across_threads(seq_lens, sliding_window, decode_pat
     assert check_backend(CpuAttnBackend, spec, "cpu", cases) < TOLERANCE[torch.bfloat16]
 
 
+class _Layer:
+    """What `pagellm::attention` and `begin_forward` read of an attention layer: the backend, `attend`."""
+
+    def __init__(self, impl):
+        self.impl = impl
+
+    def attend(self, q, k, v, ctx):
+        s = self.impl.spec
+        shape = (s.num_heads, s.num_kv_heads, s.num_kv_heads)
+        q, k, v = (t.view(-1, n, s.head_size) for t, n in zip((q, k, v), shape, strict=True))
+        out = self.impl.forward(q, k, v, ctx.kv_caches[0], ctx.metadata)
+        return out.reshape(-1, s.num_heads * s.head_size)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_compiled_graphs_op_runs_decode_steps_natively(dtype, monkeypatch):
+    """pagellm::cpu_attention (what compiled graphs call) gives the Python path's output and cache for
+    decode-only steps, which it runs in C++ (no Python call); other steps, and calls outside a forward,
+    go through pagellm::attention."""
+    if shutil.which(os.environ.get("CXX", "c++")) is None:
+        pytest.skip("no C++ compiler here")
+    from pagellm.models.context import set_forward_context
+    from pagellm.models.layers import attention  # noqa: F401  (defines pagellm::attention)
+
+    spec = AttentionSpec(9, 3, 64, dtype, block_size=16)
+    impl = CpuAttnBackend(spec)
+    assert impl.graph_op is torch.ops.pagellm.cpu_attention.default
+    python_calls = []
+    real_forward = CpuAttnBackend.forward
+    monkeypatch.setattr(CpuAttnBackend, "forward", lambda *a: python_calls.append(1) or real_forward(*a))
+    gen = torch.Generator().manual_seed(0)
+    for seq_lens, query_lens, native in (([40, 70, 17], [1, 1, 1], True), ([40, 70], [1, 9], False)):
+        batch = make_paged_batch(seq_lens, query_lens, 16, num_blocks=16, generator=gen)
+        tokens = sum(query_lens)
+        q = torch.randn(tokens, 9 * 64, generator=gen).to(dtype)
+        kv = torch.randn(tokens, 2 * 3 * 64, generator=gen).to(dtype)  # k and v: strided views, as in a graph
+        k, v = kv[:, : 3 * 64], kv[:, 3 * 64 :]
+        cache = torch.randn(CpuAttnBackend.kv_cache_shape(16, 16, 3, 64), generator=gen).to(dtype)
+        expected_cache = cache.clone()
+        expected = _Layer(impl).attend(q, k, v, _Ctx([expected_cache], CpuAttnBackend.build_metadata(batch)))
+        python_calls.clear()
+        with set_forward_context(CpuAttnBackend.build_metadata(batch), [cache], [_Layer(impl)]):
+            out = torch.ops.pagellm.cpu_attention(q, k, v, 0)
+        assert python_calls == ([] if native else [1])
+        torch.testing.assert_close(out, expected, rtol=0, atol=0)
+        assert torch.equal(cache, expected_cache)
+    # after the forward, the op holds nothing of it: a call outside one reaches the Python op, which says so
+    with pytest.raises(RuntimeError, match="outside set_forward_context"):
+        torch.ops.pagellm.cpu_attention(q, k, v, 0)
+
+
+class _Ctx:
+    def __init__(self, kv_caches, metadata):
+        self.kv_caches, self.metadata = kv_caches, metadata
+
+
 def test_kernel_plan_lists_decodes_and_splits_long_contexts(monkeypatch):
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
     batch = make_paged_batch([3000, 20, 5], [1, 1, 5], 16)

@@ -1,9 +1,9 @@
 """`Attention`: the model-side attention layer; the selected backend does the work.
 
-Under `torch.compile` the layer is one opaque custom op (`pagellm::attention`): the backend's Python
-planning and native kernels stay out of the graph, and everything between two attention layers (norms,
-rotary, residuals, MLP) compiles into fused kernels. In eager mode the layer calls the backend directly,
-without the dispatcher's overhead.
+Under `torch.compile` the layer is one opaque custom op (`pagellm::attention`, or the backend's own
+`graph_op`): the backend's Python planning and native kernels stay out of the graph, and everything
+between two attention layers (norms, rotary, residuals, MLP) compiles into fused kernels. In eager mode
+the layer calls the backend directly, without the dispatcher's overhead.
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ class Attention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():
-            return torch.ops.pagellm.attention(q, k, v, self.layer_idx)
+            op = self.impl.graph_op or torch.ops.pagellm.attention
+            return op(q, k, v, self.layer_idx)
         return self.attend(q, k, v, get_forward_context())
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:

@@ -15,12 +15,14 @@
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <tuple>
 #include <vector>
 
 #if defined(__AVX512F__)
@@ -982,6 +984,84 @@ at::Tensor amx_linear_w8a8(const at::Tensor& x, const at::Tensor& packed, const 
 // argmax.cpp
 at::Tensor argmax_rows(const at::Tensor& logits);
 
+// ---- pagellm::cpu_attention: the compiled CPU graph's attention op, without Python ----------------------
+// A decode-only step's attention is the same two calls in every layer (store_kv, paged_attention) with the
+// step's tables; Python's part of it (the custom op's dispatch and the backend's forward) cost ~4 ms of a
+// 75 ms batch-64 decode step. So, per forward, Python hands the step's tables and each layer's cache and
+// plan over once (begin_native_step, from CpuAttnMetadata.begin_forward), and the op runs them here; in
+// any other step (prefill chunks, caches of another dtype), and outside a forward, it calls
+// pagellm::attention, the Python op, through the dispatcher.
+namespace {
+
+struct NativeLayer {
+  at::Tensor kv_cache;  // [2, kv_heads, blocks, block_size, head_size], the compute dtype
+  int64_t kind, window, partition;
+  double scale;
+  at::Tensor reqs;  // int32 decode requests
+  bool amx;
+};
+
+struct NativeStep {
+  bool active = false;
+  at::Tensor block_tables, seq_lens, query_start_loc, slots;
+  std::vector<NativeLayer> layers;
+};
+
+NativeStep& native_step() {
+  static NativeStep step;
+  return step;
+}
+
+}  // namespace
+
+void begin_native_step(at::Tensor block_tables, at::Tensor seq_lens, at::Tensor query_start_loc, at::Tensor slots,
+                       const std::vector<std::tuple<at::Tensor, int64_t, double, int64_t, at::Tensor, int64_t, bool>>& layers) {
+  NativeStep step;
+  step.block_tables = std::move(block_tables);
+  step.seq_lens = std::move(seq_lens);
+  step.query_start_loc = std::move(query_start_loc);
+  step.slots = std::move(slots);
+  for (const auto& [kv_cache, kind, scale, window, reqs, partition, amx] : layers) {
+    TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2, "begin_native_step: a [2, kv_heads, blocks, block_size, head_size] cache");
+    step.layers.push_back({kv_cache, kind, window, partition, scale, reqs, amx});
+  }
+  step.active = true;
+  native_step() = std::move(step);
+}
+
+void end_native_step() { native_step() = NativeStep(); }
+
+at::Tensor cpu_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t layer_idx) {
+  const NativeStep& step = native_step();
+  if (step.active && layer_idx >= 0 && layer_idx < int64_t(step.layers.size())) {
+    const NativeLayer& layer = step.layers[layer_idx];
+    const int64_t num_kv = layer.kv_cache.size(1), d = layer.kv_cache.size(4), tokens = q.size(0);
+    const at::Tensor k3 = k.reshape({tokens, num_kv, d}), v3 = v.reshape({tokens, num_kv, d});
+    const auto rows_contiguous = [d](const at::Tensor& t) { return t.stride(2) == 1 && t.stride(1) == d; };
+    if (k3.scalar_type() == layer.kv_cache.scalar_type() && v3.scalar_type() == layer.kv_cache.scalar_type() &&
+        rows_contiguous(k3) && rows_contiguous(v3)) {
+      store_kv(layer.kv_cache, k3, v3, step.slots);
+      const at::Tensor q3 = q.reshape({tokens, -1, d}).contiguous();
+      at::Tensor out = at::empty(q3.sizes(), q3.options());
+      paged_attention(out, q3, layer.kv_cache[0], layer.kv_cache[1], step.block_tables, step.seq_lens,
+                      step.query_start_loc, layer.reqs, layer.kind, layer.scale, layer.window, layer.partition,
+                      layer.amx);
+      return out.view({tokens, -1});
+    }
+  }
+  static const auto python_op = c10::Dispatcher::singleton()
+                                    .findSchemaOrThrow("pagellm::attention", "")
+                                    .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t)>();
+  return python_op.call(q, k, v, layer_idx);
+}
+
+// The compiled graph reaches these through the dispatcher; their schemas are defined in Python
+// (platforms/cpu.py, attention_backends/cpu_attn.py), so this build only adds the CPU implementations.
+TORCH_LIBRARY_IMPL(pagellm, CPU, m) {
+  m.impl("amx_linear", TORCH_FN(amx_linear));
+  m.impl("cpu_attention", TORCH_FN(cpu_attention));
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amx_available", &amx_available, "whether this build and CPU run the AMX linear");
   m.def("amx_pack", &amx_pack, "a bf16 weight [N, K] in the AMX linear's tile layout");
@@ -992,4 +1072,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("argmax_rows", &argmax_rows, "each row's argmax (first on ties, first NaN), as max(dim=-1).indices");
   m.def("store_kv", &store_kv, "write new keys and values into a heads-first cache at their slots");
   m.def("isa", &isa, "the vector instruction set this build uses");
+  m.def("begin_native_step", &begin_native_step, "the step's tables and each layer's cache and plan, for cpu_attention");
+  m.def("end_native_step", &end_native_step, "cpu_attention calls the Python op again");
 }
