@@ -64,10 +64,11 @@ class CpuAttnMetadata(PagedMetadata):
     def begin_forward(self, kv_caches: Sequence[torch.Tensor], layers: Sequence[Any]) -> None:
         """Hand a decode-only step to the native `pagellm::cpu_attention`, which compiled graphs call:
         the step's tables and every layer's cache and plan, once. Any other step (prefill chunks, a cache
-        in another dtype than the model's, another backend) keeps the Python op."""
-        impls = [layer.impl for layer in layers]
-        if not impls or len(kv_caches) != len(impls):
+        in another dtype than the model's, another backend, a pipeline stage's share of the layers, whose
+        forward is never compiled) keeps the Python op."""
+        if not layers or len(kv_caches) != len(layers) or any(layer is None for layer in layers):
             return
+        impls = [layer.impl for layer in layers]
         kernel = getattr(impls[0], "kernel", None)
         if kernel is None or not all(isinstance(impl, CpuAttnBackend) for impl in impls):
             return

@@ -202,6 +202,10 @@ def test_compiled_graphs_op_runs_decode_steps_natively(dtype, monkeypatch):
         assert python_calls == ([] if native else [1])
         torch.testing.assert_close(out, expected, rtol=0, atol=0)
         assert torch.equal(cache, expected_cache)
+    # a pipeline stage's layers (None where another stage holds one) keep the Python op
+    metadata = CpuAttnBackend.build_metadata(batch)
+    metadata.begin_forward([torch.empty(0), cache], [None, _Layer(impl)])
+    assert metadata.native is None
     # after the forward, the op holds nothing of it: a call outside one reaches the Python op, which says so
     with pytest.raises(RuntimeError, match="outside set_forward_context"):
         torch.ops.pagellm.cpu_attention(q, k, v, 0)

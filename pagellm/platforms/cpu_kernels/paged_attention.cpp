@@ -775,6 +775,15 @@ inline void store_out(at::Tensor& out, int64_t flat, const float* src, float inv
   for (int64_t i = 0; i < d; ++i) dst[i] = static_cast<T>(src[i] * inv);
 }
 
+inline void write_row(at::Tensor& out, int64_t flat, const float* src, float inv, int64_t d) {
+  switch (out.scalar_type()) {
+    case at::kFloat: store_out<float>(out, flat, src, inv, d); break;
+    case at::kBFloat16: store_out<at::BFloat16>(out, flat, src, inv, d); break;
+    case at::kHalf: store_out<at::Half>(out, flat, src, inv, d); break;
+    default: TORCH_CHECK(false, "out must be float32, bfloat16 or float16");
+  }
+}
+
 template <int64_t K>
 void run(at::Tensor& out, const at::Tensor& q, const Problem& P, int64_t num_reqs, int64_t partition) {
   const int64_t d = P.head_size, G = P.group, KV = P.num_kv;
@@ -788,9 +797,11 @@ void run(at::Tensor& out, const at::Tensor& q, const Problem& P, int64_t num_req
     max_rows = std::max(max_rows, Q * G);
   }
   const int64_t num_items = item_start[num_reqs];
-  // per item: max_rows maxima, sums and accumulators
+  // per item: max_rows maxima, sums and accumulators; when no context is split (a busy decode step),
+  // each item writes its own output rows and one buffer per thread is enough (no merge pass)
   const int64_t stride = max_rows * (2 + d);
-  std::vector<float> partial(num_items * stride);
+  const bool whole = item_start[num_reqs] == num_reqs * KV;
+  std::vector<float> partial(whole ? 0 : num_items * stride);
 
   const QueryReader q_at(q);
   auto locate = [&](int64_t item) {  // work item -> its request's table, KV head and context range
@@ -809,7 +820,7 @@ void run(at::Tensor& out, const at::Tensor& q, const Problem& P, int64_t num_req
 #if PL_AMX_ATTN
     if (P.amx) pagellm_amx::configure_full_tiles();
 #endif
-    std::vector<float> scores, qf, vrow;
+    std::vector<float> scores, qf, vrow, own(whole ? stride : 0);
     std::vector<int64_t> offsets;
     std::vector<uint16_t> qb, weights;
     const bool bf16_query = q.scalar_type() == at::kBFloat16;
@@ -833,16 +844,24 @@ void run(at::Tensor& out, const at::Tensor& q, const Problem& P, int64_t num_req
         for (int64_t j = 0; j < Q; ++j)
           std::memcpy(aligned + j * G * d, bits + ((q0 + j) * P.num_heads + h * G) * d, G * d * 2);
       }
-      float* base = partial.data() + item * stride;
+      float* base = whole ? own.data() : partial.data() + item * stride;
       const void* qbits = bf16_query ? reinterpret_cast<const void*>((reinterpret_cast<uintptr_t>(qb.data()) + 63) & ~uintptr_t(63)) : nullptr;
       attend_partition<K>(P, qf.data(), qbits, r, h, lo, hi, base, base + max_rows, base + 2 * max_rows, scores, vrow, offsets,
                          weights, next);
+      if (whole) {
+        for (int64_t row = 0; row < Q * G; ++row) {
+          const float sum = base[max_rows + row];
+          const int64_t flat = ((q0 + row / G) * P.num_heads + h * G + row % G) * d;
+          write_row(out, flat, base + 2 * max_rows + row * d, sum > 0.f ? 1.f / sum : 0.f, d);
+        }
+      }
     }
 #if PL_AMX_ATTN
     if (P.amx) _tile_release();
 #endif
   });
 
+  if (whole) return;
   // merge each (request, KV head)'s partitions and write the output rows
   at::parallel_for(0, num_reqs * KV, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> acc(d);
@@ -865,13 +884,7 @@ void run(at::Tensor& out, const at::Tensor& q, const Problem& P, int64_t num_req
         }
         const float inv = sum > 0.f ? 1.f / sum : 0.f;
         const int64_t j = row / G, g = row % G;
-        const int64_t flat = ((q0 + j) * P.num_heads + h * G + g) * d;
-        switch (out.scalar_type()) {
-          case at::kFloat: store_out<float>(out, flat, acc.data(), inv, d); break;
-          case at::kBFloat16: store_out<at::BFloat16>(out, flat, acc.data(), inv, d); break;
-          case at::kHalf: store_out<at::Half>(out, flat, acc.data(), inv, d); break;
-          default: TORCH_CHECK(false, "out must be float32, bfloat16 or float16");
-        }
+        write_row(out, ((q0 + j) * P.num_heads + h * G + g) * d, acc.data(), inv, d);
       }
     }
   });
