@@ -4,36 +4,23 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagellm.core.attention import AttentionBackend, AttentionSpec
+from pagellm.core.attention import AttentionSpec
 from pagellm.core.platform import PackedLinear
-from pagellm.core.quant import QuantMethod
-from pagellm.distributed import Group, Parallel
+from pagellm.distributed import Group
+from pagellm.models.context import ModelInit as ModelInit  # part of this interface; defined below the layers
+from pagellm.models.layers.attention import Attention
 
 
 def head_size(hf_config: Any) -> int:
     """Width of one attention head: the config's `head_dim` where it states one (Qwen3), else
     hidden_size / num_attention_heads."""
     return getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
-
-
-@dataclass
-class ModelInit:
-    """Engine choices a model needs to build its layers."""
-
-    hf_config: Any  # transformers.PretrainedConfig
-    dtype: torch.dtype
-    attention_backend: type[AttentionBackend]
-    block_size: int = 16
-    quant_method: QuantMethod | None = None  # an instance, shared by every linear layer
-    kv_cache_dtype: torch.dtype | None = None  # None: the model's dtype
-    parallel: Parallel = field(default_factory=Parallel)  # this rank's tensor/pipeline-parallel place
 
 
 def rank_heads(spec: AttentionSpec, tp: Group) -> AttentionSpec:
@@ -62,6 +49,7 @@ class CausalLM(nn.Module):
     - load_weights(weights: iterable of (Hugging Face tensor name, tensor))
     - attention_spec(hf_config, dtype, block_size, layer_idx) -> the spec of attention layer layer_idx
     Attention layers are `pagellm.models.layers.attention.Attention` with layer_idx 0..L-1.
+    `ModelInit` is defined in `pagellm.models.context`, below the layers that take it too, and named here.
     """
 
     supports_parallel: bool = False
@@ -95,9 +83,7 @@ class CausalLM(nn.Module):
         ]
         return max(specs, key=lambda s: (s.sliding_window is not None, s.logits_soft_cap is not None))
 
-    def attention_layers(self) -> list[nn.Module]:
-        from pagellm.models.layers.attention import Attention
-
+    def attention_layers(self) -> list[Attention]:
         return sorted((m for m in self.modules() if isinstance(m, Attention)), key=lambda m: m.layer_idx)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -1,7 +1,8 @@
-"""The per-step forward context: what attention layers need besides their inputs.
+"""What the engine hands a model's layers: `ModelInit` when they are built, and the per-step forward
+context (what attention layers need besides their inputs) while they run.
 
-The model runner sets it around each forward; `Attention` layers read it. This keeps model code free of
-batch plumbing (the same idea as nano-vllm's context).
+The model runner sets the forward context around each forward; `Attention` layers read it. This keeps
+model code free of batch plumbing (the same idea as nano-vllm's context).
 """
 
 from __future__ import annotations
@@ -12,6 +13,23 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from pagellm.core.attention import AttentionBackend
+from pagellm.core.quant import QuantMethod
+from pagellm.distributed import Parallel
+
+
+@dataclass
+class ModelInit:
+    """Engine choices a model needs to build its layers."""
+
+    hf_config: Any  # transformers.PretrainedConfig
+    dtype: torch.dtype
+    attention_backend: type[AttentionBackend]
+    block_size: int = 16
+    quant_method: QuantMethod | None = None  # an instance, shared by every linear layer
+    kv_cache_dtype: torch.dtype | None = None  # None: the model's dtype
+    parallel: Parallel = field(default_factory=Parallel)  # this rank's tensor/pipeline-parallel place
 
 
 @dataclass

@@ -14,8 +14,7 @@ import torch
 from torch import nn
 
 from pagellm.core.attention import AttentionSpec
-from pagellm.models.base import ModelInit
-from pagellm.models.context import ForwardContext, get_forward_context
+from pagellm.models.context import ForwardContext, ModelInit, get_forward_context
 
 
 class Attention(nn.Module):
