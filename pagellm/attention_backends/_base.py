@@ -8,7 +8,8 @@ from typing import ClassVar
 import torch
 
 from pagellm.core.attention import AttentionBackend, AttentionBatch
-from pagellm.core.dtypes import INT8_SCALE_BYTES
+from pagellm.core.int8_rows import dequantize_int8_rows as dequantize_int8_rows  # for the backends
+from pagellm.core.int8_rows import quantize_int8_rows
 
 
 @dataclass
@@ -46,7 +47,7 @@ def store_kv(
     heads_first: bool = False,
 ) -> None:
     """Write the step's new k/v into the cache at their slots, in the cache's dtype (int8: rows with
-    their scale, `quantize_int8_rows`).
+    their scale, `pagellm.core.int8_rows`).
 
     kv_cache is [2, num_blocks, block_size, num_kv_heads, head_size], the default `kv_cache_shape`, or
     with `heads_first` [2, num_kv_heads, num_blocks, block_size, head_size]."""
@@ -66,20 +67,3 @@ def store_kv(
             )
         else:
             cache.view(-1, num_kv, head_size).index_copy_(0, metadata.store_slots, new.to(cache.dtype))
-
-
-def quantize_int8_rows(x: torch.Tensor) -> torch.Tensor:
-    """[..., head_size] -> uint8 [..., head_size + INT8_SCALE_BYTES]: round(x / s) as int8 bytes, then s as
-    float32 bytes, with s = max |x| / 127 per row (per token and KV head). All-zero rows get s = 0."""
-    x = x.float()
-    scale = x.abs().amax(-1, keepdim=True) / 127
-    values = torch.where(scale > 0, x / scale, 0).round_().clamp_(-127, 127).to(torch.int8)
-    return torch.cat((values.view(torch.uint8), scale.view(torch.uint8)), dim=-1)
-
-
-def dequantize_int8_rows(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The inverse of `quantize_int8_rows`: int8 or uint8 [..., head_size + INT8_SCALE_BYTES] -> [..., head_size]."""
-    rows = rows.view(torch.uint8)
-    values = rows[..., :-INT8_SCALE_BYTES].view(torch.int8)
-    scale = rows[..., -INT8_SCALE_BYTES:].contiguous().view(torch.float32)
-    return (values.float() * scale).to(dtype)

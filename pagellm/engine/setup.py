@@ -58,7 +58,7 @@ def resolve_model_source(config: EngineConfig) -> ModelSource:
 def _gguf_source(path: str) -> ModelSource:
     """A GGUF file is read through a converted Hugging Face copy (made once, cached); the file itself stays
     the source for methods that use its quantized tensors."""
-    from pagellm.models.gguf import gguf_checkpoint_dir
+    from pagellm.models.gguf_checkpoint import gguf_checkpoint_dir
 
     return ModelSource(str(gguf_checkpoint_dir(path, cache_dir())), gguf_original=path)
 
@@ -102,7 +102,7 @@ def resolve_max_model_len(requested: int | None, hf_config: Any) -> int:
 def _backend_timer():
     if os.environ.get("PAGELLM_ATTENTION_TIMING", "1") == "0":
         return None
-    from pagellm.attention_backends.timing import time_backend
+    from pagellm.core.timing import time_backend
 
     return time_backend
 

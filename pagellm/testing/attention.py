@@ -1,4 +1,4 @@
-"""Attention test helpers: random paged batches (from the runtime's `synthetic`), a plain reference, and a
+"""Attention test helpers: random paged batches (from the runtime's `pagellm.core.synthetic`), a plain reference, and a
 conformance check for backends.
 
 Any backend, ours or a vendor's, is checked the same way: `check_backend(MyBackend, spec, device, cases)`
@@ -11,8 +11,8 @@ from collections.abc import Sequence
 
 import torch
 
-from pagellm.attention_backends.synthetic import blocks_needed, make_paged_batch
 from pagellm.core.attention import AttentionBackend, AttentionSpec
+from pagellm.core.synthetic import blocks_needed, make_paged_batch
 
 __all__ = ["blocks_needed", "check_backend", "make_paged_batch", "reference_attention"]
 

@@ -7,10 +7,11 @@ import pytest
 import torch
 
 from pagellm.attention_backends import cpu_attn
-from pagellm.attention_backends._base import dequantize_int8_rows, quantize_int8_rows, store_kv
+from pagellm.attention_backends._base import store_kv
 from pagellm.attention_backends.cpu_attn import CpuAttnBackend
 from pagellm.attention_backends.torch_sdpa import TorchSDPABackend
 from pagellm.core.attention import AttentionSpec
+from pagellm.core.int8_rows import dequantize_int8_rows, quantize_int8_rows
 from pagellm.core.platform import Platform
 from pagellm.platforms import cpu_kernels
 from pagellm.plugins import load_plugins

@@ -38,10 +38,10 @@ class VendorFloatMethod(QuantMethod):
 
 
 def _weights(model_dir, method: type[QuantMethod], monkeypatch) -> object:
-    from pagellm.models import gguf
+    from pagellm.models import gguf_checkpoint
 
     packed = object()
-    monkeypatch.setattr(gguf, "iter_gguf_weights", lambda path, config, raw_linear: packed)
+    monkeypatch.setattr(gguf_checkpoint, "iter_gguf_weights", lambda path, config, raw_linear: packed)
     fake_setup = SimpleNamespace(
         config=EngineConfig(),
         source=ModelSource(str(model_dir), gguf_original="/models/m.Q4_0.gguf"),

@@ -13,7 +13,7 @@ from tiny import make_tokenizer, tiny_config
 
 from pagellm.attention_backends.torch_sdpa import TorchSDPABackend
 from pagellm.models.base import ModelInit
-from pagellm.models.gguf import _gguf_to_hf_names, load_gguf
+from pagellm.models.gguf_checkpoint import _gguf_to_hf_names, load_gguf
 from pagellm.models.loader import load_model, resolve_model_class
 from pagellm.models.registry import pagellm_models
 

@@ -106,7 +106,7 @@ def test_smollm2_q4_1_file_natively_equals_dequantized_loading():
 
     from pagellm.attention_backends.torch_sdpa import TorchSDPABackend
     from pagellm.models.base import ModelInit
-    from pagellm.models.gguf import iter_gguf_weights, load_gguf
+    from pagellm.models.gguf_checkpoint import iter_gguf_weights, load_gguf
     from pagellm.models.loader import load_model, resolve_model_class
     from pagellm.models.registry import pagellm_models
 

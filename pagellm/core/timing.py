@@ -1,4 +1,5 @@
-"""`time_backend`: the selector's timer, one attention layer of a typical step on the model's real shapes.
+"""`time_backend`: the selector's timer (`pagellm.core.selector`), one attention layer of a typical step on
+the model's real shapes.
 
 A step is one prefill chunk plus one decode batch. Only `forward` is timed: `build_metadata` runs once
 per step and is shared by all layers, so its cost is small beside theirs.
@@ -11,10 +12,10 @@ import time
 
 import torch
 
-from pagellm.attention_backends._base import quantize_int8_rows
-from pagellm.attention_backends.synthetic import blocks_needed, make_paged_batch
 from pagellm.core.attention import AttentionBackend, AttentionSpec
+from pagellm.core.int8_rows import quantize_int8_rows
 from pagellm.core.platform import Platform
+from pagellm.core.synthetic import blocks_needed, make_paged_batch
 
 PREFILL_TOKENS = 512
 DECODE_REQUESTS = 32

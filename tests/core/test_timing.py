@@ -3,12 +3,12 @@ import sys
 
 import torch
 
-from pagellm.attention_backends.timing import time_backend
 from pagellm.attention_backends.torch_sdpa import TorchSDPABackend
 from pagellm.core.attention import AttentionSpec
 from pagellm.core.platform import Availability, Platform
 from pagellm.core.registry import Registry
 from pagellm.core.selector import TimingCache, select_attention_backend
+from pagellm.core.timing import time_backend
 
 SPEC = AttentionSpec(num_heads=4, num_kv_heads=2, head_size=32, dtype=torch.float32)
 
@@ -58,8 +58,9 @@ def test_selector_times_each_backend_once_and_caches(tmp_path):
 def test_runtime_does_not_import_the_test_helpers():
     """The selector times backends in production, where `pagellm.testing` (for plugin authors) has no place."""
     code = (
-        "import pkgutil, sys, importlib, pagellm.attention_backends as pkg\n"
-        "for m in pkgutil.iter_modules(pkg.__path__): importlib.import_module(f'{pkg.__name__}.{m.name}')\n"
+        "import pkgutil, sys, importlib, pagellm.core, pagellm.attention_backends\n"
+        "for pkg in (pagellm.core, pagellm.attention_backends):\n"
+        "    for m in pkgutil.iter_modules(pkg.__path__): importlib.import_module(f'{pkg.__name__}.{m.name}')\n"
         "print(sorted(m for m in sys.modules if m.startswith('pagellm.testing')))"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -1,7 +1,7 @@
 """Synthetic paged steps, on which the selector's timer runs backends and `pagellm.testing` checks them.
 
-Here, in the runtime, so that `pagellm.testing` (shipped for plugin authors) imports it and the runtime
-never imports test helpers.
+Here, in the runtime's core next to the selector, so that `pagellm.testing` (shipped for plugin authors)
+imports it and the runtime never imports test helpers.
 """
 
 from __future__ import annotations
