@@ -3,17 +3,25 @@
 A step counts as prefill while some request of the batch has not produced its first token yet; once all
 have, every further step is a decode step. With a `Machine`, each phase gets its floor: the work of the
 steps the engine ran in it (pagellm.bench.floor) against the measured matmul peak and read bandwidth.
+`main` is `pagellm bench latency`.
 """
 
 from __future__ import annotations
 
+import gc
+import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
-from pagellm.bench.floor import Machine
+from pagellm.bench.common import BenchArgs, echo, write_json
+from pagellm.bench.floor import Machine, format_floor
+from pagellm.bench.profile import format_profile, profile_latency
+from pagellm.bench.speculation import acceptance, format_acceptance
 from pagellm.bench.steps import StepRecord, StepRecorder
+from pagellm.bench.throughput import floor_report, make_llm, warm_up
+from pagellm.bench.workloads import copy_prompts
 from pagellm.engine.llm import LLM
 from pagellm.sampling.params import SamplingParams
 
@@ -61,8 +69,6 @@ def run_batch(
     """Queue the prompts, each generating `output_len`, and step the engine until all finish.
 
     Returns the recorded steps, whether each was a decode step, and the end-to-end time."""
-    import time
-
     engine = llm.engine
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     is_decode: list[bool] = []
@@ -91,8 +97,6 @@ def run_latency(
     """Queue `batch_size` random prompts of `input_len` tokens (or the `prompts` given; `input_len` is then
     their mean length), each generating `output_len`, and step the engine until all finish; with
     `machine`, the floor of each phase and of the whole run."""
-    from pagellm.bench.throughput import floor_report
-
     if prompts is None:
         prompts = latency_prompts(llm.engine.setup.hf_config.vocab_size, batch_size, input_len, seed)
     else:
@@ -118,3 +122,101 @@ def run_latency(
             report["floor_step_ms_stepwise"] = report["floor_s_stepwise"] / len(decode) * 1000
             result.floor["decode"] = report
     return result
+
+
+# -- `pagellm bench latency` ------------------------------------------------------------------------------
+
+
+@dataclass(kw_only=True)
+class LatencyArgs(BenchArgs):
+    """`pagellm bench latency`: one batch's shape, its prompts, and whether to profile it."""
+
+    batch_size: int = 8
+    input_len: int = 256
+    output_len: int = 64
+    prompt_kind: Literal["random", "copy"] = "random"  # copy: requests to edit code (--input-len ignored)
+    profile: bool = False  # then the batch once more with timing hooks and torch.profiler
+
+
+def main(args: LatencyArgs) -> dict[str, Any]:
+    """Latency of one batch: prefill steps, decode step mean/p50/p99 and end-to-end time, each against its
+    floor; with speculative decoding, the same batch first without it, for the speedup. Prints the
+    summary, writes `args.output_json`, and returns the report's sections."""
+    config = args.engine_config()
+    batch_size, input_len, output_len = args.batch_size, args.input_len, args.output_len
+
+    def prompts_for(llm):
+        return copy_prompts(llm.engine.tokenizer, batch_size) if args.prompt_kind == "copy" else None
+
+    baseline = None
+    if config.speculative is not None:
+        echo("the batch without speculative decoding first, for the speedup ...", err=True)
+        plain = make_llm(config.replace(speculative_config=None))
+        warm_up(plain)
+        baseline = run_latency(plain, batch_size, input_len, output_len, prompts=prompts_for(plain)).as_dict()
+        del plain
+        gc.collect()
+    llm = make_llm(config)
+    warm_up(llm)
+    machine = args.llm_machine(llm)
+    before = llm.engine.stats()
+    prompts = prompts_for(llm)
+    result = run_latency(llm, batch_size, input_len, output_len, machine=machine, prompts=prompts).as_dict()
+    batch_size, input_len = result["batch_size"], result["input_len"]
+    lines = _summary(result)
+    floor = result.get("floor", {})
+    sections: dict[str, Any] = {"results": {"pagellm": result}, "floor": floor}
+    if baseline is not None:
+        report = acceptance(before, llm.engine.stats())
+        report["speedup"] = baseline["e2e_s"] / result["e2e_s"]
+        lines.append(format_acceptance(report))
+        lines.append(
+            f"without speculation: {baseline['e2e_s']:.2f} s end to end ({baseline['output_tok_s']:.1f} output "
+            f"tok/s); with it {result['e2e_s']:.2f} s: speedup {report['speedup']:.2f}x"
+        )
+        sections["results"]["pagellm without speculation"] = baseline
+        sections["speculation"] = report
+    echo("\n".join(lines))
+    if args.profile:
+        echo("profiling: the same batch shape again (new prompts), with timing hooks ...", err=True)
+        prompts = latency_prompts(llm.engine.setup.hf_config.vocab_size, batch_size, input_len, seed=1)
+        breakdown = profile_latency(llm, prompts, output_len)
+        echo(format_profile(breakdown))
+        if "op_table" in breakdown:
+            echo(f"top ops over {breakdown['op_table_steps']} decode steps (torch.profiler):")
+            echo(breakdown["op_table"])
+        sections["profile"] = {k: v for k, v in breakdown.items() if k != "op_table"}
+    write_json(args.output_json, "latency", config, **sections)
+    return sections
+
+
+def _summary(result: dict[str, Any]) -> list[str]:
+    """The lines that report a `LatencyResult.as_dict()`: the batch, its steps and their floors."""
+    lines = [
+        f"batch {result['batch_size']}, input {result['input_len']}, output {result['output_len']}",
+        f"prefill: {result['prefill_steps']} steps, {result['prefill_s'] * 1000:.1f} ms",
+        f"decode: {result['decode_steps']} steps, mean {result['decode_step_mean_ms']:.1f} ms, "
+        f"p50 {result['decode_step_p50_ms']:.1f} ms, p99 {result['decode_step_p99_ms']:.1f} ms",
+        f"end to end: {result['e2e_s']:.2f} s ({result['output_tok_s']:.1f} output tok/s)",
+    ]
+    floor = result.get("floor", {})
+    if "decode" in floor:
+        d = floor["decode"]
+        n = result["decode_steps"]
+        lines.append(
+            f"decode step floor: {d['floor_step_ms']:.2f} ms (compute {d['compute_s'] / n * 1000:.2f} ms, "
+            f"memory {d['memory_s'] / n * 1000:.2f} ms: weights {d['weight_bytes'] / n / 1e6:.0f} MB + "
+            f"KV {d['kv_bytes'] / n / 1e6:.0f} MB per step; {d['bound']}-bound); mean step "
+            f"{result['decode_step_mean_ms']:.1f} ms = {d['fraction_of_floor']:.0%} of the floor "
+            f"({result['decode_step_mean_ms'] / d['floor_step_ms']:.1f}x it)"
+        )
+    if "prefill" in floor:
+        p = floor["prefill"]
+        lines.append(
+            f"prefill floor: {p['floor_s'] * 1000:.1f} ms, {p['floor_prompt_tok_s']:.0f} prompt tok/s "
+            f"({p['bound']}-bound); measured {result['prefill_tok_s']:.0f} prompt tok/s = "
+            f"{p['fraction_of_floor']:.0%} of the floor"
+        )
+    if "run" in floor:
+        lines.append(format_floor(floor["run"], "run floor"))
+    return lines

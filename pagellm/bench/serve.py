@@ -18,11 +18,14 @@ Definitions (all times from the client):
 - completion rate: the same estimator over completion times. It reads low even with no queue at all,
   because the last requests' own decoding stretches the span: `completion_rate_without_queue` is what a
   server with no queue would read, each request taking its TTFT plus its tokens at the run's median TPOT.
+
+`main` is `pagellm bench serve`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import os
@@ -34,10 +37,22 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import torch
 
+from pagellm.bench.common import W1Args, echo, table, write_json
+from pagellm.bench.floor import (
+    Floor,
+    Machine,
+    ModelShape,
+    format_floor,
+    min_steps_for_intervals,
+    workload_work,
+)
 from pagellm.bench.process import LoggedProcess, quiet_httpx
 from pagellm.bench.workloads import Workload
 from pagellm.core.config import EngineConfig
+from pagellm.core.errors import PagellmError
+from pagellm.engine.setup import load_hf_config, resolve_model_source
 
 
 def poisson_offsets(num_requests: int, rate: float, seed: int = 0) -> list[float]:
@@ -286,12 +301,12 @@ def warm_up(base_url: str, model: str) -> None:
         raise RuntimeError(f"the warm-up request failed: {records[0].error}")
 
 
-def serve_floor(shape: Any, records: list[RequestRecord], machine: Any, duration_s: float) -> dict[str, Any]:
+def serve_floor(
+    shape: ModelShape, records: list[RequestRecord], machine: Machine, duration_s: float
+) -> dict[str, Any]:
     """The floor of the served work: every completed request's FLOPs and KV reads, and the weights once
     per step, with the steps estimated from the client side as the fewest consistent with the requests'
     [sent, done] intervals (requests that do not overlap in time cannot share a step)."""
-    from pagellm.bench.floor import Floor, min_steps_for_intervals, workload_work
-
     done = [r for r in records if r.ok]
     steps = min_steps_for_intervals([(r.sent_s, r.done_s, r.output_tokens) for r in done])
     work = workload_work(shape, [r.prompt_len for r in done], [r.output_tokens for r in done], steps)
@@ -299,3 +314,135 @@ def serve_floor(shape: Any, records: list[RequestRecord], machine: Any, duration
         duration_s, sum(r.output_tokens for r in done)
     )
     return report
+
+
+# -- `pagellm bench serve` --------------------------------------------------------------------------------
+
+
+@dataclass(kw_only=True)
+class ServeArgs(W1Args):
+    """`pagellm bench serve`: the arrivals, and the server (started with the engine settings, or given)."""
+
+    request_rate: float = 2.0  # Poisson arrival rate, requests/s (inf: all at once)
+    arrival_seed: int = 0
+    base_url: str | None = None  # target this running server instead of starting `pagellm serve`
+    server_log: str | None = None  # where the started server logs; None: a temporary file
+    server_timeout: float = 600.0  # seconds to wait for it
+
+
+class RequestsFailed(PagellmError):
+    """Some requests of a `pagellm bench serve` run failed; `summary` is the run's summary."""
+
+    def __init__(self, summary: dict[str, Any]):
+        super().__init__(f"{summary['failed']} request(s) failed: {'; '.join(summary['errors'])}")
+        self.summary = summary
+
+
+_COLUMNS = (
+    ("metric", "name", "{}"),
+    ("mean", "mean", "{:.1f}"),
+    ("p50", "p50", "{:.1f}"),
+    ("p99", "p99", "{:.1f}"),
+)
+
+
+def main(args: ServeArgs) -> dict[str, Any]:
+    """W2: the W1 requests as streaming /v1/completions calls with Poisson arrivals, against `pagellm serve`
+    started with the engine settings (or `args.base_url`). Prints the summary and the floor, writes
+    `args.output_json`, and returns the report's sections; raises RequestsFailed (after writing the report)
+    if any request failed."""
+    config = args.engine_config()
+    hf_config = load_hf_config(resolve_model_source(config))
+    requests = args.w1(hf_config.vocab_size)
+    dtype = {"float32": torch.float32, "float16": torch.float16}.get(config.dtype, torch.bfloat16)
+    device = config.device if config.device in ("cpu", "cuda") else "cpu"
+    base_url = args.base_url
+    if config.device == "auto" and base_url is None and torch.cuda.is_available():
+        device = "cuda"
+    server = None
+    with contextlib.ExitStack() as stack:
+        if base_url is None:
+            echo("starting pagellm serve ...", err=True)
+            server = stack.enter_context(ServerProcess(config, args.server_log, args.server_timeout))
+            base_url = server.url
+            echo(f"pagellm serve is up at {base_url} (log: {server.log_path})", err=True)
+        name = served_model_name(base_url)
+        warm_up(base_url, name)
+        machine = args.machine(dtype, device)
+        echo(
+            f"sending {requests.num_requests} requests at {args.request_rate:g} req/s (Poisson, seed "
+            f"{args.arrival_seed}) ...",
+            err=True,
+        )
+        records = send_requests(base_url, name, requests, args.request_rate, args.arrival_seed)
+        if server is not None and any(r.error for r in records):
+            server.temporary_log = False  # keep the server's log: it may say why
+    summary = summarize(records, args.request_rate)
+    floor = None
+    try:
+        shape = ModelShape.from_hf_config(hf_config, dtype)
+    except ValueError as exc:
+        echo(f"no floor: {exc}", err=True)
+    else:
+        if summary["completed"]:
+            floor = serve_floor(shape, records, machine, summary["duration_s"])
+            summary["floor"] = floor
+    echo(format_summary(summary))
+    if floor is not None:
+        echo(format_floor(floor))
+        echo(
+            "(steps estimated from the client: the fewest consistent with the requests' timing; below "
+            "capacity the arrivals, not the server, set the run's length)"
+        )
+    sections = {
+        "workload": requests.describe(),
+        "base_url": base_url,
+        "results": summary,
+        "floor": floor,
+        "requests": [
+            {
+                "prompt_len": r.prompt_len,
+                "max_tokens": r.max_tokens,
+                "output_tokens": r.output_tokens,
+                "sent_s": r.sent_s,
+                "ttft_s": r.ttft_s,
+                "tpot_s": r.tpot_s,
+                "e2e_s": r.e2e_s,
+                "error": r.error,
+            }
+            for r in records
+        ],
+    }
+    write_json(args.output_json, "serve", config, **sections)
+    if summary["failed"]:
+        raise RequestsFailed(summary)
+    return sections
+
+
+def format_summary(s: dict[str, Any]) -> str:
+    """`summarize`'s result as text: requests, rates, throughput, and a table of TTFT, TPOT, ITL and E2E."""
+
+    def num(value, fmt="{:.2f}"):
+        return "-" if value is None else fmt.format(value)
+
+    lines = [
+        f"requests: {s['completed']}/{s['num_requests']} completed in {s['duration_s']:.2f} s"
+        + ("" if s["exact_output_lengths"] else " (some output lengths differ from those asked)"),
+        f"request rate: offered {num(s['request_rate'], '{:g}')} req/s (realized {num(s['offered_rate'])}), "
+        f"served {num(s['served_rate'])} req/s (served/offered {num(s['served_over_offered'], '{:.1%}')}; "
+        f"first tokens), mean TTFT by thirds of the run {' / '.join(num(t, '{:.0f}') for t in s['ttft_ms_by_third'])} ms",
+        f"completion rate {num(s['completion_rate'])} req/s (with no queue at this run's median TPOT: "
+        f"{num(s['completion_rate_without_queue'])})",
+        f"request throughput: {num(s['request_throughput'])} req/s; output {num(s['output_tok_s'], '{:.1f}')} "
+        f"tok/s; total {num(s['total_tok_s'], '{:.1f}')} tok/s",
+    ]
+    rows = [
+        {"name": title, **s[key]}
+        for title, key in (
+            ("TTFT ms", "ttft_ms"),
+            ("TPOT ms", "tpot_ms"),
+            ("ITL ms", "itl_ms"),
+            ("E2E ms", "e2e_ms"),
+        )
+    ]
+    return "\n".join([*lines, table(rows, _COLUMNS)])

@@ -1,4 +1,7 @@
-"""Offline throughput of pagellm on a workload: every request queued at once, greedy, EOS ignored."""
+"""Offline throughput of pagellm on a workload: every request queued at once, greedy, EOS ignored.
+
+`main` is `pagellm bench throughput`: W1 on pagellm and on the peers asked for (pagellm.bench.peers,
+pagellm.bench.llama_cpp), with the run's floor."""
 
 from __future__ import annotations
 
@@ -9,11 +12,16 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagellm.bench.floor import Floor, Machine, ModelShape
+import torch
+
+from pagellm.bench.common import W1Args, echo, floor_row, progress, table, with_floor, write_json
+from pagellm.bench.floor import Floor, Machine, ModelShape, format_floor
+from pagellm.bench.speculation import acceptance, format_acceptance
 from pagellm.bench.steps import StepRecord, StepRecorder, records_work
 from pagellm.bench.workloads import Workload
 from pagellm.core.config import EngineConfig
 from pagellm.engine.llm import LLM
+from pagellm.engine.setup import cache_dir
 from pagellm.lora.request import LoRARequest
 from pagellm.models.loader import model_weight_bytes
 from pagellm.sampling.params import SamplingParams, StructuredOutputsParams
@@ -151,3 +159,149 @@ def run_prefix_comparison(
         del llm
         gc.collect()
     return results
+
+
+# -- `pagellm bench throughput` ---------------------------------------------------------------------------
+
+
+@dataclass(kw_only=True)
+class ThroughputArgs(W1Args):
+    """`pagellm bench throughput`: W1 on pagellm, then on the peers asked for."""
+
+    workload: str = "W1"
+    compare: Sequence[str] = ()  # peers: "transformers", "llama.cpp"
+    peer_batch_sizes: Sequence[int] = (8, 16, 64)  # transformers: static batch sizes; the best one counts
+    llama_server: str | None = None  # llama.cpp: the llama-server executable; None: the peer is skipped
+    llama_model: str | None = None  # llama.cpp: the GGUF; None: the run's model written as one, cached
+    llama_slots: Sequence[int] = (8, 16, 32)  # llama.cpp: slot counts to try
+    llama_flash_attn: Sequence[str] = ("on", "off")  # llama.cpp: flash attention settings to try
+    llama_args: Sequence[str] = ()  # llama.cpp: extra llama-server arguments
+    lora_modules: Sequence[tuple[str, str]] = ()  # (name, path): also run the requests over these adapters
+    json_schema: dict[str, Any] | None = None  # also run the requests constrained to this JSON schema
+
+
+def main(args: ThroughputArgs) -> dict[str, Any]:
+    """Offline throughput: all requests queued at once, greedy, EOS ignored. Prints the table, the floor and
+    the ratios to the peers, writes `args.output_json`, and returns the report's sections."""
+    config = args.engine_config()
+    adapters = [LoRARequest(name, i + 1, path) for i, (name, path) in enumerate(args.lora_modules)]
+    if adapters:
+        config = config.replace(enable_lora=True, max_loras=len(adapters), max_lora_rank=64)
+    llm = make_llm(config)
+    requests = args.w1(llm.engine.setup.hf_config.vocab_size)
+    warm_up(llm)
+    machine = args.llm_machine(llm)
+    before = llm.engine.stats()
+    results = {"pagellm": run_pagellm(llm, requests, machine=machine)}
+    progress(results["pagellm"])
+    if adapters:  # the same requests spread over the adapters, for their cost
+        llm.reset_prefix_cache()
+        name = f"pagellm + {len(adapters)} LoRA adapters"
+        results[name] = run_pagellm(llm, requests, name, lora_requests=adapters)
+        progress(results[name])
+    if args.json_schema:  # the same requests under a JSON-schema constraint, for its cost
+        schema = StructuredOutputsParams(json=args.json_schema)
+        llm.reset_prefix_cache()  # no head start from the first run's prompts
+        results["pagellm + JSON schema"] = run_pagellm(
+            llm, requests, "pagellm + JSON schema", structured_outputs=schema
+        )
+        progress(results["pagellm + JSON schema"])
+    dtype, device = llm.engine.setup.dtype, llm.engine.runner.device
+    speculation = acceptance(before, llm.engine.stats()) if config.speculative else None
+    del llm
+    gc.collect()
+    if speculation is not None:  # the same run without it, for the speedup
+        plain = make_llm(config.replace(speculative_config=None))
+        warm_up(plain)
+        results["pagellm without speculation"] = run_pagellm(plain, requests)
+        results["pagellm without speculation"].engine = "pagellm without speculation"
+        progress(results["pagellm without speculation"])
+        del plain
+        gc.collect()
+    if "transformers" in args.compare:
+        results["transformers"] = _run_transformers(config, requests, dtype, device, args.peer_batch_sizes)
+    skipped = {}
+    if "llama.cpp" in args.compare:
+        result, reason = _run_llama_cpp(config, requests, dtype, args)
+        if result is None:
+            skipped["llama.cpp"] = reason
+            echo(f"llama.cpp peer skipped: {reason}", err=True)
+        else:
+            results["llama.cpp"] = result
+    rows = {name: with_floor(r.as_dict()) for name, r in results.items()}
+    floor = results["pagellm"].extra["floor"]
+    echo(table([*rows.values(), floor_row(floor, rows["pagellm"])]))
+    echo(format_floor(floor))
+    ratios = {
+        name: results["pagellm"].output_tok_s / r.output_tok_s
+        for name, r in results.items()
+        if name != "pagellm"
+    }
+    for name, ratio in ratios.items():
+        echo(f"pagellm / {results[name].engine}: {ratio:.2f}x output tok/s")
+    if speculation is not None:
+        speculation["speedup"] = ratios["pagellm without speculation"]
+        echo(format_acceptance(speculation))
+    if "llama.cpp" in results:
+        by_setting = results["llama.cpp"].extra["output_tok_s_by_setting"]
+        echo(
+            "llama.cpp, every setting: "
+            + ", ".join(f"{k.removeprefix('llama.cpp ')} {v:.1f}" for k, v in by_setting.items())
+            + " output tok/s"
+        )
+    for name, reason in skipped.items():
+        echo(f"{name}: skipped ({reason})")
+    sections = {
+        "workload": requests.describe(),
+        "results": rows,
+        "ratio": ratios.get("transformers"),
+        "ratios": ratios,
+        "skipped": skipped,
+        "floor": floor,
+        "speculation": speculation,
+    }
+    write_json(args.output_json, "throughput", config, **sections)
+    return sections
+
+
+def _run_transformers(
+    config: EngineConfig, requests: Workload, dtype: Any, device: Any, batch_sizes: Sequence[int]
+) -> ThroughputResult:
+    from pagellm.bench.peers import load_transformers_model, run_transformers  # peers import this module
+
+    peer_model = load_transformers_model(config.model, config.gguf_file, dtype, device)
+    result = run_transformers(peer_model, requests, list(batch_sizes), on_result=progress)
+    del peer_model
+    gc.collect()
+    return result
+
+
+def _run_llama_cpp(
+    config: EngineConfig, requests: Workload, dtype: Any, args: ThroughputArgs
+) -> tuple[ThroughputResult | None, str | None]:
+    """The llama.cpp peer's best result, or (None, why it did not run)."""
+    from pagellm.bench import llama_cpp  # llama_cpp imports this module
+
+    if not args.llama_server:
+        return (
+            None,
+            "no llama-server given; pass --llama-server PATH (build it from github.com/ggml-org/llama.cpp)",
+        )
+    path = llama_cpp.find_binary(args.llama_server)
+    if path is None:
+        return None, f"--llama-server {args.llama_server}: not an executable file, nor found on PATH"
+    gguf = args.llama_model
+    if gguf is None:
+        echo("llama.cpp: writing the model as a GGUF in the run's dtype (once; cached) ...", err=True)
+        gguf = llama_cpp.gguf_for(config, str(dtype).removeprefix("torch."), cache_dir())
+    result = llama_cpp.run_llama_cpp(
+        path,
+        gguf,
+        requests,
+        list(args.llama_slots),
+        list(args.llama_flash_attn),
+        torch.get_num_threads(),
+        list(args.llama_args),
+        on_result=progress,
+    )
+    return result, None

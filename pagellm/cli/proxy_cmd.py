@@ -7,7 +7,7 @@ import logging
 
 import click
 
-from pagellm.cli.serve_cmd import _bind
+from pagellm.cli.options import bind, listen_options
 
 logger = logging.getLogger("pagellm")
 
@@ -27,8 +27,7 @@ logger = logging.getLogger("pagellm")
     required=True,
     help="Base URL of a decode engine (`pagellm serve` with a kv_consumer --kv-transfer-config); repeatable.",
 )
-@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on (0.0.0.0: all).")
-@click.option("--port", default=8000, show_default=True, type=int)
+@listen_options
 @click.option(
     "--timeout", default=600.0, show_default=True, type=float, help="Seconds an engine may take to answer."
 )
@@ -43,7 +42,7 @@ def proxy(
 
     from pagellm.kv_transfer.proxy import build_proxy_app
 
-    with _bind(host, port) as sock:
+    with bind(host, port) as sock:
         app = build_proxy_app(list(prefill_urls), list(decode_urls), timeout)
         logger.info("proxying on http://%s:%d: prefill %s, decode %s", host, port, prefill_urls, decode_urls)
         level = logging.getLogger("pagellm").getEffectiveLevel()

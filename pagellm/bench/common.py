@@ -1,0 +1,185 @@
+"""What every `pagellm bench` run shares: its arguments (the model, the engine settings, the floor's machine
+numbers, the JSON report's path), its engine config, the machine it measures against, its summary table and
+its JSON report.
+
+Runs default to bfloat16, as shared/bench/README.md asks; `engine["dtype"]` overrides it. Results go to
+standard output, progress to standard error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import importlib.metadata as md
+import json
+import os
+import platform as pyplatform
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from pagellm.bench.floor import Machine, measure_machine
+from pagellm.bench.workloads import Workload, resolve_model, w1
+from pagellm.core.config import EngineConfig
+
+if TYPE_CHECKING:  # throughput imports this module
+    from pagellm.bench.throughput import ThroughputResult
+    from pagellm.engine.llm import LLM
+
+COLUMNS = (
+    ("engine", "engine", "{}"),
+    ("requests", "num_requests", "{}"),
+    ("input tokens", "input_tokens", "{}"),
+    ("output tokens", "output_tokens", "{}"),
+    ("elapsed s", "elapsed_s", "{:.2f}"),
+    ("output tok/s", "output_tok_s", "{:.1f}"),
+    ("total tok/s", "total_tok_s", "{:.1f}"),
+    ("weights MiB", "weights_mib", "{:.1f}"),
+    ("of floor", "fraction_of_floor", "{:.0%}"),
+)
+
+
+@dataclass(kw_only=True)
+class BenchArgs:
+    """The arguments every bench command takes."""
+
+    model: str = "S"  # S (the embedded SmolLM2-135M), M (random Qwen2 shaped like Qwen2.5-0.5B) or a path
+    engine: Mapping[str, Any] = field(default_factory=dict)  # EngineConfig fields; None or absent: default
+    output_json: str | None = None  # write the report here
+    peak_tflops: float | None = None  # the floor's matmul peak; None: measured on the spot
+    read_gb_s: float | None = None  # the floor's read bandwidth; None: measured on the spot
+
+    def engine_config(self) -> EngineConfig:
+        """The run's engine: `engine`'s settings on `model` (S and M resolved), in bfloat16 unless told."""
+        given = {k: v for k, v in self.engine.items() if v is not None}
+        return EngineConfig(
+            **{**given, "model": resolve_model(self.model), "dtype": given.get("dtype") or "bfloat16"}
+        )
+
+    def machine(self, dtype: torch.dtype, device: str | torch.device) -> Machine:
+        """This machine's matmul peak and read bandwidth (measured once per process unless both are given)."""
+        if self.peak_tflops is None or self.read_gb_s is None:
+            echo("measuring the matmul peak and the read bandwidth for the floor ...", err=True)
+        machine = measure_machine(dtype, device, self.peak_tflops, self.read_gb_s)
+        echo(
+            f"machine: {machine.dtype} matmul peak {machine.peak_flops / 1e12:.2f} TFLOP/s, read "
+            f"{machine.read_bytes_s / 1e9:.1f} GB/s, {machine.threads} threads"
+            f" ({'measured now' if machine.measured else 'given'})",
+            err=True,
+        )
+        return machine
+
+    def llm_machine(self, llm: LLM) -> Machine:
+        """`machine` for the dtype and device `llm` runs in."""
+        return self.machine(llm.engine.setup.dtype, llm.engine.runner.device)
+
+
+@dataclass(kw_only=True)
+class W1Args(BenchArgs):
+    """A bench command on W1: its size."""
+
+    num_prompts: int = 64
+    input_len_min: int = 64
+    input_len_max: int = 512
+    output_len_min: int = 16
+    output_len_max: int = 256
+
+    def w1(self, vocab_size: int) -> Workload:
+        """The W1 requests of this size for a model with `vocab_size` ids."""
+        return w1(
+            vocab_size,
+            self.num_prompts,
+            (self.input_len_min, self.input_len_max),
+            (self.output_len_min, self.output_len_max),
+        )
+
+
+def echo(message: str, err: bool = False) -> None:
+    """One line to standard output (results) or standard error (progress), flushed."""
+    print(message, file=sys.stderr if err else sys.stdout, flush=True)
+
+
+def progress(result: ThroughputResult) -> None:
+    """One line on stderr as each run ends, so a long benchmark shows its numbers before the table."""
+    echo(
+        f"{result.engine}: {result.output_tok_s:.1f} output tok/s, {result.total_tok_s:.1f} total tok/s "
+        f"({result.elapsed_s:.1f} s)",
+        err=True,
+    )
+
+
+def with_floor(row: dict[str, Any]) -> dict[str, Any]:
+    """A result's row with its fraction of the floor as a column."""
+    floor = row.get("extra", {}).get("floor")
+    return {**row, "fraction_of_floor": floor["fraction_of_floor"]} if floor else row
+
+
+def floor_row(floor: dict[str, Any], template: dict[str, Any]) -> dict[str, Any]:
+    """A table row for the floor itself: its time and rates for the same tokens."""
+    return {
+        "engine": f"floor ({floor['bound']}-bound)",
+        "num_requests": template["num_requests"],
+        "input_tokens": template["input_tokens"],
+        "output_tokens": template["output_tokens"],
+        "elapsed_s": floor["floor_s"],
+        "output_tok_s": template["output_tokens"] / floor["floor_s"],
+        "total_tok_s": (template["input_tokens"] + template["output_tokens"]) / floor["floor_s"],
+        "fraction_of_floor": 1.0,
+    }
+
+
+def _cell(fmt: str, value: Any) -> str:
+    return "-" if value is None else fmt.format(value)
+
+
+def table(rows: Sequence[dict[str, Any]], columns: Sequence[tuple[str, str, str]] = COLUMNS) -> str:
+    """`rows` as a text table: (title, key, format) per column; a key missing from a row is looked up in
+    its "extra", and shows as "-" if absent there too."""
+    cells = [[title for title, _, _ in columns]]
+    cells += [
+        [_cell(fmt, row.get(key, row.get("extra", {}).get(key))) for _, key, fmt in columns] for row in rows
+    ]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(columns))]
+    lines = [
+        "  ".join(
+            c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True))
+        )
+        for r in cells
+    ]
+    return "\n".join([lines[0], "-" * len(lines[0]), *lines[1:]])
+
+
+def versions() -> dict[str, str]:
+    """Python's and the main packages' versions."""
+    found = {"python": pyplatform.python_version()}
+    for name in ("pagellm", "torch", "transformers", "tokenizers", "numpy"):
+        try:
+            found[name] = md.version(name)
+        except md.PackageNotFoundError:
+            found[name] = "not installed"
+    return found
+
+
+def write_json(path: str | None, command: str, config: EngineConfig, **sections: Any) -> None:
+    """The run's report, if `path` is given: the command, the date, the versions, the machine, the engine
+    config and `sections`."""
+    if path is None:
+        return
+    report = {
+        "command": command,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "versions": versions(),
+        "machine": {
+            "platform": pyplatform.platform(),
+            "cpus": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(),
+        },
+        "config": dataclasses.asdict(config),
+        **sections,
+    }
+    with open(path, "w") as f:
+        json.dump(report, f, indent=2)
+    echo(f"wrote {path}")
