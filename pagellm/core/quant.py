@@ -33,7 +33,8 @@ class QuantMethod:
     `core.platform.CAPABILITIES` (`float8`, `dtype_views`, `triton`, `fp8_matmul`), a vendor may add its own.
     Only what it cannot run without: a fast path it probes for and falls back from is no need."""
     dtypes: ClassVar[tuple[torch.dtype, ...] | None] = None
-    """Activation (compute) dtypes `apply` takes; None: any. The platform must support one of them."""
+    """Activation (compute) dtypes `apply` takes; None: any. The platform must support one of them, and the
+    model's dtype must be one where the selector is given it (`select_quant_method(..., dtype=)`)."""
     min_capability: ClassVar[tuple[int, int] | None] = None
     """Lowest device capability (platforms that report one), e.g. (8, 9) for FP8 matmul."""
     loads_gguf_blocks: ClassVar[bool] = False

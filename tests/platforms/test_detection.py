@@ -300,7 +300,7 @@ def test_builtin_quantization_methods_run_where_their_needs_are_declared(method)
 def test_availability_never_initialises_cuda():
     for platform in PLATFORMS.values():
         platform.availability()
-        platform.default_dtype, platform.supported_dtypes  # noqa: B018 - facts must stay as cheap
+        platform.default_dtype, platform.supported_dtypes, platform.capabilities  # noqa: B018 - facts must stay as cheap
     assert not torch.cuda.is_initialized()
 
 
