@@ -18,6 +18,19 @@ if TYPE_CHECKING:
 
 GiB = 1 << 30
 
+FLOAT8 = "float8"
+DTYPE_VIEWS = "dtype_views"
+TRITON = "triton"
+FP8_MATMUL = "fp8_matmul"
+CAPABILITIES: dict[str, str] = {
+    FLOAT8: "float8_e4m3fn tensors held on the device, copied and cast to and from the compute dtypes",
+    DTYPE_VIEWS: "Tensor.view(dtype) across element sizes, e.g. uint8 bytes read as float16",
+    TRITON: "Triton kernels compile for the device (a Triton backend for it, and the triton package)",
+    FP8_MATMUL: "FP8 x FP8 matmuls with torch._scaled_mm (on devices new enough: see `min_capability`)",
+}
+"""The capabilities pagellm's platforms declare (`Platform.capabilities`) and its methods need
+(`QuantMethod.requires`), with what each means; shown in the reason when one is missing."""
+
 
 @dataclass(frozen=True)
 class PackedLinear:
@@ -63,8 +76,11 @@ class Platform:
     """dtype used for `--dtype auto` when the checkpoint's own dtype is not supported here."""
     attention_backends: ClassVar[tuple[str, ...]] = ()
     """Attention backend names in order of preference; may name backends from other packages."""
-    quantization_methods: ClassVar[tuple[str, ...] | None] = None
-    """Quantization method names this platform runs; None means every method that accepts the platform."""
+    capabilities: ClassVar[frozenset[str]] = frozenset()
+    """What the device, with its torch build, can do beyond plain float math, by name (`CAPABILITIES` lists
+    pagellm's; a vendor may name its own). A quantization method that needs one says so in
+    `QuantMethod.requires` and is refused, with the reason, where the platform does not declare it; there is
+    no list of methods a platform runs."""
 
     @classmethod
     def availability(cls) -> Availability:
@@ -135,10 +151,6 @@ class Platform:
     @classmethod
     def preferred_attention_backends(cls) -> list[str]:
         return list(cls.attention_backends)
-
-    @classmethod
-    def supports_quantization(cls, name: str) -> bool:
-        return cls.quantization_methods is None or name in cls.quantization_methods
 
     @classmethod
     def check_and_update_config(cls, config: EngineConfig) -> None:

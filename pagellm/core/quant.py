@@ -10,15 +10,31 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
+from pagellm.core.dtypes import dtype_name
+from pagellm.core.platform import CAPABILITIES
+
 if TYPE_CHECKING:
     from pagellm.core.platform import Platform
 
 
 class QuantMethod:
+    """One weight format. The class facts say what it needs of a platform, as an attention backend's do;
+    the selector refuses it, with every reason, where a need is unmet, and accepts it everywhere else (a new
+    method needs no change to any platform)."""
+
     name: ClassVar[str]
     """What users pass to `--quantization` and what checkpoints name in `quantization_config.quant_method`."""
+    device_types: ClassVar[tuple[str, ...] | None] = None
+    """torch device types it runs on (`Platform.device_type`: cpu, cuda, xpu, xla, ...); None: any."""
     platforms: ClassVar[tuple[str, ...] | None] = None
-    """Platform names it runs on; None: any."""
+    """Platform names it runs on (for a method tied to one vendor's device); None: any."""
+    requires: ClassVar[tuple[str, ...]] = ()
+    """Capabilities the platform must declare in `Platform.capabilities`: pagellm's names are in
+    `core.platform.CAPABILITIES` (`float8`, `dtype_views`, `triton`, `fp8_matmul`), a vendor may add its own.
+    Only what it cannot run without: a fast path it probes for and falls back from is no need."""
+    dtypes: ClassVar[tuple[torch.dtype, ...] | None] = None
+    """Activation (compute) dtypes `apply` takes; None: any. The platform must support one of them, and the
+    model's dtype must be one where the selector is given it (`select_quant_method(..., dtype=)`)."""
     min_capability: ClassVar[tuple[int, int] | None] = None
     """Lowest device capability (platforms that report one), e.g. (8, 9) for FP8 matmul."""
     loads_gguf_blocks: ClassVar[bool] = False
@@ -32,12 +48,25 @@ class QuantMethod:
         return quantization_config.get("quant_method") == cls.name
 
     @classmethod
-    def unsupported_reasons(cls, platform: type[Platform]) -> list[str]:
+    def unsupported_reasons(cls, platform: type[Platform], dtype: torch.dtype | None = None) -> list[str]:
+        """Every reason this method cannot run on `platform` (in `dtype`, when given); empty: it can.
+
+        The default checks the class facts; override to add more (a missing package), calling super()."""
         reasons = []
         if cls.platforms is not None and platform.name not in cls.platforms:
             reasons.append(f"runs on {', '.join(cls.platforms)}, not {platform.name}")
-        if not platform.supports_quantization(cls.name):
-            reasons.append(f"platform {platform.name} does not list {cls.name}")
+        if cls.device_types is not None and platform.device_type not in cls.device_types:
+            reasons.append(f"runs on device types {', '.join(cls.device_types)}, not {platform.device_type}")
+        for need in (n for n in cls.requires if n not in platform.capabilities):
+            what = f" ({CAPABILITIES[need]})" if need in CAPABILITIES else ""
+            reasons.append(f"needs {need}{what}, which platform {platform.name} does not declare")
+        if cls.dtypes is not None:
+            names = ", ".join(map(dtype_name, cls.dtypes))
+            if not any(d in cls.dtypes for d in platform.supported_dtypes):
+                supported = ", ".join(map(dtype_name, platform.supported_dtypes))
+                reasons.append(f"computes in {names}; {platform.name} supports {supported}")
+            elif dtype is not None and dtype not in cls.dtypes:
+                reasons.append(f"dtype {dtype_name(dtype)} not in {names}")
         if cls.min_capability is not None and platform.availability().ok:
             capability = platform.device_capability()
             if capability is not None and capability < cls.min_capability:

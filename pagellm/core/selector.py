@@ -14,6 +14,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
 from pagellm.core.attention import AttentionBackend, AttentionSpec
 from pagellm.core.errors import BackendUnsupportedError, DeviceUnavailableError, QuantizationUnsupportedError
 from pagellm.core.platform import Availability, Platform
@@ -236,10 +238,29 @@ class TimingCache:
         tmp.replace(self.path)
 
 
+def quant_method_reasons(
+    method: type[QuantMethod], platform: type[Platform], dtype: torch.dtype | None = None
+) -> list[str]:
+    """Why `method` cannot run on `platform` (in `dtype`, when given); empty: it can. Decided by the
+    method's declared needs against the platform's facts (`QuantMethod.unsupported_reasons`); a check that
+    raises is a reason too."""
+    try:
+        if dtype is None:  # methods written before the dtype argument keep working
+            return method.unsupported_reasons(platform)
+        return method.unsupported_reasons(platform, dtype)
+    except Exception as exc:
+        return [f"compatibility check raised {type(exc).__name__}: {exc}"]
+
+
 def select_quant_method(
-    registry: Registry, platform: type[Platform], requested: str | None, checkpoint_config: dict | None
+    registry: Registry,
+    platform: type[Platform],
+    requested: str | None,
+    checkpoint_config: dict | None,
+    dtype: torch.dtype | None = None,
 ) -> type[QuantMethod] | None:
-    """The quantization method from --quantization or the checkpoint's quantization_config, or None."""
+    """The quantization method from --quantization or the checkpoint's quantization_config, or None.
+    Refused, with every reason, where a need the method declares is unmet on `platform`."""
     name = requested
     if name is None and checkpoint_config:
         matches = [
@@ -258,7 +279,7 @@ def select_quant_method(
             f"quantization method {name!r} does not exist; installed: {', '.join(sorted(registry.quant_methods)) or 'none'}"
         )
     method = registry.quant_methods[name]
-    reasons = method.unsupported_reasons(platform)
+    reasons = quant_method_reasons(method, platform, dtype)
     if reasons:
         raise QuantizationUnsupportedError(
             f"quantization {name} cannot run on {platform.name}: {'; '.join(reasons)}"

@@ -3,6 +3,7 @@ the config checks every accelerator makes."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -11,7 +12,7 @@ import torch
 
 from pagellm.core.dtypes import DTYPES, dtype_name
 from pagellm.core.errors import ConfigError
-from pagellm.core.platform import GiB, Platform
+from pagellm.core.platform import TRITON, GiB, Platform
 
 if TYPE_CHECKING:
     from pagellm.core.config import EngineConfig
@@ -27,6 +28,12 @@ class classproperty:
 
     def __get__(self, obj: Any, owner: type) -> Any:
         return self.fget(owner)
+
+
+def triton_capability() -> frozenset[str]:
+    """`triton` where the triton package is installed, for a device family with a Triton backend (CUDA,
+    ROCm, XPU); found without importing it."""
+    return frozenset({TRITON}) if importlib.util.find_spec("triton") is not None else frozenset()
 
 
 def hidden_by(variables: tuple[str, ...]) -> str | None:

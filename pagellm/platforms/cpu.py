@@ -15,7 +15,7 @@ import torch
 from pagellm.core.dtypes import dtype_name
 from pagellm.core.errors import ConfigError
 from pagellm.core.paths import cache_dir
-from pagellm.core.platform import Availability, GiB, PackedLinear, Platform
+from pagellm.core.platform import DTYPE_VIEWS, FLOAT8, Availability, GiB, PackedLinear, Platform
 from pagellm.platforms._common import classproperty, gib
 from pagellm.plugins.hookspecs import hookimpl
 
@@ -94,7 +94,8 @@ class CpuPlatform(Platform):
     priority = 0
     supported_dtypes = (torch.float32, torch.bfloat16, torch.float16)
     attention_backends = ("CPU_ATTN", "FLEX_ATTENTION", "TORCH_SDPA")
-    quantization_methods = ("fp8", "int8", "awq", "gptq", "gguf")
+    capabilities = frozenset({FLOAT8, DTYPE_VIEWS})
+    """torch's CPU kernels cast float8 and view bytes as other dtypes (no Triton backend, no FP8 matmul)."""
 
     @classproperty
     def default_dtype(cls) -> torch.dtype:

@@ -6,8 +6,8 @@ import torch
 
 from pagellm.core.config import EngineConfig
 from pagellm.core.errors import ConfigError
-from pagellm.core.platform import Availability, Platform
-from pagellm.platforms._common import TorchRuntimePlatform, hidden_by
+from pagellm.core.platform import DTYPE_VIEWS, FLOAT8, FP8_MATMUL, Availability, Platform
+from pagellm.platforms._common import TorchRuntimePlatform, classproperty, hidden_by, triton_capability
 from pagellm.plugins.hookspecs import hookimpl
 
 PAGELLM_PLUGIN_API = "1.0"
@@ -36,7 +36,12 @@ class CudaPlatform(TorchRuntimePlatform):
     runtime = "cuda"
     priority = 100
     attention_backends = ("FLASH_ATTN", "TRITON_ATTN", "FLEX_ATTENTION", "TORCH_SDPA")
-    quantization_methods = None
+
+    @classproperty
+    def capabilities(cls) -> frozenset[str]:
+        """float8 casts and dtype views; torch._scaled_mm (from compute capability 8.9: a method that
+        needs it says so in `min_capability` too); triton where installed. Read without touching a device."""
+        return frozenset({FLOAT8, DTYPE_VIEWS, FP8_MATMUL}) | triton_capability()
 
     @classmethod
     def availability(cls) -> Availability:

@@ -6,8 +6,8 @@ import os
 
 import torch
 
-from pagellm.core.platform import Availability, Platform
-from pagellm.platforms._common import TorchRuntimePlatform, hidden_by
+from pagellm.core.platform import DTYPE_VIEWS, FLOAT8, Availability, Platform
+from pagellm.platforms._common import TorchRuntimePlatform, classproperty, hidden_by, triton_capability
 from pagellm.plugins.hookspecs import hookimpl
 
 PAGELLM_PLUGIN_API = "1.0"
@@ -41,7 +41,12 @@ class RocmPlatform(TorchRuntimePlatform):
     supported_dtypes = (torch.bfloat16, torch.float16, torch.float32)
     default_dtype = torch.bfloat16
     attention_backends = ("TRITON_ATTN", "FLEX_ATTENTION", "TORCH_SDPA")
-    quantization_methods = ("int8", "fp8", "awq", "gptq", "gguf")
+
+    @classproperty
+    def capabilities(cls) -> frozenset[str]:
+        """float8 casts and dtype views; triton where installed. Not `fp8_matmul`: unverified here (MI300's
+        torch._scaled_mm takes float8_e4m3fnuz, not the float8_e4m3fn that `fp8` checkpoints hold)."""
+        return frozenset({FLOAT8, DTYPE_VIEWS}) | triton_capability()
 
     @classmethod
     def availability(cls) -> Availability:

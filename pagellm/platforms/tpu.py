@@ -62,7 +62,10 @@ class TpuPlatform(AcceleratorPlatform):
     supported_dtypes = (torch.bfloat16, torch.float32)
     default_dtype = torch.bfloat16
     attention_backends = ("TORCH_SDPA",)
-    quantization_methods = ("int8",)
+    capabilities = frozenset()
+    """None of pagellm's: torch_xla has no kernel for Tensor.view(dtype) across element sizes (how `gguf`
+    reads its blocks), its float8 support is recent and unverified here (`fp8`), and there is no Triton
+    backend. The plain integer and float torch ops of `int8`, `awq` and `gptq` need nothing from the list."""
 
     @classmethod
     def availability(cls) -> Availability:

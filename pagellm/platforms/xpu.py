@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from pagellm.core.platform import Availability, Platform
-from pagellm.platforms._common import TorchRuntimePlatform, hidden_by
+from pagellm.core.platform import DTYPE_VIEWS, Availability, Platform
+from pagellm.platforms._common import TorchRuntimePlatform, classproperty, hidden_by, triton_capability
 from pagellm.plugins.hookspecs import hookimpl
 
 PAGELLM_PLUGIN_API = "1.0"
@@ -30,7 +30,13 @@ class XpuPlatform(TorchRuntimePlatform):
     supported_dtypes = (torch.bfloat16, torch.float16, torch.float32)
     default_dtype = torch.bfloat16
     attention_backends = ("TRITON_ATTN", "FLEX_ATTENTION", "TORCH_SDPA")
-    quantization_methods = ("int8", "awq", "gptq", "gguf")
+
+    @classproperty
+    def capabilities(cls) -> frozenset[str]:
+        """dtype views; triton where installed (Intel's Triton backend). Not `float8`: torch's XPU kernels
+        have lacked float8_e4m3fn support (casts, copies, elementwise ops), so `fp8` is refused here until
+        this platform declares it."""
+        return frozenset({DTYPE_VIEWS}) | triton_capability()
 
     @classmethod
     def availability(cls) -> Availability:

@@ -35,6 +35,8 @@ AWQ_UNDO = tuple(AWQ_ORDER.index(column) for column in range(PACK))
 
 class AwqMethod(QuantMethod):
     name = "awq"
+    # requires nothing: int32 shifts and masks, gathers and a float matmul run on any torch device; the
+    # Triton GEMM is a fast path taken at load where it runs (`triton_runs`), not a need
 
     def __init__(self, quantization_config: dict[str, Any] | None = None):
         super().__init__(quantization_config)

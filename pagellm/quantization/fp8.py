@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from pagellm.core.errors import ConfigError
+from pagellm.core.platform import FLOAT8
 from pagellm.core.quant import QuantMethod
 from pagellm.plugins.hookspecs import hookimpl
 from pagellm.quantization.channelwise import ChannelwiseMethod, dequantized_linear
@@ -50,6 +51,7 @@ class Fp8Method(ChannelwiseMethod):
     name = "fp8"
     storage_dtype = FP8
     qmax = FP8_MAX
+    requires = (FLOAT8,)  # weights stay float8_e4m3fn on the device; torch._scaled_mm is probed, not needed
 
     def __init__(self, quantization_config: dict[str, Any] | None = None):
         super().__init__(quantization_config)

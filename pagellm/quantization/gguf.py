@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagellm.core.errors import ConfigError
+from pagellm.core.platform import DTYPE_VIEWS
 from pagellm.core.quant import QuantMethod
 from pagellm.plugins.hookspecs import hookimpl
 
@@ -81,6 +82,7 @@ def dequantize(raw: torch.Tensor, type_id: int, dtype: torch.dtype) -> torch.Ten
 class GgufMethod(QuantMethod):
     name = "gguf"
     loads_gguf_blocks = True
+    requires = (DTYPE_VIEWS,)  # block scales and float blocks are bytes viewed as float16/bfloat16/float32
 
     def create_weights(
         self, layer: nn.Module, in_features: int, out_features: int, params_dtype: torch.dtype

@@ -34,6 +34,8 @@ CHECKPOINT_FORMATS = {"gptq": 1, "gptq_v2": 0}
 
 class GptqMethod(QuantMethod):
     name = "gptq"
+    # requires nothing: int32 shifts and masks, gathers and a float matmul run on any torch device; the
+    # Triton GEMM is a fast path taken at load where it runs (`triton_runs`), not a need
 
     def __init__(self, quantization_config: dict[str, Any] | None = None):
         super().__init__(quantization_config)

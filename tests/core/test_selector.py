@@ -8,12 +8,13 @@ import torch
 
 from pagellm.core.attention import AttentionBackend, AttentionSpec
 from pagellm.core.errors import BackendUnsupportedError, DeviceUnavailableError, QuantizationUnsupportedError
-from pagellm.core.platform import Availability, Platform
+from pagellm.core.platform import CAPABILITIES, Availability, Platform
 from pagellm.core.quant import QuantMethod
 from pagellm.core.registry import Registry
 from pagellm.core.selector import (
     TimingCache,
     backend_reasons,
+    quant_method_reasons,
     select_attention_backend,
     select_platform,
     select_quant_method,
@@ -174,6 +175,59 @@ def test_quant_method_reasons_and_checkpoint_detection():
         select_quant_method(r, Host, "nope", None)
     assert select_quant_method(r, Accel, None, {"quant_method": "q4"}) is Quant
     assert select_quant_method(r, Host, None, None) is None
+
+
+class Needy(QuantMethod):
+    name = "needy"
+    device_types = ("cuda",)
+    requires = ("float8", "acme_dma")
+    dtypes = (torch.float16,)
+
+
+class Old(QuantMethod):
+    """Overrides `unsupported_reasons` with the signature from before the dtype argument."""
+
+    name = "old"
+
+    @classmethod
+    def unsupported_reasons(cls, platform):
+        return [] if platform.name == "accel" else ["only on accel"]
+
+
+class Raising(QuantMethod):
+    name = "raising"
+
+    @classmethod
+    def unsupported_reasons(cls, platform, dtype=None):
+        raise RuntimeError("probe exploded")
+
+
+def test_quant_method_needs_are_checked_against_the_platform_facts():
+    """Every unmet need is a reason, named; a platform declaring them all accepts the method, whatever its
+    name (no platform lists methods)."""
+    assert quant_method_reasons(Needy, Host) == [
+        "runs on device types cuda, not cpu",
+        f"needs float8 ({CAPABILITIES['float8']}), which platform host does not declare",
+        "needs acme_dma, which platform host does not declare",
+        "computes in float16; host supports float32",
+    ]
+
+    class Gpu(Accel):
+        name, supported_dtypes = "gpu", (torch.float16, torch.float32)
+        capabilities = frozenset({"float8", "acme_dma", "dtype_views"})
+
+    assert quant_method_reasons(Needy, Gpu) == []
+    assert quant_method_reasons(Needy, Gpu, torch.float32) == ["dtype float32 not in float16"]
+    r = registry(Host, Gpu)
+    r.add("quant_methods", Needy.name, Needy, "test")
+    assert select_quant_method(r, Gpu, "needy", None, dtype=torch.float16) is Needy
+    with pytest.raises(QuantizationUnsupportedError, match="needy cannot run on host: runs on device types"):
+        select_quant_method(r, Host, "needy", None)
+
+
+def test_old_style_and_raising_checks():
+    assert quant_method_reasons(Old, Accel) == [] and quant_method_reasons(Old, Host) == ["only on accel"]
+    assert quant_method_reasons(Raising, Host) == ["compatibility check raised RuntimeError: probe exploded"]
 
 
 def test_duplicate_names_name_both_owners():

@@ -4,14 +4,22 @@ faked probes, the facts each declares, and loading them through the real entry p
 from __future__ import annotations
 
 import fnmatch
+import importlib.util
 
 import pytest
 import torch
 
 from pagellm.core.config import EngineConfig
 from pagellm.core.errors import ConfigError
+from pagellm.core.platform import CAPABILITIES
+from pagellm.core.selector import quant_method_reasons
 from pagellm.platforms import cpu, cuda, rocm, tpu, xpu
 from pagellm.plugins import load_plugins, reset_plugins
+from pagellm.quantization.awq import AwqMethod
+from pagellm.quantization.fp8 import Fp8Method
+from pagellm.quantization.gguf import GgufMethod
+from pagellm.quantization.gptq import GptqMethod
+from pagellm.quantization.int8 import Int8Method
 
 MASKS = ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "ZE_AFFINITY_MASK")
 
@@ -239,12 +247,21 @@ def test_tpu_availability_does_not_import_torch_xla(monkeypatch):
 
 
 GPU_BACKENDS = ("TRITON_ATTN", "FLEX_ATTENTION", "TORCH_SDPA")
-FACTS = {  # device_type, priority, attention backends, quantization methods
-    "cuda": ("cuda", 100, ("FLASH_ATTN", *GPU_BACKENDS), None),
-    "rocm": ("cuda", 100, GPU_BACKENDS, ("int8", "fp8", "awq", "gptq", "gguf")),
-    "xpu": ("xpu", 90, GPU_BACKENDS, ("int8", "awq", "gptq", "gguf")),
-    "tpu": ("xla", 80, ("TORCH_SDPA",), ("int8",)),
-    "cpu": ("cpu", 0, ("CPU_ATTN", *GPU_BACKENDS[1:]), ("fp8", "int8", "awq", "gptq", "gguf")),
+FACTS = {  # device_type, priority, attention backends, capabilities (less triton, which is looked up)
+    "cuda": ("cuda", 100, ("FLASH_ATTN", *GPU_BACKENDS), {"float8", "dtype_views", "fp8_matmul"}),
+    "rocm": ("cuda", 100, GPU_BACKENDS, {"float8", "dtype_views"}),
+    "xpu": ("xpu", 90, GPU_BACKENDS, {"dtype_views"}),
+    "tpu": ("xla", 80, ("TORCH_SDPA",), set()),
+    "cpu": ("cpu", 0, ("CPU_ATTN", *GPU_BACKENDS[1:]), {"float8", "dtype_views"}),
+}
+TRITON_BACKENDS = {"cuda", "rocm", "xpu"}
+"""Platforms that declare `triton` when the triton package is installed."""
+RUNS = {  # quantization method -> platforms it is accepted on, from what each needs and each declares
+    "int8": {"cuda", "rocm", "xpu", "tpu", "cpu"},
+    "awq": {"cuda", "rocm", "xpu", "tpu", "cpu"},  # tpu: refused before only by its allow-list
+    "gptq": {"cuda", "rocm", "xpu", "tpu", "cpu"},  # the same
+    "gguf": {"cuda", "rocm", "xpu", "cpu"},  # needs dtype_views
+    "fp8": {"cuda", "rocm", "cpu"},  # needs float8
 }
 PLATFORMS = {
     "cuda": cuda.CudaPlatform,
@@ -258,20 +275,32 @@ PLATFORMS = {
 @pytest.mark.parametrize("name", sorted(FACTS))
 def test_facts(name):
     platform = PLATFORMS[name]
-    device_type, priority, backends, quant = FACTS[name]
+    device_type, priority, backends, capabilities = FACTS[name]
     assert (platform.name, platform.device_type) == (name, device_type)
     assert platform.priority == priority
     assert platform.preferred_attention_backends() == list(backends)
-    assert platform.quantization_methods == quant
     assert platform.default_dtype in platform.supported_dtypes
-    assert platform.supports_quantization("int8")
-    assert platform.supports_quantization("fp8") is (quant is None or "fp8" in quant)
+    triton = name in TRITON_BACKENDS and importlib.util.find_spec("triton") is not None
+    assert platform.capabilities == capabilities | ({"triton"} if triton else set())
+    assert not hasattr(platform, "quantization_methods")  # no allow-list: methods declare their needs
+
+
+@pytest.mark.parametrize("method", sorted(RUNS))
+def test_builtin_quantization_methods_run_where_their_needs_are_declared(method):
+    methods = {m.name: m for m in (Int8Method, AwqMethod, GptqMethod, GgufMethod, Fp8Method)}
+    reasons = {name: quant_method_reasons(methods[method], platform) for name, platform in PLATFORMS.items()}
+    assert {name for name, r in reasons.items() if not r} == RUNS[method]
+    need = {"gguf": "dtype_views", "fp8": "float8"}.get(method)
+    for name in set(PLATFORMS) - RUNS[method]:
+        assert reasons[name] == [
+            f"needs {need} ({CAPABILITIES[need]}), which platform {name} does not declare"
+        ]
 
 
 def test_availability_never_initialises_cuda():
     for platform in PLATFORMS.values():
         platform.availability()
-        platform.default_dtype, platform.supported_dtypes  # noqa: B018 - facts must stay as cheap
+        platform.default_dtype, platform.supported_dtypes, platform.capabilities  # noqa: B018 - facts must stay as cheap
     assert not torch.cuda.is_initialized()
 
 

@@ -1,21 +1,15 @@
 """Loader rules of docs/architecture.md ("Writing a plugin"), on fake plugins: modules and dist-info
-folders written into tmp_path."""
+folders written into tmp_path (the `fake` fixture of conftest.py)."""
 
 from __future__ import annotations
 
-import itertools
 import logging
 import sys
-import textwrap
-from pathlib import Path
 
-import importlib_metadata
 import pytest
 
 from pagellm.core.errors import PluginError
 from pagellm.plugins import load_plugins, loader, reset_plugins
-
-_serial = itertools.count()
 
 
 def platform_hook(platform: str) -> str:
@@ -32,60 +26,6 @@ def platform_hook(platform: str) -> str:
         def pagellm_platforms():
             return [P]
         """
-
-
-class FakePlugins:
-    """Installs fake plugins for one test: `entry_points()` of the loader sees only these."""
-
-    def __init__(self, root: Path, monkeypatch: pytest.MonkeyPatch):
-        self.root = root
-        self.entry_points_calls = 0
-        self.modules: list[str] = []
-        self.dists: dict[str, list[str]] = {}
-        monkeypatch.syspath_prepend(str(root))
-        monkeypatch.setattr(loader.importlib_metadata, "entry_points", self.entry_points)
-
-    def add(
-        self,
-        name: str,
-        source: str,
-        api: str | None = "1.0",
-        dist: str | None = None,
-        priority: int | None = None,
-    ) -> str:
-        """Write a plugin module (header + `source`) and its entry point in `dist` (default: its own)."""
-        module = f"fake_pagellm_plugin_{next(_serial)}_{name}"
-        header = "from pagellm.core.platform import Availability, Platform\n"
-        header += "from pagellm.plugins import hookimpl\n"
-        if api is not None:
-            header += f"PAGELLM_PLUGIN_API = {api!r}\n"
-        if priority is not None:
-            header += f"PAGELLM_PLUGIN_PRIORITY = {priority}\n"
-        (self.root / f"{module}.py").write_text(header + textwrap.dedent(source))
-        self.modules.append(module)
-        dist = dist or f"fake-{name}"
-        self.dists.setdefault(dist, []).append(f"{name} = {module}")
-        info = self.root / f"{dist}-1.2.dist-info"
-        info.mkdir(exist_ok=True)
-        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: 1.2\n")
-        (info / "entry_points.txt").write_text("[pagellm.plugins]\n" + "\n".join(self.dists[dist]) + "\n")
-        return module
-
-    def entry_points(self, **select: str) -> list[importlib_metadata.EntryPoint]:
-        self.entry_points_calls += 1
-        dists = [importlib_metadata.Distribution.at(self.root / f"{d}-1.2.dist-info") for d in self.dists]
-        return [ep for d in dists for ep in d.entry_points.select(**select)]
-
-
-@pytest.fixture
-def fake(tmp_path, monkeypatch):
-    monkeypatch.delenv("PAGELLM_PLUGINS", raising=False)
-    plugins = FakePlugins(tmp_path, monkeypatch)
-    reset_plugins()
-    yield plugins
-    reset_plugins()
-    for module in plugins.modules:
-        sys.modules.pop(module, None)
 
 
 def test_plugins_load_by_descending_priority_then_name(fake):

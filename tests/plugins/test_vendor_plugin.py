@@ -125,6 +125,15 @@ def test_cli_plugins_on_vendor_device_shows_its_backend_compatible():
     assert line.split()[1] == "compatible"
 
 
+def test_every_quantization_method_runs_on_the_vendor_device_by_what_it_declares():
+    """vendor_sim names no method: it declares float8 and dtype_views, so the built-in methods and the
+    vendor's run there, as on the host CPU."""
+    out = run_cli("plugins", "--device", "vendor_sim")
+    methods = out.split("Quantization methods (on vendor_sim):")[1].split("Models:")[0].splitlines()[1:]
+    verdicts = {line.split()[0]: " ".join(line.split()[1:3]) for line in methods}
+    assert verdicts == {name: "runs here" for name in ("awq", "fp8", "gguf", "gptq", "int8", "vendor_int8")}
+
+
 def test_pagellm_plugins_subprocess_sees_the_vendor_package(vendor_plugin):
     script = Path(sys.executable).with_name("pagellm")
     env = {k: v for k, v in os.environ.items() if k != "PAGELLM_PLUGINS"}

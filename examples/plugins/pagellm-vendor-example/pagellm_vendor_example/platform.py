@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from pagellm.core.errors import ConfigError
-from pagellm.core.platform import Availability, GiB, Platform
+from pagellm.core.platform import DTYPE_VIEWS, FLOAT8, Availability, GiB, Platform
 
 if TYPE_CHECKING:
     from pagellm.core.config import EngineConfig
@@ -24,6 +24,10 @@ class VendorSimPlatform(Platform):
     supported_dtypes = (torch.float32, torch.bfloat16)
     default_dtype = torch.float32
     attention_backends = ("VENDOR_ATTN", "TORCH_SDPA")
+    capabilities = frozenset({FLOAT8, DTYPE_VIEWS})
+    """What its tensors (host torch tensors) can do; a quantization method that needs one of these (`fp8`:
+    float8, `gguf`: dtype_views) runs here, one that needs anything else is refused with the reason. No
+    method is named: a new one runs wherever its needs are declared."""
 
     @classmethod
     def availability(cls) -> Availability:

@@ -15,6 +15,11 @@ from pagellm.core.quant import QuantMethod
 
 class VendorInt8Method(QuantMethod):
     name = "vendor_int8"
+    # What it needs of a platform, if anything, is declared here, never in a platform's code: plain torch int8
+    # needs nothing, so it runs on every platform. A method with its own kernels would say, for example,
+    # `device_types = ("cuda",)`, `requires = ("triton",)` (names in pagellm.core.platform.CAPABILITIES, or
+    # the vendor's own, which its platform declares in `capabilities`), `dtypes = (torch.float16,)` or
+    # `min_capability = (8, 9)`; the selector and `pagellm plugins` then refuse it where one is unmet, saying which.
 
     def create_weights(
         self, layer: nn.Module, in_features: int, out_features: int, params_dtype: torch.dtype
