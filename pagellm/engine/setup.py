@@ -121,7 +121,7 @@ def resolve_engine(config: EngineConfig) -> EngineSetup:
     dtype = resolve_dtype(config.dtype, hf_config, platform, gguf=source.gguf_original is not None)
     max_model_len = resolve_max_model_len(config.max_model_len, hf_config)
     quant = select_quant_method(
-        registry, platform, config.quantization, getattr(hf_config, "quantization_config", None)
+        registry, platform, config.quantization, getattr(hf_config, "quantization_config", None), dtype
     )
     # without --block-size the spec's block size is a placeholder: each candidate backend runs its own
     block_size = DEFAULT_BLOCK_SIZE if config.block_size is None else config.block_size

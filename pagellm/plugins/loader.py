@@ -25,7 +25,9 @@ from pagellm.plugins import hookspecs
 logger = logging.getLogger("pagellm.plugins")
 
 ENTRY_POINT_GROUP = "pagellm.plugins"
-API_VERSION = "1.2"  # 1.1: pagellm_reasoning_parsers, pagellm_tool_parsers; 1.2: pagellm_kv_connectors
+API_VERSION = "1.3"
+# 1.1: pagellm_reasoning_parsers, pagellm_tool_parsers; 1.2: pagellm_kv_connectors; 1.3: quantization methods
+# declare `requires` and platforms `capabilities` (Platform.quantization_methods is no longer read)
 """Plugins declare the version they were written for; same major and a minor no newer than ours loads."""
 
 DEPRECATED_HOOKS: dict[str, str] = {}
@@ -215,4 +217,12 @@ def _fill(
             table = _HOOK_TABLES[hook_name]
             items = (result or {}).items() if table == "models" else ((cls.name, cls) for cls in result or [])
             for name, value in items:
+                if table == "platforms" and "quantization_methods" in vars(value):
+                    logger.warning(
+                        "platform %r of %s sets quantization_methods, which pagellm no longer reads: a "
+                        "quantization method declares what it needs (QuantMethod.requires) and a platform what "
+                        "it has (Platform.capabilities)",
+                        name,
+                        owner,
+                    )
                 registry.add(table, name, value, owner)

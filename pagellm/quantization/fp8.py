@@ -28,7 +28,7 @@ from pagellm.core.quant import QuantMethod
 from pagellm.plugins.hookspecs import hookimpl
 from pagellm.quantization.channelwise import ChannelwiseMethod, dequantized_linear
 
-PAGELLM_PLUGIN_API = "1.0"
+PAGELLM_PLUGIN_API = "1.3"
 
 logger = logging.getLogger("pagellm")
 

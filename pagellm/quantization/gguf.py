@@ -22,7 +22,7 @@ from pagellm.core.platform import DTYPE_VIEWS
 from pagellm.core.quant import QuantMethod
 from pagellm.plugins.hookspecs import hookimpl
 
-PAGELLM_PLUGIN_API = "1.0"
+PAGELLM_PLUGIN_API = "1.3"
 
 
 def _scales(blocks: torch.Tensor, start: int) -> torch.Tensor:
