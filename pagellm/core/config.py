@@ -25,10 +25,28 @@ def _opt(default: Any, help: str, **extra: Any) -> Any:
 @dataclass
 class EngineConfig:
     model: str | None = _opt(
-        None, "Hugging Face model directory or .gguf file; default: the embedded SmolLM2."
+        None,
+        "Hugging Face model id (ORG/NAME; GGUF: ORG/NAME:FILE.gguf or ORG/NAME:QUANT), local model directory "
+        "or .gguf file; default: the embedded SmolLM2. Ids resolve in the Hugging Face cache, downloaded "
+        "when missing unless HF_HUB_OFFLINE=1.",
     )
-    tokenizer: str | None = _opt(None, "Tokenizer directory (default: the model's).")
-    gguf_file: str | None = _opt(None, "GGUF file name inside --model's directory.")
+    revision: str | None = _opt(
+        None, "Branch, tag or commit of a model given by Hugging Face id (default: main)."
+    )
+    tokenizer: str | None = _opt(
+        None, "Tokenizer: a Hugging Face id or a local directory (default: the model's)."
+    )  # start-up replaces an id with its local snapshot directory
+    tokenizer_revision: str | None = _opt(
+        None,
+        "Branch, tag or commit of the tokenizer's repository (default: --revision for the model's, else main).",
+    )
+    download_dir: str | None = _opt(
+        None,
+        "Hugging Face cache directory for models given by id (default: $HF_HUB_CACHE, else $HF_HOME/hub).",
+    )
+    gguf_file: str | None = _opt(
+        None, "GGUF file name inside --model's directory or Hugging Face repository."
+    )
     dtype: str = _opt("auto", f"auto, {', '.join(DTYPES)}.", choices=("auto", *DTYPES))
     device: str = _opt(
         "auto", "Device platform (cpu, cuda, rocm, xpu, tpu or a plugin's), or auto.", envvar="PAGELLM_DEVICE"

@@ -154,7 +154,9 @@ class LLMEngine:
             return None
         draft_config = self.config.replace(
             model=spec.model,
+            revision=None,  # --revision and --tokenizer-revision are the target's; the draft's id is at main
             tokenizer=None,
+            tokenizer_revision=None,
             gguf_file=None,
             quantization=None,
             speculative_config=None,

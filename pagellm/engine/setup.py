@@ -26,6 +26,7 @@ from pagellm.core.selector import (
     select_quant_method,
 )
 from pagellm.engine.default_model import default_model_path
+from pagellm.models.hub import gguf_path, hub_cache_dir, model_snapshot, parse_model_id, tokenizer_snapshot
 from pagellm.models.loader import import_model_class, resolve_model_class
 from pagellm.plugins import load_plugins
 from pagellm.worker.step import EngineSetup, ModelSource
@@ -34,25 +35,70 @@ logger = logging.getLogger("pagellm")
 
 
 def resolve_model_source(config: EngineConfig) -> ModelSource:
+    """Where --model's files are: a local directory or .gguf file (these win over an id of the same
+    spelling), else a Hugging Face id resolved in the Hugging Face cache, downloaded when missing and allowed
+    (models/hub.py)."""
     model = config.model or default_model_path()
-    if model.endswith(".gguf"):
-        if not os.path.isfile(model):
-            raise ConfigError(f"--model {model}: no such GGUF file")
+    if os.path.isfile(model) and model.endswith(".gguf"):
         return _gguf_source(os.path.abspath(model))
-    if not os.path.isdir(model):
+    if os.path.isdir(model):
+        return _local_directory_source(model, config.gguf_file)
+    model_id = parse_model_id(model)
+    if model_id is None:
+        if model.endswith(".gguf"):
+            raise ConfigError(f"--model {model}: no such GGUF file")
         raise ConfigError(
-            f"--model {model}: not a local directory or .gguf file (pagellm loads models from disk; "
-            f"download them first)"
+            f"--model {model}: not a local directory or .gguf file, nor a Hugging Face model id (ORG/NAME)"
         )
-    if config.gguf_file:
-        if not os.path.isfile(os.path.join(model, config.gguf_file)):
-            raise ConfigError(f"--gguf-file {config.gguf_file}: not found in {model}")
-        return _gguf_source(os.path.abspath(os.path.join(model, config.gguf_file)))
+    cache = hub_cache_dir(config.download_dir)
+    if model_id.gguf and config.gguf_file and model_id.gguf != config.gguf_file:
+        raise ConfigError(f"--gguf-file {config.gguf_file}: --model {model} already names {model_id.gguf}")
+    gguf = model_id.gguf or config.gguf_file
+    if gguf:
+        path = gguf_path(model_id.repo_id, gguf, revision=config.revision, cache_dir=cache)
+        return _gguf_source(path)
+    return ModelSource(model_snapshot(model_id.repo_id, revision=config.revision, cache_dir=cache))
+
+
+def _local_directory_source(model: str, gguf_file: str | None) -> ModelSource:
+    if gguf_file:
+        if not os.path.isfile(os.path.join(model, gguf_file)):
+            raise ConfigError(f"--gguf-file {gguf_file}: not found in {model}")
+        return _gguf_source(os.path.abspath(os.path.join(model, gguf_file)))
     if not os.path.isfile(os.path.join(model, "config.json")):
         raise ConfigError(
             f"--model {model}: no config.json there (or pass --gguf-file for a GGUF checkpoint)"
         )
     return ModelSource(os.path.abspath(model))
+
+
+def resolve_tokenizer(config: EngineConfig) -> str | None:
+    """The local tokenizer directory when --tokenizer names a Hugging Face id (or --tokenizer-revision asks
+    for another revision of the model's); the path as given when it is local; None: the model's own.
+
+    --tokenizer-revision defaults to --revision when the tokenizer is the model's repository, else main."""
+    name = config.tokenizer
+    if name is None:
+        if config.tokenizer_revision is None:
+            return None
+        name = config.model or ""
+        if os.path.exists(name) or parse_model_id(name) is None:
+            raise ConfigError(
+                f"--tokenizer-revision {config.tokenizer_revision}: neither --tokenizer nor --model is a Hugging "
+                "Face id to take a revision of"
+            )
+    if os.path.exists(name):
+        return name
+    tokenizer_id = parse_model_id(name)
+    if tokenizer_id is None or tokenizer_id.gguf:
+        raise ConfigError(f"--tokenizer {name}: no such directory, nor a Hugging Face id (ORG/NAME)")
+    model_id = parse_model_id(config.model or "")
+    revision = config.tokenizer_revision
+    if revision is None and model_id is not None and model_id.repo_id == tokenizer_id.repo_id:
+        revision = config.revision
+    return tokenizer_snapshot(
+        tokenizer_id.repo_id, revision=revision, cache_dir=hub_cache_dir(config.download_dir)
+    )
 
 
 def _gguf_source(path: str) -> ModelSource:
@@ -115,6 +161,9 @@ def resolve_engine(config: EngineConfig) -> EngineSetup:
     platform = platform_choice.platform
     platform.check_and_update_config(config)
     source = resolve_model_source(config)
+    tokenizer = resolve_tokenizer(config)
+    if tokenizer is not None:
+        config.tokenizer = tokenizer  # a local directory from here on: everything after start-up reads it
     hf_config = load_hf_config(source)
     model_class_path = resolve_model_class(hf_config, registry.models)
     check_parallel(config, hf_config, import_model_class(model_class_path))
@@ -140,7 +189,7 @@ def resolve_engine(config: EngineConfig) -> EngineSetup:
     config.block_size = spec.block_size  # everything after start-up reads the chosen size from here
     explanation = [
         *platform_choice.explanation,
-        f"model {source.gguf_original or source.directory} ({model_class_path}), dtype {dtype_name(dtype)}, "
+        f"model {_shown(config, source)} ({model_class_path}), dtype {dtype_name(dtype)}, "
         f"max_model_len {max_model_len}",
         f"quantization {quant.name if quant else 'none'}",
         *backend_choice.explanation,
@@ -160,6 +209,11 @@ def resolve_engine(config: EngineConfig) -> EngineSetup:
         explanation=explanation,
         reasoning_parser=reasoning_parser(registry, config.reasoning_parser),
     )
+
+
+def _shown(config: EngineConfig, source: ModelSource) -> str:
+    path = source.gguf_original or source.directory
+    return path if config.model is None or os.path.exists(config.model) else f"{config.model} ({path})"
 
 
 def check_parallel(config: EngineConfig, hf_config: Any, model_class: type) -> None:
