@@ -8,6 +8,7 @@ from typing import Any
 from pagellm.core.attention import AttentionBackend
 from pagellm.core.errors import PluginError
 from pagellm.core.kv_connector import KVConnector
+from pagellm.core.parsers import ReasoningParser, ToolParser
 from pagellm.core.platform import Platform
 from pagellm.core.quant import QuantMethod
 
@@ -30,8 +31,8 @@ class Registry:
     attention_backends: dict[str, type[AttentionBackend]] = field(default_factory=dict)
     quant_methods: dict[str, type[QuantMethod]] = field(default_factory=dict)
     models: dict[str, str] = field(default_factory=dict)  # HF architecture -> "module:Class"
-    reasoning_parsers: dict[str, type] = field(default_factory=dict)  # name -> class with split()
-    tool_parsers: dict[str, type] = field(default_factory=dict)  # name -> class with parse()
+    reasoning_parsers: dict[str, type[ReasoningParser]] = field(default_factory=dict)
+    tool_parsers: dict[str, type[ToolParser]] = field(default_factory=dict)
     kv_connectors: dict[str, type[KVConnector]] = field(default_factory=dict)
     cli_commands: list[Any] = field(default_factory=list)
     plugins: list[PluginInfo] = field(default_factory=list)

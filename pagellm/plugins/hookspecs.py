@@ -15,14 +15,25 @@ skipped, unless the plugin was asked for in `PAGELLM_PLUGINS`: then start-up fai
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import pluggy
+
+from pagellm.core.attention import AttentionBackend
+from pagellm.core.kv_connector import KVConnector
+from pagellm.core.parsers import ReasoningParser, ToolParser
+from pagellm.core.platform import Platform
+from pagellm.core.quant import QuantMethod
+
+if TYPE_CHECKING:
+    import click
 
 hookspec = pluggy.HookspecMarker("pagellm")
 hookimpl = pluggy.HookimplMarker("pagellm")
 
 
 @hookspec
-def pagellm_platforms() -> list:
+def pagellm_platforms() -> list[type[Platform]]:
     """Return the device families this plugin provides.
 
     Called when plugins load, before any platform is selected; import only what the classes' module
@@ -35,7 +46,7 @@ def pagellm_platforms() -> list:
 
 
 @hookspec
-def pagellm_attention_backends() -> list:
+def pagellm_attention_backends() -> list[type[AttentionBackend]]:
     """Return the paged-attention implementations this plugin provides.
 
     Called when plugins load. A backend may be registered whatever the machine: the selector asks its
@@ -48,7 +59,7 @@ def pagellm_attention_backends() -> list:
 
 
 @hookspec
-def pagellm_quant_methods() -> list:
+def pagellm_quant_methods() -> list[type[QuantMethod]]:
     """Return the weight formats this plugin provides.
 
     Called when plugins load. A checkpoint's `quantization_config` selects a method through its
@@ -60,7 +71,7 @@ def pagellm_quant_methods() -> list:
 
 
 @hookspec
-def pagellm_models() -> dict:
+def pagellm_models() -> dict[str, str]:
     """Return the model architectures this plugin provides.
 
     Called when plugins load; a model class itself is imported only when a model of its architecture
@@ -73,34 +84,36 @@ def pagellm_models() -> dict:
 
 
 @hookspec
-def pagellm_reasoning_parsers() -> list:
+def pagellm_reasoning_parsers() -> list[type[ReasoningParser]]:
     """Return the reasoning parsers this plugin provides (`--reasoning-parser NAME`; plugin API 1.1).
 
     Called when plugins load.
 
-    :returns: classes with a `name`, an `end_tag` (the text that ends the thinking: a grammar applies
-        after it) and `split(text, final) -> (reasoning, content)`, a function of the whole reply so far
-        that leaves out of both a tail that may still become a tag unless `final` (see
-        `pagellm.server.reasoning.ThinkTagParser`). A name already registered is an error naming both
-        distributions.
+    :returns: `pagellm.core.parsers.ReasoningParser` classes (subclasses, or any class with its members):
+        a `name`, an `end_tag` (the text that ends the thinking: a grammar applies after it) and
+        `split(text, final) -> (reasoning, content)`, a function of the whole reply so far that leaves out
+        of both a tail that may still become a tag unless `final` (see
+        `pagellm.server.reasoning.ThinkTagParser`). A class without them makes the loader skip this
+        plugin's parsers; a name already registered is an error naming both distributions.
     """
 
 
 @hookspec
-def pagellm_tool_parsers() -> list:
+def pagellm_tool_parsers() -> list[type[ToolParser]]:
     """Return the tool-call parsers this plugin provides (`--tool-call-parser NAME`; plugin API 1.1).
 
     Called when plugins load.
 
-    :returns: classes with a `name` and `parse(text, final) -> ToolCallParse` (content and (name,
-        arguments JSON) calls), a function of the whole reply so far that holds back what may still
-        change unless `final` (see `pagellm.server.tool_parsers.HermesToolParser`). A name already
-        registered is an error naming both distributions.
+    :returns: `pagellm.core.parsers.ToolParser` classes (subclasses, or any class with its members): a
+        `name` and `parse(text, final) -> ToolCallParse` (content and (name, arguments JSON) calls), a
+        function of the whole reply so far that holds back what may still change unless `final` (see
+        `pagellm.server.tool_parsers.HermesToolParser`). A class without them makes the loader skip this
+        plugin's parsers; a name already registered is an error naming both distributions.
     """
 
 
 @hookspec
-def pagellm_kv_connectors() -> list:
+def pagellm_kv_connectors() -> list[type[KVConnector]]:
     """Return the KV connectors this plugin provides (`--kv-transfer-config`; plugin API 1.2).
 
     Called when plugins load. A connector moves KV-cache blocks between an engine and the outside (another
@@ -113,7 +126,7 @@ def pagellm_kv_connectors() -> list:
 
 
 @hookspec
-def pagellm_cli_commands() -> list:
+def pagellm_cli_commands() -> list[click.Command]:
     """Return commands to add to the `pagellm` command line.
 
     Called when plugins load; the CLI loads plugins when it lists its commands or meets one it does not

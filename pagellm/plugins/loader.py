@@ -19,6 +19,7 @@ import importlib_metadata
 import pluggy
 
 from pagellm.core.errors import PluginError
+from pagellm.core.parsers import ReasoningParser, ToolParser, check_parser
 from pagellm.core.registry import PluginInfo, Registry
 from pagellm.plugins import hookspecs
 
@@ -42,6 +43,9 @@ _HOOK_TABLES = {
     "pagellm_tool_parsers": "tool_parsers",
     "pagellm_kv_connectors": "kv_connectors",
 }
+
+_PARSER_KINDS = {"reasoning_parsers": ReasoningParser, "tool_parsers": ToolParser}
+"""Tables of parser classes: each class a hook returns is checked to be one (`core.parsers.check_parser`)."""
 
 _lock = threading.Lock()
 _loaded: dict[str | None, Registry] = {}
@@ -215,6 +219,13 @@ def _fill(
                 registry.cli_commands.extend(result or [])
                 continue
             table = _HOOK_TABLES[hook_name]
+            if table in _PARSER_KINDS:
+                try:
+                    for cls in result or []:
+                        check_parser(cls, _PARSER_KINDS[table])
+                except TypeError as exc:
+                    _skip_or_raise(info, f"hook {hook_name} returned what is not a parser", exc, strict)
+                    continue
             items = (result or {}).items() if table == "models" else ((cls.name, cls) for cls in result or [])
             for name, value in items:
                 if table == "platforms" and "quantization_methods" in vars(value):

@@ -1,8 +1,9 @@
 """Anthropic's Messages API (`POST /v1/messages`, `/v1/messages/count_tokens`) over the chat path.
 
 A Messages request becomes a chat completions request (system, text blocks, tool_use and tool_result blocks
-become OpenAI turns; tools and tool_choice become OpenAI's), so the chat template, sampling params, cost
-check, engine streams and tool-call parsers are the chat endpoint's own; only the answer is Anthropic's: a
+become OpenAI turns; tools and tool_choice become OpenAI's) and `ServingMessages` extends serving_chat.py's
+`ServingChat`, so the chat template, sampling params, cost check, engine streams and tool-call parsers are
+the chat endpoint's own; only the answer is Anthropic's: a
 `message` with content blocks, or its event stream (message_start, content_block_start/delta/stop,
 message_delta, message_stop). Errors on these paths take Anthropic's body (see errors.py).
 """
@@ -16,15 +17,17 @@ import uuid
 from collections.abc import AsyncIterator, Iterator
 from typing import Annotated, Any, Literal
 
-from fastapi import FastAPI, Request
+from fastapi import Request
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from pagellm.core.parsers import ToolParser
 from pagellm.engine.async_llm import RequestStream
 from pagellm.engine.outputs import CompletionOutput
 from pagellm.server import errors
-from pagellm.server.app import _Server, _sse_response  # app.py adds these routes once it is loaded
 from pagellm.server.protocol import ChatCompletionRequest, ChatResponseMessage, valid_unicode
 from pagellm.server.reasoning import ReasoningStream
+from pagellm.server.serving_base import final_outputs, merged_outputs, sse_response
+from pagellm.server.serving_chat import ServingChat
 from pagellm.server.tool_parsers import ToolCallStream
 
 # the chat request's field an error names -> the Messages request's
@@ -197,34 +200,23 @@ class CountTokensResponse(BaseModel):
     input_tokens: int
 
 
-def add_routes(app: FastAPI, server: _Server) -> None:
-    """POST /v1/messages and /v1/messages/count_tokens on `app`, served by `server`'s chat machinery."""
-    api = _MessagesAPI(server)
-    events = {"text/event-stream": {"schema": {"type": "string"}}}
-    answer = {
-        200: {"model": MessagesResponse, "description": "The message, or its events", "content": events}
-    }
-    failed = errors.openapi_errors(400, 401, 404, 413, 500, anthropic=True)
-    app.post("/v1/messages", responses={**answer, **failed})(api.messages)
-    app.post("/v1/messages/count_tokens", responses=failed)(api.count_tokens)
-
-
-class _MessagesAPI:
-    def __init__(self, server: _Server):
-        self.server = server
+class ServingMessages(ServingChat):
+    """POST /v1/messages and /v1/messages/count_tokens, served by the chat path (`start_chat`, `message`)."""
 
     async def messages(self, request: MessagesRequest, raw_request: Request) -> Any:
         message_id = f"msg_{uuid.uuid4().hex}"
         with _anthropic_fields():
             chat = request.to_chat()
-            model, tool_parser, ids, streams = await self.server._start_chat(chat, message_id)
+            model, tool_parser, ids, streams = await self.start_chat(chat, message_id)
         stops = request.stop_sequences or []
         if request.stream:
-            events = self._events(model, message_id, len(ids), streams, raw_request, tool_parser, stops)
-            return _sse_response(events, streams)
-        (output,) = await self.server._final_outputs(streams, raw_request)
+            events = self._message_events(
+                model, message_id, len(ids), streams, raw_request, tool_parser, stops
+            )
+            return sse_response(events, streams)
+        (output,) = await final_outputs(streams, raw_request)
         sample = output.outputs[0]
-        reply = self.server._message(sample.text, tool_parser)
+        reply = self.message(sample.text, tool_parser)
         stop_reason, stop_sequence = _stop_reason(sample, bool(reply.tool_calls), stops)
         return MessagesResponse(
             id=message_id,
@@ -238,19 +230,19 @@ class _MessagesAPI:
     async def count_tokens(self, request: CountTokensRequest) -> CountTokensResponse:
         with _anthropic_fields():
             chat = request.to_chat()
-            self.server._model(chat.model)
+            self.served.resolve(chat.model)
             tools = [t.model_dump(exclude_none=True) for t in chat.tools] if chat.tools else None
-            ids = await asyncio.to_thread(self.server._chat_prompt_ids, chat.messages, None, True, tools)
+            ids = await asyncio.to_thread(self.chat_prompt_ids, chat.messages, None, True, tools)
         return CountTokensResponse(input_tokens=len(ids))
 
-    async def _events(
+    async def _message_events(
         self,
         model: str,
         message_id: str,
         input_tokens: int,
         streams: list[RequestStream],
         raw_request: Request,
-        tool_parser: Any,
+        tool_parser: ToolParser | None,
         stops: list[str],
     ) -> AsyncIterator[str]:
         start = MessagesResponse(
@@ -262,11 +254,11 @@ class _MessagesAPI:
         ).model_dump()
         yield _event("message_start", message={**start, "stop_reason": None})
         blocks = _Blocks(message_id)
-        reasoning = ReasoningStream(self.server.reasoning) if self.server.reasoning else None
+        reasoning = ReasoningStream(self.reasoning) if self.reasoning else None
         calls = ToolCallStream(tool_parser, "") if tool_parser else None
         output_tokens, called = 0, False
         try:
-            async with contextlib.aclosing(self.server._merged(streams, raw_request)) as merged:
+            async with contextlib.aclosing(merged_outputs(streams, raw_request)) as merged:
                 async for _, output in merged:
                     for sample in output.outputs:  # n is 1
                         output_tokens += len(sample.token_ids)

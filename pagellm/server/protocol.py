@@ -20,6 +20,7 @@ from pydantic import (
 )
 
 from pagellm.sampling.params import BeamSearchParams, SamplingParams, StructuredOutputsParams
+from pagellm.server.tool_parsers import tool_choice_schema
 
 TokenIds = list[StrictInt]  # JSON true/false and 1.0 are not token ids
 Role = Literal["system", "developer", "user", "assistant", "tool", "function"]  # OpenAI's chat roles
@@ -306,8 +307,6 @@ class ChatCompletionRequest(_SamplingFields):
 
     def _structured_outputs(self) -> StructuredOutputsParams | None:
         """tool_choice required or a named function: a grammar over the tools' schemas (vLLM's way)."""
-        from pagellm.server.tool_parsers import tool_choice_schema
-
         choice = self.effective_tool_choice
         if choice in ("none", "auto"):
             return super()._structured_outputs()

@@ -1,8 +1,8 @@
 """Reasoning parsers: split a reply into its thinking and its answer (`--reasoning-parser NAME`).
 
-A parser is a class with a `name` and `split(text, final)`, registered through the
-`pagellm_reasoning_parsers` plugin hook like every other plugin kind (ours included, via this module's
-entry point). `split` is a function of the whole text so far: streaming calls it after each delta and
+A parser implements `pagellm.core.parsers.ReasoningParser` (a `name`, an `end_tag` and `split(text,
+final)`) and is registered through the `pagellm_reasoning_parsers` plugin hook like every other plugin
+kind (ours included, via this module's entry point). `split` is a function of the whole text so far: streaming calls it after each delta and
 sends what grew, holding back a tail that may still become a tag, so the streamed pieces concatenate to
 exactly the non-streamed split.
 """
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
+from pagellm.core.parsers import ReasoningParser
 from pagellm.plugins import hookimpl
 
 PAGELLM_PLUGIN_API = "1.1"
@@ -24,7 +25,7 @@ def _partial_tag_len(text: str, tag: str) -> int:
     return 0
 
 
-class ThinkTagParser:
+class ThinkTagParser(ReasoningParser):
     """Thinking between `<think>` and `</think>`, the answer after."""
 
     name: ClassVar[str] = ""
@@ -67,7 +68,7 @@ class Qwen3ReasoningParser(ThinkTagParser):
 class ReasoningStream:
     """One streamed reply: feed it each text delta, get (reasoning delta, content delta)."""
 
-    def __init__(self, parser: ThinkTagParser):
+    def __init__(self, parser: ReasoningParser):
         self.parser = parser
         self.text = ""
         self._sent = ("", "")
@@ -81,5 +82,5 @@ class ReasoningStream:
 
 
 @hookimpl
-def pagellm_reasoning_parsers() -> list:
+def pagellm_reasoning_parsers() -> list[type[ReasoningParser]]:
     return [DeepSeekR1ReasoningParser, Qwen3ReasoningParser]

@@ -1,31 +1,26 @@
 """Tool-call parsers: find the function calls in a chat reply (`--tool-call-parser NAME`).
 
-A parser is a class with a `name` and `parse(text, final) -> ToolCallParse`, registered through the
-`pagellm_tool_parsers` plugin hook (ours through this module's entry point). Like the reasoning
-parsers, `parse` is a function of the whole reply so far: a streamed reply is parsed again after each
-delta and the server sends what grew (a call's name once it is complete, then its arguments as raw
-text), so the pieces concatenate to exactly the whole reply's parse. Arguments are the model's own JSON
-text for the value of "arguments"/"parameters" (whitespace at the end held back until the call closes).
+A parser implements `pagellm.core.parsers.ToolParser` (a `name` and `parse(text, final) ->
+ToolCallParse`) and is registered through the `pagellm_tool_parsers` plugin hook (ours through this
+module's entry point). Like the reasoning parsers, `parse` is a function of the whole reply so far: a
+streamed reply is parsed again after each delta and the server sends what grew (a call's name once it is
+complete, then its arguments as raw text), so the pieces concatenate to exactly the whole reply's parse.
+Arguments are the model's own JSON text for the value of "arguments"/"parameters" (whitespace at the end
+held back until the call closes).
 """
 
 from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass, field
 from typing import ClassVar
 
+from pagellm.core.parsers import ToolCallParse, ToolParser
 from pagellm.plugins import hookimpl
 
 PAGELLM_PLUGIN_API = "1.1"
 
 _NAME = re.compile(r'"name"\s*:\s*"((?:[^"\\]|\\.)*)"')
-
-
-@dataclass
-class ToolCallParse:
-    content: str  # the text that is not a call
-    calls: list[tuple[str, str]] = field(default_factory=list)  # (name, arguments as JSON text)
 
 
 def _value_end(text: str, start: int) -> int | None:
@@ -96,7 +91,7 @@ def call_from_object(obj: str, closed: bool, args_keys: tuple[str, ...]) -> tupl
     return json.loads(f'"{name.group(1)}"'), args
 
 
-class HermesToolParser:
+class HermesToolParser(ToolParser):
     """Hermes / Qwen2.5 style: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, any number."""
 
     name: ClassVar[str] = "hermes"
@@ -124,7 +119,7 @@ class HermesToolParser:
         return result
 
 
-class Llama3JsonToolParser:
+class Llama3JsonToolParser(ToolParser):
     """Llama 3.x JSON calls: `{"name": ..., "parameters": {...}}` (or "arguments"), optionally after
     `<|python_tag|>`, several separated by `;`. A reply that does not open with one is all content."""
 
@@ -148,7 +143,7 @@ class Llama3JsonToolParser:
         return result
 
 
-class RequiredToolParser:
+class RequiredToolParser(ToolParser):
     """tool_choice "required": the grammar made the reply a JSON array of {"name", "parameters"}."""
 
     name: ClassVar[str] = "required"
@@ -162,8 +157,10 @@ class RequiredToolParser:
         return result
 
 
-class NamedToolParser:
+class NamedToolParser(ToolParser):
     """tool_choice naming a function: the grammar made the whole reply its arguments."""
+
+    name: ClassVar[str] = "named"
 
     def __init__(self, function: str):
         self.function = function
@@ -176,7 +173,7 @@ class ToolCallStream:
     """One streamed reply: feed it each text delta, get the content delta and the tool-call deltas in
     OpenAI's chunk format (a call's first delta: index, id, type and name; then argument fragments)."""
 
-    def __init__(self, parser, id_prefix: str):
+    def __init__(self, parser: ToolParser, id_prefix: str):
         self.parser = parser
         self.id_prefix = id_prefix
         self.text = ""
@@ -236,5 +233,5 @@ def _partial(text: str, tag: str) -> int:
 
 
 @hookimpl
-def pagellm_tool_parsers() -> list:
+def pagellm_tool_parsers() -> list[type[ToolParser]]:
     return [HermesToolParser, Llama3JsonToolParser]

@@ -10,7 +10,8 @@ from openai_asgi import call_app
 from tiny import make_tiny_checkpoint, make_tokenizer
 
 from pagellm import AsyncLLM
-from pagellm.server.app import build_app, fim_token_ids
+from pagellm.server.app import build_app
+from pagellm.server.serving_base import fim_token_ids
 
 QWEN_FIM = ["<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"]
 

@@ -13,7 +13,8 @@ import pytest
 import torch
 from openai_asgi import call_app
 
-from pagellm.server.app import _encode_embedding, build_app
+from pagellm.server.app import build_app
+from pagellm.server.serving_embedding import encode_embedding
 
 TEXTS = ["Hello, world!", "The quick brown fox jumps over the lazy dog."]
 
@@ -73,9 +74,9 @@ def test_the_openai_client_gets_embeddings_in_both_encodings(app, pooling_llm, o
 
 
 def test_base64_is_little_endian_float32():
-    encoded = _encode_embedding([1.5, -2.0, 0.1], "base64")
+    encoded = encode_embedding([1.5, -2.0, 0.1], "base64")
     assert base64.b64decode(encoded) == struct.pack("<3f", 1.5, -2.0, 0.1)
-    assert _encode_embedding([1.5], "float") == [1.5]
+    assert encode_embedding([1.5], "float") == [1.5]
 
 
 def test_bad_requests_answer_400_naming_the_field(app, llm):
