@@ -35,8 +35,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from pagellm.core.pooling import PoolingParams
 from pagellm.engine.async_llm import AsyncLLM, RequestStream
 from pagellm.engine.beam_search import BeamSearchOutput, async_llm_step, beam_search_async, check_fits
-from pagellm.engine.llm_engine import PromptTooLongError
 from pagellm.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from pagellm.engine.processor import PromptTooLongError
 from pagellm.engine.setup import reasoning_parser
 from pagellm.lora.adapter import load_adapter
 from pagellm.lora.request import LoRARequest
