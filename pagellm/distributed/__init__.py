@@ -1,5 +1,5 @@
 """Process groups on torch.distributed: which rank this process is, and the collectives the parallel
-layers and the executor use (docs/architecture.md, "Parallelism")."""
+layers and the model runner use (docs/architecture.md, "Tensor and pipeline parallelism")."""
 
 from pagellm.distributed.parallel_state import Group, Parallel, RankFailure, init_parallel
 

@@ -79,10 +79,6 @@ class Parallel:
     def first_stage(self) -> bool:
         return self.pp.rank == 0
 
-    @property
-    def last_stage(self) -> bool:
-        return self.pp.rank == self.pp.size - 1
-
     def broadcast(self, message: Any = None) -> Any:
         """From the driver to every rank: the driver passes `message`, the others get it."""
         data = [pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL) if self.is_driver else None]

@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagellm.core.errors import ConfigError
-from pagellm.engine.llm_engine import PromptTooLongError
 from pagellm.engine.outputs import Logprob, RequestOutput
+from pagellm.engine.processor import PromptTooLongError
 from pagellm.sampling.params import MAX_LOGPROBS, BeamSearchParams, SamplingParams
 
 TopLogprobs = dict[int, Logprob]  # the top next tokens of one sequence: token id -> its log-probability

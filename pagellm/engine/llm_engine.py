@@ -1,7 +1,8 @@
 """`LLMEngine`: the synchronous engine loop that `LLM` and `AsyncLLM` drive.
 
-add_request -> processor (tokenize, validate) -> scheduler -> each step(): schedule, run the model,
-update the scheduler, detokenize and apply stop strings -> RequestOutputs.
+add_request -> Processor (tokenize, validate, n child requests) -> scheduler -> each step(): schedule, run
+the model, update the scheduler, then the OutputProcessor (detokenize, stop strings; pooled vectors) ->
+RequestOutputs and PoolingRequestOutputs.
 """
 
 from __future__ import annotations
@@ -19,28 +20,25 @@ from pagellm.core.dtypes import dtype_name
 from pagellm.core.errors import ConfigError
 from pagellm.core.kv_connector import KVConnector, KVConnectorRole
 from pagellm.core.platform import GiB
-from pagellm.core.pooling import Pooler, PoolerConfig, PoolingParams, resolve_pooler
+from pagellm.core.pooling import PoolingParams
 from pagellm.distributed import RankFailure
 from pagellm.engine.output_processor import OutputProcessor
-from pagellm.engine.outputs import EmbeddingOutput, PoolingRequestOutput, RequestMetrics, RequestOutput
-from pagellm.engine.request import Request, RequestStatus
+from pagellm.engine.outputs import PoolingRequestOutput, RequestOutput
+from pagellm.engine.processor import Processor, make_pooler
+from pagellm.engine.request import RequestStatus
 from pagellm.engine.scheduler import Scheduler
 from pagellm.engine.setup import resolve_engine
 from pagellm.lora.request import LoRARequest
 from pagellm.sampling.params import SamplingParams
-from pagellm.structured_output import grammar
-from pagellm.worker.executor import Ranks, start_ranks
 from pagellm.worker.model_runner import ModelRunner
+from pagellm.worker.ranks import RankProcesses, Ranks
+from pagellm.worker.ray_ranks import RayRanks
 from pagellm.worker.step import EngineSetup, SchedulerOutput, StepResult
 
 logger = logging.getLogger("pagellm")
 
 _TRANSFER_POLL_S = 0.002  # an empty step's pause while KV transfers are in flight
 _GENERATION_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
-
-
-class PromptTooLongError(ConfigError):
-    """A prompt (plus any requested output) does not fit the model's context."""
 
 
 class LLMEngine:
@@ -50,9 +48,8 @@ class LLMEngine:
         self.setup: EngineSetup = resolve_engine(config)
         for line in self.setup.explanation:
             logger.info(line)
-        self.pooler = self._pooler(config)  # None unless runner="pooling"
+        self.pooler = make_pooler(self.setup)  # None unless runner="pooling"
         _check_kv_transfer(self.setup)
-        self._pooling: dict[str, tuple[str | None, Request]] = {}  # unfinished pooling requests
         self.tokenizer, weights = _load_tokenizer_and_weights(self.setup)
         self.eos_token_ids = _eos_token_ids(self.setup, self.tokenizer)
         self.default_params = _generation_defaults(self.setup) if config.generation_config == "auto" else {}
@@ -60,7 +57,7 @@ class LLMEngine:
         self._failure: RankFailure | None = None
         parallel = None
         if config.tensor_parallel_size * config.pipeline_parallel_size > 1:
-            self.ranks = start_ranks(self.setup)
+            self.ranks = _start_ranks(self.setup)
             parallel = self.ranks.join()
         try:
             self.runner = ModelRunner(self.setup, weights, self.eos_token_ids, self._draft(), parallel)
@@ -73,13 +70,8 @@ class LLMEngine:
                     raise failure from exc
             raise
         self.max_model_len = self.setup.max_model_len
+        self.processor = Processor(self.setup, self.tokenizer, self.eos_token_ids, self.pooler)
         self.output_processor = OutputProcessor(self.tokenizer)
-        self._grammar_compiler: grammar.GrammarCompiler | None = None
-        parser = self.setup.reasoning_parser
-        # a grammar applies after these tokens: the end of the reasoning, when a reasoning parser is set
-        self._reasoning_end = (
-            self.tokenizer.encode(parser.end_tag, add_special_tokens=False) if parser else []
-        )
         self._ids = itertools.count()
         usable_tokens = (self.runner.num_blocks - 1) * config.block_size
         logger.info(
@@ -123,29 +115,6 @@ class LLMEngine:
             transfer, KVConnectorRole.SCHEDULER, context
         )
 
-    def _pooler(self, config: EngineConfig) -> Pooler | None:
-        """runner="pooling": the pooling from pooler_config and the model's files (checked before any weight
-        loads); None for a generating engine."""
-        if config.runner != "pooling":
-            if config.pooler_config not in (None, "", {}):
-                raise ConfigError(
-                    "pooler_config applies to embeddings; start with runner='pooling' to use it"
-                )
-            return None
-        if config.speculative_config not in (None, "", {}):
-            raise ConfigError(
-                "speculative_config: runner='pooling' generates no tokens to speculate; leave it out"
-            )
-        override = PoolerConfig.parse(config.pooler_config)
-        pooler = resolve_pooler(self.setup.source.directory, self.setup.hf_config, override)
-        logger.info(
-            "pooling runner: %s pooling, %snormalized (from %s)",
-            pooler.pooling_type,
-            "" if pooler.normalize else "not ",
-            pooler.source,
-        )
-        return pooler
-
     def _draft(self) -> tuple[EngineSetup, Any] | None:
         """The draft model's setup and weights when speculative_config asks for one: same platform, dtype,
         block size and attention backend as the target, and the same vocabulary (else a ConfigError)."""
@@ -184,142 +153,17 @@ class LLMEngine:
         return SamplingParams(**self.default_params)
 
     def tokenize(self, prompt: str | dict | list[int]) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
-            prompt = prompt["prompt"]
-        if isinstance(prompt, str):
-            return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
-        return None, [int(t) for t in prompt]
+        """The prompt's text (if it came as text) and token ids (`Processor.tokenize`)."""
+        return self.processor.tokenize(prompt)
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams | PoolingParams) -> None:
-        """Reject what cannot run, with a message that says what to change."""
-        self._check_runner(params)
-        if isinstance(params, PoolingParams):
-            self._validate_pooling(prompt_token_ids, params)
-            return
-        self._check_prompt_ids(prompt_token_ids)
-        params.validate_token_ids(self.setup.hf_config.vocab_size)
-        if params.structured_outputs is not None:
-            grammar.check(params.structured_outputs)
-        n = len(prompt_token_ids)
-        if n >= self.max_model_len:
-            raise PromptTooLongError(
-                f"the prompt has {n} tokens but this model's context is {self.max_model_len} tokens "
-                f"(max_model_len), which must also hold at least one output token; shorten the prompt"
-            )
-        if params.max_tokens is not None and n + params.max_tokens > self.max_model_len:
-            raise PromptTooLongError(
-                f"the prompt has {n} tokens and max_tokens is {params.max_tokens}, but the context is "
-                f"{self.max_model_len} tokens (max_model_len); lower max_tokens to at most {self.max_model_len - n} "
-                f"or shorten the prompt"
-            )
-
-    def _check_prompt_ids(self, prompt_token_ids: list[int]) -> None:
-        if not prompt_token_ids:
-            raise ConfigError("the prompt is empty; give at least one token")
-        vocab = self.setup.hf_config.vocab_size
-        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
-        if bad:
-            raise ConfigError(
-                f"prompt token id {bad[0]} is out of range for the vocabulary of {vocab} tokens"
-            )
-
-    def _check_runner(self, params: SamplingParams | PoolingParams) -> None:
-        """A generating engine takes SamplingParams, a pooling one PoolingParams (as vLLM: one task each)."""
-        if isinstance(params, PoolingParams) and self.pooler is None:
-            raise ConfigError(
-                "embeddings need an engine started with runner='pooling' (LLM(model, runner='pooling'), "
-                "pagellm serve --runner pooling); this one generates text"
-            )
-        if not isinstance(params, PoolingParams) and self.pooler is not None:
-            raise ConfigError(
-                "this engine was started with runner='pooling': it computes embeddings (LLM.embed, "
-                "/v1/embeddings) and generates no text; start another with runner='generate' to generate"
-            )
-
-    def _validate_pooling(self, prompt_token_ids: list[int], params: PoolingParams) -> PoolingParams:
-        """The checks of `validate` for an embedding request; returns its params with the model's choices
-        filled in. A pooling prompt may fill the whole context: nothing is generated after it."""
-        self._check_prompt_ids(prompt_token_ids)
-        n = len(prompt_token_ids)
-        if n > self.max_model_len:
-            raise PromptTooLongError(
-                f"the prompt has {n} tokens but this model's context is {self.max_model_len} tokens "
-                f"(max_model_len); shorten the prompt"
-            )
-        return self.pooler.resolve(params)
-
-    def _add_pooling_request(
-        self,
-        prompt: str | dict | list[int],
-        params: PoolingParams,
-        request_id: str | None,
-        priority: int,
-        arrival_time: float | None,
-        lora_request: LoRARequest | None,
-    ) -> str:
-        """Queue an embedding request: one Request, no sampling state; it finishes after its prompt."""
-        text, prompt_token_ids = self.tokenize(prompt)
-        self._check_runner(params)
-        resolved = self._validate_pooling(prompt_token_ids, params)
-        if lora_request is not None:
-            self.runner.add_lora(lora_request)
-        request_id = request_id if request_id is not None else str(next(self._ids))
-        if request_id in self.output_processor.parents or request_id in self._pooling:
-            raise ConfigError(f"request id {request_id!r} is already running")
-        request = Request(
-            request_id,
-            prompt_token_ids,
-            None,
-            (),
-            arrival_time,
-            priority,
-            lora_request,
-            pooling_params=resolved,
-        )
-        self._pooling[request_id] = (text, request)
-        self.scheduler.add_request(request)
-        return request_id
-
-    def _pooling_output(
-        self, request_id: str, vector: Any = None, aborted: bool = False
-    ) -> PoolingRequestOutput | None:
-        """The finished (or aborted) output of a pooling request: `vector` truncated to its dimensions, then
-        L2-normalised if it asks."""
-        entry = self._pooling.pop(request_id, None)
-        if entry is None:
-            return None
-        text, request = entry
-        embedding: list[float] = []
-        if vector is not None:
-            params = request.pooling_params
-            if params.dimensions is not None:
-                vector = vector[: params.dimensions]
-            if params.normalize:
-                vector = torch.nn.functional.normalize(vector, p=2, dim=-1)
-            embedding = vector.tolist()
-        metrics = RequestMetrics(
-            request.arrival_time,
-            request.first_scheduled_time,
-            finished_time=request.finished_time or time.monotonic(),
-            num_cached_tokens=request.num_cached_tokens,
-        )
-        return PoolingRequestOutput(
-            request_id,
-            text,
-            request.prompt_token_ids,
-            EmbeddingOutput(embedding),
-            finished=True,
-            metrics=metrics,
-            num_cached_tokens=request.num_cached_tokens,
-            aborted=aborted or vector is None,
-        )
+        """Reject what cannot run, with a message that says what to change (`Processor.validate`)."""
+        self.processor.validate(prompt_token_ids, params)
 
     def add_request(
         self,
         prompt: str | dict | list[int],
-        params: SamplingParams | None = None,
+        params: SamplingParams | PoolingParams | None = None,
         request_id: str | None = None,
         priority: int = 0,
         arrival_time: float | None = None,
@@ -329,64 +173,28 @@ class LLMEngine:
         """Queue a request; returns its id. Raises ConfigError (nothing queued) for invalid input. With
         PoolingParams (runner="pooling"), an embedding request. `kv_transfer_params` (or the prompt dict's
         "kv_transfer_params", how AsyncLLM's callers pass it) is for the KV connector: disaggregated prefill."""
-        if isinstance(params, PoolingParams):
-            return self._add_pooling_request(prompt, params, request_id, priority, arrival_time, lora_request)
-        params = params or self.default_sampling_params()
-        text, prompt_token_ids = self.tokenize(prompt)
-        self.validate(prompt_token_ids, params)
-        if kv_transfer_params is None and isinstance(prompt, dict):
-            kv_transfer_params = prompt.get("kv_transfer_params")
-        if kv_transfer_params is not None and (not isinstance(kv_transfer_params, dict) or params.n > 1):
-            raise ConfigError("kv_transfer_params must be a JSON object, on a request with n = 1")
+        if not isinstance(params, PoolingParams):
+            params = params or self.default_sampling_params()
+        processed = self.processor.process(prompt, params, kv_transfer_params)
         if lora_request is not None:
             self.runner.add_lora(lora_request)  # loads it now: a bad adapter fails here, alone
         request_id = request_id if request_id is not None else str(next(self._ids))
-        if request_id in self.output_processor.parents:
+        if self.output_processor.has_request(request_id):
             raise ConfigError(f"request id {request_id!r} is already running")
-        children = []
-        for i in range(params.n):
-            child_params = params if params.n == 1 else params.for_sample(i)
-            child_id = request_id if params.n == 1 else f"{request_id}#{i}"
-            children.append(
-                Request(
-                    child_id,
-                    prompt_token_ids,
-                    child_params,
-                    self.eos_token_ids,
-                    arrival_time,
-                    priority,
-                    lora_request,
-                    kv_transfer_params=kv_transfer_params,
-                )
-            )
-        if params.structured_outputs is not None:
-            for child in children:
-                child.grammar = self._grammars().request_grammar(
-                    params.structured_outputs, self._reasoning_end
-                )
-        self.runner.add_requests({child.request_id: child.sampling_params for child in children})
-        self.output_processor.add(request_id, text, children, params)
-        for child in children:
-            self.scheduler.add_request(child)
+        requests = self.processor.make_requests(request_id, processed, priority, arrival_time, lora_request)
+        if not isinstance(params, PoolingParams):
+            self.runner.add_requests({r.request_id: r.sampling_params for r in requests})
+        self.output_processor.add(request_id, processed.prompt, requests, processed.params)
+        for request in requests:
+            self.scheduler.add_request(request)
         return request_id
 
-    def _grammars(self) -> grammar.GrammarCompiler:
-        """The structured-output compiler, made on the first request with a grammar."""
-        if self._grammar_compiler is None:
-            self._grammar_compiler = grammar.GrammarCompiler(
-                self.tokenizer, self.setup.hf_config.vocab_size, self.eos_token_ids
-            )
-        return self._grammar_compiler
-
-    def abort_request(self, request_id: str) -> RequestOutput | None:
+    def abort_request(self, request_id: str) -> RequestOutput | PoolingRequestOutput | None:
         """Abort a request (all its samples) in any state; its KV blocks are freed at once."""
-        if request_id in self._pooling:
-            self.scheduler.abort_request(request_id)
-            self.runner.release([request_id])
-            return self._pooling_output(request_id, aborted=True)
-        for child_id in self.output_processor.child_ids(request_id):
+        child_ids = self.output_processor.child_ids(request_id)
+        for child_id in child_ids:
             self.scheduler.abort_request(child_id)
-        self.runner.release(self.output_processor.child_ids(request_id))
+        self.runner.release_finished(child_ids)
         return self.output_processor.abort(request_id)
 
     def has_unfinished_requests(self) -> bool:
@@ -399,8 +207,8 @@ class LLMEngine:
         if self._failure is not None:
             raise self._failure
         out = self.scheduler.schedule()
-        self.runner.forget(out.preempted)
-        self.runner.release(out.finished_ids)
+        self.runner.release_preempted(out.preempted)
+        self.runner.release_finished(out.finished_ids)
         if out.is_empty and out.kv_connector_metadata is None:
             return []
         try:
@@ -418,10 +226,7 @@ class LLMEngine:
         if result.kv_connector_output is not None:
             self.scheduler.update_kv_transfers(result.kv_connector_output)
         updated = self.scheduler.update_from_output(out, result.sampled, result.spec_token_ids)
-        pooled = [r for r in updated if r.pooling_params is not None]  # finished with their prompt
-        if pooled:
-            updated = [r for r in updated if r.pooling_params is None]
-        outputs, stopped = self.output_processor.process(updated, result.logprobs, result.prompt_logprobs)
+        outputs, stopped = self.output_processor.process(updated, result)
         for request_id, stop_string in stopped:
             self.scheduler.finish_request(request_id, RequestStatus.FINISHED_STOPPED, stop_string)
         if self.scheduler.kv_connector is not None:  # what the connector returned when each finished
@@ -429,12 +234,6 @@ class LLMEngine:
             for output in outputs:
                 if output.finished and output.request_id in finished:
                     output.kv_transfer_params = finished[output.request_id].kv_transfer_output
-        for request in pooled:
-            vector = result.pooled.get(request.request_id)
-            if vector is None:
-                outputs.append(self._fail(request.request_id, RuntimeError("the runner pooled nothing")))
-            else:
-                outputs.append(self._pooling_output(request.request_id, vector))
         return outputs
 
     def _step_one_by_one(self, out: SchedulerOutput) -> list[RequestOutput]:
@@ -498,8 +297,7 @@ class LLMEngine:
 
     def _fail(self, child_id: str, exc: Exception) -> RequestOutput:
         """End the request a failing sample belongs to (all its samples), saying why in `error`."""
-        entry = self.output_processor.child_to_parent.get(child_id)
-        parent_id = entry[0].request_id if entry is not None else child_id  # a pooling request has no parent
+        parent_id = self.output_processor.parent_id(child_id)
         logger.error("request %s failed in the model runner; ending it alone", parent_id, exc_info=exc)
         output = self.abort_request(parent_id)
         output.error = f"the model runner failed on this request: {exc!r}"
@@ -512,6 +310,13 @@ class LLMEngine:
 
     def stats(self) -> Any:
         return self.scheduler.stats()
+
+
+def _start_ranks(setup: EngineSetup) -> Ranks:
+    """The model's other ranks, started the way `distributed_executor_backend` says."""
+    if setup.config.distributed_executor_backend == "ray":
+        return RayRanks(setup)
+    return RankProcesses(setup)
 
 
 def _load_tokenizer_and_weights(setup: EngineSetup):

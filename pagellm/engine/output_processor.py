@@ -1,20 +1,36 @@
-"""Turns the scheduler's updated requests into `RequestOutput`s: detokenizes incrementally, applies stop
-strings, gathers the n samples of a parent request, and records timing.
+"""Turns the scheduler's updated requests into outputs: for a generation request a `RequestOutput`
+(detokenized incrementally, stop strings applied, the n samples of a parent request gathered, timing
+recorded); for a pooling request a `PoolingRequestOutput` when it finishes (its pooled vector truncated to
+`dimensions`, then L2-normalised if it asks).
 
-`output_kind` decides what a request gets: "cumulative", every step, everything so far; "delta", every
-step, only what is new; "final_only", one output when it finishes (or is aborted) and nothing before,
-so a caller that waits for the end pays for no per-step copies."""
+`output_kind` decides what a generation request gets: "cumulative", every step, everything so far;
+"delta", every step, only what is new; "final_only", one output when it finishes (or is aborted) and
+nothing before, so a caller that waits for the end pays for no per-step copies."""
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
+from pagellm.core.pooling import PoolingParams
 from pagellm.engine.detokenizer import IncrementalDetokenizer
-from pagellm.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from pagellm.engine.outputs import (
+    CompletionOutput,
+    EmbeddingOutput,
+    Logprob,
+    PoolingRequestOutput,
+    RequestMetrics,
+    RequestOutput,
+)
 from pagellm.engine.request import Request
 from pagellm.sampling.params import SamplingParams
+from pagellm.worker.step import StepResult
+
+logger = logging.getLogger("pagellm")
 
 
 @dataclass
@@ -43,15 +59,32 @@ class ParentState:
         return all(c.finished for c in self.children)
 
 
+@dataclass
+class _Pooling:
+    """An unfinished pooling request: one request, one output when it finishes."""
+
+    prompt: str | None
+    request: Request
+
+
 class OutputProcessor:
     def __init__(self, tokenizer: Any):
         self.tokenizer = tokenizer
         self.parents: dict[str, ParentState] = {}
         self.child_to_parent: dict[str, tuple[ParentState, _Child]] = {}
+        self.pooling: dict[str, _Pooling] = {}
 
     def add(
-        self, request_id: str, prompt: str | None, children: list[Request], params: SamplingParams
+        self,
+        request_id: str,
+        prompt: str | None,
+        children: list[Request],
+        params: SamplingParams | PoolingParams,
     ) -> None:
+        """Track a request's outputs: a generation request's n children, or a pooling request's one."""
+        if isinstance(params, PoolingParams):
+            self.pooling[request_id] = _Pooling(prompt, children[0])
+            return
         parent = ParentState(request_id, prompt, list(children[0].prompt_token_ids), params)
         parent.metrics = RequestMetrics(arrival_time=children[0].arrival_time)
         if params.prompt_logprobs is not None:
@@ -63,22 +96,38 @@ class OutputProcessor:
             self.child_to_parent[child.request_id] = (parent, state)
         self.parents[request_id] = parent
 
+    def has_request(self, request_id: str) -> bool:
+        """Whether a request of this id is unfinished."""
+        return request_id in self.parents or request_id in self.pooling
+
     def child_ids(self, request_id: str) -> list[str]:
+        """The ids of the requests the scheduler runs for it (a pooling request's is its own)."""
+        if request_id in self.pooling:
+            return [request_id]
         parent = self.parents.get(request_id)
         return [c.request.request_id for c in parent.children] if parent else []
 
+    def parent_id(self, child_id: str) -> str:
+        """The id of the request a child request belongs to (a pooling request is its own)."""
+        entry = self.child_to_parent.get(child_id)
+        return entry[0].request_id if entry is not None else child_id
+
     def process(
-        self,
-        updated: list[Request],
-        logprobs: dict[str, list[dict[int, tuple[float, int]]]],
-        prompt_logprobs: dict[str, list],
-    ) -> tuple[list[RequestOutput], list[tuple[str, str]]]:
-        """New outputs for the parents touched this step, and (child id, stop string) for each stop string
-        matched (the engine finishes those in the scheduler)."""
+        self, updated: list[Request], result: StepResult
+    ) -> tuple[list[RequestOutput | PoolingRequestOutput], list[tuple[str, str]]]:
+        """New outputs for the parents touched this step (then those of the pooling requests that finished),
+        and (child id, stop string) for each stop string matched (the engine finishes those in the
+        scheduler)."""
+        logprobs, prompt_logprobs = result.logprobs, result.prompt_logprobs
         touched: dict[str, ParentState] = {}
         moved: set[int] = set()  # ids of the children that got tokens or finished this step
         stopped: list[tuple[str, str]] = []
+        pooled: list[PoolingRequestOutput] = []
         for request in updated:
+            if request.pooling_params is not None:  # finished with its prompt
+                if request.request_id in self.pooling:
+                    pooled.append(self._pooled(request.request_id, result.pooled.get(request.request_id)))
+                continue
             entry = self.child_to_parent.get(request.request_id)
             if entry is None:
                 continue
@@ -127,9 +176,11 @@ class OutputProcessor:
             outputs.append(self._output(parent, moved=moved))
             if parent.finished:
                 self._drop(parent)
-        return outputs, stopped
+        return outputs + pooled, stopped
 
-    def abort(self, request_id: str) -> RequestOutput | None:
+    def abort(self, request_id: str) -> RequestOutput | PoolingRequestOutput | None:
+        if request_id in self.pooling:
+            return self._pooling_output(request_id, aborted=True)
         parent = self.parents.get(request_id)
         if parent is None:
             return None
@@ -190,6 +241,48 @@ class OutputProcessor:
             prompt_logprobs=parent.prompt_logprobs,
             metrics=parent.metrics,
             num_cached_tokens=parent.metrics.num_cached_tokens,
+        )
+
+    def _pooled(self, request_id: str, vector: torch.Tensor | None) -> PoolingRequestOutput:
+        """A finished pooling request's output; an error output when the runner pooled nothing for it."""
+        if vector is not None:
+            return self._pooling_output(request_id, vector)
+        exc = RuntimeError("the runner pooled nothing")
+        logger.error("request %s failed in the model runner; ending it alone", request_id, exc_info=exc)
+        output = self._pooling_output(request_id, aborted=True)
+        output.error = f"the model runner failed on this request: {exc!r}"
+        return output
+
+    def _pooling_output(
+        self, request_id: str, vector: torch.Tensor | None = None, aborted: bool = False
+    ) -> PoolingRequestOutput:
+        """The finished (or aborted) output of a pooling request: `vector` truncated to its dimensions, then
+        L2-normalised if it asks."""
+        entry = self.pooling.pop(request_id)
+        request = entry.request
+        embedding: list[float] = []
+        if vector is not None:
+            params = request.pooling_params
+            if params.dimensions is not None:
+                vector = vector[: params.dimensions]
+            if params.normalize:
+                vector = torch.nn.functional.normalize(vector, p=2, dim=-1)
+            embedding = vector.tolist()
+        metrics = RequestMetrics(
+            request.arrival_time,
+            request.first_scheduled_time,
+            finished_time=request.finished_time or time.monotonic(),
+            num_cached_tokens=request.num_cached_tokens,
+        )
+        return PoolingRequestOutput(
+            request_id,
+            entry.prompt,
+            request.prompt_token_ids,
+            EmbeddingOutput(embedding),
+            finished=True,
+            metrics=metrics,
+            num_cached_tokens=request.num_cached_tokens,
+            aborted=aborted or vector is None,
         )
 
     def _logprobs(self, entry: dict[int, tuple[float, int]] | None) -> dict[int, Logprob] | None:

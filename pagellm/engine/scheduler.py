@@ -60,12 +60,6 @@ class SchedulerStats:
     kv_transfer_loaded_tokens: int = 0  # cumulative: tokens a KV connector loaded (then prefix-cache hits)
     kv_transfer_load_failures: int = 0  # cumulative: loads that ended short (missing, corrupt, timed out)
 
-    @property
-    def spec_acceptance_rate(self) -> float | None:
-        return (
-            self.spec_num_accepted_tokens / self.spec_num_draft_tokens if self.spec_num_draft_tokens else None
-        )
-
 
 class _FCFSQueue:
     def __init__(self) -> None:

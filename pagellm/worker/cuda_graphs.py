@@ -8,7 +8,7 @@ lengths, block tables, slot mapping). A decode-only step of n requests copies it
 buffers and replays the smallest graph of at least n rows; the padding rows are one token at slot 0 of
 the null block (which no request owns) with a context of that one token, and their outputs are dropped.
 Every other step (prefills and mixed steps) runs eagerly, and so does the whole engine with LoRA, a split
-model or speculative decoding (the model runner decides).
+model, speculative decoding or a pooling runner (`decode_graphs_allowed`).
 
 The attention metadata is built once per captured size, outside the graph, over the static buffers, so
 the backend must allow it (`AttentionBackend.cuda_graph_decode`). A metadata tensor that the backend
@@ -22,7 +22,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -30,9 +30,7 @@ import torch
 from pagellm.core.attention import AttentionBackend, AttentionBatch
 from pagellm.core.transfer import copy_to
 from pagellm.models.context import set_forward_context
-
-if TYPE_CHECKING:
-    from pagellm.worker.model_runner import StepArrays
+from pagellm.worker.step import EngineSetup, StepArrays
 
 logger = logging.getLogger("pagellm")
 
@@ -41,6 +39,22 @@ MAX_CAPTURE_SIZE = 512
 WARM_UP_RUNS = 2
 """Eager runs before each capture, so lazy initialisation (library handles, workspaces, Triton
 compilation) happens outside it, as PyTorch's CUDA-graph documentation asks."""
+
+
+def decode_graphs_allowed(setup: EngineSetup, *, lora: bool, split: bool, speculative: bool) -> bool:
+    """CUDA graphs for decode steps where the platform and the backend allow them, unless --enforce-eager.
+    Never with LoRA (each step's adapter rows differ), a split model (collectives), speculative decoding
+    (the draft model reads every step's inputs) or a pooling runner (no decode)."""
+    config = setup.config
+    return (
+        not config.enforce_eager
+        and setup.platform.supports_cuda_graphs()
+        and setup.backend.cuda_graph_decode
+        and not lora
+        and not split
+        and not speculative
+        and config.runner != "pooling"
+    )
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:

@@ -1,12 +1,36 @@
-"""The persistent batch: per-request token and block-table rows kept across steps.
+"""The persistent batch: per-request token and block-table rows kept across steps, and the flat step
+inputs gathered from them.
 
 A request gets a row when first scheduled and keeps it until it finishes or is preempted; each step only
-appends its new tokens and new blocks, so building the step's flat inputs is a few numpy gathers.
+appends its new tokens and new blocks, so building the step's flat inputs (`InputBatch.step_arrays`) is a
+few numpy gathers. `PreparedStep` is what `ModelRunner._prepare_inputs` makes of a step: those inputs and
+which rows each request's outputs come from.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
+import torch
+
+from pagellm.core.transfer import to_device
+from pagellm.models.context import LoRABatch
+from pagellm.worker.step import ScheduledRequest, StepArrays
+
+
+@dataclass
+class PreparedStep:
+    """One step, ready for the forward: the model's inputs and, by the request's index i in the batch, where
+    its rows are (`cu[i]:cu[i + 1]`, from position `starts[i]`) and what it wants of them."""
+
+    arrays: StepArrays  # what every rank's forward reads
+    cu: np.ndarray  # [B + 1] int64: query start of each request in the flat batch
+    starts: list[int]  # position of each request's first scheduled token
+    sampling: list[tuple[int, ScheduledRequest]]  # (index, request): reaches its last token, samples
+    prompt_logprobs: list[tuple[int, ScheduledRequest]]  # (index, request): logprobs of prompt tokens
+    pooling: list[tuple[int, ScheduledRequest]]  # (index, request): pooled, never sampled
+    lora: LoRABatch | None = None  # the step's adapter rows and slots on the device (driver only)
 
 
 class InputBatch:
@@ -43,3 +67,32 @@ class InputBatch:
         if len(block_ids) != have_blocks:
             self.block_table[row, : len(block_ids)] = block_ids
             self.num_blocks[row] = len(block_ids)
+
+    def step_arrays(
+        self, rows: list[int], starts: list[int], counts: list[int]
+    ) -> tuple[StepArrays, np.ndarray]:
+        """The flat inputs of a step in which the request in row `rows[i]` runs `counts[i]` tokens from
+        position `starts[i]`, and the query start of each request (cu, int64)."""
+        counts_np = np.asarray(counts, dtype=np.int64)
+        cu = np.zeros(len(counts) + 1, dtype=np.int64)
+        np.cumsum(counts_np, out=cu[1:])
+        num_tokens = int(cu[-1])
+        token_rows = np.repeat(np.asarray(rows, dtype=np.int64), counts_np)
+        positions = np.arange(num_tokens, dtype=np.int64) - np.repeat(cu[:-1] - np.asarray(starts), counts_np)
+        bs = self.block_size
+        seq_lens = np.asarray(starts, dtype=np.int64) + counts_np
+        arrays = StepArrays(
+            input_ids=self.token_ids[token_rows, positions],
+            positions=positions,
+            query_start_loc=cu.astype(np.int32),
+            seq_lens=seq_lens.astype(np.int32),
+            block_tables=self.block_table[rows, : int(-(-seq_lens.max() // bs))],
+            slot_mapping=self.block_table[token_rows, positions // bs].astype(np.int64) * bs + positions % bs,
+        )
+        return arrays, cu
+
+
+def host_to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A host array on the device, through page-locked memory where the device has it (so the host does not
+    wait, and the array may change right after); on the CPU the array's own memory."""
+    return to_device(torch.from_numpy(np.ascontiguousarray(array)), device)

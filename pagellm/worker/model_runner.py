@@ -1,59 +1,59 @@
 """The model runner: loads the model, owns the KV cache, and runs one scheduled step.
 
-Per step it gathers the flat batch (token ids, positions, slot mapping, block tables, query offsets)
-from the persistent `InputBatch`, runs the model under the backend's metadata, computes logits only for
-the positions that sample (or that asked for prompt logprobs), and samples on the device.
+A step is three jobs, one method each: `_prepare_inputs` brings the persistent `InputBatch` up to date and
+gathers the flat `StepArrays` (token ids, positions, slot mapping, block tables, query offsets) and which
+rows sample, pool or want prompt logprobs (`PreparedStep`); `_run_model` runs the forward on them (every
+rank; a replayed CUDA graph where one fits); then the outputs: pooled vectors, prompt logprobs, and logits
+of only the rows that sample, sampled on the device.
+
+The optional parts are helpers the runner holds, each None when off: `lora` (`runner_lora.py`),
+`kv_transfer` (`runner_kv_connector.py`), `spec_decode` (`runner_spec_decode.py`) and `graphs`
+(`cuda_graphs.py`). The KV cache's layout and size are `kv_cache.py`'s.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from pagellm.core.attention import AttentionBatch
 from pagellm.core.errors import ConfigError
-from pagellm.core.kv_connector import (
-    KVCacheBlocks,
-    KVConnector,
-    KVConnectorContext,
-    KVConnectorOutput,
-    KVConnectorRole,
-    kv_block_dim,
-    kv_namespace,
-)
+from pagellm.core.kv_connector import KVConnector, KVConnectorContext, KVConnectorOutput
 from pagellm.core.platform import GiB
-from pagellm.core.transfer import to_device
 from pagellm.distributed import Parallel
-from pagellm.lora.manager import LoRAManager
 from pagellm.lora.request import LoRARequest
-from pagellm.models.base import ModelInit, rank_heads
+from pagellm.models.base import ModelInit
 from pagellm.models.context import LoRABatch, set_forward_context
 from pagellm.models.layers.linear import Linear
 from pagellm.models.loader import load_model, model_weight_bytes
 from pagellm.sampling.params import MAX_LOGPROBS, SamplingParams
 from pagellm.sampling.sampler import (
-    LogprobsTensors,
     Sampler,
     SamplingRequest,
     build_sampling_batch,
-    compute_logprobs,
     compute_prompt_logprobs,
     make_generator,
 )
-from pagellm.spec_decode.draft_model import DraftModelProposer
-from pagellm.spec_decode.ngram import NgramProposer
-from pagellm.spec_decode.proposer import DraftRequest, Proposer, StepInputs
-from pagellm.spec_decode.rejection import verify
-from pagellm.worker.cuda_graphs import DecodeGraphs, capture_decode_graphs
-from pagellm.worker.input_batch import InputBatch
+from pagellm.spec_decode.proposer import StepInputs
+from pagellm.worker.cuda_graphs import DecodeGraphs, capture_decode_graphs, decode_graphs_allowed
+from pagellm.worker.input_batch import InputBatch, PreparedStep, host_to_device
+from pagellm.worker.kv_cache import (
+    allocate_kv_caches,
+    blocks_in_budget,
+    kv_block_bytes,
+    kv_cache_shape,
+    rank_spec,
+)
+from pagellm.worker.logprobs import LogprobLists, row_logprobs
 from pagellm.worker.pooler import PoolingState
-from pagellm.worker.step import EngineSetup, SchedulerOutput, StepResult
+from pagellm.worker.runner_kv_connector import RunnerKVConnector
+from pagellm.worker.runner_lora import RunnerLoRA
+from pagellm.worker.runner_spec_decode import RunnerSpecDecode, make_proposer
+from pagellm.worker.step import EngineSetup, SchedulerOutput, StepArrays, StepResult
 
 logger = logging.getLogger("pagellm")
 
@@ -73,11 +73,7 @@ class ModelRunner:
         config = setup.config
         self.setup = setup
         self.parallel = parallel or Parallel()
-        self.device = setup.platform.device(self.parallel.local_rank)
-        if (
-            self.parallel.world_size > 1 and self.device.type != "cpu"
-        ):  # nccl and friends use the current device
-            getattr(torch, self.device.type).set_device(self.device)
+        self.device = self._bind_device()
         self.block_size = config.block_size
         self.eos_token_ids = set(eos_token_ids)
         self.model_bytes = 0  # both models' weights as loaded (before the platform packs them)
@@ -86,66 +82,38 @@ class ModelRunner:
         self.draft_setup = draft[0] if draft else None
         self.draft_model = self._load(*draft) if draft else None
         self.num_blocks = self.parallel.min(self._num_blocks())  # what fits on every rank
-        self.kv_caches = self._kv_caches(setup, self.layers)
-        self.lora: LoRAManager | None = None
-        if config.enable_lora:
-            self.lora = LoRAManager(
-                self.model,
-                config.max_loras,
-                config.max_lora_rank,
-                config.max_cpu_loras or config.max_loras,
-                setup.dtype,
-                self.device,
-            )
-        self.forward = self.model
-        # the LoRA terms' row groups change every step; collectives stay out of compiled graphs
-        if not config.enforce_eager and self.lora is None and self.parallel.world_size == 1:
-            compiled = setup.platform.compile_model(self.model)
-            if compiled is not None:
-                self.forward = self._warm_up(compiled)
+        self.kv_caches = allocate_kv_caches(
+            setup, self.parallel.tp, self.layers, self.num_blocks, self.block_size, self.device
+        )
+        self.lora = RunnerLoRA(self.model, config, setup.dtype, self.device) if config.enable_lora else None
+        self.forward = self._compile()
         self.input_batch = InputBatch(config.max_num_seqs, setup.max_model_len, self.block_size)
         self.generators: dict[str, torch.Generator | None] = {}
         self.pooling_states: dict[str, PoolingState] = {}  # pooling requests mid-prompt
         self.sampler = Sampler(
             torch.Generator(device=self.device).manual_seed(config.seed), argmax=setup.platform.argmax
         )
-        self.speculative = config.speculative
-        self.proposer: Proposer | None = self._make_proposer() if self.speculative else None
+        self.spec_decode = self._make_spec_decode() if config.speculative else None
         # KV slots a proposer writes past a step's tokens: a draft model's own k - 1 steps ahead, and one more
-        self.num_lookahead_tokens = self.speculative.num_speculative_tokens if self.draft_model else 0
-        self.kv_connector: KVConnector | None = None  # the worker's half, with --kv-transfer-config
-        self.kv_context: KVConnectorContext | None = None
-        if config.kv_transfer is not None:
-            self.kv_connector = self._make_kv_connector()
-        self.graphs: DecodeGraphs | None = None  # decode steps replayed from CUDA graphs
-        if self._uses_graphs():
-            self.graphs = capture_decode_graphs(
-                self.forward,
-                setup.backend,
-                self.kv_caches,
-                self.layers,
-                config.max_num_seqs,
-                setup.max_model_len,
-                self.block_size,
-                self.device,
-            )
-
-    def _uses_graphs(self) -> bool:
-        """CUDA graphs for decode steps where the platform and the backend allow them, unless
-        --enforce-eager. Never with LoRA (each step's adapter rows differ), a split model (collectives),
-        speculative decoding (the draft model reads every step's inputs) or a pooling runner (no decode)."""
-        config = self.setup.config
-        return (
-            not config.enforce_eager
-            and self.setup.platform.supports_cuda_graphs()
-            and self.setup.backend.cuda_graph_decode
-            and self.lora is None
-            and self.parallel.world_size == 1
-            and self.proposer is None
-            and config.runner != "pooling"
+        self.num_lookahead_tokens = config.speculative.num_speculative_tokens if self.draft_model else 0
+        self.kv_transfer = (
+            RunnerKVConnector(setup, self.parallel.tp, self.kv_caches, self.block_size)
+            if config.kv_transfer is not None
+            else None
         )
+        self.graphs = self._capture_graphs()  # decode steps replayed from CUDA graphs
+
+    # -- start-up -----------------------------------------------------------------------------------------
+
+    def _bind_device(self) -> torch.device:
+        """This rank's device; with several ranks also the current one (nccl and friends use it)."""
+        device = self.setup.platform.device(self.parallel.local_rank)
+        if self.parallel.world_size > 1 and device.type != "cpu":
+            getattr(torch, device.type).set_device(device)
+        return device
 
     def _load(self, setup: EngineSetup, weights: Iterable[tuple[str, torch.Tensor]]):
+        """Build a model (the target or the draft) on the device, load its weights, pack its linears."""
         quant = (
             setup.quant_method(getattr(setup.hf_config, "quantization_config", None))
             if setup.quant_method
@@ -169,34 +137,6 @@ class ModelRunner:
         self._pack_linears(model)
         return model
 
-    def _kv_caches(self, setup: EngineSetup, layers: list) -> list[torch.Tensor]:
-        """One cache per attention layer, by layer_idx; an empty tensor for another pipeline stage's."""
-        spec = rank_heads(setup.spec, self.parallel.tp)
-        shape = setup.backend.kv_cache_shape(
-            self.num_blocks, self.block_size, spec.num_kv_heads, spec.cache_row_size
-        )
-        empty = torch.empty(0, dtype=spec.cache_dtype, device=self.device)
-        return [
-            torch.zeros(shape, dtype=spec.cache_dtype, device=self.device) if layer is not None else empty
-            for layer in layers
-        ]
-
-    def _make_proposer(self) -> Proposer:
-        spec = self.speculative
-        if spec.method == "ngram":
-            return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
-        if self.draft_model is None:
-            raise ConfigError("speculative_config: draft_model needs the draft model loaded with the target")
-        draft_caches = self._kv_caches(self.draft_setup, self.draft_model.attention_layers())
-        return DraftModelProposer(
-            self.draft_model,
-            draft_caches,
-            self.draft_setup.backend,
-            self.block_size,
-            self.input_batch.block_table,
-            self.device,
-        )
-
     def _pack_linears(self, model) -> None:
         """Let the platform prepack every plain linear layer's weight (`Platform.pack_linear`), and the
         output projection's for `CausalLM.project_logits`. A tied lm_head is the embedding, which needs its
@@ -212,6 +152,16 @@ class ModelRunner:
             model.packed_lm_head = packed
             if isinstance(lm_head, Linear):
                 lm_head.use_packed(packed)
+
+    def _compile(self) -> Callable[..., torch.Tensor]:
+        """The forward the platform compiles (`Platform.compile_model`), warmed up; the eager model with
+        --enforce-eager, LoRA (the LoRA terms' row groups change every step) or a split model (collectives
+        stay out of compiled graphs)."""
+        config = self.setup.config
+        if config.enforce_eager or self.lora is not None or self.parallel.world_size > 1:
+            return self.model
+        compiled = self.setup.platform.compile_model(self.model)
+        return self._warm_up(compiled) if compiled is not None else self.model
 
     @torch.inference_mode()
     def _warm_up(self, compiled: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
@@ -238,15 +188,15 @@ class ModelRunner:
         """Bytes of one KV block over all layers, the draft model's included."""
         total = 0
         for setup, model in ((self.setup, self.model), (self.draft_setup, self.draft_model)):
-            if model is None:
-                continue
-            spec = rank_heads(setup.spec, self.parallel.tp)
-            shape = setup.backend.kv_cache_shape(1, self.block_size, spec.num_kv_heads, spec.cache_row_size)
-            elem = torch.empty((), dtype=spec.cache_dtype).element_size()
-            total += int(np.prod(shape)) * elem * len(model.attention_layers())
+            if model is not None:
+                total += kv_block_bytes(
+                    setup, self.parallel.tp, self.block_size, len(model.attention_layers())
+                )
         return total
 
     def _num_blocks(self) -> int:
+        """KV blocks in this rank's memory budget: --num-kv-blocks, else what the platform leaves after the
+        profiled step's peak (or the memory in use, on a platform without a peak counter)."""
         config = self.setup.config
         if config.num_kv_blocks is not None:
             return config.num_kv_blocks
@@ -256,16 +206,7 @@ class ModelRunner:
         if peak is None:
             peak = platform.memory_in_use(self.model_bytes, index)
         budget = platform.kv_cache_bytes(config, self.model_bytes, peak)
-        num_blocks = budget // self.block_bytes()
-        if num_blocks < 2:
-            raise ConfigError(
-                f"no memory left for the KV cache ({budget / GiB:.2f} GiB after the model's "
-                f"{self.model_bytes / GiB:.2f} GiB); raise --kv-cache-space or --gpu-memory-utilization"
-            )
-        # no more than max_num_seqs full contexts can use (plus the null block): on a large accelerator the
-        # memory alone would make millions of blocks, each a start-up cost
-        per_request = -(-(self.setup.max_model_len + self.block_size) // self.block_size)
-        num_blocks = int(min(num_blocks, config.max_num_seqs * per_request + 1))
+        num_blocks = blocks_in_budget(self.setup, budget, self.block_bytes(), self.model_bytes)
         logger.info(
             "KV cache budget (rank %d): %.2f GiB, %d blocks", self.parallel.rank, budget / GiB, num_blocks
         )
@@ -290,9 +231,9 @@ class ModelRunner:
         num_tokens = config.token_budget
         if not config.enable_chunked_prefill:
             num_tokens = max(num_tokens, self.setup.max_model_len)
-        spec = rank_heads(self.setup.spec, self.parallel.tp)
-        shape = self.setup.backend.kv_cache_shape(1, self.block_size, spec.num_kv_heads, spec.cache_row_size)
-        cache = torch.zeros(shape, dtype=spec.cache_dtype, device=self.device)  # block 0, read, never written
+        shape = kv_cache_shape(self.setup, self.parallel.tp, 1, self.block_size)
+        dtype = rank_spec(self.setup, self.parallel.tp).cache_dtype
+        cache = torch.zeros(shape, dtype=dtype, device=self.device)  # block 0, read, never written
         if self.parallel.world_size > 1:
             # ranks load at their own pace, and the step's collectives time out sooner than start-up's
             torch.distributed.barrier(group=self.parallel.startup)
@@ -330,6 +271,65 @@ class ModelRunner:
         )
         return peak + outside
 
+    def _make_spec_decode(self) -> RunnerSpecDecode:
+        """The proposer (a draft model gets KV tensors of its own, addressed by the target's block tables)
+        and the verification of its drafts."""
+        draft = None
+        if self.draft_model is not None:
+            layers = self.draft_model.attention_layers()
+            caches = allocate_kv_caches(
+                self.draft_setup, self.parallel.tp, layers, self.num_blocks, self.block_size, self.device
+            )
+            draft = (self.draft_setup, self.draft_model, caches)
+        speculative = self.setup.config.speculative
+        proposer = make_proposer(
+            speculative, draft, self.block_size, self.input_batch.block_table, self.device
+        )
+        return RunnerSpecDecode(
+            speculative,
+            proposer,
+            self.setup.max_model_len,
+            self.sampler,
+            self.generators,
+            self.eos_token_ids,
+            self.compute_logits,
+            self.device,
+        )
+
+    def _capture_graphs(self) -> DecodeGraphs | None:
+        """Decode steps' CUDA graphs, captured now that the KV cache exists, where they apply."""
+        allowed = decode_graphs_allowed(
+            self.setup,
+            lora=self.lora is not None,
+            split=self.parallel.world_size > 1,
+            speculative=self.spec_decode is not None,
+        )
+        if not allowed:
+            return None
+        config = self.setup.config
+        return capture_decode_graphs(
+            self.forward,
+            self.setup.backend,
+            self.kv_caches,
+            self.layers,
+            config.max_num_seqs,
+            self.setup.max_model_len,
+            self.block_size,
+            self.device,
+        )
+
+    @property
+    def kv_connector(self) -> KVConnector | None:
+        """The KV connector's worker half (with --kv-transfer-config), over this runner's KV caches."""
+        return self.kv_transfer.connector if self.kv_transfer is not None else None
+
+    @property
+    def kv_context(self) -> KVConnectorContext | None:
+        """What the connector's scheduler half must share with its worker half (block size, namespace)."""
+        return self.kv_transfer.context if self.kv_transfer is not None else None
+
+    # -- per-request state ----------------------------------------------------------------------------------
+
     def add_lora(self, request: LoRARequest) -> None:
         """Load an adapter into memory (ConfigError when LoRA is off or the adapter cannot run)."""
         if self.lora is None:
@@ -342,26 +342,51 @@ class ModelRunner:
         generators = {request_id: make_generator(p, self.device) for request_id, p in params.items()}
         self.generators.update(generators)
 
-    def forget(self, request_ids: Iterable[str]) -> None:
-        """Drop per-request state of finished or preempted requests."""
+    def release_preempted(self, request_ids: Iterable[str]) -> None:
+        """Drop the step state of preempted requests (their batch row, a pooling request's partial pool: it
+        pools its prompt again); their seeded generator stays, for when they run again."""
         for request_id in request_ids:
             self.input_batch.remove(request_id)
-            self.pooling_states.pop(request_id, None)  # a preempted request pools its prompt again
+            self.pooling_states.pop(request_id, None)
 
-    def release(self, request_ids: Iterable[str]) -> None:
-        """Drop everything of finished requests, their seeded generator included."""
+    def release_finished(self, request_ids: Iterable[str]) -> None:
+        """Drop everything of finished or aborted requests, their seeded generator included."""
         for request_id in request_ids:
             self.input_batch.remove(request_id)
             self.generators.pop(request_id, None)
             self.pooling_states.pop(request_id, None)
 
+    # -- a step -------------------------------------------------------------------------------------------
+
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> StepResult:
-        if out.kv_connector_metadata is not None:  # loads go into blocks no request of this step reads
-            self.kv_connector.bind_connector_metadata(out.kv_connector_metadata)
-            self.kv_connector.start_load_kv()
+        """Run one scheduled step: prepare its inputs, run the model, then pool, compute prompt logprobs
+        and sample (or verify drafts and propose the next ones)."""
+        if self.kv_transfer is not None:
+            self.kv_transfer.start_loads(out)
         if out.is_empty:  # only transfers to run
-            return StepResult(kv_connector_output=self._kv_done(out))
+            return StepResult(kv_connector_output=self._kv_transfers_done(out))
+        step = self._prepare_inputs(out)
+        hidden = self._run_model(step)
+        result = StepResult(kv_connector_output=self._kv_transfers_done(out))
+        if step.pooling:
+            self._pool(hidden, step, result)
+        if step.prompt_logprobs:
+            self._prompt_logprobs(hidden, step, result)
+        if not step.sampling:
+            return result
+        if out.spec_token_ids:
+            self.spec_decode.verify(out, hidden, step.sampling, step.cu, result)
+        else:
+            self._sample(out, hidden, step, result)
+        if self.spec_decode is not None:
+            self.spec_decode.propose(step.sampling, self.input_batch.rows, result)
+        return result
+
+    def _prepare_inputs(self, out: SchedulerOutput) -> PreparedStep:
+        """Bring the scheduled requests' rows of the persistent batch up to date (new tokens and blocks, and
+        the drafts to verify after the known tokens), gather the step's flat model inputs from them, and
+        note which requests sample, pool or want prompt logprobs this step."""
         batch = self.input_batch
         rows, counts, starts = [], [], []
         sampling, prompt_lp, pooling = [], [], []  # (index in batch, request)
@@ -384,87 +409,27 @@ class ModelRunner:
                 sampling.append((i, request))
             if request.sampling_params.prompt_logprobs is not None and start < request.num_prompt_tokens:
                 prompt_lp.append((i, request))
-        counts_np = np.asarray(counts, dtype=np.int64)
-        cu = np.zeros(len(counts) + 1, dtype=np.int64)
-        np.cumsum(counts_np, out=cu[1:])
-        num_tokens = int(cu[-1])
-        token_rows = np.repeat(np.asarray(rows, dtype=np.int64), counts_np)
-        positions = np.arange(num_tokens, dtype=np.int64) - np.repeat(cu[:-1] - np.asarray(starts), counts_np)
-        bs = self.block_size
-        seq_lens = np.asarray(starts, dtype=np.int64) + counts_np
-        step = StepArrays(
-            input_ids=batch.token_ids[token_rows, positions],
-            positions=positions,
-            query_start_loc=cu.astype(np.int32),
-            seq_lens=seq_lens.astype(np.int32),
-            block_tables=batch.block_table[rows, : int(-(-seq_lens.max() // bs))],
-            slot_mapping=batch.block_table[token_rows, positions // bs].astype(np.int64) * bs
-            + positions % bs,
-        )
-        lora = self._lora_batch(out.scheduled, cu) if self.lora is not None else None
+        arrays, cu = batch.step_arrays(rows, starts, counts)
+        lora = self.lora.batch(out.scheduled, cu) if self.lora is not None else None
+        return PreparedStep(arrays, cu, starts, sampling, prompt_lp, pooling, lora)
+
+    def _run_model(self, step: PreparedStep) -> torch.Tensor:
+        """The final hidden states of the step's rows. The other ranks get the same inputs and run the same
+        forward; a decode-only step replays a CUDA graph where one holds it, any other runs eagerly (and the
+        proposer sees it)."""
         if self.parallel.world_size > 1:
-            self.parallel.broadcast(("forward", step))
-        hidden = self.graphs.run(step) if self.graphs is not None else None
+            self.parallel.broadcast(("forward", step.arrays))
+        hidden = self.graphs.run(step.arrays) if self.graphs is not None else None
         if hidden is None:
-            input_ids_dev, positions_dev, attn, hidden = self._forward(step, lora)
-            if self.proposer is not None:
-                self.proposer.observe(StepInputs(input_ids_dev, positions_dev, attn, hidden))
-        result = StepResult(kv_connector_output=self._kv_done(out))
-        if pooling:
-            self._pool(hidden, pooling, cu, starts, result)
-        if prompt_lp:
-            self._prompt_logprobs(hidden, prompt_lp, cu, starts, result)
-        if not sampling:
-            return result
-        if out.spec_token_ids:
-            self._verify(out, hidden, sampling, cu, result)
-        else:
-            self._sample(out, hidden, sampling, cu, result)
-        if self.proposer is not None:
-            self._propose(sampling, result)
-        return result
+            inputs = self._forward(step.arrays, step.lora)
+            hidden = inputs.hidden
+            if self.spec_decode is not None:
+                self.spec_decode.observe(inputs)
+        return hidden
 
-    def _kv_done(self, out: SchedulerOutput) -> KVConnectorOutput | None:
-        """After the forward: the connector saves what the step computed, then reports finished transfers."""
-        connector = self.kv_connector
-        if out.kv_connector_metadata is None:
-            return None
-        connector.wait_for_save()
-        sending, recving = connector.get_finished(out.finished_ids)
-        output = KVConnectorOutput(sending, recving, connector.get_block_ids_with_load_errors())
-        connector.clear_connector_metadata()
-        return output
-
-    def _make_kv_connector(self) -> KVConnector:
-        """The connector's worker half over this runner's KV caches. Its namespace names the model and the
-        KV layout, so KV saved by another model or layout is never loaded here."""
-        import uuid
-
-        setup, transfer = self.setup, self.setup.config.kv_transfer
-        spec = rank_heads(setup.spec, self.parallel.tp)
-        shape = setup.backend.kv_cache_shape
-        block_dim = kv_block_dim(shape, self.block_size, spec.num_kv_heads, spec.cache_row_size)
-        namespace = kv_namespace(
-            os.path.realpath(setup.source.directory),
-            setup.source.gguf_file,
-            str(setup.dtype),
-            str(spec.cache_dtype),
-            self.block_size,
-            tuple(shape(1, self.block_size, spec.num_kv_heads, spec.cache_row_size)),
-            len(self.kv_caches),
-            setup.quant_method.name if setup.quant_method else None,
-        )
-        self.kv_context = KVConnectorContext(
-            self.block_size, namespace, transfer.engine_id or uuid.uuid4().hex[:12]
-        )
-        connector = setup.registry.kv_connectors[transfer.kv_connector](
-            transfer, KVConnectorRole.WORKER, self.kv_context
-        )
-        connector.register_kv_caches(KVCacheBlocks(self.kv_caches, block_dim))
-        return connector
-
-    def _forward(self, step: StepArrays, lora: LoRABatch | None = None):
-        """Run the model on one step's arrays: (input ids, positions, attention batch, hidden states)."""
+    def _forward(self, step: StepArrays, lora: LoRABatch | None = None) -> StepInputs:
+        """Run the model on one step's arrays (on the device: input ids, positions, the attention batch)
+        under the backend's metadata; returns them with the final hidden states."""
         attn = AttentionBatch(
             query_start_loc=self._dev(step.query_start_loc),
             seq_lens=self._dev(step.seq_lens),
@@ -479,7 +444,11 @@ class ModelRunner:
         input_ids, positions = self._dev(step.input_ids), self._dev(step.positions)
         with set_forward_context(metadata, self.kv_caches, self.layers, lora):
             hidden = self.forward(input_ids, positions)
-        return input_ids, positions, attn, hidden
+        return StepInputs(input_ids, positions, attn, hidden)
+
+    def _kv_transfers_done(self, out: SchedulerOutput) -> KVConnectorOutput | None:
+        """After the forward: the KV connector's saves done and the transfers it reports finished."""
+        return self.kv_transfer.finish_step(out) if self.kv_transfer is not None else None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The model's logits for these hidden states; with tensor parallelism every rank computes its part
@@ -506,21 +475,13 @@ class ModelRunner:
         if self.parallel.world_size > 1 and self.parallel.is_driver:
             self.parallel.broadcast(("stop", None))
 
-    def _lora_batch(self, scheduled, cu) -> LoRABatch | None:
-        """The step's adapter tokens and their slots; None when every request runs the base model."""
-        slots = self.lora.activate(r.lora_request for r in scheduled if r.lora_request is not None)
-        if not slots:
-            return None
-        rows, row_slots = [], []
-        for i, r in enumerate(scheduled):
-            if r.lora_request is not None:
-                rows.append(np.arange(cu[i], cu[i + 1]))
-                row_slots.append(np.full(cu[i + 1] - cu[i], slots[r.lora_request.lora_int_id]))
-        return LoRABatch(
-            self._dev(np.concatenate(rows)), self._dev(np.concatenate(row_slots)), self.lora.max_loras
-        )
+    # -- a step's outputs ---------------------------------------------------------------------------------
 
-    def _sample(self, out: SchedulerOutput, hidden, sampling, cu, result: StepResult) -> None:
+    def _sample(
+        self, out: SchedulerOutput, hidden: torch.Tensor, step: PreparedStep, result: StepResult
+    ) -> None:
+        """One token for each sampling request, from the logits of its last row (and its logprobs)."""
+        sampling, cu = step.sampling, step.cu
         index = self._dev(np.array([cu[i + 1] - 1 for i, _ in sampling], dtype=np.int64))
         logits = self.compute_logits(hidden.index_select(0, index))
         masks = out.grammar_bitmasks
@@ -539,89 +500,17 @@ class ModelRunner:
         for j, (_, request) in enumerate(sampling):
             result.sampled[request.request_id] = [token_ids[j]]
         if sampled.logprobs is not None:
-            lp = _LogprobLists.read(sampled.logprobs)
+            lp = LogprobLists.read(sampled.logprobs)
             for j, (_, request) in enumerate(sampling):
                 k = request.sampling_params.logprobs
                 if k is not None:
-                    result.logprobs[request.request_id] = [_row_logprobs(lp, j, k, token_ids[j])]
+                    result.logprobs[request.request_id] = [row_logprobs(lp, j, k, token_ids[j])]
 
-    def _verify(self, out: SchedulerOutput, hidden, sampling, cu, result: StepResult) -> None:
-        """Speculative decoding: logits at each sampling request's last known token and at each of its
-        drafts, then the rejection sampler. Row j of a request sees its drafts before j as outputs (for
-        penalties, min_tokens and logit bias), as if they were accepted, which they are when row j counts."""
-        drafts = [out.spec_token_ids.get(r.request_id, []) for _, r in sampling]
-        index, requests = [], []
-        for (i, r), draft in zip(sampling, drafts, strict=True):
-            end = int(cu[i + 1])
-            index.extend(range(end - 1 - len(draft), end))
-            outputs = list(r.output_token_ids)
-            mask = out.grammar_bitmasks.get(r.request_id)
-            for j in range(len(draft) + 1):
-                generator = self.generators[r.request_id]
-                allowed = mask[j] if mask is not None else None
-                requests.append(
-                    SamplingRequest(
-                        r.sampling_params, r.prompt_token_ids, outputs + draft[:j], generator, allowed
-                    )
-                )
-        logits = self.compute_logits(hidden.index_select(0, self._dev(np.array(index, dtype=np.int64))))
-        batch = build_sampling_batch(requests, self.eos_token_ids, self.device)
-        new_tokens = verify(
-            self.sampler,
-            logits,
-            batch,
-            drafts,
-            [r.sampling_params.greedy for _, r in sampling],
-            [self.generators[r.request_id] for _, r in sampling],
-        )
-        for (_, r), tokens in zip(sampling, new_tokens, strict=True):
-            result.sampled[r.request_id] = tokens
-        if batch.max_num_logprobs is None:
-            return
-        chosen, row = [], 0
-        for draft, tokens in zip(drafts, new_tokens, strict=True):
-            chosen.extend(tokens + [0] * (len(draft) + 1 - len(tokens)))
-            row += len(draft) + 1
-        lp = _LogprobLists.read(
-            compute_logprobs(
-                logits.float().log_softmax(dim=-1),
-                self._dev(np.array(chosen, dtype=np.int64)),
-                batch.max_num_logprobs,
-            )
-        )
-        row = 0
-        for (_, r), draft, tokens in zip(sampling, drafts, new_tokens, strict=True):
-            k = r.sampling_params.logprobs
-            if k is not None:
-                result.logprobs[r.request_id] = [
-                    _row_logprobs(lp, row + j, k, t) for j, t in enumerate(tokens)
-                ]
-            row += len(draft) + 1
-
-    def _propose(self, sampling, result: StepResult) -> None:
-        """Drafts for the next step of every request that got tokens now, within its max_tokens and the
-        context (the scheduler drops those of requests that finished)."""
-        k = self.speculative.num_speculative_tokens
-        requests = []
-        for _, r in sampling:
-            tokens = r.all_token_ids + result.sampled[r.request_id]
-            room = self.setup.max_model_len - len(tokens)
-            max_tokens = r.sampling_params.max_tokens
-            if max_tokens is not None:  # the step after the drafts adds one token of its own
-                room = min(room, max_tokens - (len(tokens) - r.num_prompt_tokens) - 1)
-            if room > 0:
-                requests.append(
-                    DraftRequest(r.request_id, tokens, min(k, room), self.input_batch.rows[r.request_id])
-                )
-        if requests:
-            for request, draft in zip(requests, self.proposer.propose(requests), strict=True):
-                if draft:
-                    result.spec_token_ids[request.request_id] = list(draft)
-
-    def _pool(self, hidden, pooling, cu, starts, result: StepResult) -> None:
+    def _pool(self, hidden: torch.Tensor, step: PreparedStep, result: StepResult) -> None:
         """Feed each pooling request's rows to its `PoolingState`; a prompt that ends in this step gets its
         pooled float32 vector (on the CPU) in `result.pooled`."""
-        for i, request in pooling:
+        cu, starts = step.cu, step.starts
+        for i, request in step.pooling:
             rid = request.request_id
             state = self.pooling_states.setdefault(rid, PoolingState())
             rows = hidden[int(cu[i]) : int(cu[i + 1])]
@@ -630,9 +519,10 @@ class ModelRunner:
                 result.pooled[rid] = vector.cpu()
                 del self.pooling_states[rid]
 
-    def _prompt_logprobs(self, hidden, prompt_lp, cu, starts, result: StepResult) -> None:
+    def _prompt_logprobs(self, hidden: torch.Tensor, step: PreparedStep, result: StepResult) -> None:
         """Logprobs of the prompt tokens this step's rows predict (position p predicts token p + 1), for
         all the requests that asked at once: one logits computation and one read to the host."""
+        prompt_lp, cu, starts = step.prompt_logprobs, step.cu, step.starts
         rows, targets, counts = [], [], []
         for i, request in prompt_lp:
             start = starts[i]
@@ -647,31 +537,17 @@ class ModelRunner:
             k = max(request.sampling_params.prompt_logprobs for _, request in prompt_lp)
             logits = self.compute_logits(hidden.index_select(0, self._dev(np.concatenate(rows))))
             tensors = compute_prompt_logprobs(logits, self._dev(np.array(targets, dtype=np.int64)), k)
-            lp = _LogprobLists.read(tensors)
+            lp = LogprobLists.read(tensors)
         row = 0
         for (i, request), count in zip(prompt_lp, counts, strict=True):
             k = request.sampling_params.prompt_logprobs
             entries: list = [None] if starts[i] == 0 else []
-            entries += [_row_logprobs(lp, row + j, k, targets[row + j]) for j in range(count)]
+            entries += [row_logprobs(lp, row + j, k, targets[row + j]) for j in range(count)]
             row += count
             result.prompt_logprobs[request.request_id] = entries
 
     def _dev(self, array: np.ndarray) -> torch.Tensor:
-        """A host array on the device, through page-locked memory where the device has it (so the host
-        does not wait, and the array may change right after); on the CPU the array's own memory."""
-        return to_device(torch.from_numpy(np.ascontiguousarray(array)), self.device)
-
-
-@dataclass
-class StepArrays:
-    """One step's model inputs as host arrays: what the driver sends the other ranks."""
-
-    input_ids: np.ndarray  # [T] int64
-    positions: np.ndarray  # [T] int64
-    query_start_loc: np.ndarray  # [B + 1] int32
-    seq_lens: np.ndarray  # [B] int32
-    block_tables: np.ndarray  # [B, max blocks] int32
-    slot_mapping: np.ndarray  # [T] int64
+        return host_to_device(array, self.device)
 
 
 def _by_layer_idx(layers: list) -> list:
@@ -696,30 +572,3 @@ def _dummy_prefill(num_tokens: int, block_size: int, device: torch.device) -> At
         max_query_len=num_tokens,
         max_seq_len=num_tokens,
     )
-
-
-@dataclass
-class _LogprobLists:
-    """A step's `LogprobsTensors` read to the host once, as lists (one transfer per tensor, not one per
-    element: each read of a device tensor waits for the device)."""
-
-    token_logprobs: list[float]
-    token_ranks: list[int]
-    topk_ids: list[list[int]]
-    topk_logprobs: list[list[float]]
-
-    @classmethod
-    def read(cls, t: LogprobsTensors) -> _LogprobLists:
-        return cls(
-            t.token_logprobs.tolist(), t.token_ranks.tolist(), t.topk_ids.tolist(), t.topk_logprobs.tolist()
-        )
-
-
-def _row_logprobs(lp: _LogprobLists, row: int, k: int, token_id: int) -> dict[int, tuple[float, int]]:
-    """The chosen token first, then the top k: token id -> (logprob, rank)."""
-    entry = {token_id: (lp.token_logprobs[row], lp.token_ranks[row])}
-    for j, (top_id, top_logprob) in enumerate(
-        zip(lp.topk_ids[row][:k], lp.topk_logprobs[row][:k], strict=True)
-    ):
-        entry.setdefault(top_id, (top_logprob, j + 1))
-    return entry

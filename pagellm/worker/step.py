@@ -1,6 +1,6 @@
 """The contract between the engine and the worker: what the engine decided at start-up (`EngineSetup`),
-what the scheduler hands the model runner each step (`SchedulerOutput`) and what the runner hands back
-(`StepResult`).
+what the scheduler hands the model runner each step (`SchedulerOutput`), the model inputs the runner
+prepares from it (`StepArrays`, the same on every rank) and what the runner hands back (`StepResult`).
 
 It lives in the worker, below the engine, so that imports point one way (docs/architecture.md, "Layers"):
 the engine builds these objects and the worker reads them without importing the engine.
@@ -12,6 +12,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 
 from pagellm.core.attention import AttentionBackend, AttentionSpec
@@ -103,6 +104,20 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
+
+
+@dataclass
+class StepArrays:
+    """One step's model inputs as host arrays, prepared by the driver's `ModelRunner._prepare_inputs` and
+    sent to the other ranks as they are: every rank's forward reads only these. A new per-step model input
+    (images, a recurrent state's slots) is a field here, filled there and read in `ModelRunner._forward`."""
+
+    input_ids: np.ndarray  # [T] int64
+    positions: np.ndarray  # [T] int64
+    query_start_loc: np.ndarray  # [B + 1] int32
+    seq_lens: np.ndarray  # [B] int32
+    block_tables: np.ndarray  # [B, max blocks] int32
+    slot_mapping: np.ndarray  # [T] int64
 
 
 @dataclass

@@ -18,7 +18,7 @@ from openai_asgi import call_app
 from tiny import EOS_ID, make_tiny_checkpoint
 
 from pagellm import LLM, AsyncLLM, BeamSearchParams
-from pagellm.engine.llm_engine import PromptTooLongError
+from pagellm.engine.processor import PromptTooLongError
 from pagellm.server.app import build_app
 
 MAX_TOKENS = 12

@@ -18,7 +18,7 @@ from openai_asgi import assert_engine_ended
 from pagellm import LLM, AsyncLLM, SamplingParams
 from pagellm.core.errors import ConfigError
 from pagellm.engine.async_llm import EngineError
-from pagellm.engine.llm_engine import PromptTooLongError
+from pagellm.engine.processor import PromptTooLongError
 from pagellm.server.app import build_app
 
 PROMPTS = ["Hello, world!", "The quick brown fox", "Paged attention", "Once upon a time"]

@@ -80,7 +80,7 @@ class AdversarialProposer(OracleProposer):
 
 
 def with_proposer(llm: LLM, proposer: Proposer) -> LLM:
-    llm.engine.runner.proposer = proposer
+    llm.engine.runner.spec_decode.proposer = proposer
     return llm
 
 

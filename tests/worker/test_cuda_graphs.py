@@ -29,7 +29,7 @@ from pagellm.platforms.rocm import RocmPlatform
 from pagellm.platforms.xpu import XpuPlatform
 from pagellm.worker import cuda_graphs
 from pagellm.worker.cuda_graphs import DecodeGraphs, capture_sizes
-from pagellm.worker.model_runner import StepArrays
+from pagellm.worker.step import StepArrays
 
 
 class FakeGraph:

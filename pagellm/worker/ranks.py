@@ -1,11 +1,12 @@
-"""The processes of a model split over several ranks (tensor and pipeline parallelism).
+"""The ranks of a model split over several processes (tensor and pipeline parallelism).
 
-The engine's process is rank 0, the driver. The other ranks are started by `RankProcesses` (Python
-children on this machine: a `-c` program, not multiprocessing's spawn, so a user's script without a
-__main__ guard is not re-run) or by `RayRanks` (Ray actors in a placement group, so ranks can sit on other
-machines). Each gets the driver's start-up decisions (`RankStart`: the `EngineSetup`, pickled), joins
-one torch.distributed group, builds its own `ModelRunner` with its share of the weights and runs
-`ModelRunner.serve` until the driver says stop.
+The engine's process is rank 0, the driver. The other ranks are started by `RankProcesses` (here: Python
+children on this machine, a `-c` program, not multiprocessing's spawn, so a user's script without a
+__main__ guard is not re-run) or by `ray_ranks.RayRanks` (Ray actors in a placement group, so ranks can
+sit on other machines); the engine picks one by `distributed_executor_backend`. Each gets the driver's
+start-up decisions (`RankStart`: the `EngineSetup`, pickled), joins one torch.distributed group, builds
+its own `ModelRunner` with its share of the weights and runs `ModelRunner.serve` until the driver says
+stop.
 
 A rank that dies or stops answering surfaces as a failed collective on the driver; `Ranks.failure()`
 turns that into a `RankFailure` naming the rank.
@@ -31,6 +32,8 @@ from pagellm.core.errors import ConfigError
 from pagellm.core.registry import Registry
 from pagellm.distributed import Parallel, RankFailure, init_parallel
 from pagellm.distributed.parallel_state import is_collective_failure
+from pagellm.models.loader import iter_checkpoint_weights
+from pagellm.worker.model_runner import ModelRunner
 from pagellm.worker.step import EngineSetup
 
 logger = logging.getLogger("pagellm")
@@ -117,15 +120,6 @@ class Ranks:
         raise NotImplementedError
 
 
-def start_ranks(setup: EngineSetup) -> Ranks:
-    """The other ranks of `setup`, started the way `distributed_executor_backend` says."""
-    if setup.config.distributed_executor_backend == "ray":
-        from pagellm.worker.ray_executor import RayRanks
-
-        return RayRanks(setup)
-    return RankProcesses(setup)
-
-
 class RankProcesses(Ranks):
     """Ranks as Python children of this process, meeting through a rendezvous file in a private folder."""
 
@@ -163,9 +157,6 @@ class RankProcesses(Ranks):
 
 def run_rank(start: RankStart, rank: int, local_rank: int | None = None) -> None:
     """Join as `rank`, build this rank's part of the model, serve the driver until it says stop."""
-    from pagellm.models.loader import iter_checkpoint_weights
-    from pagellm.worker.model_runner import ModelRunner
-
     if start.threads is not None:
         torch.set_num_threads(start.threads)
     setup = start.setup
@@ -214,4 +205,4 @@ def _exit_with_parent() -> None:
     threading.Thread(target=watch, name="pagellm-parent-watch", daemon=True).start()
 
 
-_CHILD = "import sys; from pagellm.worker.executor import main; sys.exit(main(sys.argv[1], int(sys.argv[2])))"
+_CHILD = "import sys; from pagellm.worker.ranks import main; sys.exit(main(sys.argv[1], int(sys.argv[2])))"

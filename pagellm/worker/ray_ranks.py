@@ -12,7 +12,7 @@ import logging
 import socket
 
 from pagellm.core.errors import ConfigError
-from pagellm.worker.executor import Ranks, RankStart, run_rank
+from pagellm.worker.ranks import Ranks, RankStart, run_rank
 from pagellm.worker.step import EngineSetup
 
 logger = logging.getLogger("pagellm")
