@@ -25,9 +25,36 @@ from pagellm.bench.floor import Machine, measure_machine
 from pagellm.bench.workloads import Workload, resolve_model, w1
 from pagellm.core.config import EngineConfig
 
-if TYPE_CHECKING:  # throughput imports this module
-    from pagellm.bench.throughput import ThroughputResult
+if TYPE_CHECKING:
     from pagellm.engine.llm import LLM
+
+
+@dataclass
+class ThroughputResult:
+    """One engine's run of a workload; `extra` holds what only some runs have (batch size, TTFT, hit rate)."""
+
+    engine: str
+    num_requests: int
+    input_tokens: int
+    output_tokens: int
+    elapsed_s: float
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def output_tok_s(self) -> float:
+        return self.output_tokens / self.elapsed_s
+
+    @property
+    def total_tok_s(self) -> float:
+        return (self.input_tokens + self.output_tokens) / self.elapsed_s
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            **dataclasses.asdict(self),
+            "output_tok_s": self.output_tok_s,
+            "total_tok_s": self.total_tok_s,
+        }
+
 
 COLUMNS = (
     ("engine", "engine", "{}"),

@@ -28,8 +28,8 @@ from typing import Any
 
 import numpy as np
 
+from pagellm.bench.common import ThroughputResult
 from pagellm.bench.process import LoggedProcess, quiet_httpx
-from pagellm.bench.throughput import ThroughputResult
 from pagellm.bench.workloads import Workload
 
 logger = logging.getLogger("pagellm")

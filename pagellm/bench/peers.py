@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from pagellm.bench.throughput import ThroughputResult
+from pagellm.bench.common import ThroughputResult
 from pagellm.bench.workloads import Workload
 
 

@@ -9,12 +9,21 @@ import dataclasses
 import gc
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from pagellm.bench.common import W1Args, echo, floor_row, progress, table, with_floor, write_json
+from pagellm.bench.common import (
+    ThroughputResult,
+    W1Args,
+    echo,
+    floor_row,
+    progress,
+    table,
+    with_floor,
+    write_json,
+)
 from pagellm.bench.floor import Floor, Machine, ModelShape, format_floor
 from pagellm.bench.speculation import acceptance, format_acceptance
 from pagellm.bench.steps import StepRecord, StepRecorder, records_work
@@ -25,33 +34,6 @@ from pagellm.engine.setup import cache_dir
 from pagellm.lora.request import LoRARequest
 from pagellm.models.loader import model_weight_bytes
 from pagellm.sampling.params import SamplingParams, StructuredOutputsParams
-
-
-@dataclass
-class ThroughputResult:
-    """One engine's run of a workload; `extra` holds what only some runs have (batch size, TTFT, hit rate)."""
-
-    engine: str
-    num_requests: int
-    input_tokens: int
-    output_tokens: int
-    elapsed_s: float
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def output_tok_s(self) -> float:
-        return self.output_tokens / self.elapsed_s
-
-    @property
-    def total_tok_s(self) -> float:
-        return (self.input_tokens + self.output_tokens) / self.elapsed_s
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            **dataclasses.asdict(self),
-            "output_tok_s": self.output_tok_s,
-            "total_tok_s": self.total_tok_s,
-        }
 
 
 def make_llm(config: EngineConfig) -> LLM:

@@ -327,7 +327,7 @@ def _load_tokenizer_and_weights(setup: EngineSetup):
     source = setup.source
     tokenizer = AutoTokenizer.from_pretrained(setup.config.tokenizer or source.directory)
     if setup.quant_method is not None and setup.quant_method.loads_gguf_blocks and source.gguf_original:
-        from pagellm.models.gguf import iter_gguf_weights  # packed blocks straight from the file
+        from pagellm.models.gguf_checkpoint import iter_gguf_weights  # packed blocks straight from the file
 
         return tokenizer, iter_gguf_weights(source.gguf_original, setup.hf_config, raw_linear=True)
     split = setup.config.tensor_parallel_size * setup.config.pipeline_parallel_size > 1

@@ -27,8 +27,8 @@ from starlette.background import BackgroundTask
 
 from pagellm.core.pooling import PoolingParams
 from pagellm.engine.async_llm import AsyncLLM, RequestStream
-from pagellm.engine.processor import PromptTooLongError
 from pagellm.engine.outputs import Logprob, RequestOutput
+from pagellm.engine.processor import PromptTooLongError
 from pagellm.lora.request import LoRARequest
 from pagellm.sampling.params import SamplingParams
 from pagellm.server import errors
