@@ -154,12 +154,14 @@ class CpuPlatform(Platform):
         at 2048 rows. Otherwise oneDNN with the weight reordered once into its blocked layout: F.linear
         reorders it on every call, which at decode batch sizes costs as much as the GEMM (1.3-1.9x faster
         at 1-64 rows, same bits). Half precisions only: float32 would go through a different GEMM than the
-        reference."""
+        reference. None (F.linear) where oneDNN cannot pack the dtype on this CPU (`onednn_packs`)."""
         if weight.dtype not in (torch.bfloat16, torch.float16) or not torch.backends.mkldnn.is_available():
             return None
         kernels = _amx_kernels() if weight.dtype == torch.bfloat16 else None
         if kernels is not None:
             return PackedLinear(kernels.amx_pack(weight), _AmxLinear(weight.shape[0]))
+        if not onednn_packs(weight.dtype):
+            return None
         packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACKED_LINEAR_BATCH_HINT)
         return PackedLinear(packed, _onednn_linear)
 
@@ -218,6 +220,23 @@ COMPILE_OPTIONS = {
     "cpp_wrapper": True,
 }
 """Inductor and Dynamo options for the CPU model graph."""
+
+
+@functools.cache
+def onednn_packs(dtype: torch.dtype) -> bool:
+    """Whether oneDNN prepacks and multiplies `dtype` weights on this CPU. Its half-precision reorder needs
+    AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT, which an AVX2-only CPU (AMD Zen 3, older Intel) lacks: probed
+    once with a small weight rather than guessed from the flags, since oneDNN's own rules change."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        weight = torch.ones(16, 16, dtype=dtype)
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACKED_LINEAR_BATCH_HINT)
+        _onednn_linear(torch.ones(2, 16, dtype=dtype), packed, None)
+    except RuntimeError as exc:
+        logger.info("oneDNN cannot prepack %s weights on this CPU (%s); linears use F.linear", dtype, exc)
+        return False
+    return True
 
 
 def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

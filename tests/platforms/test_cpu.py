@@ -129,6 +129,8 @@ def matmul_impl(request, monkeypatch):
         if cpu._amx_kernels() is None:
             pytest.skip("no AMX kernel here (CPU without AMX, or no compiler)")
     else:
+        if not cpu.onednn_packs(torch.bfloat16):
+            pytest.skip("oneDNN cannot pack bfloat16 on this CPU (no AVX-512 BW/VL/DQ or AVX-NE-CONVERT)")
         monkeypatch.setattr(cpu, "_amx_kernels", lambda: None)
     return request.param
 
@@ -180,8 +182,8 @@ def test_compile_drops_stride_asserts_and_the_python_wrapper(monkeypatch):
 
 
 def test_half_precision_packs_for_onednn():
-    if not torch.backends.mkldnn.is_available():
-        pytest.skip("no oneDNN")
+    if not cpu.onednn_packs(torch.float16):
+        pytest.skip("oneDNN cannot pack float16 on this CPU")
     packed = CpuPlatform.pack_linear(torch.randn(32, 64).half())
     assert packed.matmul is cpu._onednn_linear  # the AMX kernel is bfloat16 only
 
@@ -210,7 +212,8 @@ def test_runner_packs_linears_and_lm_head_in_half_precision(tmp_path):
 
     for tied in (False, True):
         path = make_tiny_checkpoint("llama", tmp_path / f"tied{tied}", tie_word_embeddings=tied)
-        for dtype, packed in (("bfloat16", torch.backends.mkldnn.is_available()), ("float32", False)):
+        packs = cpu._amx_kernels() is not None or cpu.onednn_packs(torch.bfloat16)
+        for dtype, packed in (("bfloat16", packs), ("float32", False)):
             _check_packing(LLM(str(path), dtype=dtype, num_kv_blocks=64, enforce_eager=True), packed, tied)
 
 
@@ -260,3 +263,23 @@ def test_argmax_falls_back_to_torch_without_the_kernels(monkeypatch):
     monkeypatch.setattr(cpu, "_kernels", lambda: None)
     logits = torch.randn(4, 33, dtype=torch.float16)
     assert torch.equal(CpuPlatform.argmax(logits), logits.max(dim=-1).indices)
+
+
+def test_a_cpu_where_onednn_cannot_pack_keeps_plain_linears(monkeypatch):
+    """An AVX2-only CPU (AMD Zen 3 here): oneDNN's half-precision reorder raises, so nothing is packed and
+    the model's linears run F.linear instead of failing at load."""
+    monkeypatch.setattr(cpu, "_amx_kernels", lambda: None)
+    monkeypatch.setattr(cpu, "onednn_packs", lambda dtype: False)
+    assert CpuPlatform.pack_linear(torch.randn(32, 64).bfloat16()) is None
+    assert CpuPlatform.pack_linear(torch.randn(32, 64).half()) is None
+
+
+def test_onednn_packs_answers_what_the_reorder_does():
+    for dtype in (torch.bfloat16, torch.float16):
+        try:
+            packed = torch.ops.mkldnn._reorder_linear_weight(torch.ones(16, 16, dtype=dtype), 64)
+            torch.ops.mkldnn._linear_pointwise(torch.ones(2, 16, dtype=dtype), packed, None, "none", [], "")
+            works = True
+        except RuntimeError:
+            works = False
+        assert cpu.onednn_packs(dtype) == (works and torch.backends.mkldnn.is_available())
