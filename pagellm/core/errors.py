@@ -6,7 +6,14 @@ class PagellmError(Exception):
 
 
 class ConfigError(PagellmError, ValueError):
-    """A setting that cannot work; the message names the setting and the fix."""
+    """A setting that cannot work; the message names the setting and the fix.
+
+    `param` is the setting's name (a request field such as `temperature`, an engine option), set where the
+    check is made, so a server can name the field in its error without reading the message."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
 
 
 class DeviceUnavailableError(ConfigError):

@@ -60,7 +60,9 @@ class PoolerConfig:
             pooling_type = check_pooling_type(pooling_type, "pooler_config.pooling_type")
         normalize = value.get("normalize")
         if normalize is not None and not isinstance(normalize, bool):
-            raise ConfigError(f"pooler_config.normalize: must be true or false, not {normalize!r}")
+            raise ConfigError(
+                f"pooler_config.normalize: must be true or false, not {normalize!r}", param="pooler_config"
+            )
         return cls(pooling_type, normalize)
 
 
@@ -68,7 +70,10 @@ def check_pooling_type(value: Any, name: str) -> str:
     """`value` as one of POOLING_TYPES (any case), else a ConfigError naming `name`."""
     if isinstance(value, str) and value.upper() in POOLING_TYPES:
         return value.upper()
-    raise ConfigError(f"{name}: {value!r} is not a pooling type; use one of {', '.join(POOLING_TYPES)}")
+    raise ConfigError(
+        f"{name}: {value!r} is not a pooling type; use one of {', '.join(POOLING_TYPES)}",
+        param=name.split(".")[0],
+    )
 
 
 @dataclass(frozen=True)
@@ -93,14 +98,19 @@ class Pooler:
             if not self.is_matryoshka:
                 raise ConfigError(
                     f"dimensions: this model does not support Matryoshka truncation (its config sets neither "
-                    f"matryoshka_dimensions nor is_matryoshka); leave dimensions out to get all {self.hidden_size}"
+                    f"matryoshka_dimensions nor is_matryoshka); leave dimensions out to get all {self.hidden_size}",
+                    param="dimensions",
                 )
             if isinstance(d, bool) or not isinstance(d, int) or not 1 <= d <= self.hidden_size:
-                raise ConfigError(f"dimensions: must be an integer from 1 to {self.hidden_size}, not {d!r}")
+                raise ConfigError(
+                    f"dimensions: must be an integer from 1 to {self.hidden_size}, not {d!r}",
+                    param="dimensions",
+                )
             if self.matryoshka_dimensions and d not in self.matryoshka_dimensions:
                 sizes = ", ".join(map(str, self.matryoshka_dimensions))
                 raise ConfigError(
-                    f"dimensions: {d} is not one this model was trained for; use one of {sizes}"
+                    f"dimensions: {d} is not one this model was trained for; use one of {sizes}",
+                    param="dimensions",
                 )
         return PoolingParams(d, normalize, pooling_type)
 

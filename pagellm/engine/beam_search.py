@@ -84,9 +84,10 @@ class BeamSearch:
         self.stop_ids = frozenset() if params.ignore_eos else frozenset(eos_token_ids)
         self.num_logprobs = params.beam_width + len(self.stop_ids)
         if self.num_logprobs > MAX_LOGPROBS:
-            raise ValueError(
+            raise ConfigError(
                 f"beam_width must be <= {MAX_LOGPROBS - len(self.stop_ids)} (each step reads the top beam_width "
-                f"+ {len(self.stop_ids)} EOS log-probabilities, at most {MAX_LOGPROBS}), got {params.beam_width}"
+                f"+ {len(self.stop_ids)} EOS log-probabilities, at most {MAX_LOGPROBS}), got {params.beam_width}",
+                param="beam_width",
             )
         self.running = [_Beam()]
         self.finished: list[tuple[float, _Beam]] = []  # (score, beam), best first
@@ -248,7 +249,7 @@ def check_fits(prompt_token_ids: Sequence[int], max_tokens: int, max_model_len: 
     """Refuse, before any step runs, a prompt whose beams could not reach max_tokens in the context."""
     n = len(prompt_token_ids)
     if n == 0:
-        raise ConfigError("the prompt is empty; give at least one token")
+        raise ConfigError("the prompt is empty; give at least one token", param="prompt")
     if n >= max_model_len:
         raise PromptTooLongError(
             f"the prompt has {n} tokens but this model's context is {max_model_len} tokens (max_model_len), "

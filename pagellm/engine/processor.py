@@ -89,7 +89,10 @@ class Processor:
         if kv_transfer_params is None and isinstance(prompt, dict):
             kv_transfer_params = prompt.get("kv_transfer_params")
         if kv_transfer_params is not None and (not isinstance(kv_transfer_params, dict) or params.n > 1):
-            raise ConfigError("kv_transfer_params must be a JSON object, on a request with n = 1")
+            raise ConfigError(
+                "kv_transfer_params must be a JSON object, on a request with n = 1",
+                param="kv_transfer_params",
+            )
         return ProcessedPrompt(text, prompt_token_ids, params, kv_transfer_params)
 
     def tokenize(self, prompt: str | dict | list[int]) -> tuple[str | None, list[int]]:
@@ -117,23 +120,26 @@ class Processor:
         if n >= self.max_model_len:
             raise PromptTooLongError(
                 f"the prompt has {n} tokens but this model's context is {self.max_model_len} tokens "
-                f"(max_model_len), which must also hold at least one output token; shorten the prompt"
+                f"(max_model_len), which must also hold at least one output token; shorten the prompt",
+                param="prompt",
             )
         if params.max_tokens is not None and n + params.max_tokens > self.max_model_len:
             raise PromptTooLongError(
                 f"the prompt has {n} tokens and max_tokens is {params.max_tokens}, but the context is "
                 f"{self.max_model_len} tokens (max_model_len); lower max_tokens to at most {self.max_model_len - n} "
-                f"or shorten the prompt"
+                f"or shorten the prompt",
+                param="max_tokens",
             )
         return params
 
     def _check_prompt_ids(self, prompt_token_ids: list[int]) -> None:
         if not prompt_token_ids:
-            raise ConfigError("the prompt is empty; give at least one token")
+            raise ConfigError("the prompt is empty; give at least one token", param="prompt")
         bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ConfigError(
-                f"prompt token id {bad[0]} is out of range for the vocabulary of {self.vocab_size} tokens"
+                f"prompt token id {bad[0]} is out of range for the vocabulary of {self.vocab_size} tokens",
+                param="prompt",
             )
 
     def _check_runner(self, params: SamplingParams | PoolingParams) -> None:
@@ -157,7 +163,8 @@ class Processor:
         if n > self.max_model_len:
             raise PromptTooLongError(
                 f"the prompt has {n} tokens but this model's context is {self.max_model_len} tokens "
-                f"(max_model_len); shorten the prompt"
+                f"(max_model_len); shorten the prompt",
+                param="prompt",
             )
         return self.pooler.resolve(params)
 

@@ -7,6 +7,8 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
+from pagellm.core.errors import ConfigError
+
 _GREEDY_EPS = 1e-5
 MAX_LOGPROBS = 20
 OUTPUT_KINDS = ("cumulative", "delta", "final_only")
@@ -31,12 +33,15 @@ class StructuredOutputsParams:
     def __post_init__(self) -> None:
         given = [k for k in ("json", "regex", "choice", "grammar", "json_object") if getattr(self, k)]
         if len(given) != 1:
-            raise ValueError(
+            raise ConfigError(
                 "structured_outputs needs exactly one of json, regex, choice, grammar or json_object"
-                + (f", got {', '.join(given)}" if given else "")
+                + (f", got {', '.join(given)}" if given else ""),
+                param="structured_outputs",
             )
         if self.choice is not None and not all(isinstance(c, str) and c for c in self.choice):
-            raise ValueError("structured_outputs.choice must be a list of non-empty strings")
+            raise ConfigError(
+                "structured_outputs.choice must be a list of non-empty strings", param="structured_outputs"
+            )
 
     @property
     def kind(self) -> str:
@@ -121,14 +126,16 @@ class SamplingParams:
         )
         for name, ok, rule in rules:
             if not ok:
-                raise ValueError(f"{name} {rule}, got {getattr(self, name)!r}")
+                raise ConfigError(f"{name} {rule}, got {getattr(self, name)!r}", param=name)
 
     def validate_token_ids(self, vocab_size: int) -> None:
         """Refuse token ids the model cannot produce; the engine calls this once it knows the vocabulary."""
         for name, ids in (("stop_token_ids", self.stop_token_ids), ("logit_bias", self.logit_bias or {})):
             bad = sorted(t for t in ids if t >= vocab_size)
             if bad:
-                raise ValueError(f"{name} token ids must be < the vocabulary size {vocab_size}, got {bad}")
+                raise ConfigError(
+                    f"{name} token ids must be < the vocabulary size {vocab_size}, got {bad}", param=name
+                )
 
     @property
     def greedy(self) -> bool:
@@ -186,7 +193,7 @@ class BeamSearchParams:
         )
         for name, ok, rule in rules:
             if not ok:
-                raise ValueError(f"{name} {rule}, got {getattr(self, name)!r}")
+                raise ConfigError(f"{name} {rule}, got {getattr(self, name)!r}", param=name)
 
 
 def _is_int(value: object) -> bool:

@@ -19,6 +19,7 @@ from pydantic import (
     model_validator,
 )
 
+from pagellm.core.errors import ConfigError
 from pagellm.sampling.params import BeamSearchParams, SamplingParams, StructuredOutputsParams
 from pagellm.server.tool_parsers import tool_choice_schema
 
@@ -124,14 +125,19 @@ class _SamplingFields(OpenAIModel):
             if value is not None:
                 given[name] = {key: value}
         if len(given) > 1:
-            raise ValueError(f"give one of {', '.join(given)}, not several: each constrains the whole output")
+            raise ConfigError(
+                f"give one of {', '.join(given)}, not several: each constrains the whole output",
+                param=next(iter(given)),
+            )
         if not given:
             return None
         ((name, value),) = given.items()
         try:
             return StructuredOutputsParams(**value)
         except TypeError as e:  # an unknown key
-            raise ValueError(f"{name}: {e}; valid keys: json, regex, choice, grammar, json_object") from None
+            raise ConfigError(
+                f"{name}: {e}; valid keys: json, regex, choice, grammar, json_object", param=name
+            ) from None
 
     def _sampling_params(
         self, defaults: SamplingParams, max_tokens: int | None, logprobs: int | None, **extra: Any
@@ -185,10 +191,11 @@ class CompletionRequest(_SamplingFields):
         logprobs, n = self.logprobs, self.n
         if self.best_of is not None:
             if self.best_of < self.n:
-                raise ValueError(f"best_of must be >= n ({self.n}), got {self.best_of}")
+                raise ConfigError(f"best_of must be >= n ({self.n}), got {self.best_of}", param="best_of")
             if self.stream and self.best_of > self.n:
-                raise ValueError(
-                    "best_of greater than n cannot stream: the best samples are known at the end"
+                raise ConfigError(
+                    "best_of greater than n cannot stream: the best samples are known at the end",
+                    param="best_of",
                 )
             if self.best_of > self.n and logprobs is None:
                 logprobs = 0  # the engine then reports each sampled token's logprob, to rank the samples
@@ -200,11 +207,18 @@ class CompletionRequest(_SamplingFields):
     def to_beam_search_params(self, max_tokens: int) -> BeamSearchParams:
         """use_beam_search's params (`n` beams, greedy); ValueError naming the field that cannot go with it."""
         if self.stream:
-            raise ValueError("stream cannot go with use_beam_search: the beams are ranked at the end")
+            raise ConfigError(
+                "stream cannot go with use_beam_search: the beams are ranked at the end", param="stream"
+            )
         if self.best_of is not None and self.best_of != self.n:
-            raise ValueError("best_of must be unset (or n) with use_beam_search, which answers n beams")
+            raise ConfigError(
+                "best_of must be unset (or n) with use_beam_search, which answers n beams", param="best_of"
+            )
         if self.temperature not in (None, 0):
-            raise ValueError(f"temperature must be 0 or unset with use_beam_search, got {self.temperature}")
+            raise ConfigError(
+                f"temperature must be 0 or unset with use_beam_search, got {self.temperature}",
+                param="temperature",
+            )
         changes = {
             "stop": self.stop,
             "stop_token_ids": self.stop_token_ids,
@@ -222,8 +236,9 @@ class CompletionRequest(_SamplingFields):
         }
         for name, value in changes.items():
             if value:
-                raise ValueError(
-                    f"{name} cannot go with use_beam_search, which ranks beams by log-probability alone"
+                raise ConfigError(
+                    f"{name} cannot go with use_beam_search, which ranks beams by log-probability alone",
+                    param=name,
                 )
         return BeamSearchParams(
             beam_width=self.n,
@@ -293,7 +308,7 @@ class ChatCompletionRequest(_SamplingFields):
 
     def to_sampling_params(self, defaults: SamplingParams) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:
-            raise ValueError("top_logprobs needs logprobs set to true")
+            raise ConfigError("top_logprobs needs logprobs set to true", param="top_logprobs")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         return self._sampling_params(defaults, max_tokens, logprobs)
@@ -311,13 +326,17 @@ class ChatCompletionRequest(_SamplingFields):
         if choice in ("none", "auto"):
             return super()._structured_outputs()
         if not self.tools:
-            raise ValueError("tool_choice needs tools")
+            raise ConfigError("tool_choice needs tools", param="tool_choice")
         functions = [t.function.model_dump() for t in self.tools]
         if isinstance(choice, NamedToolChoice) and choice.function.name not in {f["name"] for f in functions}:
-            raise ValueError(f"tool_choice names {choice.function.name!r}, which is not among the tools")
+            raise ConfigError(
+                f"tool_choice names {choice.function.name!r}, which is not among the tools",
+                param="tool_choice",
+            )
         if super()._structured_outputs() is not None:
-            raise ValueError(
-                "tool_choice required or a named function sets the output's grammar; drop response_format"
+            raise ConfigError(
+                "tool_choice required or a named function sets the output's grammar; drop response_format",
+                param="tool_choice",
             )
         named = choice.model_dump() if isinstance(choice, NamedToolChoice) else choice
         schema = tool_choice_schema(functions, named, self.parallel_tool_calls)

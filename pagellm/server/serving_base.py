@@ -28,7 +28,6 @@ from starlette.background import BackgroundTask
 from pagellm.core.pooling import PoolingParams
 from pagellm.engine.async_llm import AsyncLLM, RequestStream
 from pagellm.engine.outputs import Logprob, RequestOutput
-from pagellm.engine.processor import PromptTooLongError
 from pagellm.lora.request import LoRARequest
 from pagellm.sampling.params import SamplingParams
 from pagellm.server import errors
@@ -55,9 +54,10 @@ FIM_TOKENS = (  # fill-in-the-middle (prefix, suffix, middle) tokens, as tokeniz
 Prompts = list[tuple[str | None, list[int]]]  # (text, token ids) of each prompt; text None for token ids
 
 
-def error_param(exc: Exception, sep: str = " ") -> str:
-    """The request field an engine's ValueError names: its message's first word (up to `sep`)."""
-    return str(exc).split(sep, 1)[0]
+def error_param(exc: Exception) -> str | None:
+    """The setting a refusal names: `ConfigError.param`, set where the check was made (None for an error
+    that names none)."""
+    return getattr(exc, "param", None)
 
 
 class ServingBase:
@@ -215,22 +215,16 @@ class ServingBase:
         except BaseException as exc:
             abort_all(streams)
             if isinstance(exc, ValueError):
-                param = self.refused_param(exc, ids, params, prompt_field)
+                param = self.refused_param(exc, prompt_field)
                 raise errors.bad_request(str(exc), param) from exc
             raise
         return streams
 
-    def refused_param(
-        self, exc: ValueError, ids: list[int], params: SamplingParams | PoolingParams, prompt_field: str
-    ) -> str | None:
-        """The field a prompt the engine refused answers 400 for: too long, the prompt or max_tokens (when
-        the prompt alone fits); stop_token_ids or logit_bias when the message names them; else the prompt."""
-        if isinstance(exc, PromptTooLongError):
-            max_tokens = getattr(params, "max_tokens", None)
-            too_long = len(ids) >= self.llm.max_model_len or max_tokens is None
-            return prompt_field if too_long else "max_tokens"
+    def refused_param(self, exc: ValueError, prompt_field: str) -> str | None:
+        """The field a prompt the engine refused answers 400 for: max_tokens (the prompt alone fits the
+        context), stop_token_ids or logit_bias when the check names them; else the prompt."""
         field = error_param(exc)
-        return field if field in ("stop_token_ids", "logit_bias") else prompt_field
+        return field if field in ("max_tokens", "stop_token_ids", "logit_bias") else prompt_field
 
     def token_text(self, token_id: int, entry: dict[int, Logprob] | None) -> str:
         """A token as logprobs show it: its decoded text from the engine, else decoded here."""

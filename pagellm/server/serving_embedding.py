@@ -12,7 +12,6 @@ import numpy as np
 from fastapi import Request
 
 from pagellm.core.pooling import PoolingParams
-from pagellm.sampling.params import SamplingParams
 from pagellm.server import errors
 from pagellm.server.protocol import EmbeddingData, EmbeddingRequest, EmbeddingResponse, EmbeddingUsage
 from pagellm.server.serving_base import ServingBase, error_param, final_outputs
@@ -53,11 +52,9 @@ class ServingEmbedding(ServingBase):
         usage = EmbeddingUsage(prompt_tokens=tokens, total_tokens=tokens)
         return EmbeddingResponse(id=request_id, model=model, data=data, usage=usage)
 
-    def refused_param(
-        self, exc: ValueError, ids: list[int], params: SamplingParams | PoolingParams, prompt_field: str
-    ) -> str | None:
-        """dimensions when the engine's message names it, else the input."""
-        field = error_param(exc, ":")
+    def refused_param(self, exc: ValueError, prompt_field: str) -> str | None:
+        """dimensions when the check names it, else the input."""
+        field = error_param(exc)
         return field if field == "dimensions" else prompt_field
 
 

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from pagellm.core.errors import ConfigError
 from pagellm.sampling.params import StructuredOutputsParams
 
 logger = logging.getLogger("pagellm")
@@ -66,7 +67,7 @@ def check(params: StructuredOutputsParams) -> None:
             xgr.Grammar.from_ebnf(_choice_grammar(params.choice))
     except (ValueError, RuntimeError, TypeError) as e:  # xgrammar's parse errors are RuntimeErrors
         message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ValueError(f"structured_outputs.{kind}: {message}") from None
+        raise ConfigError(f"structured_outputs.{kind}: {message}", param="structured_outputs") from None
 
 
 class GrammarCompiler:

@@ -93,3 +93,33 @@ def test_clone_is_independent():
         and p.logit_bias == {1: 1.0}
         and q == SamplingParams(stop=["a", "b"], logit_bias={1: 1, 2: 2})
     )
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("temperature", -1.0),
+        ("top_p", 0.0),
+        ("top_k", -5),
+        ("max_tokens", 0),
+        ("min_tokens", -1),
+        ("logprobs", -1),
+        ("stop_token_ids", [-1]),
+        ("logit_bias", {3: 500.0}),
+    ],
+)
+def test_a_refused_setting_names_its_field_in_param(field, value):
+    """The server answers 400 with `param` from the error itself, never from parsing its message."""
+    from pagellm.core.errors import ConfigError
+
+    with pytest.raises(ConfigError) as info:
+        SamplingParams(**{field: value})
+    assert info.value.param == field
+
+
+def test_token_ids_beyond_the_vocabulary_name_their_field():
+    from pagellm.core.errors import ConfigError
+
+    with pytest.raises(ConfigError) as info:
+        SamplingParams(logit_bias={70000: 1.0}).validate_token_ids(1000)
+    assert info.value.param == "logit_bias"
