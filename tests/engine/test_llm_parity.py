@@ -7,6 +7,7 @@ import pytest
 import torch
 from parity import (
     ARCHS,
+    FAMILIES,
     Reference,
     assert_greedy_parity,
     max_logprob_error,
@@ -20,7 +21,7 @@ from pagellm import LLM, SamplingParams
 MAX_TOKENS = 16
 
 
-@pytest.fixture(scope="module", params=list(ARCHS))
+@pytest.fixture(scope="module", params=[*ARCHS, *(pytest.param(f, marks=pytest.mark.slow) for f in FAMILIES)])
 def model(request, tmp_path_factory):
     return tiny_model_and_reference(request.param, tmp_path_factory.mktemp(request.param), MAX_TOKENS)
 
@@ -78,7 +79,8 @@ def checkpoints(tmp_path_factory):
 
     def get(arch):
         if arch not in cache:
-            path = make_tiny_checkpoint(arch.split("-")[0], tmp_path_factory.mktemp(arch), **ARCHS[arch])
+            overrides = {**ARCHS, **FAMILIES}[arch]
+            path = make_tiny_checkpoint(arch.split("-")[0], tmp_path_factory.mktemp(arch), **overrides)
             cache[arch] = path, Reference(path, MAX_TOKENS)
         return cache[arch]
 

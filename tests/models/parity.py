@@ -21,13 +21,17 @@ ARCHS = {
     "gpt2": {},
     "opt": {},
 }
+FAMILIES: dict[str, dict] = {
+    # newer families (and their variants, "family-variant"): one combined check each in the default run
+    # (tests/engine/test_family_parity.py), the whole settings matrix of test_llm_parity.py under -m slow
+}
 
 
 def tiny_model_and_reference(arch: str, tmp_path: Path, max_tokens: int) -> tuple[Path, Reference]:
     """A tiny checkpoint of one of ARCHS (e.g. "mistral-sliding-window") and its transformers oracle."""
     from tiny import make_tiny_checkpoint
 
-    path = make_tiny_checkpoint(arch.split("-")[0], tmp_path, **ARCHS[arch])
+    path = make_tiny_checkpoint(arch.split("-")[0], tmp_path, **{**ARCHS, **FAMILIES}[arch])
     return path, Reference(path, max_tokens)
 
 

@@ -13,7 +13,20 @@ from typing import Any
 
 import torch
 
-ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gpt2", "opt")
+ARCHS = (
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "gpt2",
+    "opt",
+    "gemma2",
+    "gemma3_text",
+    "phi3",
+    "granite",
+    "olmo2",
+    "smollm3",
+)
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # ids 0, 1, 2
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
 CHAT_TEMPLATE = (
@@ -39,6 +52,27 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
     "qwen3": dict(_LLAMA, head_dim=16),
     "gpt2": dict(n_embd=64, n_layer=2, n_head=4, n_positions=512, initializer_range=0.15),
     "opt": dict(_SIZES, ffn_dim=128, word_embed_proj_dim=64, init_std=0.15, dropout=0.0),
+    # windows of 32 tokens, so the parity prompts (up to 330 tokens) cross them
+    "gemma2": dict(
+        _LLAMA,
+        num_hidden_layers=4,
+        head_dim=16,
+        sliding_window=32,
+        attn_logit_softcapping=50.0,
+        final_logit_softcapping=30.0,
+        query_pre_attn_scalar=16,
+    ),
+    "gemma3_text": dict(_LLAMA, num_hidden_layers=6, head_dim=16, sliding_window=32),  # 5 local : 1 global
+    "phi3": dict(_LLAMA),
+    "granite": dict(
+        _LLAMA,
+        embedding_multiplier=12.0,
+        residual_multiplier=0.22,
+        attention_multiplier=0.2,
+        logits_scaling=8.0,
+    ),
+    "olmo2": dict(_LLAMA),
+    "smollm3": dict(_LLAMA, num_hidden_layers=4),  # no_rope_layers: every fourth layer without rotary
 }
 
 
@@ -79,6 +113,12 @@ def tiny_config(arch: str, vocab_size: int, **overrides: Any):
         "qwen3": transformers.Qwen3Config,
         "gpt2": transformers.GPT2Config,
         "opt": transformers.OPTConfig,
+        "gemma2": transformers.Gemma2Config,
+        "gemma3_text": transformers.Gemma3TextConfig,
+        "phi3": transformers.Phi3Config,
+        "granite": transformers.GraniteConfig,
+        "olmo2": transformers.Olmo2Config,
+        "smollm3": transformers.SmolLM3Config,
     }[arch]
     fields = dict(
         _DEFAULTS[arch], vocab_size=vocab_size, bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID
@@ -98,7 +138,7 @@ def make_tiny_checkpoint(
 ) -> Path:
     """Write a tiny random `arch` checkpoint (safetensors) and its tokenizer to `tmp_path/tiny-<arch>`.
 
-    arch: llama, mistral, qwen2, qwen3, gpt2 or opt. `overrides` are config fields (e.g.
+    arch: one of ARCHS. `overrides` are config fields (e.g.
     tie_word_embeddings=True, sliding_window=8, rope_parameters={...}); vocab_size defaults to the
     tokenizer's size. `max_shard_size` (e.g. "40KB") writes a sharded checkpoint with an index json.
     """

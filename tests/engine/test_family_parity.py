@@ -1,0 +1,31 @@
+"""Each newer model family (tests/models/parity.py FAMILIES) in one engine that exercises what splits the
+work: chunked prefill, prefix-cache hits and preemption together, greedy-identical to transformers. The
+full settings matrix per family runs under -m slow (test_llm_parity.py)."""
+
+from __future__ import annotations
+
+import pytest
+from parity import FAMILIES, assert_greedy_parity, mixed_prompts, tiny_model_and_reference
+
+from pagellm import LLM
+
+MAX_TOKENS = 16
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_family_matches_transformers_under_chunking_prefix_hits_and_preemption(family, tmp_path):
+    path, reference = tiny_model_and_reference(family, tmp_path, MAX_TOKENS)
+    llm = LLM(
+        str(path),
+        dtype="float32",
+        max_model_len=400,
+        num_kv_blocks=40,  # 39 usable 16-token blocks: the prompts below cannot all fit at once
+        max_num_batched_tokens=48,
+        max_num_seqs=8,
+    )
+    prompts = mixed_prompts(300, seed=1, shared_prefix=40)
+    assert_greedy_parity(llm, reference, prompts[:1])  # the first request fills the cache
+    assert_greedy_parity(llm, reference, prompts[1:])
+    stats = llm.engine.stats()
+    assert stats.prefix_cache_hits > 0
+    assert stats.num_preemptions > 0
