@@ -283,3 +283,22 @@ def test_onednn_packs_answers_what_the_reorder_does():
         except RuntimeError:
             works = False
         assert cpu.onednn_packs(dtype) == (works and torch.backends.mkldnn.is_available())
+
+
+def test_a_killed_builds_leftover_lock_does_not_hang_the_next_start():
+    """torch's build lock (`lock` in the build folder) outlives a build that was killed; a later start used
+    to wait on it forever. Under pagellm's own lock (released by the OS when its holder dies) it is stale."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from pagellm.platforms import cpu_kernels
+
+    module = cpu_kernels.load()
+    if module is None:
+        pytest.skip(f"no native kernels here: {cpu_kernels.why_unavailable()}")
+    build_dir = Path(module.__file__).parent
+    (build_dir / "lock").touch()
+    code = "from pagellm.platforms import cpu_kernels; assert cpu_kernels.load() is not None"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=240)
+    assert not (build_dir / "lock").exists()

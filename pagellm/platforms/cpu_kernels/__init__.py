@@ -76,16 +76,30 @@ def _build() -> tuple[ModuleType | None, str | None]:
         )
     started = time.monotonic()
     try:
+        from filelock import FileLock
         from torch.utils.cpp_extension import load as load_extension
 
-        module = load_extension(
-            name=f"pagellm_cpu_kernels_{key}",
-            sources=[str(here / name) for name in SOURCES],
-            extra_cflags=["-O3", "-march=native", "-fopenmp"],
-            extra_ldflags=["-fopenmp"],
-            build_directory=str(build_dir),
-            verbose=False,
-        )
+        # One build at a time per key, under a lock the OS drops when its holder dies: torch's own lock file
+        # (`lock` in the build folder) outlives a killed build and would make every later start wait forever,
+        # so, holding ours, a leftover one is stale and removed. The sources are compiled from a copy in the
+        # build folder, so checkouts at other paths with the same sources share the build.
+        with FileLock(str(build_dir) + ".build-lock"):
+            (build_dir / "lock").unlink(missing_ok=True)
+            sources = []
+            for name in SOURCES + HEADERS:
+                copy = build_dir / name
+                if not copy.exists() or copy.read_bytes() != (here / name).read_bytes():
+                    shutil.copyfile(here / name, copy)
+                if name in SOURCES:
+                    sources.append(str(copy))
+            module = load_extension(
+                name=f"pagellm_cpu_kernels_{key}",
+                sources=sources,
+                extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                extra_ldflags=["-fopenmp"],
+                build_directory=str(build_dir),
+                verbose=False,
+            )
     except Exception as e:  # a compiler error, a missing header or ninja: fall back, say why
         return (
             None,
