@@ -5,14 +5,12 @@ refused when plugins load, naming what it lacks."""
 from __future__ import annotations
 
 import logging
-import sys
 
 import pytest
-from test_loader import FakePlugins
 
 from pagellm.core.errors import PluginError
 from pagellm.core.parsers import ReasoningParser, ToolCallParse, ToolParser, check_parser
-from pagellm.plugins import load_plugins, reset_plugins
+from pagellm.plugins import load_plugins
 from pagellm.server.reasoning import DeepSeekR1ReasoningParser, Qwen3ReasoningParser
 from pagellm.server.serving_chat import tool_parser
 from pagellm.server.tool_parsers import HermesToolParser, Llama3JsonToolParser
@@ -54,17 +52,6 @@ NOT_A_PARSER = """
     def pagellm_tool_parsers():
         return [Tools]
     """
-
-
-@pytest.fixture
-def fake(tmp_path, monkeypatch):
-    monkeypatch.delenv("PAGELLM_PLUGINS", raising=False)
-    plugins = FakePlugins(tmp_path, monkeypatch)
-    reset_plugins()
-    yield plugins
-    reset_plugins()
-    for module in plugins.modules:
-        sys.modules.pop(module, None)
 
 
 def test_the_built_in_parsers_are_the_kinds():
