@@ -7,7 +7,12 @@ bfloat16 scores and value sums are tile products). Where the
 kernel cannot be built, decodes of similar length share two `bmm` calls over K/V gathered block by block
 (whole blocks of block_size * head_size contiguous elements), with a float32 softmax between them. Each
 prefill chunk gets one call of torch's fused kernel against exactly the blocks its queries can see: at
-that size the work is GEMM-bound and the gather is small beside it."""
+that size the work is GEMM-bound and the gather is small beside it.
+
+Soft-capped layers: the kernel caps each work item's scores; prefills and the fallback's decodes compute
+in float32 ops (`explicit_attention` for prefills: torch's fused kernel cannot cap). Sink logits: the
+kernel adds them when it normalises each row; prefills take the fused kernel's log-sum-exp and rescale
+(`scale_by_sinks`); the fallback's decodes add a sink column to the softmax."""
 
 from __future__ import annotations
 
@@ -18,7 +23,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from pagellm.attention_backends._base import PagedBackend, PagedMetadata, dequantize_int8_rows, store_kv
+from pagellm.attention_backends._base import (
+    PagedBackend,
+    PagedMetadata,
+    dequantize_int8_rows,
+    explicit_attention,
+    scale_by_sinks,
+    store_kv,
+)
 from pagellm.core.attention import AttentionBackend, AttentionBatch, AttentionSpec
 from pagellm.platforms import cpu_kernels
 from pagellm.plugins import hookimpl
@@ -73,7 +85,7 @@ class CpuAttnMetadata(PagedMetadata):
         if kernel is None or not all(isinstance(impl, CpuAttnBackend) for impl in impls):
             return
         native = []
-        for impl, kv_cache in zip(impls, kv_caches, strict=True):
+        for layer, impl, kv_cache in zip(layers, impls, kv_caches, strict=True):
             s = impl.spec
             if kv_cache.dtype != s.dtype:
                 return
@@ -82,8 +94,19 @@ class CpuAttnMetadata(PagedMetadata):
                 return
             kind = _CACHE_KINDS[kv_cache.dtype]
             window = s.sliding_window or 0
+            sinks = getattr(layer, "sinks", None) if s.has_sinks else None
             native.append(
-                (kv_cache, kind, s.softmax_scale, window, plan.kernel_reqs, plan.partition, impl.use_amx)
+                (
+                    kv_cache,
+                    kind,
+                    s.softmax_scale,
+                    window,
+                    plan.kernel_reqs,
+                    plan.partition,
+                    impl.use_amx,
+                    s.logits_soft_cap or 0.0,
+                    None if sinks is None else sinks.detach().float().contiguous(),
+                )
             )
         b = self.batch
         kernel.begin_native_step(
@@ -111,6 +134,8 @@ class CpuAttnBackend(PagedBackend):
     version = "3"  # in-place decode kernel, AMX tiles for bfloat16
     device_types = ("cpu",)
     supports_sliding_window = True
+    supports_logits_soft_cap = True
+    supports_sinks = True
     kv_cache_dtypes = (
         torch.float32,
         torch.bfloat16,
@@ -154,8 +179,12 @@ class CpuAttnBackend(PagedBackend):
         v: torch.Tensor,
         kv_cache: torch.Tensor,
         metadata: CpuAttnMetadata,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         s = self.spec
+        cap = s.logits_soft_cap
+        if sinks is not None:
+            sinks = sinks.detach().float().contiguous()  # the layer's parameter already is
         num_kv, num_blocks, block_size, row = kv_cache.shape[1:]  # row: head_size (+ scale bytes, int8)
         head_size = s.head_size
         self._store(kv_cache, k, v, metadata)
@@ -195,6 +224,8 @@ class CpuAttnBackend(PagedBackend):
                 s.sliding_window or 0,
                 plan.partition,
                 self.use_amx,
+                cap or 0.0,
+                sinks,
             )
         scale = s.softmax_scale
         group = s.num_heads // num_kv
@@ -207,18 +238,33 @@ class CpuAttnBackend(PagedBackend):
                 ctx_k, ctx_v = gather(p.blocks)
                 width = p.mask.shape[-1]
                 ctx_k, ctx_v = ctx_k[:, p.skip : p.skip + width], ctx_v[:, p.skip : p.skip + width]
+            if cap is not None:  # torch's fused kernel cannot cap logits
+                o = explicit_attention(
+                    q[p.tokens].transpose(0, 1),
+                    ctx_k,
+                    ctx_v,
+                    p.mask,
+                    scale,
+                    cap,
+                    None if sinks is None else sinks.view(-1, 1),
+                )
+                out[p.tokens] = o.transpose(0, 1)
+                continue
             # 4-d inputs and K/V broadcast over each KV head's query heads keep torch on its fused kernel
             # (3-d or enable_gqa fall back to the unfused math path, ten times slower)
             expanded = (num_kv, group, *ctx_k.shape[1:])
-            o = F.scaled_dot_product_attention(
-                qt,
-                ctx_k[:, None].expand(expanded),
-                ctx_v[:, None].expand(expanded),
-                attn_mask=p.mask,
-                is_causal=p.mask is None,
-                scale=scale,
-            )
-            out[p.tokens] = o.view(s.num_heads, num_queries, head_size).transpose(0, 1)
+            ctx_k, ctx_v = ctx_k[:, None].expand(expanded), ctx_v[:, None].expand(expanded)
+            if s.has_sinks:  # the fused kernel's own op, which also returns each row's log-sum-exp
+                o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                    qt, ctx_k, ctx_v, 0.0, p.mask is None, attn_mask=p.mask, scale=scale
+                )
+                if sinks is not None:
+                    o = scale_by_sinks(o, lse, sinks.view(num_kv, group, 1))
+            else:
+                o = F.scaled_dot_product_attention(
+                    qt, ctx_k, ctx_v, attn_mask=p.mask, is_causal=p.mask is None, scale=scale
+                )
+            out[p.tokens] = o.reshape(s.num_heads, num_queries, head_size).transpose(0, 1)
         for d in plan.decodes:
             dq = q[d.tokens].view(-1, num_kv, group, head_size).transpose(0, 1)  # [KV, B, G, d]
             batch_size = dq.shape[1]
@@ -226,9 +272,18 @@ class CpuAttnBackend(PagedBackend):
             dk = dk.view(num_kv * batch_size, -1, head_size)  # [KV * B, width, d]
             dv = dv.view(num_kv * batch_size, -1, head_size)
             scores = torch.bmm(dq.reshape(num_kv * batch_size, group, head_size), dk.transpose(1, 2))
-            # one op: float32 scores, scaled, with padding and out-of-window positions at -inf
-            scores = torch.add(d.mask, scores.view(num_kv, batch_size, group, -1), alpha=scale)
-            probs = scores.softmax(-1).to(q.dtype).view(num_kv * batch_size, group, -1)
+            scores = scores.view(num_kv, batch_size, group, -1)
+            if cap is None:
+                # one op: float32 scores, scaled, with padding and out-of-window positions at -inf
+                scores = torch.add(d.mask, scores, alpha=scale)
+            else:
+                scores = torch.add(d.mask, torch.tanh(scores.float() * (scale / cap)), alpha=cap)
+            if sinks is None:
+                probs = scores.softmax(-1).to(q.dtype).view(num_kv * batch_size, group, -1)
+            else:  # one more logit per row, dropped after the softmax
+                column = sinks.view(num_kv, 1, group, 1).expand(num_kv, batch_size, group, 1)
+                probs = torch.cat([scores, column], -1).softmax(-1)[..., :-1]
+                probs = probs.to(q.dtype).reshape(num_kv * batch_size, group, -1)
             o = torch.bmm(probs, dv).view(num_kv, batch_size, group, head_size)
             out.view(-1, num_kv, group, head_size)[d.tokens] = o.transpose(0, 1)
         return out

@@ -56,8 +56,9 @@ class FlashAttnBackend(PagedBackend):
     name = "FLASH_ATTN"
     device_types = ("cuda",)
     dtypes = (torch.float16, torch.bfloat16)
-    supports_sliding_window = True
-    supports_logits_soft_cap = True
+    supports_sliding_window = True  # window_size=(window - 1, 0)
+    supports_logits_soft_cap = True  # softcap=, since 2.6
+    supports_sinks = False  # flash-attn 2's flash_attn_varlen_func has no sink logits (not checked: FA3's)
     metadata_type = FlashAttnMetadata
     cuda_graph_decode = True
 

@@ -4,7 +4,8 @@ The step is planned exactly as TORCH_SDPA plans it (the same gather of each requ
 through its block table, the same decode batch), and each attention call runs `flex_attention` with a
 `BlockMask` built from that plan's causal and sliding-window visibility, so fully hidden tiles are
 skipped where flex_attention is compiled. Block masks are built once per step and shared by all layers.
-Logit soft-capping is a `score_mod`. On accelerators flex_attention is compiled (its fused kernels), once
+Logit soft-capping is a `score_mod`; sink logits rescale the output by the log-sum-exp flex_attention
+returns (out * sigmoid(lse - sink)). On accelerators flex_attention is compiled (its fused kernels), once
 per variant (`CompiledFlex`), and each compile is logged with what it cost; on CPU it runs eagerly, which
 materialises the scores: correct everywhere, rarely the fastest there.
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import inspect
 import logging
 import re
 import time
@@ -23,6 +25,7 @@ from typing import Any
 
 import torch
 
+from pagellm.attention_backends._base import scale_by_sinks
 from pagellm.attention_backends.torch_sdpa import TorchSDPABackend, TorchSDPAMetadata
 from pagellm.core.attention import AttentionBackend, AttentionSpec
 from pagellm.core.platform import Platform
@@ -48,6 +51,9 @@ class FlexAttentionBackend(TorchSDPABackend):
     name = "FLEX_ATTENTION"
     version = "2"  # compiled once per variant
     device_types = ("cpu", "cuda", "xpu")
+    supports_sliding_window = True  # the block mask
+    supports_logits_soft_cap = True  # a score_mod
+    supports_sinks = True  # the output rescaled by the returned log-sum-exp
     metadata_type = FlexMetadata
 
     @classmethod
@@ -64,23 +70,31 @@ class FlexAttentionBackend(TorchSDPABackend):
         v: torch.Tensor,
         kv_cache: torch.Tensor,
         metadata: FlexMetadata,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         self._block_masks = metadata.block_masks
-        return super().forward(q, k, v, kv_cache, metadata)
+        return super().forward(q, k, v, kv_cache, metadata, sinks)
 
     def _attend(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        mask: torch.Tensor | None,
+        sinks: torch.Tensor | None,
     ) -> torch.Tensor:
         """q: [..., H, Q, d], k/v: [..., KV, C, d] (3-d for a prefill, 4-d for the decode batch); mask
-        [Q, C] or [B, 1, 1, C], True = attend; None means causal with Q == C."""
+        [Q, C] or [B, 1, 1, C], True = attend; None means causal with Q == C; sinks broadcastable to
+        [..., H, Q], or None."""
         squeeze = q.dim() == 3
         if squeeze:
             q, k, v = q[None], k[None], v[None]
         cap = self.spec.logits_soft_cap
+        lse = self.spec.has_sinks  # the same variant with and without the tensor (timing passes none)
         gqa = q.shape[-3] != k.shape[-3]
         kind = "causal" if mask is None else ("prefill" if mask.dim() == 2 else "decode")
         if _compiles(q.device.type):
-            flex = _compiled_flex(q.device.type, q.dtype, q.shape[-1], kind, cap, gqa)
+            flex = _compiled_flex(q.device.type, q.dtype, q.shape[-1], kind, cap, gqa, lse)
         else:
             flex = _eager
         out = flex(
@@ -91,7 +105,12 @@ class FlexAttentionBackend(TorchSDPABackend):
             block_mask=self._block_mask(mask, q.shape[0], q.shape[-2], k.shape[-2], q.device),
             scale=self.spec.softmax_scale,
             enable_gqa=gqa,
+            **(_lse_request() if lse else {}),
         )
+        if lse:
+            out, aux = out
+            if sinks is not None:
+                out = scale_by_sinks(out, getattr(aux, "lse", aux), sinks)
         return out[0] if squeeze else out
 
     def _block_mask(
@@ -120,6 +139,17 @@ class FlexAttentionBackend(TorchSDPABackend):
             block_mask = create_block_mask(mask_mod, rows, None, q_len, kv_len, device=device)
             self._block_masks[key] = (mask, block_mask)
         return self._block_masks[key][1]
+
+
+@functools.cache
+def _lse_request() -> dict[str, Any]:
+    """flex_attention's arguments that make it return the log-sum-exp too: `return_aux=AuxRequest(lse=True)`
+    from torch 2.9 (which deprecates `return_lse`), `return_lse=True` before."""
+    from torch.nn.attention import flex_attention as flex
+
+    if "return_aux" in inspect.signature(flex.flex_attention).parameters:
+        return {"return_aux": flex.AuxRequest(lse=True)}
+    return {"return_lse": True}
 
 
 def _soft_cap(score: torch.Tensor, b, h, q_idx, kv_idx, cap: torch.Tensor) -> torch.Tensor:
@@ -156,7 +186,8 @@ def _call_flex(*args, **kwargs) -> torch.Tensor:
 
 
 class CompiledFlex:
-    """flex_attention compiled for one variant: device type, dtype, head size, mask kind, soft-cap, GQA.
+    """flex_attention compiled for one variant: device type, dtype, head size, mask kind, soft-cap, GQA,
+    log-sum-exp returned (sinks).
 
     Dynamo keeps compiled graphs, and counts recompiles against `recompile_limit` (8), per code object: one
     compiled flex_attention shared by every variant fell back to eager after the eighth graph. Each variant
@@ -213,11 +244,19 @@ class CompiledFlex:
 
 @functools.cache
 def _compiled_flex(
-    device_type: str, dtype: torch.dtype, head_size: int, kind: str, cap: float | None, gqa: bool
+    device_type: str,
+    dtype: torch.dtype,
+    head_size: int,
+    kind: str,
+    cap: float | None,
+    gqa: bool,
+    lse: bool = False,
 ) -> CompiledFlex:
     """The compiled variant for these facts, made on first use and kept for the process."""
     name = f"{device_type} {str(dtype).removeprefix('torch.')} d{head_size} {kind}"
-    name += (f" softcap{cap:g}" if cap is not None else "") + (" gqa" if gqa else "")
+    name += (
+        (f" softcap{cap:g}" if cap is not None else "") + (" gqa" if gqa else "") + (" lse" if lse else "")
+    )
     return CompiledFlex(name)
 
 

@@ -4,7 +4,8 @@ The reference backend, and the fallback where nothing faster fits. K/V are gathe
 through the block tables; all single-token (decode) requests share one padded SDPA call with their query
 heads grouped by KV head, and every other request (a prefill chunk) gets one SDPA call against its whole
 context. Gather indices and masks depend only on the step and the sliding window, so they are built once per
-step and window, and shared by all layers.
+step and window, and shared by all layers. SDPA can neither cap logits nor take sink logits, so layers with
+either run the same plan through `explicit_attention`: plain float32 ops, queries in slices.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from pagellm.attention_backends._base import PagedBackend, PagedMetadata, store_kv
+from pagellm.attention_backends._base import PagedBackend, PagedMetadata, explicit_attention, store_kv
 from pagellm.core.attention import AttentionBackend, AttentionBatch
 from pagellm.plugins import hookimpl
 
@@ -57,6 +58,7 @@ class TorchSDPABackend(PagedBackend):
     name = "TORCH_SDPA"
     supports_sliding_window = True
     supports_logits_soft_cap = True
+    supports_sinks = True
     kv_cache_dtypes = (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2)
     metadata_type = TorchSDPAMetadata
 
@@ -67,6 +69,7 @@ class TorchSDPABackend(PagedBackend):
         v: torch.Tensor,
         kv_cache: torch.Tensor,
         metadata: TorchSDPAMetadata,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         s = self.spec
         store_kv(kv_cache, k, v, metadata)
@@ -82,7 +85,11 @@ class TorchSDPABackend(PagedBackend):
                 ctx_k = k_cache.index_select(0, p.slots).to(q.dtype)
                 ctx_v = v_cache.index_select(0, p.slots).to(q.dtype)
             o = self._attend(
-                q[p.tokens].transpose(0, 1), ctx_k.transpose(0, 1), ctx_v.transpose(0, 1), p.mask
+                q[p.tokens].transpose(0, 1),
+                ctx_k.transpose(0, 1),
+                ctx_v.transpose(0, 1),
+                p.mask,
+                None if sinks is None else sinks.view(-1, 1),  # [H, 1]: per head, every query
             )
             out[p.tokens] = o.transpose(0, 1)
         if plan.decode is not None:
@@ -92,17 +99,29 @@ class TorchSDPABackend(PagedBackend):
             dq = q[d.tokens].reshape(batch_size, s.num_kv_heads, group, s.head_size)
             dk = k_cache.index_select(0, d.slots).view(batch_size, width, s.num_kv_heads, s.head_size)
             dv = v_cache.index_select(0, d.slots).view(batch_size, width, s.num_kv_heads, s.head_size)
-            o = self._attend(dq, dk.transpose(1, 2).to(q.dtype), dv.transpose(1, 2).to(q.dtype), d.mask)
+            o = self._attend(
+                dq,
+                dk.transpose(1, 2).to(q.dtype),
+                dv.transpose(1, 2).to(q.dtype),
+                d.mask,
+                None if sinks is None else sinks.view(s.num_kv_heads, group),  # the group is the query axis
+            )
             out[d.tokens] = o.reshape(batch_size, s.num_heads, s.head_size)
         return out
 
     def _attend(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        mask: torch.Tensor | None,
+        sinks: torch.Tensor | None,
     ) -> torch.Tensor:
-        """q: [..., H, Q, d], k/v: [..., KV, C, d]; mask None means causal with Q == C."""
+        """q: [..., H, Q, d], k/v: [..., KV, C, d]; mask None means causal with Q == C; sinks broadcastable
+        to [..., H, Q], or None."""
         cap, scale = self.spec.logits_soft_cap, self.spec.softmax_scale
-        if cap is not None:
-            return _soft_capped_attention(q, k, v, mask, scale, cap)
+        if cap is not None or self.spec.has_sinks:
+            return explicit_attention(q, k, v, mask, scale, cap, sinks)
         num_kv, group = k.shape[-3], q.shape[-3] // k.shape[-3]
         if group == 1:
             return F.scaled_dot_product_attention(
@@ -121,21 +140,6 @@ class TorchSDPABackend(PagedBackend):
             scale=scale,
         )
         return o.flatten(-4, -3)
-
-
-def _soft_capped_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float, cap: float
-) -> torch.Tensor:
-    """SDPA cannot cap logits, so this is the same attention in plain float32 ops with cap * tanh(s / cap)."""
-    group = q.shape[-3] // k.shape[-3]
-    k = k.float().repeat_interleave(group, dim=-3)
-    v = v.float().repeat_interleave(group, dim=-3)
-    scores = q.float() @ k.transpose(-1, -2) * scale
-    scores = cap * torch.tanh(scores / cap)
-    if mask is None:
-        mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
-    scores = scores.masked_fill(~mask, float("-inf"))
-    return (scores.softmax(-1) @ v).to(q.dtype)
 
 
 def _make_plan(batch: AttentionBatch, sliding_window: int | None, block_size: int) -> _Plan:

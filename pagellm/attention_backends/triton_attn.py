@@ -8,7 +8,9 @@ single-token decodes all go through the same code. The tile is sized per step: t
 tiles hold just the group and a prefill's take up to 64 query rows. When a step has fewer programs than
 the device has SMs (decodes of a few requests over 1-2 KV heads), each program walks only a slice of its
 context and writes its partial maximum, sum and output in float32, and a second kernel merges the slices
-(split-K, flash-decoding). Head sizes are padded to a power of two inside the kernel. The new K/V are
+(split-K, flash-decoding). A logit soft-cap is applied to each tile's scores before the mask; sink logits
+start the online softmax of the first slice (running max = the sink, sum = 1, as a key with no value).
+Head sizes are padded to a power of two inside the kernel. The new K/V are
 stored with `index_copy_` first, so the kernel only reads the cache. The kernel is jitted on first use in each interpreter
 mode, so forwards run while `TRITON_INTERPRET=1` is set run it on CPU tensors (tests), the others compiled.
 """
@@ -117,6 +119,8 @@ class TritonAttnBackend(PagedBackend):
     head_sizes = (64, 80, 96, 128, 256)
     block_sizes = (16, 32, 64)
     supports_sliding_window = True
+    supports_logits_soft_cap = True
+    supports_sinks = True
     metadata_type = TritonAttnMetadata
     cuda_graph_decode = True
     version = "2"  # tiles sized per step, split-K
@@ -137,8 +141,11 @@ class TritonAttnBackend(PagedBackend):
         v: torch.Tensor,
         kv_cache: torch.Tensor,
         metadata: TritonAttnMetadata,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         s = self.spec
+        if sinks is not None:
+            sinks = sinks.to(torch.float32).contiguous()  # the layer's parameter already is
         _, _, block_size, num_kv, head_size = kv_cache.shape
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         store_kv(kv_cache, k, v, metadata)
@@ -170,6 +177,7 @@ class TritonAttnBackend(PagedBackend):
             q,
             k_cache,
             v_cache,
+            q if sinks is None else sinks,  # not read without sinks
             batch.block_tables,
             batch.seq_lens,
             batch.query_start_loc,
@@ -194,6 +202,8 @@ class TritonAttnBackend(PagedBackend):
             BLOCK_N=block_n,
             NUM_SPLITS=splits,
             SLIDING_WINDOW=s.sliding_window or 0,
+            SOFT_CAP=float(s.logits_soft_cap or 0.0),
+            HAS_SINKS=sinks is not None,
             DOT_DTYPE=dot_dtype,
             DOT_PRECISION="ieee" if dot_dtype == tl.float32 else None,  # no TF32 where fp32 was asked for
             num_warps=_num_warps(plan.block_m, head_pad),
@@ -299,6 +309,7 @@ def _paged_attention(
     q_ptr,
     k_cache_ptr,
     v_cache_ptr,
+    sinks_ptr,
     block_tables_ptr,
     seq_lens_ptr,
     query_start_ptr,
@@ -323,6 +334,8 @@ def _paged_attention(
     BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     SLIDING_WINDOW: tl.constexpr,
+    SOFT_CAP: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
 ):
@@ -330,7 +343,9 @@ def _paged_attention(
     and Q new ones sits at position L - Q + j and sees positions <= that (and > that - window). Keys come
     BLOCK_N at a time, each through the block table entry of its own position, so BLOCK_N need not match
     the cache's block size. With NUM_SPLITS > 1, program (tile, KV head, split) walks the split-th slice
-    of the tile's key tiles and writes its partial max, sum and unnormalised output for `_merge_splits`."""
+    of the tile's key tiles and writes its partial max, sum and unnormalised output for `_merge_splits`.
+    SOFT_CAP > 0 caps the scores (cap * tanh(score / cap)); HAS_SINKS reads each head's sink logit (float32)
+    into the first slice's running max and sum, where it joins the denominator and adds no value."""
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     req = tl.load(tile_reqs_ptr + tile)
@@ -369,6 +384,11 @@ def _paged_attention(
 
     m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l = tl.full([BLOCK_M], 0.0, dtype=tl.float32)
+    if HAS_SINKS:  # a key of logit `sink` and value 0, seen once: by the first slice
+        sink = tl.load(sinks_ptr + head, mask=row_ok, other=0.0).to(tl.float32)
+        first_slice = tl.program_id(2) == 0
+        m = tl.where(first_slice, sink, m)
+        l = tl.where(first_slice, 1.0, l)
     acc = tl.full([BLOCK_M, HEAD_PAD], 0.0, dtype=tl.float32)
     keys = tl.arange(0, BLOCK_N)
     for j in range(lo, hi):
@@ -387,6 +407,11 @@ def _paged_attention(
         k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0).to(DOT_DTYPE)
         v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0).to(DOT_DTYPE)
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
+        if SOFT_CAP > 0:  # cap * tanh(s / cap), tanh from exp of -2|s / cap| (no overflow)
+            x = scores / SOFT_CAP
+            e = tl.exp(-2.0 * tl.where(x < 0, -x, x))
+            t = (1.0 - e) / (1.0 + e)
+            scores = SOFT_CAP * tl.where(x < 0, -t, t)
         diff = query_pos[:, None] - key_pos[None, :]
         visible = diff >= 0
         if SLIDING_WINDOW > 0:

@@ -10,6 +10,11 @@ attention layer's implementation. Tensor conventions, for every backend:
   `slot_mapping` (slot = block_id * block_size + offset; negative = do not store) and reads the context
   through `block_tables`
 - forward returns [num_tokens, num_heads, head_size]
+- per layer, from its spec: scores are q.k * `softmax_scale`, then `logits_soft_cap * tanh(score / cap)` when
+  a cap is set, then masked (causal; at most `sliding_window` most recent positions when set); with
+  `has_sinks`, `forward` also gets `sinks` (float32 [num_heads]): one logit per query head that joins each
+  row's softmax denominator and contributes no value (GPT-OSS), so out = sum_i e^s_i v_i / (sum_i e^s_i +
+  e^sink)
 """
 
 from __future__ import annotations
@@ -39,8 +44,9 @@ class AttentionSpec:
     block_size: int = DEFAULT_BLOCK_SIZE
     kv_cache_dtype: torch.dtype | None = None  # None: same as dtype
     sliding_window: int | None = None  # attend to at most this many most recent tokens (incl. itself)
-    logits_soft_cap: float | None = None
+    logits_soft_cap: float | None = None  # scores become cap * tanh(score / cap), after the scale
     scale: float | None = None  # None: head_size ** -0.5
+    has_sinks: bool = False  # a learned logit per query head in every softmax (`forward`'s `sinks`)
 
     @property
     def cache_dtype(self) -> torch.dtype:
@@ -60,6 +66,8 @@ class AttentionSpec:
         return (
             f"h{self.num_heads}-kv{self.num_kv_heads}-d{self.head_size}-{dtype_name(self.dtype)}"
             f"-bs{self.block_size}-sw{self.sliding_window}"
+            + (f"-cap{self.logits_soft_cap:g}" if self.logits_soft_cap is not None else "")
+            + ("-sinks" if self.has_sinks else "")
         )
 
 
@@ -105,6 +113,8 @@ class AttentionBackend:
     block_sizes: ClassVar[tuple[int, ...] | None] = None  # None: any
     supports_sliding_window: ClassVar[bool] = False
     supports_logits_soft_cap: ClassVar[bool] = False
+    supports_sinks: ClassVar[bool] = False
+    """Whether `forward` takes `sinks` (specs with `has_sinks`); the layer passes it only for those."""
     graph_op: Any = None
     """An op (q [T, H*D], k, v [T, KV*D], layer_idx) -> [T, H*D] that compiled graphs call instead of
     `pagellm::attention` (the Python op, which calls `forward`), or None. It must give the same results and
@@ -143,6 +153,8 @@ class AttentionBackend:
             reasons.append("no sliding-window support")
         if spec.logits_soft_cap is not None and not cls.supports_logits_soft_cap:
             reasons.append("no logits soft-cap support")
+        if spec.has_sinks and not cls.supports_sinks:
+            reasons.append("no attention-sink support")
         return reasons
 
     @classmethod
@@ -174,6 +186,10 @@ class AttentionBackend:
         v: torch.Tensor,
         kv_cache: torch.Tensor,
         metadata: Any,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Store k/v into kv_cache at the slot mapping, then attend; see the module docstring."""
+        """Store k/v into kv_cache at the slot mapping, then attend; see the module docstring.
+
+        `sinks` (float32 [num_heads], on q's device) is passed only for a spec with `has_sinks`, by a backend
+        that `supports_sinks`; None there (the selector's timing) means no sink logit, on the same path."""
         raise NotImplementedError

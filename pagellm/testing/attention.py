@@ -3,6 +3,8 @@ conformance check for backends.
 
 Any backend, ours or a vendor's, is checked the same way: `check_backend(MyBackend, spec, device, cases)`
 returns the largest difference from `reference_attention`; the caller picks the tolerance for the dtype.
+`check_layers` does the same for several layers of different specs (windows, soft-caps, sinks) run in
+the same steps over one shared metadata, as a model's layers are.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import torch
 from pagellm.core.attention import AttentionBackend, AttentionSpec
 from pagellm.core.synthetic import blocks_needed, make_paged_batch
 
-__all__ = ["blocks_needed", "check_backend", "make_paged_batch", "reference_attention"]
+__all__ = ["blocks_needed", "check_backend", "check_layers", "make_paged_batch", "reference_attention"]
 
 
 def reference_attention(
@@ -26,11 +28,14 @@ def reference_attention(
     sliding_window: int | None = None,
     scale: float | None = None,
     logits_soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Plain causal attention per sequence in float32, no paging: the answer every backend must give.
 
     q: [sum(query_lens), H, d], each request's query tokens in order; k_full, v_full: [sum(seq_lens), KV, d],
-    each request's whole sequence in order. Returns float32 [sum(query_lens), H, d]."""
+    each request's whole sequence in order; sinks: [H] logits that join every softmax and add no value
+    (transformers' GPT-OSS eager attention). Scores are scaled, then capped, then masked. Returns float32
+    [sum(query_lens), H, d]."""
     scale = scale if scale is not None else q.shape[-1] ** -0.5
     group = q.shape[1] // k_full.shape[1]
     outs, q_start, kv_start = [], 0, 0
@@ -46,7 +51,12 @@ def reference_attention(
         if sliding_window is not None:
             visible &= diff < sliding_window
         scores = scores.masked_fill(~visible.to(scores.device), float("-inf"))
-        outs.append((scores.softmax(-1) @ vi).transpose(0, 1))
+        if sinks is not None:  # a column of the head's sink logit, dropped after the softmax
+            column = sinks.float().to(scores.device).view(-1, 1, 1).expand(-1, query_len, 1)
+            probs = torch.cat([scores, column], -1).softmax(-1)[..., :-1]
+        else:
+            probs = scores.softmax(-1)
+        outs.append((probs @ vi).transpose(0, 1))
         q_start += query_len
         kv_start += seq_len
     return torch.cat(outs)
@@ -63,21 +73,42 @@ def check_backend(
 
     Each case is (seq_lens, query_lens). The cached part of every sequence is first written by the
     backend's own forward, as one prefill step over it (whose output is checked too); then the case's step
-    runs with the same block tables, so the backend's cache layout is its own business."""
-    worst = 0.0
+    runs with the same block tables, so the backend's cache layout is its own business. A spec with
+    `has_sinks` gets random sink logits (float32 [num_heads]), passed to `forward` as `sinks`."""
+    return max(check_layers(backend_cls, [spec], device, cases, seed))
+
+
+def check_layers(
+    backend_cls: type[AttentionBackend],
+    specs: Sequence[AttentionSpec],
+    device: torch.device | str,
+    cases: Sequence[tuple[Sequence[int], Sequence[int]]],
+    seed: int = 0,
+) -> list[float]:
+    """`check_backend` for a model of several layers, one per spec (all of one block size): every step's
+    metadata is built once and shared by the layers, each with its own inputs, cache and sinks, as the
+    model runner does; returns each layer's largest difference from the reference."""
+    block_size = specs[0].block_size
+    if any(spec.block_size != block_size for spec in specs):
+        raise ValueError("the layers of one step share its block tables: give every spec one block size")
+    worst = [0.0] * len(specs)
     for case, (seq_lens, query_lens) in enumerate(cases):
         gen = torch.Generator().manual_seed(seed + case)
         total = sum(seq_lens)
-        q = torch.randn(total, spec.num_heads, spec.head_size, generator=gen).to(device, spec.dtype)
-        k = torch.randn(total, spec.num_kv_heads, spec.head_size, generator=gen).to(device, spec.dtype)
-        v = torch.randn(total, spec.num_kv_heads, spec.head_size, generator=gen).to(device, spec.dtype)
-        num_blocks = blocks_needed(seq_lens, spec.block_size)
-        batch = make_paged_batch(seq_lens, query_lens, spec.block_size, num_blocks, device, generator=gen)
-        shape = backend_cls.kv_cache_shape(
-            num_blocks, spec.block_size, spec.num_kv_heads, spec.cache_row_size
-        )
-        kv_cache = torch.zeros(shape, dtype=spec.cache_dtype, device=device)
-        impl = backend_cls(spec)
+        num_blocks = blocks_needed(seq_lens, block_size)
+        layers = []
+        for i, spec in enumerate(specs):
+            q = torch.randn(total, spec.num_heads, spec.head_size, generator=gen).to(device, spec.dtype)
+            k = torch.randn(total, spec.num_kv_heads, spec.head_size, generator=gen).to(device, spec.dtype)
+            v = torch.randn(total, spec.num_kv_heads, spec.head_size, generator=gen).to(device, spec.dtype)
+            if i == 0:  # one layer draws what check_backend always drew, in that order
+                batch = make_paged_batch(seq_lens, query_lens, block_size, num_blocks, device, generator=gen)
+            shape = backend_cls.kv_cache_shape(num_blocks, block_size, spec.num_kv_heads, spec.cache_row_size)
+            kv_cache = torch.zeros(shape, dtype=spec.cache_dtype, device=device)
+            layers.append([spec, backend_cls(spec), q, k, v, kv_cache, None])
+        for layer in layers:  # sinks of a few units, as trained ones are: some heads mostly sink
+            if layer[0].has_sinks:
+                layer[6] = (torch.randn(layer[0].num_heads, generator=gen) * 2 + 1).to(device)
         starts = [sum(seq_lens[:i]) for i in range(len(seq_lens))]
         cached = [s - n for s, n in zip(seq_lens, query_lens, strict=True)]
         rows = [i for i, n in enumerate(cached) if n]
@@ -85,7 +116,7 @@ def check_backend(
         if rows:
             lens = [cached[i] for i in rows]
             tables = batch.block_tables[rows]
-            prefill = make_paged_batch(lens, lens, spec.block_size, device=device, block_tables=tables)
+            prefill = make_paged_batch(lens, lens, block_size, device=device, block_tables=tables)
             steps.append((prefill, [starts[i] for i in rows], lens, lens))
         steps.append((batch, starts, list(seq_lens), list(query_lens)))
         for step, step_starts, step_seq_lens, step_query_lens in steps:
@@ -94,16 +125,20 @@ def check_backend(
                 queries += range(start + seq_len - query_len, start + seq_len)
                 context += range(start, start + seq_len)
             queries, context = torch.tensor(queries, device=device), torch.tensor(context, device=device)
-            out = impl.forward(q[queries], k[queries], v[queries], kv_cache, backend_cls.build_metadata(step))
-            expected = reference_attention(
-                q[queries],
-                k[context],
-                v[context],
-                step_query_lens,
-                step_seq_lens,
-                spec.sliding_window,
-                spec.softmax_scale,
-                spec.logits_soft_cap,
-            )
-            worst = max(worst, (out.float() - expected).abs().max().item())
+            metadata = backend_cls.build_metadata(step)
+            for i, (spec, impl, q, k, v, kv_cache, sinks) in enumerate(layers):
+                args = (q[queries], k[queries], v[queries], kv_cache, metadata)
+                out = impl.forward(*args) if sinks is None else impl.forward(*args, sinks=sinks)
+                expected = reference_attention(
+                    q[queries],
+                    k[context],
+                    v[context],
+                    step_query_lens,
+                    step_seq_lens,
+                    spec.sliding_window,
+                    spec.softmax_scale,
+                    spec.logits_soft_cap,
+                    sinks,
+                )
+                worst[i] = max(worst[i], (out.float() - expected).abs().max().item())
     return worst

@@ -7,9 +7,12 @@ One command, run where pagellm and the backend's package are installed:
 Both variables are optional, with the same meaning as for the engine: no device means the one `--device
 auto` would pick, no backend means every registered backend, built-in or plugin (a comma-separated list
 also works). Each backend runs every case its facts claim it supports on that platform (its dtypes, head
-sizes and block sizes, GQA and MQA, sliding window and soft-cap when claimed, prefill, chunked prefill,
-decode, mixed batches, sequences ending on and around block boundaries, long contexts); a case it declares unsupported
-via `unsupported_reasons` is not run. A backend with no case it can run is reported as skipped, with why.
+sizes and block sizes, GQA and MQA, prefill, chunked prefill, decode, mixed batches, sequences ending on
+and around block boundaries, long contexts); a case it declares unsupported via `unsupported_reasons` is
+not run. The per-layer features are cases for every backend: sliding windows of several sizes, logit
+soft-capping, attention sinks, their combinations, and a model whose layers mix them in one step; those a
+backend refuses (it does not claim the feature) are reported as skipped, with its reasons. A backend with
+no case it can run is reported as skipped, with why.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from pagellm.core.dtypes import dtype_name
 from pagellm.core.platform import Platform
 from pagellm.core.selector import select_platform
 from pagellm.plugins import load_plugins
-from pagellm.testing.attention import check_backend
+from pagellm.testing.attention import check_layers
 
 Step = tuple[tuple[int, ...], tuple[int, ...]]  # (seq_lens, query_lens), as check_backend takes them
 
@@ -68,10 +71,25 @@ class ConformanceCase:
     id: str
     spec: AttentionSpec
     steps: tuple[Step, ...]
+    more_layers: tuple[AttentionSpec, ...] = ()
+    """Further layers run in the same steps beside `spec`'s, each with its own spec (a mixed model)."""
+    feature: bool = False
+    """A per-layer feature (window, soft-cap, sinks): reported as skipped, with why, where refused."""
+
+    @property
+    def layers(self) -> tuple[AttentionSpec, ...]:
+        return (self.spec, *self.more_layers)
 
     @property
     def tolerance(self) -> float:
-        return KV_CACHE_TOLERANCE.get(self.spec.cache_dtype) or TOLERANCE.get(self.spec.dtype, 3e-2)
+        return max(
+            KV_CACHE_TOLERANCE.get(spec.cache_dtype) or TOLERANCE.get(spec.dtype, 3e-2)
+            for spec in self.layers
+        )
+
+    def unsupported_reasons(self, backend: type[AttentionBackend], platform: type[Platform]) -> list[str]:
+        reasons = (r for spec in self.layers for r in backend.unsupported_reasons(spec, platform))
+        return list(dict.fromkeys(reasons))
 
 
 def candidate_cases(backend: type[AttentionBackend], platform: type[Platform]) -> list[ConformanceCase]:
@@ -108,29 +126,85 @@ def candidate_cases(backend: type[AttentionBackend], platform: type[Platform]) -
         for d in KV_CACHE_TOLERANCE
         if d in (backend.kv_cache_dtypes or ())
     ]
-    if backend.supports_sliding_window:
-        cases += [
-            ConformanceCase(f"sliding_window-{w}", spec(sliding_window=w), MIXED)
-            for w in (7, 20)  # both shorter than most sequences in MIXED
-        ]
-        cases.append(ConformanceCase("long_context-sliding_window-300", spec(sliding_window=300), LONG))
-    if backend.supports_logits_soft_cap:
-        cases.append(ConformanceCase("soft_cap-5", spec(logits_soft_cap=5.0), MIXED))
+    return cases + feature_cases(base)
+
+
+def feature_cases(base: AttentionSpec) -> list[ConformanceCase]:
+    """The per-layer features around `base`, whether or not a backend claims them (`conformance_cases`
+    sorts them): sliding windows of 1 token (itself only), a few tokens, one block, more than a block and
+    more than any sequence; soft-caps tight enough to bend most scores (5) and as models set them (30,
+    after a scale other than head_size ** -0.5); sinks alone, with a window and over long contexts (where
+    contexts are split and merged); and one model whose layers mix all of them in each step."""
+    b = base.block_size
+
+    def case(name: str, steps: tuple[Step, ...], **changes) -> ConformanceCase:
+        return ConformanceCase(name, dataclasses.replace(base, **changes), steps, feature=True)
+
+    windows = dict.fromkeys((1, 7, b, 20, 4096))  # 7 and 20: shorter than most sequences in MIXED
+    cases = [case(f"sliding_window-{w}", MIXED, sliding_window=w) for w in windows]
+    cases += [
+        case("long_context-sliding_window-300", LONG, sliding_window=300),
+        case("soft_cap-5", MIXED, logits_soft_cap=5.0),
+        case("soft_cap-30-scale-0.5", MIXED, logits_soft_cap=30.0, scale=0.5),
+        case("soft_cap-5-sliding_window-7", MIXED, logits_soft_cap=5.0, sliding_window=7),
+        case("long_context-soft_cap-5", LONG, logits_soft_cap=5.0),
+        case("sinks", MIXED, has_sinks=True),
+        case("sinks-sliding_window-7", MIXED, has_sinks=True, sliding_window=7),
+        case("long_context-sinks", LONG, has_sinks=True),
+        case(
+            "sinks-soft_cap-5-sliding_window-20",
+            MIXED,
+            has_sinks=True,
+            logits_soft_cap=5.0,
+            sliding_window=20,
+        ),
+    ]
+    # Gemma 2/3- and GPT-OSS-like: local and global layers, capped or with sinks, over one step's metadata
+    mixed = [
+        dataclasses.replace(base, sliding_window=7),
+        base,
+        dataclasses.replace(base, logits_soft_cap=5.0),
+        dataclasses.replace(base, sliding_window=20, has_sinks=True),
+        dataclasses.replace(base, has_sinks=True),
+        dataclasses.replace(base, sliding_window=b, logits_soft_cap=30.0, scale=0.5),
+    ]
+    windowed = [
+        mixed[0],
+        base,
+        dataclasses.replace(base, sliding_window=20),
+        dataclasses.replace(base, sliding_window=b),
+    ]
+    cases.append(
+        ConformanceCase("mixed_layers-sliding_window", windowed[0], MIXED, tuple(windowed[1:]), feature=True)
+    )
+    cases.append(ConformanceCase("mixed_layers", mixed[0], MIXED, tuple(mixed[1:]), feature=True))
     return cases
 
 
 def conformance_cases(
     backend: type[AttentionBackend], platform: type[Platform]
 ) -> tuple[list[ConformanceCase], list[str]]:
-    """The claimed cases `backend` accepts on `platform`, and every reason it gave for those it refused."""
+    """The candidate cases `backend` accepts on `platform`, and every reason it gave for those it refused."""
     runnable, refused = [], []
     for case in candidate_cases(backend, platform):
-        reasons = backend.unsupported_reasons(case.spec, platform)
+        reasons = case.unsupported_reasons(backend, platform)
         if reasons:
             refused += reasons
         else:
             runnable.append(case)
     return runnable, refused
+
+
+def skipped_features(
+    backend: type[AttentionBackend], platform: type[Platform]
+) -> list[tuple[ConformanceCase, list[str]]]:
+    """The feature cases `backend` refuses on `platform`, each with its reasons (reported as skips)."""
+    refused = []
+    for case in candidate_cases(backend, platform):
+        reasons = case.unsupported_reasons(backend, platform)
+        if case.feature and reasons:
+            refused.append((case, reasons))
+    return refused
 
 
 def selected() -> tuple[type[Platform], dict[str, type[AttentionBackend]]]:
@@ -159,7 +233,18 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     for name, backend in backends.items():
         runnable, refused = conformance_cases(backend, platform)
         params += [pytest.param(backend, platform, case, id=f"{name}-{case.id}") for case in runnable]
-        if not runnable:
+        if runnable:
+            params += [
+                pytest.param(
+                    backend,
+                    platform,
+                    None,
+                    id=f"{name}-{case.id}",
+                    marks=pytest.mark.skip("; ".join(reasons)),
+                )
+                for case, reasons in skipped_features(backend, platform)
+            ]
+        else:
             why = f"{name} runs no claimed case on {platform.name}: " + "; ".join(dict.fromkeys(refused))
             params.append(
                 pytest.param(backend, platform, None, id=f"{name}-none", marks=pytest.mark.skip(why))
@@ -170,8 +255,9 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 def test_matches_reference(
     backend: type[AttentionBackend], platform: type[Platform], case: ConformanceCase
 ) -> None:
-    error = check_backend(backend, case.spec, platform.device(), case.steps)
-    assert error <= case.tolerance, (
-        f"{backend.name} on {platform.name}, {case.id} ({case.spec.shape_key()}): largest difference from "
-        f"the reference {error:.3g} > {case.tolerance:g}"
-    )
+    errors = check_layers(backend, case.layers, platform.device(), case.steps)
+    for spec, error in zip(case.layers, errors, strict=True):
+        assert error <= case.tolerance, (
+            f"{backend.name} on {platform.name}, {case.id} ({spec.shape_key()}): largest difference from "
+            f"the reference {error:.3g} > {case.tolerance:g}"
+        )

@@ -83,6 +83,45 @@ def test_bf16_decode_shapes(head_size, heads, block_size, decode_path):
     assert check_backend(CpuAttnBackend, spec, "cpu", cases) < TOLERANCE[torch.bfloat16]
 
 
+FEATURES = {
+    "soft_cap": dict(logits_soft_cap=5.0),
+    "soft_cap-scale-window": dict(logits_soft_cap=30.0, scale=0.5, sliding_window=20),
+    "sinks": dict(has_sinks=True),
+    "sinks-window": dict(has_sinks=True, sliding_window=7),
+    "sinks-soft_cap-window": dict(has_sinks=True, logits_soft_cap=5.0, sliding_window=33),
+}
+
+
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"]
+)
+@pytest.mark.parametrize("features", list(FEATURES.values()), ids=list(FEATURES))
+def test_soft_cap_and_sinks(dtype, features, decode_path):
+    """Both decode paths and the prefill path: scores capped after the scale, sinks in the denominator."""
+    spec = AttentionSpec(8, 2, 64, dtype, block_size=16, **features)
+    assert check_backend(CpuAttnBackend, spec, "cpu", ALL_CASES) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("head_size", [64, 128])
+@pytest.mark.parametrize(
+    "features", [FEATURES["soft_cap"], FEATURES["sinks-window"]], ids=["soft_cap", "sinks"]
+)
+def test_bf16_decode_shapes_with_soft_cap_and_sinks(head_size, features, decode_path):
+    """The AMX path's shapes (its scores are capped and its rows normalised like the others')."""
+    spec = AttentionSpec(16, 1, head_size, torch.bfloat16, block_size=32, **features)
+    cases = [([1, 15, 16, 17, 31, 33, 100], [1] * 7)]
+    assert check_backend(CpuAttnBackend, spec, "cpu", cases) < TOLERANCE[torch.bfloat16]
+
+
+@pytest.mark.parametrize(
+    "features", [FEATURES["sinks"], FEATURES["sinks-soft_cap-window"]], ids=["sinks", "all"]
+)
+def test_int8_cache_with_soft_cap_and_sinks(features, decode_path):
+    """Soft-cap after the key's scale, like the scale itself."""
+    spec = AttentionSpec(9, 3, 64, torch.float32, kv_cache_dtype=torch.int8, **features)
+    assert check_backend(CpuAttnBackend, spec, "cpu", ALL_CASES) < INT8_TOLERANCE
+
+
 def test_cache_dtype_differs_from_compute_dtype(decode_path):
     spec = AttentionSpec(8, 2, 32, torch.bfloat16, kv_cache_dtype=torch.float32)
     assert check_backend(CpuAttnBackend, spec, "cpu", ALL_CASES) < TOLERANCE[torch.bfloat16]
@@ -157,22 +196,39 @@ def test_long_contexts_split_across_threads(seq_lens, sliding_window, decode_pat
     assert check_backend(CpuAttnBackend, spec, "cpu", cases) < TOLERANCE[torch.bfloat16]
 
 
-class _Layer:
-    """What `pagellm::attention` and `begin_forward` read of an attention layer: the backend, `attend`."""
+@pytest.mark.parametrize(
+    "features", [FEATURES["sinks"], FEATURES["sinks-soft_cap-window"]], ids=["sinks", "all"]
+)
+def test_split_contexts_count_the_sink_once(features, monkeypatch, decode_path):
+    """The kernel splits the long context into partitions (375 tokens, rounded up to 384: four of them)
+    and merges them with the sink joining the denominator once, not once per partition."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 4)
+    spec = AttentionSpec(8, 2, 64, torch.float32, block_size=16, **features)
+    batch = make_paged_batch([1500, 40], [1, 1], 16)
+    assert CpuAttnBackend.build_metadata(batch).plan(None, 16, torch.float32, True, 2).partition == 375
+    assert check_backend(CpuAttnBackend, spec, "cpu", [([1500, 40], [1, 1]), ([1500], [1])]) < 1e-5
 
-    def __init__(self, impl):
+
+class _Layer:
+    """What `pagellm::attention` and `begin_forward` read of an attention layer: the backend, `attend`,
+    its sinks."""
+
+    def __init__(self, impl, sinks=None):
         self.impl = impl
+        self.sinks = sinks
 
     def attend(self, q, k, v, ctx):
         s = self.impl.spec
         shape = (s.num_heads, s.num_kv_heads, s.num_kv_heads)
         q, k, v = (t.view(-1, n, s.head_size) for t, n in zip((q, k, v), shape, strict=True))
-        out = self.impl.forward(q, k, v, ctx.kv_caches[0], ctx.metadata)
+        extra = {} if self.sinks is None else {"sinks": self.sinks}
+        out = self.impl.forward(q, k, v, ctx.kv_caches[0], ctx.metadata, **extra)
         return out.reshape(-1, s.num_heads * s.head_size)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_compiled_graphs_op_runs_decode_steps_natively(dtype, monkeypatch):
+@pytest.mark.parametrize("features", [{}, FEATURES["sinks-soft_cap-window"]], ids=["plain", "sinks-soft_cap"])
+def test_compiled_graphs_op_runs_decode_steps_natively(dtype, features, monkeypatch):
     """pagellm::cpu_attention (what compiled graphs call) gives the Python path's output and cache for
     decode-only steps, which it runs in C++ (no Python call); other steps, and calls outside a forward,
     go through pagellm::attention."""
@@ -181,8 +237,9 @@ def test_compiled_graphs_op_runs_decode_steps_natively(dtype, monkeypatch):
     from pagellm.models.context import set_forward_context
     from pagellm.models.layers import attention  # noqa: F401  (defines pagellm::attention)
 
-    spec = AttentionSpec(9, 3, 64, dtype, block_size=16)
+    spec = AttentionSpec(9, 3, 64, dtype, block_size=16, **features)
     impl = CpuAttnBackend(spec)
+    sinks = torch.randn(9) * 2 if spec.has_sinks else None
     assert impl.graph_op is torch.ops.pagellm.cpu_attention.default
     python_calls = []
     real_forward = CpuAttnBackend.forward
@@ -196,9 +253,10 @@ def test_compiled_graphs_op_runs_decode_steps_natively(dtype, monkeypatch):
         k, v = kv[:, : 3 * 64], kv[:, 3 * 64 :]
         cache = torch.randn(CpuAttnBackend.kv_cache_shape(16, 16, 3, 64), generator=gen).to(dtype)
         expected_cache = cache.clone()
-        expected = _Layer(impl).attend(q, k, v, _Ctx([expected_cache], CpuAttnBackend.build_metadata(batch)))
+        layer = _Layer(impl, sinks)
+        expected = layer.attend(q, k, v, _Ctx([expected_cache], CpuAttnBackend.build_metadata(batch)))
         python_calls.clear()
-        with set_forward_context(CpuAttnBackend.build_metadata(batch), [cache], [_Layer(impl)]):
+        with set_forward_context(CpuAttnBackend.build_metadata(batch), [cache], [layer]):
             out = torch.ops.pagellm.cpu_attention(q, k, v, 0)
         assert python_calls == ([] if native else [1])
         torch.testing.assert_close(out, expected, rtol=0, atol=0)
@@ -263,7 +321,7 @@ def test_decodes_are_grouped_by_length_and_window_skips_old_blocks():
 
 
 def test_facts_and_plugin_registration(monkeypatch):
-    spec = AttentionSpec(9, 3, 64, torch.bfloat16, sliding_window=4096)
+    spec = AttentionSpec(9, 3, 64, torch.bfloat16, sliding_window=4096, logits_soft_cap=30.0, has_sinks=True)
     assert CpuAttnBackend.unsupported_reasons(spec, _CPU) == []
     assert CpuAttnBackend.unsupported_reasons(spec, _GPU) == ["runs on device types cpu, not cuda"]
     assert CpuAttnBackend.kv_cache_shape(10, 16, 3, 64) == (2, 3, 10, 16, 64)

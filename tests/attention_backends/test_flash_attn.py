@@ -51,6 +51,13 @@ def test_compatible_on_ampere_and_hopper(version):
         assert FlashAttnBackend.unsupported_reasons(GOOD, _platform(capability=capability)) == []
 
 
+def test_no_sinks(version):
+    """flash-attn 2 takes a window and a soft-cap, not sink logits: such layers go to another backend."""
+    version("2.8.3")
+    spec = AttentionSpec(64, 8, 64, torch.bfloat16, block_size=256, sliding_window=128, has_sinks=True)
+    assert FlashAttnBackend.unsupported_reasons(spec, _platform()) == ["no attention-sink support"]
+
+
 def test_package_missing_or_old(version):
     version(None)
     assert FlashAttnBackend.unsupported_reasons(GOOD, _platform()) == [

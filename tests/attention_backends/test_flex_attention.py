@@ -51,6 +51,18 @@ def test_logits_soft_cap():
     assert check_backend(FlexAttentionBackend, spec, "cpu", CASES) < 1e-5
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(
+    "features",
+    [dict(has_sinks=True), dict(has_sinks=True, sliding_window=7, logits_soft_cap=5.0)],
+    ids=["sinks", "sinks-window-soft_cap"],
+)
+def test_sinks(dtype, features):
+    """Sink logits rescale flex_attention's output by the log-sum-exp it returns."""
+    spec = AttentionSpec(8, 2, 32, dtype, **features)
+    assert check_backend(FlexAttentionBackend, spec, "cpu", CASES) < TOLERANCE[dtype]
+
+
 def test_block_masks_are_built_once_per_step():
     spec = AttentionSpec(4, 2, 32, torch.float32)
     batch = make_paged_batch([40, 17, 5], [8, 17, 1], 16)
@@ -67,7 +79,7 @@ def test_block_masks_are_built_once_per_step():
 
 
 def test_unsupported_reasons(monkeypatch):
-    spec = AttentionSpec(8, 2, 64, torch.bfloat16, sliding_window=4096, logits_soft_cap=30.0)
+    spec = AttentionSpec(8, 2, 64, torch.bfloat16, sliding_window=4096, logits_soft_cap=30.0, has_sinks=True)
     assert FlexAttentionBackend.unsupported_reasons(spec, _CPU) == []
     assert FlexAttentionBackend.unsupported_reasons(spec, _TPU) == [
         "runs on device types cpu, cuda, xpu, not xla"
@@ -203,3 +215,26 @@ def test_real_dynamo_keeps_variants_apart_past_its_limit(monkeypatch, caplog, fr
         torch._dynamo.reset()
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
     assert len([r for r in caplog.records if "compiled flex_attention" in r.getMessage()]) == 2
+
+
+def test_real_dynamo_traces_the_sink_variant(monkeypatch, caplog, fresh_variants):
+    """With sinks flex_attention also returns its log-sum-exp (`return_aux` or `return_lse`): that variant
+    traces under fullgraph too (Dynamo's "eager" backend), named apart from the plain one."""
+    import torch._dynamo
+
+    def compile_(fn, **options):
+        if fn.__code__.co_name.startswith("flex_attention_"):
+            options["backend"] = "eager"
+        return REAL_COMPILE(fn, **options)
+
+    monkeypatch.setattr(flex_attention, "_compiles", lambda device_type: True)
+    monkeypatch.setattr(torch, "compile", compile_)
+    try:
+        spec = AttentionSpec(4, 2, 16, torch.float32, logits_soft_cap=5.0, has_sinks=True, sliding_window=4)
+        with caplog.at_level(logging.INFO, logger="pagellm"):
+            assert check_backend(FlexAttentionBackend, spec, "cpu", [([6, 9], [6, 1])]) < 1e-5
+    finally:
+        torch._dynamo.reset()
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    compiled = [r.getMessage() for r in caplog.records if "compiled flex_attention" in r.getMessage()]
+    assert compiled and all(" softcap5" in m and " lse in " in m for m in compiled)

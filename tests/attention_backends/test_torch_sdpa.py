@@ -2,7 +2,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagellm.attention_backends import torch_sdpa
+from pagellm.attention_backends import _base, torch_sdpa
 from pagellm.attention_backends.torch_sdpa import TorchSDPABackend
 from pagellm.core.attention import AttentionSpec
 from pagellm.core.platform import Platform
@@ -61,6 +61,46 @@ def test_logits_soft_cap():
     assert check_backend(TorchSDPABackend, spec, "cpu", ALL_CASES) < 1e-5
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(
+    "features",
+    [dict(has_sinks=True), dict(has_sinks=True, sliding_window=7), dict(has_sinks=True, logits_soft_cap=5.0)],
+    ids=["sinks", "sinks-window", "sinks-soft_cap"],
+)
+def test_sinks(dtype, features):
+    spec = AttentionSpec(8, 2, 32, dtype, **features)
+    assert check_backend(TorchSDPABackend, spec, "cpu", ALL_CASES) < TOLERANCE[dtype]
+
+
+def test_explicit_path_slices_long_queries(monkeypatch):
+    """Soft-capped and sink layers compute scores in float32 ops, a slice of the queries at a time."""
+    monkeypatch.setattr(_base, "EXPLICIT_SCORES", 8 * 40 * 3)  # 3 query rows of 8 heads over 40 keys
+    spec = AttentionSpec(8, 2, 32, torch.float32, sliding_window=20, logits_soft_cap=5.0, has_sinks=True)
+    assert check_backend(TorchSDPABackend, spec, "cpu", CASES["chunked_prefill"] + CASES["mixed"]) < 1e-5
+
+
+def test_check_backend_catches_ignored_sinks_and_soft_cap():
+    class NoSinks(TorchSDPABackend):
+        name = "NO_SINKS"
+
+        def forward(self, q, k, v, kv_cache, metadata, sinks=None):
+            return super().forward(q, k, v, kv_cache, metadata)
+
+    spec = AttentionSpec(4, 2, 32, torch.float32, has_sinks=True)
+    assert check_backend(NoSinks, spec, "cpu", CASES["mixed"]) > 0.1
+    uncapped = AttentionSpec(4, 2, 32, torch.float32, logits_soft_cap=1.0)
+    assert check_backend(TorchSDPABackend, uncapped, "cpu", CASES["mixed"]) < 1e-5
+
+    class NoCap(TorchSDPABackend):
+        name = "NO_CAP"
+
+        def __init__(self, spec):
+            super().__init__(spec)
+            self.spec = AttentionSpec(4, 2, 32, torch.float32)
+
+    assert check_backend(NoCap, uncapped, "cpu", CASES["mixed"]) > 0.05
+
+
 def test_cache_dtype_differs_from_compute_dtype():
     spec = AttentionSpec(8, 2, 32, torch.bfloat16, kv_cache_dtype=torch.float32)
     assert check_backend(TorchSDPABackend, spec, "cpu", ALL_CASES) < TOLERANCE[torch.bfloat16]
@@ -116,6 +156,8 @@ def test_facts_and_plugin_registration(monkeypatch):
         "dtype float64 not in float16, bfloat16, float32",
         "KV-cache dtype float64 not in float32, bfloat16, float16, float8_e4m3fn, float8_e5m2",
     ]
+    features = AttentionSpec(8, 2, 64, torch.bfloat16, sliding_window=7, logits_soft_cap=5.0, has_sinks=True)
+    assert TorchSDPABackend.unsupported_reasons(features, _CPU) == []
     assert torch_sdpa.PAGELLM_PLUGIN_API == "1.0"
     monkeypatch.setenv("PAGELLM_PLUGINS", "torch_sdpa")
     assert load_plugins().attention_backends == {"TORCH_SDPA": TorchSDPABackend}

@@ -56,6 +56,21 @@ def test_sliding_window_with_uneven_groups():
     assert check_backend(TritonAttnBackend, spec, "cpu", MIXED) < 1e-5
 
 
+@pytest.mark.parametrize(
+    "features",
+    [
+        dict(logits_soft_cap=5.0),
+        dict(logits_soft_cap=30.0, scale=0.5, sliding_window=20),
+        dict(has_sinks=True),
+        dict(has_sinks=True, sliding_window=7, logits_soft_cap=5.0),
+    ],
+    ids=["soft_cap", "soft_cap-scale-window", "sinks", "sinks-soft_cap-window"],
+)
+def test_soft_cap_and_sinks(features):
+    spec = AttentionSpec(9, 3, 64, torch.float32, block_size=16, **features)
+    assert check_backend(TritonAttnBackend, spec, "cpu", MIXED) < 1e-5
+
+
 def test_kv_cache_dtype_differs():
     spec = AttentionSpec(8, 2, 64, torch.float16, kv_cache_dtype=torch.float32)
     assert check_backend(TritonAttnBackend, spec, "cpu", [([20, 5], [4, 1])]) < TOLERANCE[torch.float16]
@@ -65,6 +80,10 @@ def test_unsupported_reasons(monkeypatch):
     spec = AttentionSpec(32, 8, 128, torch.bfloat16, block_size=32, sliding_window=4096)
     assert TritonAttnBackend.unsupported_reasons(spec, _CUDA) == []
     assert TritonAttnBackend.unsupported_reasons(spec, _CPU) == ["runs on device types cuda, xpu, not cpu"]
+    capped = AttentionSpec(
+        64, 8, 64, torch.bfloat16, 16, sliding_window=128, logits_soft_cap=30.0, has_sinks=True
+    )
+    assert TritonAttnBackend.unsupported_reasons(capped, _CUDA) == []
     odd = AttentionSpec(32, 1, 72, torch.float32, block_size=8)
     assert TritonAttnBackend.unsupported_reasons(odd, _CUDA) == [
         "head size 72 not in [64, 80, 96, 128, 256]",
@@ -123,6 +142,16 @@ def test_split_k_on_and_off(monkeypatch, split, heads, window):
     splits = [plan.num_splits for plan in plans]
     # plans: the cached prefill and the decodes of the first step, then those of the mixed one
     assert (splits[1] > 1 and splits[3] > 1) if split else set(splits) == {1}
+
+
+@pytest.mark.parametrize("features", [dict(has_sinks=True), dict(has_sinks=True, logits_soft_cap=5.0)])
+def test_split_k_with_sinks(monkeypatch, features):
+    """Only the first slice of a split context counts the sink; the merge weighs it like any slice."""
+    monkeypatch.setattr(triton_attn, "INTERPRETER_COMPUTE_UNITS", 12)
+    plans = _record_plans(monkeypatch)
+    spec = AttentionSpec(4, 2, 64, torch.float32, block_size=16, sliding_window=100, **features)
+    assert check_backend(TritonAttnBackend, spec, "cpu", SPLIT_STEPS) < 1e-5
+    assert plans[1].num_splits > 1 and plans[3].num_splits > 1
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
@@ -208,13 +237,27 @@ def _compile_for_cuda(fn, types: dict, constants: dict, num_warps: int):
 
 
 @pytest.mark.parametrize(
-    "dtype, head_size, block_m, splits, window",
-    [("bf16", 128, 16, 8, 4096), ("bf16", 128, 64, 1, 0), ("fp32", 256, 16, 1, 0)],
-    ids=["decode-split-k-bf16-128", "prefill-bf16-128", "prefill-fp32-256"],
+    "dtype, head_size, block_m, splits, window, soft_cap, sinks",
+    [
+        ("bf16", 128, 16, 8, 4096, 0.0, False),
+        ("bf16", 128, 64, 1, 0, 0.0, False),
+        ("fp32", 256, 16, 1, 0, 0.0, False),
+        ("bf16", 64, 16, 4, 128, 30.0, True),
+        ("bf16", 256, 32, 1, 0, 50.0, False),
+    ],
+    ids=[
+        "decode-split-k-bf16-128",
+        "prefill-bf16-128",
+        "prefill-fp32-256",
+        "decode-split-k-bf16-64-soft_cap-sinks",
+        "prefill-bf16-256-soft_cap",
+    ],
 )
-def test_kernels_compile_for_cuda(monkeypatch, tmp_path, dtype, head_size, block_m, splits, window):
+def test_kernels_compile_for_cuda(
+    monkeypatch, tmp_path, dtype, head_size, block_m, splits, window, soft_cap, sinks
+):
     """The compiled path, which the interpreter does not take: both kernels build for sm_90, the largest
-    tiles for their head size and dtype within 64 KiB of shared memory."""
+    tiles for their head size and dtype within 64 KiB of shared memory, with soft-cap and sinks too."""
     pytest.importorskip("triton.backends.nvidia")
     import triton.language as tl
 
@@ -226,10 +269,11 @@ def test_kernels_compile_for_cuda(monkeypatch, tmp_path, dtype, head_size, block
     pointers = ["out_ptr", "q_ptr", "k_cache_ptr", "v_cache_ptr"]
     types = {name: element for name in pointers} | {"partial_ml_ptr": "*fp32", "partial_out_ptr": "*fp32"}
     types |= {name: "*i32" for name in ("block_tables_ptr", "seq_lens_ptr", "query_start_ptr")}
-    types |= {"tile_reqs_ptr": "*i32", "tile_firsts_ptr": "*i32", "scale": "fp32"}
+    types |= {"tile_reqs_ptr": "*i32", "tile_firsts_ptr": "*i32", "scale": "fp32", "sinks_ptr": "*fp32"}
     constants = dict(
         GROUP=4, NUM_HEADS=8, HEAD_SIZE=head_size, HEAD_PAD=head_size, BLOCK_SIZE=16, BLOCK_M=block_m,
-        BLOCK_N=block_n, NUM_SPLITS=splits, SLIDING_WINDOW=window, DOT_DTYPE=dot_dtype,
+        BLOCK_N=block_n, NUM_SPLITS=splits, SLIDING_WINDOW=window, SOFT_CAP=soft_cap, HAS_SINKS=sinks,
+        DOT_DTYPE=dot_dtype,
         DOT_PRECISION="ieee" if dtype == "fp32" else None,
     )  # fmt: skip
     attention = _compile_for_cuda(

@@ -1,13 +1,18 @@
+import dataclasses
 import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from pagellm.attention_backends.torch_sdpa import TorchSDPABackend
 from pagellm.core.attention import AttentionSpec
 from pagellm.core.platform import Platform
-from pagellm.testing.conformance import candidate_cases, conformance_cases
+from pagellm.core.selector import select_platform
+from pagellm.plugins import load_plugins
+from pagellm.testing.attention import check_layers
+from pagellm.testing.conformance import candidate_cases, conformance_cases, skipped_features
 
 COMMAND = [
     sys.executable,
@@ -77,10 +82,20 @@ def test_wrong_backend_fails(tmp_path):
     )
     assert failed == [
         "WRONG_ATTN-long_context-sliding_window-300",
+        "WRONG_ATTN-mixed_layers",
+        "WRONG_ATTN-mixed_layers-sliding_window",
+        "WRONG_ATTN-sinks-sliding_window-7",
+        "WRONG_ATTN-sinks-soft_cap-5-sliding_window-20",
+        "WRONG_ATTN-sliding_window-1",
+        "WRONG_ATTN-sliding_window-16",
         "WRONG_ATTN-sliding_window-20",
         "WRONG_ATTN-sliding_window-7",
+        "WRONG_ATTN-soft_cap-5-sliding_window-7",
     ], result.stdout
-    assert "3 failed, 16 passed" in result.stdout and "largest difference from the reference" in result.stdout
+    # a window longer than every sequence is no window: that case passes
+    assert (
+        "10 failed, 22 passed" in result.stdout and "largest difference from the reference" in result.stdout
+    )
 
 
 class _CPU(Platform):
@@ -105,7 +120,7 @@ def test_cases_follow_the_backends_claims():
         supports_logits_soft_cap = False
 
     ids = [case.id for case in candidate_cases(Narrow, _CPU)]
-    assert ids == [
+    claimed = [
         "dtype-float32",
         "head_size-64",
         "head_size-128",
@@ -117,13 +132,72 @@ def test_cases_follow_the_backends_claims():
         "kv_cache_dtype-float8_e4m3fn",
         "kv_cache_dtype-float8_e5m2",
     ]
+    assert ids == claimed + FEATURES
     assert all(
-        c.spec.block_size == 32 and c.spec.dtype == torch.float32 for c in candidate_cases(Narrow, _CPU)
+        c.spec.block_size == 32 and c.spec.dtype == torch.float32
+        for case in candidate_cases(Narrow, _CPU)
+        for c in [case, *(dataclasses.replace(case, spec=s) for s in case.more_layers)]
     )
+    # the features it does not claim are skipped, each with its reasons
+    runnable, refused = conformance_cases(Narrow, _CPU)
+    assert [case.id for case in runnable] == claimed
+    skipped = {case.id: reasons for case, reasons in skipped_features(Narrow, _CPU)}
+    assert list(skipped) == FEATURES
+    assert skipped["sinks"] == ["no attention-sink support"]
+    assert skipped["soft_cap-5-sliding_window-7"] == [
+        "no sliding-window support",
+        "no logits soft-cap support",
+    ]
+    assert skipped["mixed_layers"] == [
+        "no sliding-window support",
+        "no logits soft-cap support",
+        "no attention-sink support",
+    ]
     ids = [case.id for case in candidate_cases(TorchSDPABackend, _CPU)]
-    assert "sliding_window-7" in ids and "soft_cap-5" in ids and "dtype-bfloat16" in ids
+    assert "sliding_window-7" in ids and "soft_cap-5" in ids and "sinks" in ids and "dtype-bfloat16" in ids
     runnable, refused = conformance_cases(TorchSDPABackend, _CPU)
-    assert len(runnable) == len(ids) and refused == []
+    assert len(runnable) == len(ids) and refused == [] and skipped_features(TorchSDPABackend, _CPU) == []
+
+
+FEATURES = [
+    "sliding_window-1",
+    "sliding_window-7",
+    "sliding_window-32",
+    "sliding_window-20",
+    "sliding_window-4096",
+    "long_context-sliding_window-300",
+    "soft_cap-5",
+    "soft_cap-30-scale-0.5",
+    "soft_cap-5-sliding_window-7",
+    "long_context-soft_cap-5",
+    "sinks",
+    "sinks-sliding_window-7",
+    "long_context-sinks",
+    "sinks-soft_cap-5-sliding_window-20",
+    "mixed_layers-sliding_window",
+    "mixed_layers",
+]
+"""The per-layer feature cases for a backend whose block size is 32, in order."""
+
+
+@pytest.mark.parametrize("name", ["TORCH_SDPA", "FLEX_ATTENTION", "CPU_ATTN"])
+def test_builtin_cpu_backends_pass_the_feature_cases(name):
+    """Every built-in backend that runs on CPU claims windows, soft-cap and sinks, and passes those cases
+    (the long-context ones are left to each backend's own tests: minutes here, on one thread)."""
+    registry = load_plugins()
+    backend = registry.attention_backends[name]
+    platform = select_platform(registry, "cpu").platform
+    runnable, _ = conformance_cases(backend, platform)
+    cases = [case for case in runnable if case.feature and not case.id.startswith("long_context")]
+    assert len(cases) == 13 and skipped_features(backend, platform) == []
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for case in cases:
+            errors = check_layers(backend, case.layers, "cpu", case.steps)
+            assert max(errors) <= case.tolerance, f"{name} {case.id}: {errors}"
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_refused_cases_carry_the_backends_reasons():

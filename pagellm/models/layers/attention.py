@@ -4,6 +4,10 @@ Under `torch.compile` the layer is one opaque custom op (`pagellm::attention`, o
 `graph_op`): the backend's Python planning and native kernels stay out of the graph, and everything
 between two attention layers (norms, rotary, residuals, MLP) compiles into fused kernels. In eager mode
 the layer calls the backend directly, without the dispatcher's overhead.
+
+A spec with `has_sinks` gives the layer a `sinks` parameter (float32, one logit per query head of this
+rank), which the model's loader fills from the checkpoint's `...self_attn.sinks` (a tensor-parallel rank
+takes its heads' slice, `narrow_checkpoint`); the layer hands it to the backend's `forward` each call.
 """
 
 from __future__ import annotations
@@ -25,6 +29,19 @@ class Attention(nn.Module):
         self.spec = dataclasses.replace(spec, kv_cache_dtype=init.kv_cache_dtype)
         self.layer_idx = layer_idx
         self.impl = init.attention_backend(self.spec)
+        self.tp_rank = init.parallel.tp.rank
+        self.sinks = (
+            nn.Parameter(torch.zeros(spec.num_heads, dtype=torch.float32), requires_grad=False)
+            if spec.has_sinks
+            else None
+        )
+
+    def narrow_checkpoint(self, attr: str, tensor: torch.Tensor, part: int | None) -> torch.Tensor:
+        """This tensor-parallel rank's query heads of the checkpoint's sinks (all of them on one rank)."""
+        heads = self.spec.num_heads
+        if attr != "sinks" or tensor.shape[0] == heads:
+            return tensor
+        return tensor.narrow(0, self.tp_rank * heads, heads)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():
@@ -34,12 +51,16 @@ class Attention(nn.Module):
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         s = self.spec
-        out = self.impl.forward(
+        args = (
             q.view(-1, s.num_heads, s.head_size),
             k.view(-1, s.num_kv_heads, s.head_size),
             v.view(-1, s.num_kv_heads, s.head_size),
             ctx.kv_caches[self.layer_idx],
             ctx.metadata,
+        )
+        # only specs with sinks pass them: a backend without the argument runs every other spec
+        out = (
+            self.impl.forward(*args, sinks=self.sinks) if self.sinks is not None else self.impl.forward(*args)
         )
         return out.reshape(-1, s.num_heads * s.head_size)
 

@@ -12,6 +12,11 @@
 //   kind 0: float32, 1: bfloat16, 2: float16, 3: fp8 e4m3fn, 4: fp8 e5m2 (uint8 storage for both fp8),
 //   5: int8, whose rows are head_size + 4 bytes: the values, then their float32 scale (x = value * scale).
 //   The key scale multiplies the score; the value scale is folded into the softmax weight.
+//
+// Per layer, optionally: a logit soft-cap (score = cap * tanh(score / cap), after the scale and before the
+// masks: one extra pass over a work item's scores, so specs without it run exactly the code they ran
+// before), and attention sinks (one float32 logit per query head that joins the softmax denominator and
+// adds no value: applied when a row's output is normalised, once per row, after all its partitions).
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -195,6 +200,57 @@ inline vec vexp(vec x) {
 }
 #endif
 
+#if PL_AVX512 || PL_AVX2
+// cap * tanh(x / cap), `inv_cap` = 1 / cap. tanh(a) for a = |x / cap|: below 0.55 its Taylor series to a^15
+// (truncation < 5e-8 relative), above 1 - 2 / (e^(2a) + 1) (cancellation-free there: tanh >= 0.5), with a
+// capped at 9, where tanh is 1 in float32 (and e^(2a) stays finite for the AVX2 exponent trick); the sign
+// put back.
+inline vec vsoftcap(vec x, vec cap, vec inv_cap) {
+  const vec t = vmul(x, inv_cap);
+#if PL_AVX512
+  const __m512i sign_bit = _mm512_set1_epi32(int(0x80000000u));
+  const vec a = _mm512_min_ps(_mm512_abs_ps(t), vset1(9.f));
+  const __mmask16 small = _mm512_cmp_ps_mask(a, vset1(0.55f), _CMP_LT_OQ);
+#else
+  const vec sign_bit = vset1(-0.f);
+  const vec a = _mm256_min_ps(_mm256_andnot_ps(sign_bit, t), vset1(9.f));
+  const vec small = _mm256_cmp_ps(a, vset1(0.55f), _CMP_LT_OQ);
+#endif
+  const vec a2 = vmul(a, a);
+  vec p = vset1(-929569.f / 638512875.f);
+  p = vfma(p, a2, vset1(21844.f / 6081075.f));
+  p = vfma(p, a2, vset1(-1382.f / 155925.f));
+  p = vfma(p, a2, vset1(62.f / 2835.f));
+  p = vfma(p, a2, vset1(-17.f / 315.f));
+  p = vfma(p, a2, vset1(2.f / 15.f));
+  p = vfma(p, a2, vset1(-1.f / 3.f));
+  p = vfma(p, a2, vset1(1.f));
+  const vec near = vmul(p, a);
+  const vec e = vexp(vadd(a, a));
+#if PL_AVX512
+  const vec far = _mm512_sub_ps(vset1(1.f), _mm512_div_ps(vset1(2.f), _mm512_add_ps(e, vset1(1.f))));
+  const vec r = _mm512_mask_blend_ps(small, far, near);
+  const __m512i signed_r = _mm512_or_si512(_mm512_castps_si512(r), _mm512_and_si512(_mm512_castps_si512(t), sign_bit));
+  return vmul(_mm512_castsi512_ps(signed_r), cap);
+#else
+  const vec far = _mm256_sub_ps(vset1(1.f), _mm256_div_ps(vset1(2.f), _mm256_add_ps(e, vset1(1.f))));
+  const vec r = _mm256_blendv_ps(far, near, small);
+  return vmul(_mm256_or_ps(r, _mm256_and_ps(t, sign_bit)), cap);
+#endif
+}
+#endif
+
+// scores[0 .. n) = cap * tanh(scores / cap)
+inline void soft_cap_scores(float* scores, int64_t n, float cap) {
+  const float inv_cap = 1.f / cap;
+  int64_t i = 0;
+#if PL_AVX512 || PL_AVX2
+  const vec vcap = vset1(cap), vinv = vset1(inv_cap);
+  for (; i + W <= n; i += W) vstoref(scores + i, vsoftcap(vloadf(scores + i), vcap, vinv));
+#endif
+  for (; i < n; ++i) scores[i] = cap * std::tanh(scores[i] * inv_cap);
+}
+
 #if PL_AVX512
 // lane i of the result = the sum of the 16 lanes of a[i]: 16 horizontal sums in 45 instructions
 inline __m512 reduce16(const __m512* a) {
@@ -303,6 +359,8 @@ struct Problem {
   int64_t row;  // elements per cached row: head_size, or head_size + 4 (int8 values and their scale)
   int64_t window;  // 0: none
   float scale;
+  float soft_cap = 0.f;           // 0: none
+  const float* sinks = nullptr;   // [num_heads] float32 logits; null: none
   const int32_t* block_tables;
   const int32_t* seq_lens;
   const int32_t* query_start;
@@ -707,6 +765,7 @@ void attend_partition(const Problem& P, const float* qf, const void* qb, int64_t
       for (int64_t row = 0; row < rows; ++row) scores[row * width + i] *= ks;
     }
   }
+  if (P.soft_cap > 0.f) soft_cap_scores(scores.data(), rows * width, P.soft_cap);
   // causal and sliding-window masks: query token j sits at position L - Q + j and sees (pos - window, pos]
   for (int64_t row = 0; row < rows; ++row) {
     const int64_t pos = L - Q + row / G;
@@ -806,6 +865,15 @@ void attend_partition(const Problem& P, const float* qf, const void* qb, int64_t
   }
 }
 
+// 1 / the row's softmax denominator with a sink: its partial max `m` and sum of e^(s - m) (m = -inf, sum = 0
+// when it saw nothing) joined by the sink's logit; the weighted sum of values was taken relative to m.
+inline float sink_norm(float m, float sum, float sink) {
+  const float top = std::max(m, sink);
+  if (top == -std::numeric_limits<float>::infinity()) return 0.f;
+  const float c = std::exp(m - top);  // 0 when m = -inf
+  return c / (sum * c + std::exp(sink - top));
+}
+
 template <typename T>
 inline void store_out(at::Tensor& out, int64_t flat, const float* src, float inv, int64_t d) {
   T* dst = out.data_ptr<T>() + flat;
@@ -889,7 +957,8 @@ void run(at::Tensor& out, const at::Tensor& q, const Problem& P, int64_t num_req
         for (int64_t row = 0; row < Q * G; ++row) {
           const float sum = base[max_rows + row];
           const int64_t flat = ((q0 + row / G) * P.num_heads + h * G + row % G) * d;
-          write_row(out, flat, base + 2 * max_rows + row * d, sum > 0.f ? 1.f / sum : 0.f, d);
+          const float inv = P.sinks ? sink_norm(base[row], sum, P.sinks[h * G + row % G]) : (sum > 0.f ? 1.f / sum : 0.f);
+          write_row(out, flat, base + 2 * max_rows + row * d, inv, d);
         }
       }
     }
@@ -906,10 +975,12 @@ void run(at::Tensor& out, const at::Tensor& q, const Problem& P, int64_t num_req
       const int64_t i = w / KV, h = w % KV, r = P.reqs[i];
       const int64_t q0 = P.query_start[r], Q = P.query_start[r + 1] - q0;
       for (int64_t row = 0; row < Q * G; ++row) {
-        float m = -std::numeric_limits<float>::infinity();
+        // a sink is one more logit of the row: it starts the maximum and adds e^(sink - m) to the sum
+        const float* sink = P.sinks ? P.sinks + h * G + row % G : nullptr;
+        float m = sink ? *sink : -std::numeric_limits<float>::infinity();
         for (int64_t p = 0; p < parts[i]; ++p)
           m = std::max(m, partial[(item_start[i] + h * parts[i] + p) * stride + row]);
-        float sum = 0.f;
+        float sum = sink && m != -std::numeric_limits<float>::infinity() ? std::exp(*sink - m) : 0.f;
         std::fill(acc.begin(), acc.end(), 0.f);
         for (int64_t p = 0; p < parts[i]; ++p) {
           const float* base = partial.data() + (item_start[i] + h * parts[i] + p) * stride;
@@ -933,9 +1004,11 @@ void run(at::Tensor& out, const at::Tensor& q, const Problem& P, int64_t num_req
 // block_size, head_size], contiguous. block_tables int32 [num_reqs, max_blocks]; seq_lens int32 [num_reqs];
 // query_start_loc int32 [num_reqs + 1]; reqs int32: the requests to compute (others' rows are untouched).
 // use_amx: bfloat16 work may take the AMX tile path where this build and CPU have it (false: AVX-512 only).
+// soft_cap: 0 for none; sinks: float32 [num_heads] logits, or none.
 void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,
                      at::Tensor seq_lens, at::Tensor query_start_loc, at::Tensor reqs, int64_t cache_kind, double scale,
-                     int64_t window, int64_t partition, bool use_amx) {
+                     int64_t window, int64_t partition, bool use_amx, double soft_cap,
+                     const c10::optional<at::Tensor>& sinks) {
   TORCH_CHECK(q.is_contiguous() && out.is_contiguous(), "q and out must be contiguous");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the caches must be contiguous");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
@@ -956,6 +1029,14 @@ void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tenso
   P.max_blocks = block_tables.size(1);
   P.window = window;
   P.scale = static_cast<float>(scale);
+  TORCH_CHECK(soft_cap >= 0., "soft_cap must be positive (0: none)");
+  P.soft_cap = static_cast<float>(soft_cap);
+  if (sinks.has_value()) {
+    TORCH_CHECK(sinks->scalar_type() == at::kFloat && sinks->is_contiguous() && sinks->dim() == 1 &&
+                    sinks->size(0) == P.num_heads,
+                "sinks must be contiguous float32 [num_heads]");
+    P.sinks = sinks->data_ptr<float>();
+  }
   P.block_tables = block_tables.data_ptr<int32_t>();
   P.seq_lens = seq_lens.data_ptr<int32_t>();
   P.query_start = query_start_loc.data_ptr<int32_t>();
@@ -1049,6 +1130,8 @@ struct NativeLayer {
   double scale;
   at::Tensor reqs;  // int32 decode requests
   bool amx;
+  double soft_cap;                   // 0: none
+  c10::optional<at::Tensor> sinks;   // float32 [num_heads]
 };
 
 struct NativeStep {
@@ -1065,15 +1148,16 @@ NativeStep& native_step() {
 }  // namespace
 
 void begin_native_step(at::Tensor block_tables, at::Tensor seq_lens, at::Tensor query_start_loc, at::Tensor slots,
-                       const std::vector<std::tuple<at::Tensor, int64_t, double, int64_t, at::Tensor, int64_t, bool>>& layers) {
+                       const std::vector<std::tuple<at::Tensor, int64_t, double, int64_t, at::Tensor, int64_t, bool, double,
+                                                    c10::optional<at::Tensor>>>& layers) {
   NativeStep step;
   step.block_tables = std::move(block_tables);
   step.seq_lens = std::move(seq_lens);
   step.query_start_loc = std::move(query_start_loc);
   step.slots = std::move(slots);
-  for (const auto& [kv_cache, kind, scale, window, reqs, partition, amx] : layers) {
+  for (const auto& [kv_cache, kind, scale, window, reqs, partition, amx, soft_cap, sinks] : layers) {
     TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2, "begin_native_step: a [2, kv_heads, blocks, block_size, head_size] cache");
-    step.layers.push_back({kv_cache, kind, window, partition, scale, reqs, amx});
+    step.layers.push_back({kv_cache, kind, window, partition, scale, reqs, amx, soft_cap, sinks});
   }
   step.active = true;
   native_step() = std::move(step);
@@ -1095,7 +1179,7 @@ at::Tensor cpu_attention(const at::Tensor& q, const at::Tensor& k, const at::Ten
       at::Tensor out = at::empty(q3.sizes(), q3.options());
       paged_attention(out, q3, layer.kv_cache[0], layer.kv_cache[1], step.block_tables, step.seq_lens,
                       step.query_start_loc, layer.reqs, layer.kind, layer.scale, layer.window, layer.partition,
-                      layer.amx);
+                      layer.amx, layer.soft_cap, layer.sinks);
       return out.view({tokens, -1});
     }
   }
