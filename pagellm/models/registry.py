@@ -14,4 +14,6 @@ def pagellm_models() -> dict[str, str]:
         "Qwen3ForCausalLM": "pagellm.models.llama:Qwen3ForCausalLM",
         "GPT2LMHeadModel": "pagellm.models.gpt2:GPT2LMHeadModel",
         "OPTForCausalLM": "pagellm.models.opt:OPTForCausalLM",
+        "Gemma2ForCausalLM": "pagellm.models.gemma:Gemma2ForCausalLM",
+        "Gemma3ForCausalLM": "pagellm.models.gemma:Gemma3ForCausalLM",
     }

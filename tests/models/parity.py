@@ -24,6 +24,8 @@ ARCHS = {
 FAMILIES: dict[str, dict] = {
     # newer families (and their variants, "family-variant"): one combined check each in the default run
     # (tests/engine/test_family_parity.py), the whole settings matrix of test_llm_parity.py under -m slow
+    "gemma2": {},
+    "gemma3_text": {},
 }
 
 

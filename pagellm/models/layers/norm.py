@@ -25,3 +25,18 @@ class RMSNorm(nn.Module):
         if residual is not None:
             x = x + residual
         return self.forward(x), x
+
+
+class GemmaRMSNorm(nn.Module):
+    """Gemma's RMSNorm: the weight is an offset from one, and the scaling by (1 + w) is done in float32
+    before the cast back (transformers' Gemma2RMSNorm and Gemma3RMSNorm)."""
+
+    def __init__(self, size: int, eps: float, dtype: torch.dtype):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(size, dtype=dtype), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (h * (1.0 + self.weight.float())).to(x.dtype)
