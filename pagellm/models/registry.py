@@ -12,6 +12,10 @@ def pagellm_models() -> dict[str, str]:
         "MistralForCausalLM": "pagellm.models.llama:MistralForCausalLM",
         "Qwen2ForCausalLM": "pagellm.models.llama:Qwen2ForCausalLM",
         "Qwen3ForCausalLM": "pagellm.models.llama:Qwen3ForCausalLM",
+        "Phi3ForCausalLM": "pagellm.models.phi3:Phi3ForCausalLM",
+        "GraniteForCausalLM": "pagellm.models.granite:GraniteForCausalLM",
+        "Olmo2ForCausalLM": "pagellm.models.olmo2:Olmo2ForCausalLM",
+        "SmolLM3ForCausalLM": "pagellm.models.smollm3:SmolLM3ForCausalLM",
         "GPT2LMHeadModel": "pagellm.models.gpt2:GPT2LMHeadModel",
         "OPTForCausalLM": "pagellm.models.opt:OPTForCausalLM",
     }
