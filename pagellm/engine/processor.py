@@ -18,6 +18,7 @@ from pagellm.core.errors import ConfigError
 from pagellm.core.pooling import Pooler, PoolerConfig, PoolingParams, resolve_pooler
 from pagellm.engine.request import Request
 from pagellm.lora.request import LoRARequest
+from pagellm.models.layers.rotary import rope_salt_function
 from pagellm.sampling.params import SamplingParams
 from pagellm.structured_output import grammar
 from pagellm.worker.step import EngineSetup
@@ -65,6 +66,7 @@ def make_pooler(setup: EngineSetup) -> Pooler | None:
 class Processor:
     def __init__(self, setup: EngineSetup, tokenizer: Any, eos_token_ids: set[int], pooler: Pooler | None):
         self.tokenizer = tokenizer
+        self.rope_salt_of = rope_salt_function(setup.hf_config)  # a length-dependent rope's KV key
         self.vocab_size = setup.hf_config.vocab_size
         self.max_model_len = setup.max_model_len
         self.eos_token_ids = eos_token_ids
@@ -180,6 +182,10 @@ class Processor:
         of a generation request, each with its own seed and, for structured output, its grammar (compiling
         starts now)."""
         params = processed.params
+        salt_of = self.rope_salt_of
+        rope_salt = (
+            salt_of(len(processed.prompt_token_ids), len(processed.prompt_token_ids)) if salt_of else None
+        )
         if isinstance(params, PoolingParams):
             request = Request(
                 request_id,
@@ -191,6 +197,7 @@ class Processor:
                 lora_request,
                 pooling_params=params,
             )
+            request.rope_salt_of, request.rope_salt = salt_of, rope_salt
             return [request]
         children = []
         for i in range(params.n):
@@ -208,6 +215,8 @@ class Processor:
                     kv_transfer_params=processed.kv_transfer_params,
                 )
             )
+        for child in children:
+            child.rope_salt_of, child.rope_salt = salt_of, rope_salt
         if params.structured_outputs is not None:
             for child in children:
                 child.grammar = self._grammars().request_grammar(

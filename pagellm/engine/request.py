@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import enum
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 
@@ -69,6 +69,10 @@ class Request:
         self.spec_token_ids: list[int] = []  # drafts proposed for the next step (speculative decoding)
         self.grammar: Any = None  # structured_output.grammar.RequestGrammar when the output is constrained
         self.lora_request = lora_request  # lora.request.LoRARequest, or None for the base model
+        # a length-dependent rope (models/layers/rotary.py): what its KV depends on besides its tokens, as a
+        # function of (prompt tokens, tokens), and that value for the KV it holds
+        self.rope_salt_of: Callable[[int, int], tuple | None] | None = None
+        self.rope_salt: tuple | None = None
         # disaggregated prefill/decode: what the client sent for the KV connector, and what goes back to it
         self.kv_transfer_params = kv_transfer_params
         self.kv_transfer_output: dict[str, Any] | None = None
@@ -90,9 +94,18 @@ class Request:
 
     @property
     def cache_salt(self) -> tuple | None:
-        """What its prefix-cache keys start from: an adapter's KV never serves another's requests."""
+        """What its prefix-cache keys start from: an adapter's KV never serves another's requests, nor a
+        prompt's rotated for one length (a length-dependent rope) another's."""
         r = self.lora_request
-        return ("lora", r.lora_int_id, r.lora_name, r.lora_path) if r is not None else None
+        lora = ("lora", r.lora_int_id, r.lora_name, r.lora_path) if r is not None else None
+        return lora if self.rope_salt is None else (lora, self.rope_salt)
+
+    @property
+    def rope_outgrown(self) -> bool:
+        """Whether it grew past the rope its KV was computed with (longrope's short factors): the KV is then
+        recomputed for its new length, as transformers' generate does."""
+        salt_of = self.rope_salt_of
+        return salt_of is not None and salt_of(self.num_prompt_tokens, self.num_tokens) != self.rope_salt
 
     @property
     def needs_every_prompt_position(self) -> bool:

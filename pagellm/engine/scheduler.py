@@ -238,6 +238,11 @@ class Scheduler:
         preempted: list[str] = []
         spec_token_ids: dict[str, list[int]] = {}
 
+        for request in [r for r in self.running if r.rope_outgrown]:  # models/layers/rotary.py
+            self.running.remove(request)
+            self._preempt(request, outgrown=True)
+            preempted.append(request.request_id)
+
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
@@ -521,14 +526,20 @@ class Scheduler:
             return self.running[-1]
         return max(reversed(self.running), key=lambda r: (r.priority, r.arrival_time))
 
-    def _preempt(self, request: Request) -> None:
+    def _preempt(self, request: Request, outgrown: bool = False) -> None:
+        """Free its KV and queue it first, to be recomputed. `outgrown`: not for room but because its KV was
+        rotated for a shorter sequence (`Request.rope_outgrown`): recomputed under its new prefix-cache key."""
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.spec_token_ids = []
         request.kv_loaded = False
         self.waiting.prepend(request)
-        self.num_preemptions += 1
+        if outgrown:
+            request.rope_salt = request.rope_salt_of(request.num_prompt_tokens, request.num_tokens)
+            request.block_hashes.clear()
+        else:
+            self.num_preemptions += 1
 
     def _finish(self, request: Request, status: RequestStatus, stop_reason: int | str | None) -> None:
         request.status = status

@@ -27,6 +27,7 @@ from pagellm.core.selector import (
 )
 from pagellm.engine.default_model import default_model_path
 from pagellm.models.hub import gguf_path, hub_cache_dir, model_snapshot, parse_model_id, tokenizer_snapshot
+from pagellm.models.layers.rotary import scaled_max_positions
 from pagellm.models.loader import import_model_class, resolve_model_class
 from pagellm.plugins import load_plugins
 from pagellm.worker.step import EngineSetup, ModelSource
@@ -134,7 +135,7 @@ def resolve_max_model_len(requested: int | None, hf_config: Any) -> int:
     limit = None
     for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
         if getattr(hf_config, key, None):
-            limit = int(getattr(hf_config, key))
+            limit = scaled_max_positions(hf_config, int(getattr(hf_config, key)))
             break
     if requested is None:
         if limit is None:

@@ -59,6 +59,8 @@ class ForwardContext:
     kv_caches: list[torch.Tensor]  # one per attention layer, indexed by Attention.layer_idx
     attention_layers: Sequence[Any] = ()  # the `Attention` layers by layer_idx, for the compiled graph's op
     lora: LoRABatch | None = None  # the step's tokens that run with a LoRA adapter
+    # [T] int64: each token's sequence length for a length-dependent rope (models/layers/rotary.py)
+    rope_lengths: torch.Tensor | None = None
 
 
 _context: ForwardContext | None = None
@@ -76,9 +78,10 @@ def set_forward_context(
     kv_caches: list[torch.Tensor],
     attention_layers: Sequence[Any] = (),
     lora: LoRABatch | None = None,
+    rope_lengths: torch.Tensor | None = None,
 ) -> Iterator[None]:
     global _context
-    previous, _context = _context, ForwardContext(metadata, kv_caches, attention_layers, lora)
+    previous, _context = _context, ForwardContext(metadata, kv_caches, attention_layers, lora, rope_lengths)
     # a backend's metadata may prepare native state for the forward (CPU_ATTN's compiled-graph op)
     begin, end = getattr(metadata, "begin_forward", None), getattr(metadata, "end_forward", None)
     try:
@@ -94,3 +97,9 @@ def set_forward_context(
 def lora_batch() -> LoRABatch | None:
     """The current step's LoRA tokens; None outside a step or when none has an adapter."""
     return _context.lora if _context is not None else None
+
+
+def rope_lengths() -> torch.Tensor | None:
+    """The current step's per-token sequence lengths for a length-dependent rope; None outside a step or
+    when the runner sent none (then each token's is its position + 1)."""
+    return _context.rope_lengths if _context is not None else None

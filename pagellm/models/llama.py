@@ -6,7 +6,7 @@ q/k/v and gate/up are fused into one matmul each; checkpoint tensors are loaded 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -50,15 +50,21 @@ def attention_spec(hf_config, dtype: torch.dtype, block_size: int, layer_idx: in
     )
 
 
+SpecFn = Callable[[object, torch.dtype, int, int], AttentionSpec]
+"""A model class's `attention_spec`: the layers build their attention with their class's own."""
+
+
 class LlamaAttention(nn.Module):
     """q/k/v column parallel by heads (a KV head replicated on several ranks when there are fewer KV heads
     than ranks), o_proj row parallel."""
 
-    def __init__(self, init: ModelInit, layer_idx: int, qkv_bias: bool, qk_norm: bool):
+    def __init__(
+        self, init: ModelInit, layer_idx: int, qkv_bias: bool, qk_norm: bool, spec_fn: SpecFn = attention_spec
+    ):
         super().__init__()
         c = init.hf_config
         tp = init.parallel.tp
-        full = attention_spec(c, init.dtype, init.block_size, layer_idx)
+        full = spec_fn(c, init.dtype, init.block_size, layer_idx)
         spec = rank_heads(full, tp)
         self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_size
         self.q_size = self.num_heads * self.head_dim
@@ -79,13 +85,15 @@ class LlamaAttention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, c.rms_norm_eps, init.dtype) if qk_norm else None
         self.attn = Attention(init, spec, layer_idx)
 
-    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None) -> torch.Tensor:
+        """cos/sin None: a layer without rotary (SmolLM3's NoPE layers)."""
         q, k, v = self.qkv_proj(h).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(-1, self.num_heads, self.head_dim)
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if cos is not None:
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = self.attn(q.reshape(-1, self.q_size), k.reshape(-1, self.kv_size), v)
         return self.o_proj(out)
 
@@ -125,11 +133,13 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, init: ModelInit, layer_idx: int, qkv_bias: bool, qk_norm: bool):
+    def __init__(
+        self, init: ModelInit, layer_idx: int, qkv_bias: bool, qk_norm: bool, spec_fn: SpecFn = attention_spec
+    ):
         super().__init__()
         c = init.hf_config
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, init.dtype)
-        self.self_attn = LlamaAttention(init, layer_idx, qkv_bias, qk_norm)
+        self.self_attn = LlamaAttention(init, layer_idx, qkv_bias, qk_norm, spec_fn)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, init.dtype)
         self.mlp = LlamaMLP(init)
 
@@ -145,9 +155,14 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     """With pipeline parallelism a stage builds only its own layers (the others are empty placeholders,
     so parameter names stay the checkpoint's); the first stage embeds, the last normalises and hands the
-    final hidden states back to the first, which holds the output projection."""
+    final hidden states back to the first, which holds the output projection.
 
-    def __init__(self, init: ModelInit, qkv_bias: bool, qk_norm: bool):
+    A layer takes and returns (h, residual), the residual stream being h + residual (residual None before
+    the first layer). Subclasses (other families) change `layer_class` and `embed`."""
+
+    layer_class: type[nn.Module] = LlamaDecoderLayer
+
+    def __init__(self, init: ModelInit, qkv_bias: bool, qk_norm: bool, spec_fn: SpecFn = attention_spec):
         super().__init__()
         c = init.hf_config
         self.pp: Group = init.parallel.pp
@@ -158,7 +173,7 @@ class LlamaModel(nn.Module):
         )
         self.rotary_emb = RotaryEmbedding(c)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(init, i, qkv_bias, qk_norm) if i in self.own else nn.Identity()
+            self.layer_class(init, i, qkv_bias, qk_norm, spec_fn) if i in self.own else nn.Identity()
             for i in range(c.num_hidden_layers)
         )
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, init.dtype) if last else None
@@ -168,7 +183,7 @@ class LlamaModel(nn.Module):
         cos, sin = self.rotary_emb.cos_sin(positions)
         pp = self.pp
         if pp.rank == 0:
-            h, residual = self.embed_tokens(input_ids), None
+            h, residual = self.embed(input_ids), None
         else:
             h, residual = self._receive(input_ids, pp.rank - 1), self._receive(input_ids, pp.rank - 1)
         for i in self.own:
@@ -182,6 +197,9 @@ class LlamaModel(nn.Module):
             pp.send(h, 0)
         return h
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
+
     def _receive(self, input_ids: torch.Tensor, source: int) -> torch.Tensor:
         buffer = torch.empty(input_ids.shape[0], self.hidden_size, dtype=self.dtype, device=input_ids.device)
         return self.pp.recv(buffer, source)
@@ -194,12 +212,13 @@ class LlamaForCausalLM(CausalLM):
     """RMSNorm over each head of q and k before rotary (Qwen3)."""
     attention_spec = staticmethod(attention_spec)
     supports_parallel = True
+    model_class: type[LlamaModel] = LlamaModel
 
     def __init__(self, init: ModelInit):
         super().__init__()
         c = init.hf_config
         qkv_bias = self.qkv_bias if self.qkv_bias is not None else getattr(c, "attention_bias", False)
-        self.model = LlamaModel(init, qkv_bias, self.qk_norm)
+        self.model = self.model_class(init, qkv_bias, self.qk_norm, self.attention_spec)
         self.tp = init.parallel.tp
         self.vocab_size = c.vocab_size
         self.tied = bool(getattr(c, "tie_word_embeddings", False))

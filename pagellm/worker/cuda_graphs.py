@@ -169,6 +169,9 @@ class DecodeGraphs:
         size = self.bucket(num_reqs)
         if size is None or step.input_ids.shape[0] != num_reqs:
             return None
+        lengths = step.rope_lengths  # the graphs rotate each token for length position + 1: a decode token
+        if lengths is not None and not np.array_equal(lengths, step.positions + 1):
+            return None  # a prompt token of a longer prompt (a one-token chunk) runs eagerly
         captured = self.graphs[size]
         self._copy_inputs(step, size)
         if captured.derived:

@@ -29,6 +29,7 @@ from pagellm.lora.request import LoRARequest
 from pagellm.models.base import ModelInit
 from pagellm.models.context import LoRABatch, set_forward_context
 from pagellm.models.layers.linear import Linear
+from pagellm.models.layers.rotary import request_length_base
 from pagellm.models.loader import load_model, model_weight_bytes
 from pagellm.sampling.params import MAX_LOGPROBS, SamplingParams
 from pagellm.sampling.sampler import (
@@ -79,6 +80,7 @@ class ModelRunner:
         self.model_bytes = 0  # both models' weights as loaded (before the platform packs them)
         self.model = self._load(setup, weights)
         self.layers = _by_layer_idx(self.model.attention_layers())
+        self.rope_length_base = request_length_base(self.model)  # models/layers/rotary.py
         self.draft_setup = draft[0] if draft else None
         self.draft_model = self._load(*draft) if draft else None
         self.num_blocks = self.parallel.min(self._num_blocks())  # what fits on every rank
@@ -410,6 +412,10 @@ class ModelRunner:
             if request.sampling_params.prompt_logprobs is not None and start < request.num_prompt_tokens:
                 prompt_lp.append((i, request))
         arrays, cu = batch.step_arrays(rows, starts, counts)
+        if self.rope_length_base is not None:  # the length transformers rotates each token for
+            prompt = self.rope_length_base == "prompt"
+            base = [r.num_prompt_tokens if prompt else r.num_tokens for r in out.scheduled]
+            arrays.rope_lengths = np.maximum(np.repeat(base, counts), arrays.positions + 1)
         lora = self.lora.batch(out.scheduled, cu) if self.lora is not None else None
         return PreparedStep(arrays, cu, starts, sampling, prompt_lp, pooling, lora)
 
@@ -442,7 +448,8 @@ class ModelRunner:
         )
         metadata = self.setup.backend.build_metadata(attn)
         input_ids, positions = self._dev(step.input_ids), self._dev(step.positions)
-        with set_forward_context(metadata, self.kv_caches, self.layers, lora):
+        lengths = self._dev(step.rope_lengths) if step.rope_lengths is not None else None
+        with set_forward_context(metadata, self.kv_caches, self.layers, lora, lengths):
             hidden = self.forward(input_ids, positions)
         return StepInputs(input_ids, positions, attn, hidden)
 

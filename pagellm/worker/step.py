@@ -118,6 +118,8 @@ class StepArrays:
     seq_lens: np.ndarray  # [B] int32
     block_tables: np.ndarray  # [B, max blocks] int32
     slot_mapping: np.ndarray  # [T] int64
+    # [T] int64, for a length-dependent rope only: each token's request length max(prompt, position + 1)
+    rope_lengths: np.ndarray | None = None
 
 
 @dataclass

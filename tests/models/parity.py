@@ -21,11 +21,29 @@ ARCHS = {
     "gpt2": {},
     "opt": {},
 }
+PHI3_LONGROPE = {
+    # Phi-3-128k / Phi-4-mini style: LongRoPE, 3/4 of each head rotating, short factors up to 32 tokens, so
+    # the parity prompts lie on both sides and some grow past it while generating
+    "original_max_position_embeddings": 32,
+    "rope_parameters": {
+        "rope_type": "longrope",
+        "rope_theta": 10000.0,
+        "partial_rotary_factor": 0.75,
+        "original_max_position_embeddings": 32,
+        "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5],
+        "long_factor": [1.0, 1.5, 2.5, 4.0, 8.0, 16.0],
+    },
+}
 FAMILIES: dict[str, dict] = {
     # newer families (and their variants, "family-variant"): one combined check each in the default run
     # (tests/engine/test_family_parity.py), the whole settings matrix of test_llm_parity.py under -m slow
     "gemma2": {},
     "gemma3_text": {},
+    "phi3": {},
+    "phi3-longrope": PHI3_LONGROPE,
+    "granite": {},
+    "olmo2": {},
+    "smollm3": {},
 }
 
 
