@@ -39,7 +39,7 @@ class Attention(nn.Module):
             k.view(-1, s.num_kv_heads, s.head_size),
             v.view(-1, s.num_kv_heads, s.head_size),
             ctx.kv_caches[self.layer_idx],
-            ctx.metadata,
+            ctx.metadata_of(self.layer_idx),
         )
         return out.reshape(-1, s.num_heads * s.head_size)
 
