@@ -17,19 +17,19 @@ read through `blocks`). Every other operation is O(1) per block (OrderedDicts ar
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Hashable, Iterable, Iterator, Sequence
 from typing import overload
 
 
 class KVBlock:
-    """One block of `block_size` token slots in every layer's KV cache."""
+    """One block of `block_size` token slots in the KV cache of every layer of the group holding it."""
 
     __slots__ = ("block_id", "ref_cnt", "block_hash", "hash_key")
 
     def __init__(self, block_id: int):
         self.block_id = block_id
         self.ref_cnt = 0
-        self.block_hash: int | None = None  # set while the block is in the prefix cache
+        self.block_hash: Hashable | None = None  # its prefix-cache key while it is cached
         self.hash_key: tuple | None = None  # what was hashed: checked on a hit, so collisions miss
 
     def __repr__(self) -> str:
@@ -49,7 +49,7 @@ class BlockPool:
         self._read_ahead: dict[int, KVBlock] = {}  # blocks never handed out whose object was read
         self._free_plain: OrderedDict[int, KVBlock] = OrderedDict()  # freed uncached: newest taken first
         self._free_cached: OrderedDict[int, KVBlock] = OrderedDict()  # freed cached: oldest taken first
-        self._cached: dict[int, KVBlock] = {}
+        self._cached: dict[Hashable, KVBlock] = {}
 
     @property
     def blocks(self) -> Sequence[KVBlock]:
@@ -91,14 +91,14 @@ class BlockPool:
             blocks.append(block)
         return blocks
 
-    def get_cached_block(self, block_hash: int, hash_key: tuple) -> KVBlock | None:
+    def get_cached_block(self, block_hash: Hashable, hash_key: tuple) -> KVBlock | None:
         """The cached block made from exactly `hash_key`, or None (also on a hash collision)."""
         block = self._cached.get(block_hash)
         if block is None or block.hash_key != hash_key:
             return None
         return block
 
-    def cache_block(self, block: KVBlock, block_hash: int, hash_key: tuple) -> bool:
+    def cache_block(self, block: KVBlock, block_hash: Hashable, hash_key: tuple) -> bool:
         """Make a full block findable; False when another block already holds this hash."""
         if block_hash in self._cached:
             return False

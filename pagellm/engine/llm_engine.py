@@ -73,7 +73,7 @@ class LLMEngine:
         self.processor = Processor(self.setup, self.tokenizer, self.eos_token_ids, self.pooler)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
-        usable_tokens = (self.runner.num_blocks - 1) * config.block_size
+        concurrency = self.scheduler.kv_cache_manager.max_concurrency(self.max_model_len)
         logger.info(
             "pagellm ready in %.1fs: platform %s (%s), backend %s, dtype %s, weights %.2f GiB, KV cache %d blocks "
             "of %d tokens (%.2f GiB), max concurrency %.1f requests of %d tokens",
@@ -86,7 +86,7 @@ class LLMEngine:
             self.runner.num_blocks,
             config.block_size,
             self.runner.num_blocks * self.runner.block_bytes() / GiB,
-            usable_tokens / self.max_model_len,
+            concurrency,
             self.max_model_len,
         )
 
@@ -103,6 +103,7 @@ class LLMEngine:
             num_lookahead_tokens=self.runner.num_lookahead_tokens,
             max_loras=config.max_loras if config.enable_lora else None,
             kv_connector=self._scheduler_connector(),
+            kv_windows=self.runner.kv_windows(),
         )
 
     def _scheduler_connector(self) -> KVConnector | None:
@@ -253,6 +254,7 @@ class LLMEngine:
                 preempted=[],
                 finished_ids=set(),
                 block_ids={rid: out.block_ids[rid]},
+                group_block_ids={rid: out.block_tables(rid)},
                 total_num_scheduled_tokens=out.num_scheduled_tokens[rid],
                 kv_connector_metadata=None,
             )
@@ -383,6 +385,10 @@ def _check_kv_transfer(setup: EngineSetup) -> None:
         (config.speculative is not None and config.speculative.method == "draft_model", "a draft model"),
         (not config.enable_prefix_caching, "prefix caching off (loaded KV is found as prefix-cache hits)"),
         (getattr(config, "runner", "generate") != "generate", "runner='pooling'"),
+        (
+            setup.kv_layout is not None and setup.kv_layout.num_groups > 1,
+            f"a model whose layers keep their KV in several groups ({setup.kv_layout and setup.kv_layout.describe()})",
+        ),
     ]
     for refuse, what in refused:
         if refuse:

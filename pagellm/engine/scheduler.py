@@ -34,6 +34,7 @@ import itertools
 import logging
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pagellm.core.errors import ConfigError
@@ -124,7 +125,10 @@ class Scheduler:
         num_lookahead_tokens: int = 0,
         max_loras: int | None = None,
         kv_connector: KVConnector | None = None,
+        kv_windows: Sequence[int | None] = (None,),
     ):
+        """`kv_windows`: each KV cache group's sliding window as the KV cache manager honours it (None:
+        the group keeps every block)."""
         if policy not in ("fcfs", "priority"):
             raise ConfigError(f"scheduling_policy must be fcfs or priority, not {policy!r}")
         if max_num_batched_tokens < max_num_seqs:
@@ -132,19 +136,26 @@ class Scheduler:
                 f"max_num_batched_tokens ({max_num_batched_tokens}) must be >= max_num_seqs ({max_num_seqs}) "
                 "so every running request can decode each step; raise it or lower max_num_seqs"
             )
-        if (num_blocks - 1) * block_size < max_model_len:
+        token_budget = (
+            max_num_batched_tokens if enable_chunked_prefill else max(max_num_batched_tokens, max_model_len)
+        )
+        kv = KVCacheManager(block_size, num_blocks, enable_prefix_caching, kv_windows)
+        if kv.max_blocks_per_request(max_model_len, token_budget) > num_blocks - 1:
             raise ConfigError(
                 f"the KV cache holds {(num_blocks - 1) * block_size} tokens, fewer than max_model_len "
                 f"({max_model_len}); give the KV cache more memory or lower max_model_len"
+                if kv.num_groups == 1 and kv.windows[0] is None
+                else f"the KV cache's {num_blocks - 1} blocks are fewer than a request of max_model_len "
+                f"({max_model_len}) tokens needs over its {kv.num_groups} KV cache groups "
+                f"({kv.max_blocks_per_request(max_model_len, token_budget)}); give the KV cache more memory "
+                "or lower max_model_len"
             )
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
         self.enable_chunked_prefill = enable_chunked_prefill
         self.policy = policy
-        self.token_budget = (
-            max_num_batched_tokens if enable_chunked_prefill else max(max_num_batched_tokens, max_model_len)
-        )
-        self.kv_cache_manager = KVCacheManager(block_size, num_blocks, enable_prefix_caching)
+        self.token_budget = token_budget
+        self.kv_cache_manager = kv
         self.requests: dict[str, Request] = {}  # every unfinished request
         self.waiting = _PriorityQueue() if policy == "priority" else _FCFSQueue()
         self.running: list[Request] = []  # admission order
@@ -341,6 +352,7 @@ class Scheduler:
             preempted=preempted,
             finished_ids=finished_ids,
             block_ids={r.request_id: kv.block_table(r.request_id) for r in scheduled},
+            group_block_ids={r.request_id: kv.block_tables(r.request_id) for r in scheduled},
             total_num_scheduled_tokens=self.token_budget - budget,
             spec_token_ids=spec_token_ids,
             grammar_bitmasks=self._grammar_bitmasks(scheduled, num_scheduled, spec_token_ids),

@@ -13,10 +13,11 @@ from typing import Any
 
 import torch
 
-from pagellm.core.attention import DEFAULT_BLOCK_SIZE
+from pagellm.core.attention import DEFAULT_BLOCK_SIZE, AttentionSpec
 from pagellm.core.config import EngineConfig
 from pagellm.core.dtypes import DTYPES, KV_CACHE_DTYPES, dtype_name
 from pagellm.core.errors import ConfigError
+from pagellm.core.kv_cache_spec import KVCacheLayout, group_layers
 from pagellm.core.paths import cache_dir
 from pagellm.core.platform import Platform
 from pagellm.core.selector import (
@@ -188,12 +189,14 @@ def resolve_engine(config: EngineConfig) -> EngineSetup:
     )
     spec = backend_choice.spec
     config.block_size = spec.block_size  # everything after start-up reads the chosen size from here
+    kv_layout = model_kv_layout(import_model_class(model_class_path), hf_config, spec)
     explanation = [
         *platform_choice.explanation,
         f"model {_shown(config, source)} ({model_class_path}), dtype {dtype_name(dtype)}, "
         f"max_model_len {max_model_len}",
         f"quantization {quant.name if quant else 'none'}",
         *backend_choice.explanation,
+        kv_layout.describe(),
     ]
     return EngineSetup(
         config=config,
@@ -209,7 +212,21 @@ def resolve_engine(config: EngineConfig) -> EngineSetup:
         quant_method=quant,
         explanation=explanation,
         reasoning_parser=reasoning_parser(registry, config.reasoning_parser),
+        kv_layout=kv_layout,
     )
+
+
+def model_kv_layout(model_class: type, hf_config: Any, spec: AttentionSpec) -> KVCacheLayout:
+    """The KV cache groups of the model's layers (`CausalLM.attention_spec` of each, at the chosen block
+    size and KV-cache dtype of `spec`)."""
+    specs = [
+        dataclasses.replace(
+            model_class.attention_spec(hf_config, spec.dtype, spec.block_size, i),
+            kv_cache_dtype=spec.kv_cache_dtype,
+        )
+        for i in range(hf_config.num_hidden_layers)
+    ]
+    return group_layers(specs)
 
 
 def _shown(config: EngineConfig, source: ModelSource) -> str:

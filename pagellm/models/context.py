@@ -61,6 +61,13 @@ class ForwardContext:
     lora: LoRABatch | None = None  # the step's tokens that run with a LoRA adapter
     # [T] int64: each token's sequence length for a length-dependent rope (models/layers/rotary.py)
     rope_lengths: torch.Tensor | None = None
+    # with several KV cache groups: each layer's metadata (its group's block tables and slots), by
+    # layer_idx; None: `metadata` serves every layer
+    layer_metadata: Sequence[Any] | None = None
+
+    def metadata_of(self, layer_idx: int) -> Any:
+        """The metadata attention layer `layer_idx` runs with."""
+        return self.metadata if self.layer_metadata is None else self.layer_metadata[layer_idx]
 
 
 _context: ForwardContext | None = None
@@ -79,11 +86,19 @@ def set_forward_context(
     attention_layers: Sequence[Any] = (),
     lora: LoRABatch | None = None,
     rope_lengths: torch.Tensor | None = None,
+    layer_metadata: Sequence[Any] | None = None,
 ) -> Iterator[None]:
+    """`metadata` for every layer, or, with several KV cache groups, `layer_metadata[layer_idx]` for each
+    (then `metadata` is group 0's)."""
     global _context
-    previous, _context = _context, ForwardContext(metadata, kv_caches, attention_layers, lora, rope_lengths)
-    # a backend's metadata may prepare native state for the forward (CPU_ATTN's compiled-graph op)
-    begin, end = getattr(metadata, "begin_forward", None), getattr(metadata, "end_forward", None)
+    previous, _context = _context, ForwardContext(
+        metadata, kv_caches, attention_layers, lora, rope_lengths, layer_metadata
+    )
+    # a backend's metadata may prepare native state for the forward (CPU_ATTN's compiled-graph op), over
+    # one step's tables for every layer: not with several groups, whose layers read different tables
+    begin = end = None
+    if layer_metadata is None:
+        begin, end = getattr(metadata, "begin_forward", None), getattr(metadata, "end_forward", None)
     try:
         if begin is not None:
             begin(kv_caches, attention_layers)

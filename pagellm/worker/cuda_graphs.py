@@ -13,7 +13,8 @@ model, speculative decoding or a pooling runner (`decode_graphs_allowed`).
 The attention metadata is built once per captured size, outside the graph, over the static buffers, so
 the backend must allow it (`AttentionBackend.cuda_graph_decode`). A metadata tensor that the backend
 computes from the batch (FLASH_ATTN's cumulative context lengths) is computed again before each replay
-and copied into the captured one.
+and copied into the captured one. With several KV cache groups (`core/kv_cache_spec.py`) each group has
+its own block-table and slot-mapping buffers and metadata, and each layer is captured reading its group's.
 """
 
 from __future__ import annotations
@@ -109,9 +110,13 @@ class TorchCapture:
 class _Captured:
     graph: Graph
     output: torch.Tensor  # [size, hidden]
-    batch: AttentionBatch  # over the static buffers' first `size` rows
+    batch: AttentionBatch  # over the static buffers' first `size` rows (KV cache group 0's)
     metadata: Any  # what build_metadata returned for `batch`
     derived: tuple[str, ...]  # the metadata's tensors computed from the batch, refreshed before a replay
+    more_groups: tuple[tuple[AttentionBatch, Any, tuple[str, ...]], ...] = ()  # the same, groups 1, 2, ...
+
+    def groups(self) -> list[tuple[AttentionBatch, Any, tuple[str, ...]]]:
+        return [(self.batch, self.metadata, self.derived), *self.more_groups]
 
 
 class DecodeGraphs:
@@ -127,36 +132,48 @@ class DecodeGraphs:
         max_model_len: int,
         block_size: int,
         device: torch.device,
+        layer_groups: list[int] | None = None,
     ):
+        """`layer_groups`: each layer's KV cache group by layer_idx, with several groups (None: one)."""
         self.forward = forward
         self.backend = backend
         self.kv_caches = kv_caches
         self.layers = layers
+        self.layer_groups = layer_groups
         self.sizes = sorted(sizes)
         self.max_model_len = max_model_len
         n, max_blocks = self.sizes[-1], -(-max_model_len // block_size)
+        num_groups = max(layer_groups) + 1 if layer_groups else 1
         # the padding rows' values: token 0 at position 0, stored at slot 0 (the null block's), context 1
         self.input_ids = torch.zeros(n, dtype=torch.long, device=device)
         self.positions = torch.zeros(n, dtype=torch.long, device=device)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)  # one token each
         self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
-        self.block_tables = torch.zeros(n, max_blocks, dtype=torch.int32, device=device)
-        self.slot_mapping = torch.zeros(n, dtype=torch.long, device=device)
+        # per KV cache group; `block_tables` and `slot_mapping` are group 0's
+        self.group_tables = [
+            torch.zeros(n, max_blocks, dtype=torch.int32, device=device) for _ in range(num_groups)
+        ]
+        self.group_slots = [torch.zeros(n, dtype=torch.long, device=device) for _ in range(num_groups)]
+        self.block_tables, self.slot_mapping = self.group_tables[0], self.group_slots[0]
         self.graphs: dict[int, _Captured] = {}
 
     def capture(self, make: Capture) -> None:
         """Capture every size, largest first."""
         for size in reversed(self.sizes):
-            batch = self._batch(size)
-            metadata = self.backend.build_metadata(batch)
+            batches = [self._batch(size, g) for g in range(len(self.group_tables))]
+            metadata = [self.backend.build_metadata(batch) for batch in batches]
+            layer_metadata = None
+            if self.layer_groups is not None:
+                layer_metadata = [metadata[g] for g in self.layer_groups]
 
-            def fn(size=size, metadata=metadata) -> torch.Tensor:
-                with set_forward_context(metadata, self.kv_caches, self.layers):
+            def fn(size=size, metadata=metadata[0], layer_metadata=layer_metadata) -> torch.Tensor:
+                with set_forward_context(metadata, self.kv_caches, self.layers, None, layer_metadata):
                     return self.forward(self.input_ids[:size], self.positions[:size])
 
             make.warm_up(fn)
             graph, output = make.capture(fn)
-            self.graphs[size] = _Captured(graph, output, batch, metadata, _derived(metadata, batch))
+            groups = [(b, m, _derived(m, b)) for b, m in zip(batches, metadata, strict=True)]
+            self.graphs[size] = _Captured(graph, output, *groups[0], more_groups=tuple(groups[1:]))
 
     def bucket(self, num_reqs: int) -> int | None:
         """The smallest captured size that holds `num_reqs` requests; None when none does."""
@@ -174,19 +191,20 @@ class DecodeGraphs:
             return None  # a prompt token of a longer prompt (a one-token chunk) runs eagerly
         captured = self.graphs[size]
         self._copy_inputs(step, size)
-        if captured.derived:
-            fresh = self.backend.build_metadata(captured.batch)
-            for name in captured.derived:
-                getattr(captured.metadata, name).copy_(getattr(fresh, name))
+        for batch, metadata, derived in captured.groups():
+            if derived:
+                fresh = self.backend.build_metadata(batch)
+                for name in derived:
+                    getattr(metadata, name).copy_(getattr(fresh, name))
         captured.graph.replay()
         return captured.output[:num_reqs]
 
-    def _batch(self, size: int) -> AttentionBatch:
+    def _batch(self, size: int, group: int = 0) -> AttentionBatch:
         return AttentionBatch(
             query_start_loc=self.query_start_loc[: size + 1],
             seq_lens=self.seq_lens[:size],
-            block_tables=self.block_tables[:size],
-            slot_mapping=self.slot_mapping[:size],
+            block_tables=self.group_tables[group][:size],
+            slot_mapping=self.group_slots[group][:size],
             query_start_loc_cpu=torch.arange(size + 1, dtype=torch.int32),
             seq_lens_cpu=torch.full((size,), self.max_model_len, dtype=torch.int32),
             max_query_len=1,
@@ -198,15 +216,14 @@ class DecodeGraphs:
         block table past the step's widest row keep older values: no request reads past its length."""
         n = step.seq_lens.shape[0]
         width = step.block_tables.shape[1]
-        tables = np.zeros((size, width), dtype=np.int32)
-        tables[:n] = step.block_tables
-        copy_to(self.block_tables[:size, :width], torch.from_numpy(tables))
-        for dst, src, pad in (
-            (self.input_ids, step.input_ids, 0),
-            (self.positions, step.positions, 0),
-            (self.seq_lens, step.seq_lens, 1),
-            (self.slot_mapping, step.slot_mapping, 0),
-        ):
+        copies = [(self.input_ids, step.input_ids, 0), (self.positions, step.positions, 0)]
+        copies.append((self.seq_lens, step.seq_lens, 1))
+        for g, (step_tables, step_slots) in enumerate(step.kv_groups()):
+            tables = np.zeros((size, width), dtype=np.int32)
+            tables[:n] = step_tables
+            copy_to(self.group_tables[g][:size, :width], torch.from_numpy(tables))
+            copies.append((self.group_slots[g], step_slots, 0))
+        for dst, src, pad in copies:
             padded = np.full(size, pad, dtype=src.dtype)
             padded[:n] = src
             copy_to(dst[:size], torch.from_numpy(padded))
@@ -229,12 +246,15 @@ def capture_decode_graphs(
     max_model_len: int,
     block_size: int,
     device: torch.device,
+    layer_groups: list[int] | None = None,
 ) -> DecodeGraphs | None:
     """Capture the decode graphs, logging how many and how long; None, with a warning, on failure (the
     engine then runs every step eagerly)."""
     started = time.monotonic()
     sizes = capture_sizes(max_num_seqs)
-    graphs = DecodeGraphs(forward, backend, kv_caches, layers, sizes, max_model_len, block_size, device)
+    graphs = DecodeGraphs(
+        forward, backend, kv_caches, layers, sizes, max_model_len, block_size, device, layer_groups
+    )
     try:
         graphs.capture(TorchCapture(device))
     except Exception as e:  # a model or kernel that cannot be captured: slower, not broken

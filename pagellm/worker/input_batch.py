@@ -9,6 +9,7 @@ which rows each request's outputs come from.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -34,13 +35,19 @@ class PreparedStep:
 
 
 class InputBatch:
-    def __init__(self, max_num_reqs: int, max_model_len: int, block_size: int):
+    def __init__(self, max_num_reqs: int, max_model_len: int, block_size: int, num_kv_groups: int = 1):
         self.block_size = block_size
         self.max_blocks = -(-max_model_len // block_size)
         self.token_ids = np.zeros((max_num_reqs, max_model_len), dtype=np.int64)
-        self.block_table = np.zeros((max_num_reqs, self.max_blocks), dtype=np.int32)
+        # one block table per KV cache group; `block_table` is group 0's (a draft model reads it)
+        self.block_tables = [
+            np.zeros((max_num_reqs, self.max_blocks), dtype=np.int32) for _ in range(num_kv_groups)
+        ]
+        self.block_table = self.block_tables[0]
         self.num_tokens = np.zeros(max_num_reqs, dtype=np.int64)
-        self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)
+        self.num_blocks = np.zeros((num_kv_groups, max_num_reqs), dtype=np.int64)
+        # leading blocks of each group's row known to be freed (a sliding window's null block, id 0)
+        self.num_freed = np.zeros((num_kv_groups, max_num_reqs), dtype=np.int64)
         self.rows: dict[str, int] = {}
         self.free_rows = list(range(max_num_reqs - 1, -1, -1))
 
@@ -49,7 +56,8 @@ class InputBatch:
         if row is None:
             row = self.rows[request_id] = self.free_rows.pop()
             self.num_tokens[row] = 0
-            self.num_blocks[row] = 0
+            self.num_blocks[:, row] = 0
+            self.num_freed[:, row] = 0
         return row
 
     def remove(self, request_id: str) -> None:
@@ -57,16 +65,23 @@ class InputBatch:
         if row is not None:
             self.free_rows.append(row)
 
-    def sync(self, row: int, token_ids: list[int], block_ids: list[int]) -> None:
-        """Append the tokens and blocks that are new since the last sync of this row."""
+    def sync(self, row: int, token_ids: list[int], block_ids: Sequence[list[int]]) -> None:
+        """Append the tokens and blocks that are new since the last sync of this row (`block_ids`: one list
+        per KV cache group), and zero the blocks a sliding window freed since (they lead the list)."""
         have = int(self.num_tokens[row])
         if len(token_ids) > have:
             self.token_ids[row, have : len(token_ids)] = token_ids[have:]
             self.num_tokens[row] = len(token_ids)
-        have_blocks = int(self.num_blocks[row])
-        if len(block_ids) != have_blocks:
-            self.block_table[row, : len(block_ids)] = block_ids
-            self.num_blocks[row] = len(block_ids)
+        for g, ids in enumerate(block_ids):
+            if len(ids) != self.num_blocks[g, row]:
+                self.block_tables[g][row, : len(ids)] = ids
+                self.num_blocks[g, row] = len(ids)
+            freed = start = int(self.num_freed[g, row])
+            while freed < len(ids) and ids[freed] == 0:
+                freed += 1
+            if freed != start:
+                self.block_tables[g][row, start:freed] = 0
+                self.num_freed[g, row] = freed
 
     def step_arrays(
         self, rows: list[int], starts: list[int], counts: list[int]
@@ -81,13 +96,19 @@ class InputBatch:
         positions = np.arange(num_tokens, dtype=np.int64) - np.repeat(cu[:-1] - np.asarray(starts), counts_np)
         bs = self.block_size
         seq_lens = np.asarray(starts, dtype=np.int64) + counts_np
+        width, blocks, offsets = int(-(-seq_lens.max() // bs)), positions // bs, positions % bs
+        groups = [
+            (table[rows, :width], table[token_rows, blocks].astype(np.int64) * bs + offsets)
+            for table in self.block_tables
+        ]
         arrays = StepArrays(
             input_ids=self.token_ids[token_rows, positions],
             positions=positions,
             query_start_loc=cu.astype(np.int32),
             seq_lens=seq_lens.astype(np.int32),
-            block_tables=self.block_table[rows, : int(-(-seq_lens.max() // bs))],
-            slot_mapping=self.block_table[token_rows, positions // bs].astype(np.int64) * bs + positions % bs,
+            block_tables=groups[0][0],
+            slot_mapping=groups[0][1],
+            more_groups=tuple(groups[1:]),
         )
         return arrays, cu
 

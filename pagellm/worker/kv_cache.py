@@ -1,5 +1,6 @@
-"""The KV cache's layout and size: one tensor per attention layer, in the backend's `kv_cache_shape` for
-this rank's heads, and how many blocks a memory budget holds.
+"""The KV cache's layout and size: KV tensors in the backend's `kv_cache_shape` for this rank's heads, one
+per attention layer with one KV cache group, else one per layer of a group, shared by the same layer of
+every group (`core/kv_cache_spec.py`), and how many blocks a memory budget holds.
 
 Every place that needs a layer's cache shape (allocation, a block's bytes, the memory profile's one
 block, the KV connector's block dimension) asks `kv_cache_shape` here.
@@ -11,6 +12,7 @@ import torch
 
 from pagellm.core.attention import AttentionSpec
 from pagellm.core.errors import ConfigError
+from pagellm.core.kv_cache_spec import KVCacheGroup, KVCacheLayout, KVCacheSpec
 from pagellm.core.platform import GiB
 from pagellm.distributed import Group
 from pagellm.models.base import rank_heads
@@ -28,30 +30,62 @@ def kv_cache_shape(setup: EngineSetup, tp: Group, num_blocks: int, block_size: i
     return tuple(setup.backend.kv_cache_shape(num_blocks, block_size, spec.num_kv_heads, spec.cache_row_size))
 
 
+def kv_layout(setup: EngineSetup, num_layers: int) -> KVCacheLayout:
+    """The model's KV cache groups (`EngineSetup.kv_layout`); one group of every layer where none was set."""
+    if setup.kv_layout is not None:
+        return setup.kv_layout
+    return KVCacheLayout((KVCacheGroup(KVCacheSpec.of(setup.spec), tuple(range(num_layers))),), num_layers)
+
+
 def allocate_kv_caches(
-    setup: EngineSetup, tp: Group, layers: list, num_blocks: int, block_size: int, device: torch.device
+    setup: EngineSetup,
+    tp: Group,
+    layers: list,
+    num_blocks: int,
+    block_size: int,
+    device: torch.device,
+    layout: KVCacheLayout | None = None,
 ) -> list[torch.Tensor]:
-    """One cache per attention layer, by layer_idx; an empty tensor for another pipeline stage's (None)."""
+    """The cache of every attention layer, by layer_idx; an empty tensor for another pipeline stage's
+    (None). Without `layout` (a draft model's) each layer has a tensor of its own; with one, the layers at
+    the same place of their groups share one (`KVCacheLayout.tensor_of`)."""
     dtype = rank_spec(setup, tp).cache_dtype
     shape = kv_cache_shape(setup, tp, num_blocks, block_size)
     empty = torch.empty(0, dtype=dtype, device=device)
-    return [
-        torch.zeros(shape, dtype=dtype, device=device) if layer is not None else empty for layer in layers
-    ]
+    tensors: dict[int, torch.Tensor] = {}
+    caches = []
+    for i, layer in enumerate(layers):
+        if layer is None:
+            caches.append(empty)
+            continue
+        j = layout.tensor_of(i) if layout is not None else i
+        if j not in tensors:
+            tensors[j] = torch.zeros(shape, dtype=dtype, device=device)
+        caches.append(tensors[j])
+    return caches
+
+
+def num_kv_tensors(layers: list, layout: KVCacheLayout | None) -> int:
+    """KV tensors `allocate_kv_caches` makes for these layers (None: another stage's)."""
+    local = [i for i, layer in enumerate(layers) if layer is not None]
+    return len({layout.tensor_of(i) for i in local}) if layout is not None else len(local)
 
 
 def kv_block_bytes(setup: EngineSetup, tp: Group, block_size: int, num_layers: int) -> int:
-    """Bytes of one KV block over `num_layers` attention layers of this model."""
+    """Bytes of one KV block over `num_layers` attention layers (KV tensors) of this model."""
     elements = 1
     for size in kv_cache_shape(setup, tp, 1, block_size):
         elements *= size
     return elements * torch.empty((), dtype=rank_spec(setup, tp).cache_dtype).element_size() * num_layers
 
 
-def blocks_in_budget(setup: EngineSetup, budget: int, block_bytes: int, model_bytes: int) -> int:
+def blocks_in_budget(
+    setup: EngineSetup, budget: int, block_bytes: int, model_bytes: int, per_request: int | None = None
+) -> int:
     """How many blocks the budget's bytes hold, but no more than max_num_seqs full contexts can use (plus
     the null block): on a large accelerator the memory alone would make millions of blocks, each a start-up
-    cost. A ConfigError when fewer than two fit."""
+    cost. `per_request`: the blocks one context of max_model_len tokens holds over every KV cache group
+    (default: one group, plus a block of slack). A ConfigError when fewer than two fit."""
     config = setup.config
     num_blocks = budget // block_bytes
     if num_blocks < 2:
@@ -59,5 +93,6 @@ def blocks_in_budget(setup: EngineSetup, budget: int, block_bytes: int, model_by
             f"no memory left for the KV cache ({budget / GiB:.2f} GiB after the model's "
             f"{model_bytes / GiB:.2f} GiB); raise --kv-cache-space or --gpu-memory-utilization"
         )
-    per_request = -(-(setup.max_model_len + config.block_size) // config.block_size)
+    if per_request is None:
+        per_request = -(-(setup.max_model_len + config.block_size) // config.block_size)
     return int(min(num_blocks, config.max_num_seqs * per_request + 1))

@@ -8,7 +8,9 @@ of only the rows that sample, sampled on the device.
 
 The optional parts are helpers the runner holds, each None when off: `lora` (`runner_lora.py`),
 `kv_transfer` (`runner_kv_connector.py`), `spec_decode` (`runner_spec_decode.py`) and `graphs`
-(`cuda_graphs.py`). The KV cache's layout and size are `kv_cache.py`'s.
+(`cuda_graphs.py`). The KV cache's layout and size are `kv_cache.py`'s; with several KV cache groups
+(`core/kv_cache_spec.py`: layers with different sliding windows) each group has its own block tables,
+slot mapping and attention metadata, and each layer runs with its group's.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch
 
 from pagellm.core.attention import AttentionBatch
 from pagellm.core.errors import ConfigError
+from pagellm.core.kv_cache_spec import blocks_per_request
 from pagellm.core.kv_connector import KVConnector, KVConnectorContext, KVConnectorOutput
 from pagellm.core.platform import GiB
 from pagellm.distributed import Parallel
@@ -47,6 +50,8 @@ from pagellm.worker.kv_cache import (
     blocks_in_budget,
     kv_block_bytes,
     kv_cache_shape,
+    kv_layout,
+    num_kv_tensors,
     rank_spec,
 )
 from pagellm.worker.logprobs import LogprobLists, row_logprobs
@@ -81,15 +86,31 @@ class ModelRunner:
         self.model = self._load(setup, weights)
         self.layers = _by_layer_idx(self.model.attention_layers())
         self.rope_length_base = request_length_base(self.model)  # models/layers/rotary.py
+        num_layers = getattr(setup.hf_config, "num_hidden_layers", None) or len(self.layers)
+        self.kv_layout = kv_layout(setup, num_layers)
+        # each layer's KV cache group, by layer_idx (None: one group)
+        self.layer_groups = (
+            [self.kv_layout.group_of(i) for i in range(len(self.layers))]
+            if self.kv_layout.num_groups > 1
+            else None
+        )
         self.draft_setup = draft[0] if draft else None
         self.draft_model = self._load(*draft) if draft else None
         self.num_blocks = self.parallel.min(self._num_blocks())  # what fits on every rank
         self.kv_caches = allocate_kv_caches(
-            setup, self.parallel.tp, self.layers, self.num_blocks, self.block_size, self.device
+            setup,
+            self.parallel.tp,
+            self.layers,
+            self.num_blocks,
+            self.block_size,
+            self.device,
+            self.kv_layout,
         )
         self.lora = RunnerLoRA(self.model, config, setup.dtype, self.device) if config.enable_lora else None
         self.forward = self._compile()
-        self.input_batch = InputBatch(config.max_num_seqs, setup.max_model_len, self.block_size)
+        self.input_batch = InputBatch(
+            config.max_num_seqs, setup.max_model_len, self.block_size, self.kv_layout.num_groups
+        )
         self.generators: dict[str, torch.Generator | None] = {}
         self.pooling_states: dict[str, PoolingState] = {}  # pooling requests mid-prompt
         self.sampler = Sampler(
@@ -104,6 +125,13 @@ class ModelRunner:
             else None
         )
         self.graphs = self._capture_graphs()  # decode steps replayed from CUDA graphs
+        if self.kv_windows() != self.kv_layout.windows:
+            logger.info(
+                "KV cache: sliding-window layers keep every block (%s)",
+                "a KV connector moves whole block tables"
+                if config.kv_transfer is not None
+                else "the draft model reads group 0's block table",
+            )
 
     # -- start-up -----------------------------------------------------------------------------------------
 
@@ -187,14 +215,24 @@ class ModelRunner:
         return compiled
 
     def block_bytes(self) -> int:
-        """Bytes of one KV block over all layers, the draft model's included."""
-        total = 0
-        for setup, model in ((self.setup, self.model), (self.draft_setup, self.draft_model)):
-            if model is not None:
-                total += kv_block_bytes(
-                    setup, self.parallel.tp, self.block_size, len(model.attention_layers())
-                )
+        """Bytes of one KV block over this rank's KV tensors (one per layer with one KV cache group, one per
+        layer of a group with several), the draft model's included."""
+        tensors = num_kv_tensors(self.layers, self.kv_layout)
+        total = kv_block_bytes(self.setup, self.parallel.tp, self.block_size, tensors)
+        if self.draft_model is not None:
+            layers = len(self.draft_model.attention_layers())
+            total += kv_block_bytes(self.draft_setup, self.parallel.tp, self.block_size, layers)
         return total
+
+    def kv_windows(self) -> tuple[int | None, ...]:
+        """Each KV cache group's sliding window as the KV cache manager is to honour it (None: the group
+        keeps every block): a KV connector moves whole block tables, and a draft model reads group 0's."""
+        windows = list(self.kv_layout.windows)
+        if self.setup.config.kv_transfer is not None:
+            windows = [None] * len(windows)
+        elif self.draft_model is not None:
+            windows[0] = None
+        return tuple(windows)
 
     def _num_blocks(self) -> int:
         """KV blocks in this rank's memory budget: --num-kv-blocks, else what the platform leaves after the
@@ -208,7 +246,13 @@ class ModelRunner:
         if peak is None:
             peak = platform.memory_in_use(self.model_bytes, index)
         budget = platform.kv_cache_bytes(config, self.model_bytes, peak)
-        num_blocks = blocks_in_budget(self.setup, budget, self.block_bytes(), self.model_bytes)
+        step_tokens = config.token_budget
+        if not config.enable_chunked_prefill:
+            step_tokens = max(step_tokens, self.setup.max_model_len)
+        per_request = blocks_per_request(
+            self.kv_windows(), self.block_size, self.setup.max_model_len + self.block_size, step_tokens
+        )
+        num_blocks = blocks_in_budget(self.setup, budget, self.block_bytes(), self.model_bytes, per_request)
         logger.info(
             "KV cache budget (rank %d): %.2f GiB, %d blocks", self.parallel.rank, budget / GiB, num_blocks
         )
@@ -318,6 +362,7 @@ class ModelRunner:
             self.setup.max_model_len,
             self.block_size,
             self.device,
+            self.layer_groups,
         )
 
     @property
@@ -395,7 +440,7 @@ class ModelRunner:
         for i, request in enumerate(out.scheduled):
             rid = request.request_id
             row = batch.row(rid)
-            batch.sync(row, request.all_token_ids, out.block_ids[rid])
+            batch.sync(row, request.all_token_ids, out.block_tables(rid))
             drafts = out.spec_token_ids.get(rid, ())
             if drafts:  # after the known tokens; the next sync overwrites them with the accepted ones
                 batch.token_ids[row, request.num_tokens : request.num_tokens + len(drafts)] = drafts
@@ -434,24 +479,33 @@ class ModelRunner:
         return hidden
 
     def _forward(self, step: StepArrays, lora: LoRABatch | None = None) -> StepInputs:
-        """Run the model on one step's arrays (on the device: input ids, positions, the attention batch)
-        under the backend's metadata; returns them with the final hidden states."""
-        attn = AttentionBatch(
-            query_start_loc=self._dev(step.query_start_loc),
-            seq_lens=self._dev(step.seq_lens),
-            block_tables=self._dev(step.block_tables),
-            slot_mapping=self._dev(step.slot_mapping),
-            query_start_loc_cpu=torch.from_numpy(step.query_start_loc),
-            seq_lens_cpu=torch.from_numpy(step.seq_lens),
-            max_query_len=int(np.diff(step.query_start_loc).max()),
-            max_seq_len=int(step.seq_lens.max()),
-        )
-        metadata = self.setup.backend.build_metadata(attn)
+        """Run the model on one step's arrays (on the device: input ids, positions, the attention batch of
+        each KV cache group) under the backend's metadata, each layer its group's; returns them (group 0's
+        attention batch, which a draft model reads) with the final hidden states."""
+        query_start_loc, seq_lens = self._dev(step.query_start_loc), self._dev(step.seq_lens)
+        max_query_len, max_seq_len = int(np.diff(step.query_start_loc).max()), int(step.seq_lens.max())
+        attns = [
+            AttentionBatch(
+                query_start_loc=query_start_loc,
+                seq_lens=seq_lens,
+                block_tables=self._dev(block_tables),
+                slot_mapping=self._dev(slot_mapping),
+                query_start_loc_cpu=torch.from_numpy(step.query_start_loc),
+                seq_lens_cpu=torch.from_numpy(step.seq_lens),
+                max_query_len=max_query_len,
+                max_seq_len=max_seq_len,
+            )
+            for block_tables, slot_mapping in step.kv_groups()
+        ]
+        metadata = [self.setup.backend.build_metadata(attn) for attn in attns]
+        layer_metadata = None
+        if self.layer_groups is not None:
+            layer_metadata = [metadata[g] for g in self.layer_groups]
         input_ids, positions = self._dev(step.input_ids), self._dev(step.positions)
         lengths = self._dev(step.rope_lengths) if step.rope_lengths is not None else None
-        with set_forward_context(metadata, self.kv_caches, self.layers, lora, lengths):
+        with set_forward_context(metadata[0], self.kv_caches, self.layers, lora, lengths, layer_metadata):
             hidden = self.forward(input_ids, positions)
-        return StepInputs(input_ids, positions, attn, hidden)
+        return StepInputs(input_ids, positions, attns[0], hidden)
 
     def _kv_transfers_done(self, out: SchedulerOutput) -> KVConnectorOutput | None:
         """After the forward: the KV connector's saves done and the transfers it reports finished."""

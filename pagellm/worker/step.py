@@ -17,6 +17,7 @@ import torch
 
 from pagellm.core.attention import AttentionBackend, AttentionSpec
 from pagellm.core.config import EngineConfig
+from pagellm.core.kv_cache_spec import KVCacheLayout
 from pagellm.core.kv_connector import KVConnectorOutput
 from pagellm.core.platform import Platform
 from pagellm.core.quant import QuantMethod
@@ -49,11 +50,13 @@ class EngineSetup:
     model_class_path: str  # "module:Class" of the model, as registered for its architecture
     dtype: torch.dtype
     max_model_len: int
-    spec: AttentionSpec  # the spec the backend was selected for; the model's layers build the same
+    spec: AttentionSpec  # the spec the backend was selected for: the most demanding layer's
     backend_choice: BackendChoice
     quant_method: type[QuantMethod] | None
     explanation: list[str] = field(default_factory=list)
     reasoning_parser: type | None = None  # --reasoning-parser's class (from the registry)
+    # the layers' KV cache groups (core/kv_cache_spec.py); None: one group of every layer, with `spec`'s
+    kv_layout: KVCacheLayout | None = None
 
     @property
     def backend(self) -> type[AttentionBackend]:
@@ -90,7 +93,7 @@ class SchedulerOutput:
     new_request_ids: set[str]  # scheduled for the first time or resumed after preemption
     preempted: list[str]  # preempted this step; their KV is gone
     finished_ids: set[str]  # finished or aborted since the previous step
-    block_ids: dict[str, list[int]]  # each scheduled request's block table (live lists)
+    block_ids: dict[str, list[int]]  # each scheduled request's block table of KV cache group 0 (live lists)
     total_num_scheduled_tokens: int = 0
     # drafts to verify, by request id: they follow its known tokens and are counted in num_scheduled_tokens
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
@@ -100,6 +103,13 @@ class SchedulerOutput:
     # the KV connector's `build_connector_meta` for this step; None without a connector (or when a failed
     # step's requests rerun one by one: the step's transfers already ran)
     kv_connector_metadata: Any = None
+    # each scheduled request's block tables, one per KV cache group (group 0's is `block_ids`'); when a
+    # request is missing, it has group 0 only
+    group_block_ids: dict[str, tuple[list[int], ...]] = field(default_factory=dict)
+
+    def block_tables(self, request_id: str) -> tuple[list[int], ...]:
+        """The request's block tables, one per KV cache group."""
+        return self.group_block_ids.get(request_id) or (self.block_ids[request_id],)
 
     @property
     def is_empty(self) -> bool:
@@ -116,10 +126,17 @@ class StepArrays:
     positions: np.ndarray  # [T] int64
     query_start_loc: np.ndarray  # [B + 1] int32
     seq_lens: np.ndarray  # [B] int32
-    block_tables: np.ndarray  # [B, max blocks] int32
-    slot_mapping: np.ndarray  # [T] int64
+    block_tables: np.ndarray  # [B, max blocks] int32, of KV cache group 0
+    slot_mapping: np.ndarray  # [T] int64, of KV cache group 0
+    # KV cache groups 1, 2, ... (the sliding-window layers of a hybrid model): each one's block tables and
+    # slot mapping, shaped as the two above
     # [T] int64, for a length-dependent rope only: each token's request length max(prompt, position + 1)
     rope_lengths: np.ndarray | None = None
+    more_groups: tuple[tuple[np.ndarray, np.ndarray], ...] = ()
+
+    def kv_groups(self) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Every KV cache group's (block_tables, slot_mapping), group 0 first."""
+        return [(self.block_tables, self.slot_mapping), *self.more_groups]
 
 
 @dataclass

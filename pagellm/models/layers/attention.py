@@ -56,7 +56,7 @@ class Attention(nn.Module):
             k.view(-1, s.num_kv_heads, s.head_size),
             v.view(-1, s.num_kv_heads, s.head_size),
             ctx.kv_caches[self.layer_idx],
-            ctx.metadata,
+            ctx.metadata_of(self.layer_idx),
         )
         # only specs with sinks pass them: a backend without the argument runs every other spec
         out = (

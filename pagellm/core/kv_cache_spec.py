@@ -1,0 +1,155 @@
+"""KV cache specs and groups: what each attention layer keeps per token, and which layers share a block
+table (vLLM v1's `KVCacheSpec` and KV cache groups, docs/architecture.md "Scheduler").
+
+A layer's `KVCacheSpec` is what its KV cache needs of the engine: the block size, the KV heads, the row
+size and the cache dtype (which fix a block's bytes, its "page"), and the sliding window, which says
+which blocks the layer can still read. Layers with equal specs form a group; soft-caps, scales and other
+compute-only fields do not split groups. The KV cache manager keeps one block table per group per
+request, every group indexing tokens alike (token t lies in block t // block_size of each table), so the
+runner builds each group's slot mapping and attention metadata the same way from its own block ids.
+
+One pool, blocks of one cost (vLLM's hybrid allocator): every group holds the same number of layers,
+`layers_per_block` (the smallest count of layers sharing a spec, or the largest when the counts are
+within a quarter of each other), a spec with more layers being split into several groups (the last
+padded), and layer j of every group uses KV tensor j. A block id therefore costs the same bytes whichever
+group holds it, so one free pool serves them all: a block a sliding-window group lets go is at once room
+for any group, and short contexts, which need as many blocks in every group, use the whole cache. (Pools
+per group would have to split the memory in advance on a guess at the context lengths to come.)
+
+The group key is the whole spec, so layers with other head sizes or KV heads form groups of their own;
+one pool then needs their pages to be of one size, which is checked (unequal pages are refused, not yet
+unified by block size as vLLM does). K and V rows of different widths (MLA) would be one more field.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from pagellm.core.attention import AttentionSpec
+from pagellm.core.dtypes import dtype_name
+from pagellm.core.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """What one attention layer keeps in the KV cache: equal specs share a group (the group key)."""
+
+    block_size: int
+    num_kv_heads: int
+    row_size: int  # elements of one cached K or V row (AttentionSpec.cache_row_size)
+    dtype: torch.dtype  # the cache's
+    sliding_window: int | None = None  # None: full attention, every block stays readable
+
+    @classmethod
+    def of(cls, spec: AttentionSpec) -> KVCacheSpec:
+        return cls(
+            spec.block_size, spec.num_kv_heads, spec.cache_row_size, spec.cache_dtype, spec.sliding_window
+        )
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one block of one layer: K and V rows of block_size tokens."""
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.block_size * self.num_kv_heads * self.row_size * itemsize
+
+    @property
+    def kind(self) -> str:
+        return "full" if self.sliding_window is None else f"sliding window {self.sliding_window}"
+
+
+@dataclass(frozen=True)
+class KVCacheGroup:
+    spec: KVCacheSpec
+    layers: tuple[int, ...]  # layer_idx of its layers, ascending; its j-th layer uses KV tensor j
+
+
+@dataclass(frozen=True)
+class KVCacheLayout:
+    """The model's KV cache groups: full-attention groups first (a draft model and the KV connectors read
+    group 0's table), then sliding-window groups by window."""
+
+    groups: tuple[KVCacheGroup, ...]
+    layers_per_block: int  # layers of every group; the number of KV tensors
+    _tensor_of: dict[int, tuple[int, int]] = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        for g, group in enumerate(self.groups):
+            for j, layer in enumerate(group.layers):
+                self._tensor_of[layer] = (g, j)
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.groups)
+
+    @property
+    def windows(self) -> tuple[int | None, ...]:
+        """Each group's sliding window; None for full attention."""
+        return tuple(group.spec.sliding_window for group in self.groups)
+
+    def group_of(self, layer_idx: int) -> int:
+        return self._tensor_of[layer_idx][0]
+
+    def tensor_of(self, layer_idx: int) -> int:
+        """The KV tensor layer `layer_idx` keeps its blocks in (shared with the same place of every other
+        group)."""
+        return self._tensor_of[layer_idx][1]
+
+    def describe(self) -> str:
+        """One line: "KV cache: 6 groups of 1 layer: full (1 layer), sliding window 1024 (5 layers)"."""
+        kinds: dict[str, int] = {}
+        for group in self.groups:
+            kinds[group.spec.kind] = kinds.get(group.spec.kind, 0) + len(group.layers)
+        n, per = self.num_groups, self.layers_per_block
+        parts = ", ".join(f"{kind} ({count} layer{'s' * (count != 1)})" for kind, count in kinds.items())
+        return f"KV cache: {n} group{'s' * (n != 1)} of {per} layer{'s' * (per != 1)}: {parts}"
+
+
+def group_layers(specs: Sequence[AttentionSpec]) -> KVCacheLayout:
+    """Group the model's attention layers (`specs[i]`: layer i's) by KV cache spec, each spec's layers
+    split into groups of `layers_per_block` (vLLM's rule: layers[i::n] to group i, so that a pipeline
+    stage's layers spread over the groups). ConfigError when the groups' pages differ in size."""
+    by_spec: dict[KVCacheSpec, list[int]] = {}
+    for i, spec in enumerate(specs):
+        by_spec.setdefault(KVCacheSpec.of(spec), []).append(i)
+    if not by_spec:
+        raise ConfigError("the model has no attention layers: there is no KV cache to lay out")
+    counts = [len(layers) for layers in by_spec.values()]
+    size = min(counts)
+    if max(counts) < 1.25 * size:  # few padding layers: one group per spec
+        size = max(counts)
+    pages = {spec.page_bytes for spec in by_spec}
+    if len(pages) > 1:
+        shapes = "; ".join(
+            f"{spec.kind}: {spec.num_kv_heads} KV heads x {spec.row_size} {dtype_name(spec.dtype)}"
+            for spec in by_spec
+        )
+        raise ConfigError(
+            f"the model's attention layers keep KV blocks of different sizes ({shapes}); one KV cache "
+            "pool needs equal pages, which is not supported yet"
+        )
+    groups = []
+    order = sorted(by_spec, key=lambda s: (s.sliding_window is not None, s.sliding_window or 0))
+    for spec in order:
+        layers = by_spec[spec]
+        n = math.ceil(len(layers) / size)
+        groups += [KVCacheGroup(spec, tuple(layers[i::n])) for i in range(n)]
+    return KVCacheLayout(tuple(groups), size)
+
+
+def window_blocks(window: int, block_size: int, step_tokens: int = 1) -> int:
+    """The most blocks a sliding-window group holds for one request in a step of `step_tokens` tokens: what
+    its first query reads before it (window - 1 tokens) and the step's own tokens."""
+    return -(-(window - 1 + step_tokens - 1) // block_size) + 1
+
+
+def blocks_per_request(
+    windows: Sequence[int | None], block_size: int, num_tokens: int, step_tokens: int = 1
+) -> int:
+    """Blocks, over groups of these windows (None: full attention), that one request of `num_tokens` tokens
+    holds at most when its steps run up to `step_tokens` tokens."""
+    full = -(-num_tokens // block_size)
+    return sum(full if w is None else min(full, window_blocks(w, block_size, step_tokens)) for w in windows)
