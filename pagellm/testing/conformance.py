@@ -145,7 +145,7 @@ def feature_cases(base: AttentionSpec) -> list[ConformanceCase]:
     cases += [
         case("long_context-sliding_window-300", LONG, sliding_window=300),
         case("soft_cap-5", MIXED, logits_soft_cap=5.0),
-        case("soft_cap-30-scale-0.5", MIXED, logits_soft_cap=30.0, scale=0.5),
+        case("soft_cap-30-scale-0.1", MIXED, logits_soft_cap=30.0, scale=0.1),
         case("soft_cap-5-sliding_window-7", MIXED, logits_soft_cap=5.0, sliding_window=7),
         case("long_context-soft_cap-5", LONG, logits_soft_cap=5.0),
         case("sinks", MIXED, has_sinks=True),
@@ -166,7 +166,7 @@ def feature_cases(base: AttentionSpec) -> list[ConformanceCase]:
         dataclasses.replace(base, logits_soft_cap=5.0),
         dataclasses.replace(base, sliding_window=20, has_sinks=True),
         dataclasses.replace(base, has_sinks=True),
-        dataclasses.replace(base, sliding_window=b, logits_soft_cap=30.0, scale=0.5),
+        dataclasses.replace(base, sliding_window=b, logits_soft_cap=30.0, scale=0.1),
     ]
     windowed = [
         mixed[0],

@@ -85,7 +85,7 @@ def test_bf16_decode_shapes(head_size, heads, block_size, decode_path):
 
 FEATURES = {
     "soft_cap": dict(logits_soft_cap=5.0),
-    "soft_cap-scale-window": dict(logits_soft_cap=30.0, scale=0.5, sliding_window=20),
+    "soft_cap-scale-window": dict(logits_soft_cap=30.0, scale=0.1, sliding_window=20),
     "sinks": dict(has_sinks=True),
     "sinks-window": dict(has_sinks=True, sliding_window=7),
     "sinks-soft_cap-window": dict(has_sinks=True, logits_soft_cap=5.0, sliding_window=33),
@@ -243,7 +243,9 @@ def test_compiled_graphs_op_runs_decode_steps_natively(dtype, features, monkeypa
     assert impl.graph_op is torch.ops.pagellm.cpu_attention.default
     python_calls = []
     real_forward = CpuAttnBackend.forward
-    monkeypatch.setattr(CpuAttnBackend, "forward", lambda *a: python_calls.append(1) or real_forward(*a))
+    monkeypatch.setattr(
+        CpuAttnBackend, "forward", lambda *a, **kw: python_calls.append(1) or real_forward(*a, **kw)
+    )
     gen = torch.Generator().manual_seed(0)
     for seq_lens, query_lens, native in (([40, 70, 17], [1, 1, 1], True), ([40, 70], [1, 9], False)):
         batch = make_paged_batch(seq_lens, query_lens, 16, num_blocks=16, generator=gen)

@@ -60,7 +60,7 @@ def test_sliding_window_with_uneven_groups():
     "features",
     [
         dict(logits_soft_cap=5.0),
-        dict(logits_soft_cap=30.0, scale=0.5, sliding_window=20),
+        dict(logits_soft_cap=30.0, scale=0.1, sliding_window=20),
         dict(has_sinks=True),
         dict(has_sinks=True, sliding_window=7, logits_soft_cap=5.0),
     ],
