@@ -55,11 +55,15 @@ def _spec(hf_config: Any, dtype: torch.dtype, block_size: int, layer_idx: int, s
     )
 
 
-def gemma2_attention_spec(hf_config: Any, dtype: torch.dtype, block_size: int, layer_idx: int) -> AttentionSpec:
+def gemma2_attention_spec(
+    hf_config: Any, dtype: torch.dtype, block_size: int, layer_idx: int
+) -> AttentionSpec:
     return _spec(hf_config, dtype, block_size, layer_idx, getattr(hf_config, "attn_logit_softcapping", None))
 
 
-def gemma3_attention_spec(hf_config: Any, dtype: torch.dtype, block_size: int, layer_idx: int) -> AttentionSpec:
+def gemma3_attention_spec(
+    hf_config: Any, dtype: torch.dtype, block_size: int, layer_idx: int
+) -> AttentionSpec:
     return _spec(hf_config, dtype, block_size, layer_idx, None)
 
 
@@ -98,7 +102,9 @@ class GemmaAttention(nn.Module):
         kv = (kv_head * self.head_dim, self.kv_size)
         qkv_shard = Shard(0, ((tp.rank * self.q_size, self.q_size), kv, kv)) if tp.size > 1 else None
         bias = bool(getattr(c, "attention_bias", False))
-        self.qkv_proj = Linear(c.hidden_size, sum(sizes), bias, init.dtype, init.quant_method, sizes, qkv_shard)
+        self.qkv_proj = Linear(
+            c.hidden_size, sum(sizes), bias, init.dtype, init.quant_method, sizes, qkv_shard
+        )
         o_shard = Shard(1, ((tp.rank * self.q_size, self.q_size),)) if tp.size > 1 else None
         self.o_proj = Linear(
             self.q_size, c.hidden_size, bias, init.dtype, init.quant_method, shard=o_shard, reduce=tp
@@ -184,9 +190,7 @@ class GemmaModel(nn.Module):
         )
         # transformers keeps sqrt(hidden) as a float32 tensor and casts it to the weights' dtype (bf16
         # rounds sqrt(3072) = 55.43 to 55.5)
-        self.register_buffer(
-            "embed_scale", torch.tensor(c.hidden_size**0.5).to(init.dtype), persistent=False
-        )
+        self.register_buffer("embed_scale", torch.tensor(c.hidden_size**0.5).to(init.dtype), persistent=False)
         self.rotary = layer_type_rotaries(c)
         self.layer_types = list(c.layer_types)
         self.layers = nn.ModuleList(

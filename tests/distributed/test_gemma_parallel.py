@@ -1,0 +1,36 @@
+"""Gemma 2 and Gemma 3 (text) split over 2 gloo ranks on this CPU, by tensor (heads, MLP and vocabulary
+sharded; the soft-capped logits gathered) and by pipeline (per-layer-type rope on every stage): greedy
+tokens equal transformers' through chunked prefill and preemption, as tests/distributed/test_tensor_parallel.py
+checks for the Llama family."""
+
+from __future__ import annotations
+
+import pytest
+from parity import assert_greedy_parity, mixed_prompts, tiny_model_and_reference
+
+from pagellm import LLM
+
+MAX_TOKENS = 12
+SETTINGS = dict(
+    dtype="float32", enforce_eager=True, max_num_batched_tokens=64, max_num_seqs=16, num_kv_blocks=40
+)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gemma-parallel")
+    return {arch: tiny_model_and_reference(arch, root, MAX_TOKENS) for arch in ("gemma2", "gemma3_text")}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3_text"])
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)], ids=["tp2", "pp2"])
+def test_greedy_parity_with_transformers(models, arch, tp, pp):
+    path, reference = models[arch]
+    llm = LLM(str(path), **SETTINGS, tensor_parallel_size=tp, pipeline_parallel_size=pp)
+    try:
+        assert llm.engine.ranks is not None and len(llm.engine.ranks.processes) == tp * pp - 1
+        assert_greedy_parity(llm, reference, mixed_prompts(llm.engine.setup.hf_config.vocab_size)[::2])
+        assert llm.engine.stats().num_preemptions > 0  # the small cache really preempted
+    finally:
+        llm.shutdown()
