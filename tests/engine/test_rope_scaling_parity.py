@@ -94,3 +94,20 @@ def test_static_rope_scaling_types(tmp_path, rope):
     reference = Reference(path, MAX_TOKENS)
     llm = LLM(str(path), dtype="float32", max_model_len=400, max_num_batched_tokens=40, max_num_seqs=8)
     assert_greedy_parity(llm, reference, mixed_prompts(300))
+
+
+@pytest.mark.slow
+def test_longrope_compiled_forward(tmp_path):
+    """torch.compile'd: the length-dependent cos/sin op reads the step's lengths inside the graph."""
+    path = make_tiny_checkpoint("phi3", tmp_path, **PHI3_LONGROPE)
+    reference = Reference(path, MAX_TOKENS)
+    llm = LLM(
+        str(path),
+        dtype="float32",
+        max_model_len=400,
+        enforce_eager=False,
+        max_num_batched_tokens=64,
+        max_num_seqs=8,
+    )
+    assert llm.engine.runner.forward is not llm.engine.runner.model
+    assert_greedy_parity(llm, reference, mixed_prompts(300)[:12])
