@@ -13,7 +13,9 @@ from pagellm.models.base import ModelInit
 from pagellm.models.loader import CheckpointSlice, iter_checkpoint_weights, load_model
 
 
-def load_rank(path, parallel: Parallel, monkeypatch) -> tuple[torch.nn.Module, list[torch.Size]]:
+def load_rank(
+    path, parallel: Parallel, monkeypatch, model_class: str = "pagellm.models.llama:LlamaForCausalLM"
+) -> tuple[torch.nn.Module, list[torch.Size]]:
     from transformers import AutoConfig
 
     whole_reads = []
@@ -23,7 +25,7 @@ def load_rank(path, parallel: Parallel, monkeypatch) -> tuple[torch.nn.Module, l
     )
     init = ModelInit(AutoConfig.from_pretrained(path), torch.float32, TorchSDPABackend, parallel=parallel)
     weights = iter_checkpoint_weights(path, lazy=True)
-    model = load_model("pagellm.models.llama:LlamaForCausalLM", init, weights, "cpu")
+    model = load_model(model_class, init, weights, "cpu")
     return model, whole_reads
 
 

@@ -18,7 +18,7 @@ from pagellm.models.loader import load_model, resolve_model_class
 from pagellm.models.registry import pagellm_models
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gpt2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gpt2", "phi3"])
 def test_gguf_names_match_transformers_mapping(arch):
     from transformers import AutoModelForCausalLM
     from transformers.modeling_gguf_pytorch_utils import (

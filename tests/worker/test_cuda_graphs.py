@@ -166,6 +166,18 @@ def test_steps_that_are_not_decode_only_or_too_large_run_eagerly():
     assert all(g.replays == 0 for g in FakeCapture.made.values())
 
 
+
+def test_a_length_dependent_rope_replays_decode_tokens_only():
+    """The graphs rotate each token for length position + 1 (models/layers/rotary.py): a decode token's;
+    a one-token chunk of a longer prompt (its length is the prompt's) runs eagerly."""
+    graphs = _graphs()
+    step = _decode_step([5, 9])
+    step.rope_lengths = step.positions + 1
+    assert graphs.run(step) is not None
+    step.rope_lengths = np.array([5, 20], dtype=np.int64)  # request 1: token 9 of a 20-token prompt
+    assert graphs.run(step) is None
+
+
 @dataclass
 class _CumsumMetadata:
     batch: AttentionBatch

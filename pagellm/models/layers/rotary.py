@@ -143,7 +143,10 @@ def _cos_sin_by_length(
     else:  # dynamic: transformers' `_compute_dynamic_ntk_parameters` for seq_len = length, per token
         dim = 2 * inv_freq.shape[0]
         seq_len = torch.maximum(lengths, torch.tensor(threshold, dtype=lengths.dtype, device=lengths.device))
-        base = theta * ((factor * seq_len / threshold) - (factor - 1)) ** (dim / (dim - 2))
+        # transformers takes this power of a single float32 value; over a vector torch's float32 power is off
+        # by an ulp at times, its float64 one rounded is not
+        stretch = ((factor * seq_len / threshold) - (factor - 1)).double() ** (dim / (dim - 2))
+        base = theta * stretch.float()
         exponents = torch.arange(0, dim, 2, dtype=torch.int64, device=positions.device).float() / dim
         scaled = 1.0 / (base[:, None] ** exponents[None, :])
         inv = torch.where((lengths > threshold)[:, None], scaled, inv_freq[None, :])
