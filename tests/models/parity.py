@@ -24,6 +24,13 @@ ARCHS = {
 FAMILIES: dict[str, dict] = {
     # newer families (and their variants, "family-variant"): one combined check each in the default run
     # (tests/engine/test_family_parity.py), the whole settings matrix of test_llm_parity.py under -m slow
+    # Qwen3 with windows on its last layers (max_window_layers): two KV cache groups, full and window 32
+    "qwen3-mixed-windows": {
+        "num_hidden_layers": 4,
+        "use_sliding_window": True,
+        "sliding_window": 32,
+        "max_window_layers": 2,
+    },
 }
 
 
