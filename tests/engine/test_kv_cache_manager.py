@@ -177,3 +177,155 @@ def test_reset_prefix_cache_forgets_free_blocks_and_keeps_held_ones():
     assert pool.get_cached_block(102, ("k", 2)) is None and pool.get_cached_block(103, ("k", 3)) is None
     assert pool.get_cached_block(100, ("k", 0)) is held[0]
     assert pool.num_free_blocks == 3 and pool.num_cached_blocks == 2
+
+
+# -- KV cache groups: sliding-window groups free what their window no longer reads ------------------------
+
+W = 8  # a window of two 4-token blocks: a query at c reads c - 7 .. c
+
+
+def _run(kv, request, n):
+    """Allocate and compute n more tokens of the request (a prefill chunk, or a decode step's token)."""
+    if request.num_computed_tokens >= request.num_prompt_tokens:
+        for _ in range(n):
+            request.append_output_token_id(1000 + request.num_tokens)
+    assert kv.allocate_slots(request, n)
+    _compute(kv, request, n)
+
+
+def _evict(kv, request, i, g):
+    """Forget the cached block i of group g of the request's prefix (as a reuse would)."""
+    h = request.block_hashes[i]
+    block = kv.pool._cached.pop(h if g == 0 else (g, h))
+    block.block_hash = block.hash_key = None
+
+
+def test_a_window_group_frees_the_blocks_behind_its_window():
+    kv = KVCacheManager(BS, 32, windows=(None, W))
+    r = _req("a", list(range(16)))
+    _run(kv, r, 16)  # one chunk: all four blocks stay in both groups while it runs
+    assert [len(t) for t in kv.block_tables("a")] == [4, 4] and kv.num_free_blocks == 31 - 8
+    full, window = (list(t) for t in kv.block_tables("a"))
+    _run(kv, r, 1)  # the query at 16 reads 9..16: blocks 0 and 1 (tokens 0..7) are behind it
+    assert kv.block_tables("a")[0][:4] == full and len(kv.block_tables("a")[0]) == 5  # keeps everything
+    assert kv.block_tables("a")[1][:2] == [0, 0] and kv.block_tables("a")[1][2:4] == window[2:]
+    assert kv.num_held_blocks("a") == 5 + 3 and kv.num_free_blocks == 31 - 8
+    for _ in range(7):
+        _run(kv, r, 1)
+    # the step at 23 reads 16..23, from block 4: blocks 0..3 are freed; 24 tokens are 6 blocks
+    assert kv.block_tables("a")[1][:4] == [0, 0, 0, 0] and kv.num_held_blocks("a") == 6 + 2
+    kv.free(r)
+    assert kv.num_free_blocks == 31
+
+
+def test_a_prefill_chunk_keeps_what_its_first_query_reads():
+    kv = KVCacheManager(BS, 32, windows=(W,))
+    r = _req("a", list(range(30)))
+    _run(kv, r, 10)
+    assert kv.allocate_slots(r, 12)  # the chunk 10..21: its first query reads 3..10, from block 0
+    assert 0 not in kv.block_table("a")
+    _compute(kv, r, 12)
+    assert kv.allocate_slots(r, 8)  # the chunk 22..29 reads from 15: blocks 0..2 (tokens 0..11) go
+    assert kv.block_table("a")[:4] == [0, 0, 0, kv.block_table("a")[3]] and kv.block_table("a")[3] != 0
+
+
+def test_a_window_model_runs_a_context_that_would_not_fit_without_freeing():
+    kv = KVCacheManager(BS, 5, windows=(W,))  # 4 usable blocks: 16 tokens without freeing
+    r = _req("a", list(range(8)))
+    _run(kv, r, 8)
+    for _ in range(40):  # to 48 tokens: never more than three blocks held
+        _run(kv, r, 1)
+        assert kv.num_held_blocks("a") <= 3
+    assert r.num_computed_tokens == 48 and kv.num_free_blocks >= 1
+    keep_all = KVCacheManager(BS, 5, windows=(None,))  # the same window kept whole (a draft model reads it)
+    s = _req("a", list(range(16)))
+    _run(keep_all, s, 16)
+    s.append_output_token_id(1)
+    assert not keep_all.allocate_slots(s, 1)
+
+
+def test_a_hit_needs_every_full_block_but_only_the_window_of_a_sliding_group():
+    kv = KVCacheManager(BS, 64, windows=(None, W))
+    a = _req("a", list(range(22)))
+    _run(kv, a, 22)
+    _run(kv, a, 1)  # a decode frees its window group's blocks 0..2; they stay cached
+    kv.free(a)
+    b = _req("b", list(range(21)))  # can hit 5 blocks (20 tokens)
+    blocks, num_hit = kv.get_computed_blocks(b)
+    null = kv.pool.null_block
+    assert num_hit == 20
+    assert all(block is not null for block in blocks.groups[0]) and blocks == blocks.groups[0]
+    assert [block is null for block in blocks.groups[1]] == [True, True, True, False, False]
+    assert kv.allocate_slots(b, 1, blocks)
+    b.num_computed_tokens = 20
+    assert kv.block_tables("b")[1][:3] == [0, 0, 0] and kv.num_held_blocks("b") == 6 + 3
+    kv.free(b)
+    # the window group lost block 4: its window for a hit at 16 (blocks 2 and 3) is still cached, so the
+    # hit all groups agree on is 16 tokens
+    _evict(kv, b, 4, 1)
+    assert kv.get_computed_blocks(_req("c", list(range(21))))[1] == 16
+    # and without block 2 of the window group, blocks 0..1 (from the start) are what is left
+    _evict(kv, b, 2, 1)
+    assert kv.get_computed_blocks(_req("d", list(range(21))))[1] == 8
+    # a full group's missing block caps the hit for every group
+    _evict(kv, b, 0, 0)
+    assert kv.get_computed_blocks(_req("e", list(range(21))))[1] == 0
+
+
+def test_window_groups_of_one_kind_are_hit_together():
+    kv = KVCacheManager(BS, 64, windows=(None, W, W))
+    a = _req("a", list(range(21)))
+    _run(kv, a, 21)
+    kv.free(a)
+    assert kv.get_computed_blocks(_req("b", list(range(21))))[1] == 20
+    _evict(kv, a, 4, 2)  # one of the two window groups lost the hit's last block
+    blocks, num_hit = kv.get_computed_blocks(_req("c", list(range(21))))
+    assert num_hit == 16 and [len(g) for g in blocks.groups] == [4, 4, 4]
+
+
+def test_preempting_a_windowed_request_frees_its_blocks_and_it_finds_its_prefix_again():
+    kv = KVCacheManager(BS, 32, windows=(None, W))
+    r = _req("a", list(range(12)))
+    _run(kv, r, 12)
+    for _ in range(9):
+        _run(kv, r, 1)
+    assert kv.num_held_blocks("a") == 6 + 3
+    kv.free(r)  # preemption: every block back, the null block untouched
+    r.num_computed_tokens = 0
+    assert kv.num_free_blocks == 31 and kv.pool.null_block.ref_cnt == 1
+    num_hit, n = _admit(kv, r)
+    assert (num_hit, n) == (20, 1) and kv.block_tables("a")[1][:3] == [0, 0, 0]
+
+
+def test_gemma3_shaped_layers_hold_about_a_quarter_of_an_all_global_cache_at_8k():
+    """The numbers in docs/architecture.md: 5 local (window 1024) : 1 global layers against 6 global, a
+    prompt of 8192 tokens prefilled in 2048-token chunks, then its first decode step; and the longest
+    prompt the memory of 1025 all-global blocks holds."""
+    import torch
+
+    from pagellm.core.attention import AttentionSpec
+    from pagellm.core.kv_cache_spec import group_layers
+
+    def layout(mixed):
+        windows = [1024 if mixed and i % 6 != 5 else None for i in range(6)]
+        return group_layers([AttentionSpec(8, 4, 256, torch.bfloat16, 16, sliding_window=w) for w in windows])
+
+    def run(layout, num_blocks, context):
+        kv = KVCacheManager(16, num_blocks, windows=layout.windows)
+        r = _req("r", [i % 1000 for i in range(context)])
+        while r.num_computed_tokens < context:
+            if not kv.allocate_slots(r, min(2048, context - r.num_computed_tokens)):
+                return r.num_computed_tokens, None
+            _compute(kv, r, min(2048, context - r.num_computed_tokens))
+        r.append_output_token_id(1)
+        assert kv.allocate_slots(r, 1)
+        return context, kv.num_held_blocks("r") * layout.layers_per_block  # layer pages
+
+    glob, mixed = layout(False), layout(True)
+    assert mixed.describe() == "KV cache: 6 groups of 1 layer: full (1 layer), sliding window 1024 (5 layers)"
+    assert run(glob, 10**5, 8192)[1] == 513 * 6
+    assert run(mixed, 10**5, 8192)[1] == 513 + 5 * 65  # 27% of it (19% at 32k, towards a sixth)
+    # one memory: 6150 layer pages, 1025 blocks of 6 layers or 6150 of 1
+    assert run(glob, 1025, 10**6)[0] == 16384
+    assert run(mixed, 6150, 10**6)[0] == 81920
+    assert KVCacheManager(16, 6150, windows=mixed.windows).capacity_tokens == 93184  # decoding

@@ -44,6 +44,13 @@ FAMILIES: dict[str, dict] = {
     "granite": {},
     "olmo2": {},
     "smollm3": {},
+    # Qwen3 with windows on its last layers (max_window_layers): two KV cache groups, full and window 32
+    "qwen3-mixed-windows": {
+        "num_hidden_layers": 4,
+        "use_sliding_window": True,
+        "sliding_window": 32,
+        "max_window_layers": 2,
+    },
 }
 
 
