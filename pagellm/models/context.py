@@ -91,8 +91,9 @@ def set_forward_context(
     """`metadata` for every layer, or, with several KV cache groups, `layer_metadata[layer_idx]` for each
     (then `metadata` is group 0's)."""
     global _context
-    previous, _context = _context, ForwardContext(
-        metadata, kv_caches, attention_layers, lora, rope_lengths, layer_metadata
+    previous, _context = (
+        _context,
+        ForwardContext(metadata, kv_caches, attention_layers, lora, rope_lengths, layer_metadata),
     )
     # a backend's metadata may prepare native state for the forward (CPU_ATTN's compiled-graph op), over
     # one step's tables for every layer: not with several groups, whose layers read different tables

@@ -166,7 +166,6 @@ def test_steps_that_are_not_decode_only_or_too_large_run_eagerly():
     assert all(g.replays == 0 for g in FakeCapture.made.values())
 
 
-
 def test_a_length_dependent_rope_replays_decode_tokens_only():
     """The graphs rotate each token for length position + 1 (models/layers/rotary.py): a decode token's;
     a one-token chunk of a longer prompt (its length is the prompt's) runs eagerly."""
