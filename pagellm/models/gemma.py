@@ -67,22 +67,22 @@ def gemma3_attention_spec(
     return _spec(hf_config, dtype, block_size, layer_idx, None)
 
 
-def layer_type_rotaries(hf_config: Any) -> nn.ModuleDict:
-    """A rotary embedding per layer type. `rope_parameters` keyed by layer type (Gemma 3) gives each type
-    its own (built from a copy of the config holding that type's parameters); a flat one serves all."""
+def layer_type_rotaries(hf_config: Any) -> tuple[list[RotaryEmbedding], list[int]]:
+    """The rotary embeddings and, per layer, the index of its own. `rope_parameters` keyed by layer type
+    (Gemma 3) gives each type its own, built from a copy of the config holding that type's parameters; a
+    flat one serves every layer."""
     params = hf_config.rope_parameters
     types = sorted(set(hf_config.layer_types))
     if not set(params) <= set(types):
-        rotary = RotaryEmbedding(hf_config)
-        return nn.ModuleDict(dict.fromkeys(types, rotary))
-    rotaries = {}
+        return [RotaryEmbedding(hf_config)], [0] * hf_config.num_hidden_layers
+    rotaries = []
     for layer_type in types:
         if params.get(layer_type) is None:
             raise ConfigError(f"rope_parameters has no entry for the model's {layer_type!r} layers")
         config = copy.deepcopy(hf_config)
         config.rope_parameters = dict(params[layer_type])
-        rotaries[layer_type] = RotaryEmbedding(config)
-    return nn.ModuleDict(rotaries)
+        rotaries.append(RotaryEmbedding(config))
+    return rotaries, [types.index(t) for t in hf_config.layer_types]
 
 
 class GemmaAttention(nn.Module):
@@ -191,8 +191,8 @@ class GemmaModel(nn.Module):
         # transformers keeps sqrt(hidden) as a float32 tensor and casts it to the weights' dtype (bf16
         # rounds sqrt(3072) = 55.43 to 55.5)
         self.register_buffer("embed_scale", torch.tensor(c.hidden_size**0.5).to(init.dtype), persistent=False)
-        self.rotary = layer_type_rotaries(c)
-        self.layer_types = list(c.layer_types)
+        rotaries, self.layer_rope = layer_type_rotaries(c)
+        self.rotaries = nn.ModuleList(rotaries)
         self.layers = nn.ModuleList(
             GemmaDecoderLayer(init, spec_fn(c, init.dtype, init.block_size, i), i, qk_norm)
             if i in self.own
@@ -203,14 +203,14 @@ class GemmaModel(nn.Module):
         self.hidden_size, self.dtype = c.hidden_size, init.dtype
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        rope = {t: rotary.cos_sin(positions) for t, rotary in self.rotary.items()}
+        rope = [rotary.cos_sin(positions) for rotary in self.rotaries]
         pp = self.pp
         if pp.rank == 0:
             h = self.embed_tokens(input_ids) * self.embed_scale
         else:
             h = self._receive(input_ids, pp.rank - 1)
         for i in self.own:
-            h = self.layers[i](h, *rope[self.layer_types[i]])
+            h = self.layers[i](h, *rope[self.layer_rope[i]])
         if pp.rank < pp.size - 1:
             pp.send(h, pp.rank + 1)
             return self._receive(input_ids, pp.size - 1) if pp.rank == 0 else h
