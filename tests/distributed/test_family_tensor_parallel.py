@@ -1,6 +1,7 @@
 """Tensor parallelism of the newer Llama-like families: a Phi-3 rank takes its rows of each part of the
 checkpoint's fused q/k/v and gate/up tensors (reading only those), an OLMo 2 rank its part of the q/k norms,
-which add their squares up over the ranks; under -m slow, greedy parity with transformers on 2 gloo ranks."""
+which add their squares up over the ranks; under -m slow, greedy parity with transformers on 2 gloo ranks
+(tensor or pipeline parallel)."""
 
 from __future__ import annotations
 
@@ -77,7 +78,8 @@ def test_projection_norm_over_ranks_equals_the_whole(replicated):
 @pytest.mark.parametrize(
     "family", [f for f in FAMILIES if f.split("-")[0] in ("phi3", "granite", "olmo2", "smollm3")]
 )
-def test_greedy_parity_on_two_ranks(tmp_path, family):
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)], ids=["tp2", "pp2"])
+def test_greedy_parity_on_two_ranks(tmp_path, family, tp, pp):
     path, reference = tiny_model_and_reference(family, tmp_path, 12)
     llm = LLM(
         str(path),
@@ -86,7 +88,8 @@ def test_greedy_parity_on_two_ranks(tmp_path, family):
         max_num_batched_tokens=64,
         max_num_seqs=16,
         num_kv_blocks=40,
-        tensor_parallel_size=2,
+        tensor_parallel_size=tp,
+        pipeline_parallel_size=pp,
     )
     try:
         assert_greedy_parity(llm, reference, mixed_prompts(300)[::2])
