@@ -207,6 +207,31 @@ def test_metadata_computed_from_the_batch_is_refreshed_before_each_replay():
     assert graphs.graphs[4].derived == ()
 
 
+def test_each_kv_cache_group_has_its_own_buffers_and_metadata():
+    """Layer 0 in group 0, layer 1 in group 1: each reads its group's block tables and slot mapping."""
+
+    def forward(input_ids, positions):
+        ctx = get_forward_context()
+        rows = []
+        for layer in (0, 1):
+            batch = ctx.metadata_of(layer)
+            rows += [batch.slot_mapping.float(), batch.block_tables[:, 0].float()]
+        return torch.stack(rows, dim=1)
+
+    graphs = DecodeGraphs(forward, AttentionBackend, [], [], [1, 2, 4], 64, 4, torch.device("cpu"), [0, 1])
+    graphs.capture(FakeCapture())
+    step = _decode_step([5, 9, 2])
+    other_tables = step.block_tables + 500
+    other_slots = step.slot_mapping + 500 * 4
+    step.more_groups = ((other_tables, other_slots),)
+    hidden = graphs.run(step).numpy()
+    np.testing.assert_array_equal(hidden[:, 0], step.slot_mapping)
+    np.testing.assert_array_equal(hidden[:, 1], step.block_tables[:, 0])
+    np.testing.assert_array_equal(hidden[:, 2], other_slots)
+    np.testing.assert_array_equal(hidden[:, 3], other_tables[:, 0])
+    assert graphs.group_slots[1][3].item() == 0  # a padding row stores in the null block in every group
+
+
 def test_a_failed_capture_runs_eagerly_with_a_warning(monkeypatch, caplog):
     class Broken(FakeCapture):
         def capture(self, fn):
@@ -263,16 +288,15 @@ def _assert_same(ours, eager) -> None:
 
 
 def _llm(model_dir, backend: str, block_size: int, **kwargs) -> LLM:
+    settings = dict(num_kv_blocks=40, max_model_len=512, max_num_seqs=4)
+    settings.update(kwargs)
     return LLM(
         str(model_dir),
         device="cpu",
         dtype="float32",
         attention_backend=backend,
         block_size=block_size,
-        num_kv_blocks=40,
-        max_model_len=512,
-        max_num_seqs=4,
-        **kwargs,
+        **settings,
     )
 
 
@@ -289,6 +313,25 @@ def test_triton_attn_replays_decode_steps_token_for_token(model_dir, graphable):
     # splits it (split-K) where the eager steps do not
     _assert_same(_generate(llm, PROMPTS[:1], 4), _generate(eager_llm, PROMPTS[:1], 4))
     assert FakeCapture.made[1].replays == 3
+
+
+@pytest.mark.usefixtures("triton_interpreter")
+def test_a_model_with_window_groups_replays_token_for_token(tmp_path, graphable):
+    """Qwen3 with 3 window layers : 1 full: four KV cache groups, each captured with its own metadata."""
+    graphable(TritonAttnBackend)
+    path = make_tiny_checkpoint(
+        "qwen3",
+        tmp_path,
+        num_hidden_layers=4,
+        use_sliding_window=True,
+        sliding_window=8,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"],
+    )
+    eager_llm = _llm(path, "TRITON_ATTN", 16, enforce_eager=True, num_kv_blocks=130)
+    llm = _llm(path, "TRITON_ATTN", 16, enforce_eager=False, num_kv_blocks=130)
+    assert llm.engine.runner.graphs is not None and llm.engine.runner.kv_layout.num_groups == 4
+    _assert_same(_generate(llm, max_tokens=24), _generate(eager_llm, max_tokens=24))
+    assert FakeCapture.made[4].replays == 23
 
 
 @pytest.fixture
