@@ -81,7 +81,9 @@ class CausalLM(nn.Module):
         specs = [
             cls.attention_spec(hf_config, dtype, block_size, i) for i in range(hf_config.num_hidden_layers)
         ]
-        return max(specs, key=lambda s: (s.sliding_window is not None, s.logits_soft_cap is not None))
+        return max(
+            specs, key=lambda s: (s.sliding_window is not None, s.logits_soft_cap is not None, s.has_sinks)
+        )
 
     def attention_layers(self) -> list[Attention]:
         return sorted((m for m in self.modules() if isinstance(m, Attention)), key=lambda m: m.layer_idx)
