@@ -6,13 +6,13 @@ checks for the Llama family."""
 from __future__ import annotations
 
 import pytest
-from parity import assert_greedy_parity, mixed_prompts, tiny_model_and_reference
+from parity import assert_greedy_parity, mixed_prompts, small_kv_cache, tiny_model_and_reference
 
 from pagellm import LLM
 
 MAX_TOKENS = 12
 SETTINGS = dict(
-    dtype="float32", enforce_eager=True, max_num_batched_tokens=64, max_num_seqs=16, num_kv_blocks=40
+    dtype="float32", enforce_eager=True, max_model_len=300, max_num_batched_tokens=64, max_num_seqs=16
 )
 
 
@@ -27,7 +27,8 @@ def models(tmp_path_factory):
 @pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)], ids=["tp2", "pp2"])
 def test_greedy_parity_with_transformers(models, arch, tp, pp):
     path, reference = models[arch]
-    llm = LLM(str(path), **SETTINGS, tensor_parallel_size=tp, pipeline_parallel_size=pp)
+    blocks = small_kv_cache(path, SETTINGS["max_model_len"], SETTINGS["max_num_batched_tokens"])
+    llm = LLM(str(path), **SETTINGS, num_kv_blocks=blocks, tensor_parallel_size=tp, pipeline_parallel_size=pp)
     try:
         assert llm.engine.ranks is not None and len(llm.engine.ranks.processes) == tp * pp - 1
         assert_greedy_parity(llm, reference, mixed_prompts(llm.engine.setup.hf_config.vocab_size)[::2])

@@ -5,23 +5,12 @@ full settings matrix per family runs under -m slow (test_llm_parity.py)."""
 from __future__ import annotations
 
 import pytest
-from parity import FAMILIES, assert_greedy_parity, mixed_prompts, tiny_model_and_reference
+from parity import FAMILIES, assert_greedy_parity, mixed_prompts, small_kv_cache, tiny_model_and_reference
 
 from pagellm import LLM
-from pagellm.core.config import EngineConfig
-from pagellm.core.kv_cache_spec import blocks_per_request
-from pagellm.engine.setup import resolve_engine
 
 MAX_TOKENS = 16
 MAX_MODEL_LEN, TOKEN_BUDGET = 400, 48
-
-
-def small_kv_cache(path) -> int:
-    """Blocks for one request of max_model_len and 14 more, over the model's KV cache groups (a block of a
-    windowed model holds fewer layers): the 18 prompts below cannot all be in the cache at once."""
-    setup = resolve_engine(EngineConfig(model=str(path), dtype="float32", max_model_len=MAX_MODEL_LEN))
-    windows = setup.kv_layout.windows
-    return blocks_per_request(windows, setup.spec.block_size, MAX_MODEL_LEN, TOKEN_BUDGET) + 15
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -31,7 +20,7 @@ def test_family_matches_transformers_under_chunking_prefix_hits_and_preemption(f
         str(path),
         dtype="float32",
         max_model_len=MAX_MODEL_LEN,
-        num_kv_blocks=small_kv_cache(path),
+        num_kv_blocks=small_kv_cache(path, MAX_MODEL_LEN, TOKEN_BUDGET),
         max_num_batched_tokens=TOKEN_BUDGET,
         max_num_seqs=8,
     )

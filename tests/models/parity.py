@@ -62,6 +62,18 @@ def tiny_model_and_reference(arch: str, tmp_path: Path, max_tokens: int) -> tupl
     return path, Reference(path, max_tokens)
 
 
+def small_kv_cache(path: Path, max_model_len: int, token_budget: int, spare: int = 15) -> int:
+    """`num_kv_blocks` for one request of max_model_len and `spare` blocks more, over the model's KV cache
+    groups (a block of a windowed model holds fewer layers), so that a test's prompts must preempt."""
+    from pagellm.core.config import EngineConfig
+    from pagellm.core.kv_cache_spec import blocks_per_request
+    from pagellm.engine.setup import resolve_engine
+
+    setup = resolve_engine(EngineConfig(model=str(path), dtype="float32", max_model_len=max_model_len))
+    windows = setup.kv_layout.windows
+    return blocks_per_request(windows, setup.spec.block_size, max_model_len, token_budget) + spare
+
+
 def mixed_prompts(vocab: int, seed: int = 0, shared_prefix: int = 0) -> list[list[int]]:
     """16+ prompts from 1 to 330 tokens, including exact multiples of the block size (16)."""
     rng = random.Random(seed)
