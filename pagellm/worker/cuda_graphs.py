@@ -167,7 +167,9 @@ class DecodeGraphs:
                 layer_metadata = [metadata[g] for g in self.layer_groups]
 
             def fn(size=size, metadata=metadata[0], layer_metadata=layer_metadata) -> torch.Tensor:
-                with set_forward_context(metadata, self.kv_caches, self.layers, None, layer_metadata):
+                with set_forward_context(
+                    metadata, self.kv_caches, self.layers, layer_metadata=layer_metadata
+                ):
                     return self.forward(self.input_ids[:size], self.positions[:size])
 
             make.warm_up(fn)

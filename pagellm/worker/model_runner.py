@@ -503,7 +503,14 @@ class ModelRunner:
             layer_metadata = [metadata[g] for g in self.layer_groups]
         input_ids, positions = self._dev(step.input_ids), self._dev(step.positions)
         lengths = self._dev(step.rope_lengths) if step.rope_lengths is not None else None
-        with set_forward_context(metadata[0], self.kv_caches, self.layers, lora, lengths, layer_metadata):
+        with set_forward_context(
+            metadata[0],
+            self.kv_caches,
+            self.layers,
+            lora,
+            rope_lengths=lengths,
+            layer_metadata=layer_metadata,
+        ):
             hidden = self.forward(input_ids, positions)
         return StepInputs(input_ids, positions, attns[0], hidden)
 
