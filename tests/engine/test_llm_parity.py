@@ -17,6 +17,8 @@ from parity import (
 from tiny import make_tiny_checkpoint
 
 from pagellm import LLM, SamplingParams
+from pagellm.core.config import EngineConfig
+from pagellm.engine.setup import resolve_engine
 
 MAX_TOKENS = 16
 
@@ -45,7 +47,9 @@ def test_chunked_prefill_with_a_small_token_budget(model):
 
 def test_preemption_under_a_tiny_kv_cache(model):
     path, reference = model
-    llm = engine(path, num_kv_blocks=30, max_model_len=400)
+    # 30 blocks of every KV cache group: a model with sliding-window layers beside full ones has two groups
+    groups = resolve_engine(EngineConfig(model=str(path), dtype="float32")).kv_layout.num_groups
+    llm = engine(path, num_kv_blocks=30 * groups, max_model_len=400)
     assert_greedy_parity(llm, reference, mixed_prompts(300))
     assert llm.engine.stats().num_preemptions > 0
 
