@@ -15,6 +15,7 @@ import torch
 
 if TYPE_CHECKING:
     from pagellm.core.config import EngineConfig
+    from pagellm.core.moe import PackedMoE
 
 GiB = 1 << 30
 
@@ -161,6 +162,20 @@ class Platform:
         """This unquantized weight in a faster layout for the device's GEMM library, with the matmul that
         reads it (results equal to F.linear's up to rounding), or None. Called once per linear layer after
         the weights load; the layer then keeps only the packed weight."""
+        return None
+
+    @classmethod
+    def pack_moe(
+        cls,
+        w13: torch.Tensor,
+        w2: torch.Tensor,
+        w13_bias: torch.Tensor | None,
+        w2_bias: torch.Tensor | None,
+        activation: str,
+    ) -> PackedMoE | None:
+        """A fused-MoE layer's stacked expert weights (`pagellm.core.moe` says the layout) in the device's
+        kernel layout with the function that runs them, or None: the layer then runs
+        `fused_experts_reference`. Called once per MoE layer after the weights load."""
         return None
 
     @classmethod

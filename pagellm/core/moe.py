@@ -1,0 +1,98 @@
+"""The mixture-of-experts contract between models and platforms: stacked expert weights, the activations
+experts use, `PackedMoE` (a platform's kernel over repacked weights) and the plain reference every kernel is
+checked against.
+
+Layout (fixed, whatever the checkpoint's): `w13` [E, 2I, H] with the gate's I rows first and the up
+projection's I rows after them, `w2` [E, H, I], optional biases `w13_bias` [E, 2I] and `w2_bias` [E, H].
+A step's routing is `topk_weights` [T, K] float32 and `topk_ids` [T, K] int64: token t's output is
+sum_k topk_weights[t, k] * expert(topk_ids[t, k], x_t).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+SILU = "silu"
+SWIGLU_OAI = "swiglu_oai"
+GELU_TANH = "gelu_pytorch_tanh"
+ACTIVATIONS = (SILU, SWIGLU_OAI, GELU_TANH)
+"""silu(gate) * up (Llama-style experts); GPT-OSS's clamped SwiGLU; gelu(tanh)(gate) * up."""
+
+SWIGLU_ALPHA = 1.702
+SWIGLU_LIMIT = 7.0
+
+
+@dataclass(frozen=True)
+class PackedMoE:
+    """Expert weights repacked by `Platform.pack_moe` and the function that runs a step over them:
+    (hidden [T, H], topk_weights [T, K] float32, topk_ids [T, K] int64) -> [T, H] in hidden's dtype,
+    equal to `fused_experts_reference` up to rounding."""
+
+    run: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+    description: str
+    """What runs the experts ("native CPU kernel, AVX2", "Triton"), for the start-up log."""
+
+    def __call__(
+        self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    ) -> torch.Tensor:
+        return self.run(hidden, topk_weights, topk_ids)
+
+
+def activate(
+    gate_up: torch.Tensor,
+    activation: str,
+    swiglu_alpha: float = SWIGLU_ALPHA,
+    swiglu_limit: float = SWIGLU_LIMIT,
+) -> torch.Tensor:
+    """The expert activation of `gate_up` [N, 2I] (gate half first), computed in float32 -> [N, I] float32."""
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    if activation == SILU:
+        return F.silu(gate) * up
+    if activation == GELU_TANH:
+        return F.gelu(gate, approximate="tanh") * up
+    if activation == SWIGLU_OAI:
+        gate = gate.clamp(max=swiglu_limit)
+        up = up.clamp(min=-swiglu_limit, max=swiglu_limit)
+        return (up + 1) * gate * torch.sigmoid(swiglu_alpha * gate)
+    raise ValueError(f"unknown expert activation {activation!r}; known: {', '.join(ACTIVATIONS)}")
+
+
+def fused_experts_reference(
+    hidden: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    *,
+    activation: str = SILU,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The experts in plain PyTorch: the step's (token, expert) pairs sorted by expert once, each chosen
+    expert run on its tokens (experts no token chose are skipped), weighted and summed per token in float32.
+    The fallback where a platform packs nothing, and the oracle its kernels are tested against."""
+    num_tokens, top_k = topk_ids.shape
+    out = torch.zeros(num_tokens, w2.shape[1], dtype=torch.float32, device=hidden.device)
+    if num_tokens == 0:
+        return out.to(hidden.dtype)
+    flat = topk_ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
+    tokens = order // top_k
+    weights = topk_weights.reshape(-1)[order].float()
+    start = 0
+    for expert, count in enumerate(counts):
+        if count == 0:
+            continue
+        rows = tokens[start : start + count]
+        x = hidden[rows]
+        gate_up = F.linear(x, w13[expert], None if w13_bias is None else w13_bias[expert])
+        act = activate(gate_up, activation).to(hidden.dtype)
+        y = F.linear(act, w2[expert], None if w2_bias is None else w2_bias[expert]).float()
+        out.index_add_(0, rows, y * weights[start : start + count, None])
+        start += count
+    return out.to(hidden.dtype)
