@@ -13,9 +13,11 @@ import torch
 from pagellm.core.dtypes import DTYPES, dtype_name
 from pagellm.core.errors import ConfigError
 from pagellm.core.platform import TRITON, GiB, Platform
+from pagellm.platforms.triton_moe import pack_triton_moe, triton_moe_runs
 
 if TYPE_CHECKING:
     from pagellm.core.config import EngineConfig
+    from pagellm.core.moe import PackedMoE
 
 
 class classproperty:
@@ -152,6 +154,21 @@ class TorchRuntimePlatform(AcceleratorPlatform):
     def supports_cuda_graphs(cls) -> bool:
         """CUDA and ROCm builds capture through torch.cuda.graph; XPU has no such API there."""
         return cls.runtime == "cuda"
+
+    @classmethod
+    def pack_moe(
+        cls,
+        w13: torch.Tensor,
+        w2: torch.Tensor,
+        w13_bias: torch.Tensor | None,
+        w2_bias: torch.Tensor | None,
+        activation: str,
+    ) -> PackedMoE | None:
+        """The Triton fused-MoE kernel (`triton_moe`) on CUDA and ROCm where triton is installed and the
+        weights are in a float dtype it runs; None elsewhere (XPU: untried), so the reference runs."""
+        if cls.runtime != "cuda" or TRITON not in cls.capabilities or not triton_moe_runs(w13):
+            return None
+        return pack_triton_moe(w13, w2, w13_bias, w2_bias, activation)
 
     @classmethod
     def describe(cls) -> dict[str, str]:
