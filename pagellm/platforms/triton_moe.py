@@ -28,7 +28,7 @@ try:
 except ImportError:  # `triton_moe_runs` says so; the kernel below is never compiled
     tl = None
 
-DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 ACTIVATION_CODES = {SILU: 0, SWIGLU_OAI: 1, GELU_TANH: 2}
 """The activation as the kernel's constexpr selects it."""
 
@@ -86,7 +86,7 @@ def tile_for(num_experts: int, intermediate: int, hidden: int, num_tokens: int, 
 def triton_moe_runs(w13: torch.Tensor) -> bool:
     """The kernel targets CUDA (and ROCm, which torch also calls cuda) in the float dtypes, where triton is
     installed."""
-    return w13.device.type == "cuda" and w13.dtype in DTYPES and tl is not None
+    return w13.device.type == "cuda" and w13.dtype in KERNEL_DTYPES and tl is not None
 
 
 def pack_triton_moe(
