@@ -1,8 +1,10 @@
 """The benchmark workloads of shared/bench/README.md and its models, generated the same way every run.
 
 Requests are token ids drawn from fixed `numpy.random.RandomState` seeds, so every engine and every run
-sees identical prompts. Model S is the embedded SmolLM2 GGUF; model M is a random Qwen2 checkpoint shaped
-like Qwen2.5-0.5B that is built once (seeded) and cached on disk, with a locally built tokenizer.
+sees identical prompts. Model S is the embedded SmolLM2 GGUF; the others (`RANDOM_MODELS`: M, a random Qwen2
+shaped like Qwen2.5-0.5B; E, a random Qwen3-MoE shaped like a small Qwen3-30B-A3B; M-gemma3, a Gemma 3 text
+model of M's size) are random checkpoints built once (seeded) and cached on disk, with a locally built
+tokenizer.
 """
 
 from __future__ import annotations
@@ -28,6 +30,50 @@ MODEL_M_CONFIG = dict(
     bos_token_id=151643,
     eos_token_id=151643,
 )
+MODEL_E_CONFIG = dict(
+    hidden_size=1024,
+    num_hidden_layers=16,
+    num_attention_heads=16,
+    num_key_value_heads=4,
+    head_dim=64,
+    num_experts=64,
+    num_experts_per_tok=8,
+    moe_intermediate_size=384,
+    intermediate_size=3072,  # unused: no dense layers (decoder_sparse_step 1, mlp_only_layers empty)
+    decoder_sparse_step=1,
+    mlp_only_layers=[],
+    norm_topk_prob=True,
+    vocab_size=151936,
+    tie_word_embeddings=False,
+    rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
+    max_position_embeddings=32768,
+    rms_norm_eps=1e-6,
+    bos_token_id=151643,
+    eos_token_id=151643,
+)
+MODEL_M_GEMMA3_CONFIG = dict(
+    hidden_size=896,
+    num_hidden_layers=24,
+    num_attention_heads=14,
+    num_key_value_heads=2,
+    head_dim=64,
+    intermediate_size=4864,
+    vocab_size=151936,
+    tie_word_embeddings=True,
+    sliding_window=512,
+    layer_types=[("full_attention" if (i + 1) % 6 == 0 else "sliding_attention") for i in range(24)],
+    rope_parameters={
+        "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+    },
+    max_position_embeddings=32768,
+    rms_norm_eps=1e-6,
+    bos_token_id=151643,
+    eos_token_id=151643,
+    pad_token_id=151643,
+)
+"""Model M's sizes in Gemma 3's text layout (five 512-token sliding-window layers per global one, q/k norms,
+four norms a layer): issue 29's check that per-layer windows cost no speed."""
 _SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 
 
@@ -155,37 +201,55 @@ def copy_prompts(tokenizer, batch_size: int) -> list[list[int]]:
     return prompts
 
 
+RANDOM_MODELS = {
+    "M": ("Qwen2Config", "MODEL_M_CONFIG"),
+    "E": ("Qwen3MoeConfig", "MODEL_E_CONFIG"),
+    "M-gemma3": ("Gemma3TextConfig", "MODEL_M_GEMMA3_CONFIG"),
+}
+"""Name -> (transformers config class, this module's config dict): looked up when built, so a test may
+shrink a config by patching the dict."""
+
+
 def resolve_model(model: str | None) -> str:
-    """What `--model` names: S (default) the embedded SmolLM2 GGUF, M the cached random Qwen2, else a path."""
+    """What `--model` names: S (default) the embedded SmolLM2 GGUF, a name of `RANDOM_MODELS`, else a path."""
     if model in (None, "S"):
         from pagellm.engine.default_model import default_model_path
 
         return default_model_path()
-    if model == "M":
-        return str(model_m_path())
+    if model in RANDOM_MODELS:
+        return str(random_model_path(model))
     return model
 
 
 def model_m_path(cache_dir: str | os.PathLike | None = None) -> Path:
     """Model M's directory, built on first use (about 1 GiB of bf16 weights, a minute on 2 cores)."""
+    return random_model_path("M", cache_dir)
+
+
+def random_model_path(name: str, cache_dir: str | os.PathLike | None = None) -> Path:
+    """The directory of random model `name` (`RANDOM_MODELS`), built on first use: seeded weights in
+    bfloat16 and a byte-level tokenizer of its vocabulary (M: about 1 GiB, a minute on 2 cores; E: 3.1 GiB)."""
     root = cache_dir or os.environ.get("PAGELLM_CACHE_DIR") or Path.home() / ".cache" / "pagellm" / "models"
-    path = Path(root) / "M"
+    path = Path(root) / name
     if not (path / "config.json").exists():
-        _build_model_m(path)
+        _build_random_model(name, path)
     return path
 
 
-def _build_model_m(path: Path) -> None:
+def _build_random_model(name: str, path: Path) -> None:
     import torch
-    from transformers import AutoModelForCausalLM, Qwen2Config
+    import transformers
+    from transformers import AutoModelForCausalLM
 
+    config_class, config_name = RANDOM_MODELS[name]
+    settings = globals()[config_name]
     partial = path.with_name(path.name + ".partial")
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(Qwen2Config(**MODEL_M_CONFIG))
+    model = AutoModelForCausalLM.from_config(getattr(transformers, config_class)(**settings))
     model.to(torch.bfloat16)
     model.config.dtype = torch.bfloat16
     model.save_pretrained(partial)
-    make_byte_tokenizer(MODEL_M_CONFIG["vocab_size"]).save_pretrained(partial)
+    make_byte_tokenizer(settings["vocab_size"]).save_pretrained(partial)
     partial.rename(path)
 
 

@@ -180,3 +180,24 @@ def test_the_transformers_peer_runs_on_the_engines_device(tiny_model):
             return input_ids
 
     _generate(Stub(), [[5, 6, 7], [8]], 2, 0)
+
+
+@pytest.mark.parametrize(("name", "model_type"), [("E", "qwen3_moe"), ("M-gemma3", "gemma3_text")])
+def test_random_models_are_built_from_their_configs(name, model_type, tmp_path, monkeypatch):
+    from transformers import AutoConfig
+
+    from pagellm.bench import workloads
+
+    config_name = workloads.RANDOM_MODELS[name][1]
+    small = dict(getattr(workloads, config_name), hidden_size=32, num_hidden_layers=6, vocab_size=600)
+    small.update(bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    small.update(num_attention_heads=2, num_key_value_heads=1, head_dim=16, intermediate_size=64)
+    if name == "E":
+        small.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
+    else:
+        small["layer_types"] = small["layer_types"][:6]
+    monkeypatch.setattr(workloads, config_name, small)
+    monkeypatch.setenv("PAGELLM_CACHE_DIR", str(tmp_path))
+    path = workloads.resolve_model(name)
+    config = AutoConfig.from_pretrained(path)
+    assert (path, config.model_type, config.vocab_size) == (str(tmp_path / name), model_type, 600)
