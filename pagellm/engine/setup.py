@@ -28,6 +28,7 @@ from pagellm.core.selector import (
 )
 from pagellm.engine.default_model import default_model_path
 from pagellm.models.hub import gguf_path, hub_cache_dir, model_snapshot, parse_model_id, tokenizer_snapshot
+from pagellm.models.layers.fused_moe.block import expert_count
 from pagellm.models.layers.rotary import scaled_max_positions
 from pagellm.models.loader import import_model_class, resolve_model_class
 from pagellm.plugins import load_plugins
@@ -261,6 +262,7 @@ def check_parallel(config: EngineConfig, hf_config: Any, model_class: type) -> N
         raise ConfigError(
             f"--tensor-parallel-size {tp}: the MLP width {hf_config.intermediate_size} does not divide by it"
         )
+    _check_experts_split(config, hf_config, tp)
     if pp > hf_config.num_hidden_layers:
         raise ConfigError(
             f"--pipeline-parallel-size {pp} is more than the model's {hf_config.num_hidden_layers} layers"
@@ -274,6 +276,30 @@ def check_parallel(config: EngineConfig, hf_config: Any, model_class: type) -> N
     for what, on in refused.items():
         if on:
             raise ConfigError(f"{what} with tensor or pipeline parallelism is not supported yet")
+
+
+def _check_experts_split(config: EngineConfig, hf_config: Any, tp: int) -> None:
+    """A mixture-of-experts model splits its experts by expert (--enable-expert-parallel) or by width."""
+    experts = expert_count(hf_config)
+    if not experts:
+        return
+    if config.enable_expert_parallel and experts % tp:
+        raise ConfigError(
+            f"--enable-expert-parallel: the model's {experts} experts do not divide over "
+            f"--tensor-parallel-size {tp}",
+            param="enable_expert_parallel",
+        )
+    widths = ["shared_expert_intermediate_size"]
+    if not config.enable_expert_parallel:
+        widths.append("moe_intermediate_size")
+    for key in widths:
+        width = getattr(hf_config, key, None)
+        if width and width % tp:
+            raise ConfigError(
+                f"--tensor-parallel-size {tp}: the model's {key} {width} does not divide by it"
+                + ("" if config.enable_expert_parallel else " (--enable-expert-parallel splits experts whole)"),
+                param="tensor_parallel_size",
+            )
 
 
 def reasoning_parser(registry, name: str | None) -> type | None:

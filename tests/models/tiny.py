@@ -26,6 +26,9 @@ ARCHS = (
     "granite",
     "olmo2",
     "smollm3",
+    "qwen3_moe",
+    "qwen2_moe",
+    "mixtral",
 )
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # ids 0, 1, 2
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
@@ -73,6 +76,18 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
     ),
     "olmo2": dict(_LLAMA),
     "smollm3": dict(_LLAMA, num_hidden_layers=4),  # no_rope_layers: every fourth layer without rotary
+    # mixtures of experts: 8 experts of width 32, 2 per token
+    "qwen3_moe": dict(
+        _LLAMA, head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True
+    ),
+    "qwen2_moe": dict(
+        _LLAMA,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+    ),
+    "mixtral": dict(_LLAMA, intermediate_size=32, num_local_experts=8, num_experts_per_tok=2, sliding_window=None),
 }
 
 
@@ -119,6 +134,9 @@ def tiny_config(arch: str, vocab_size: int, **overrides: Any):
         "granite": transformers.GraniteConfig,
         "olmo2": transformers.Olmo2Config,
         "smollm3": transformers.SmolLM3Config,
+        "qwen3_moe": transformers.Qwen3MoeConfig,
+        "qwen2_moe": transformers.Qwen2MoeConfig,
+        "mixtral": transformers.MixtralConfig,
     }[arch]
     fields = dict(
         _DEFAULTS[arch], vocab_size=vocab_size, bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID
