@@ -173,7 +173,11 @@ def resolve_engine(config: EngineConfig) -> EngineSetup:
     dtype = resolve_dtype(config.dtype, hf_config, platform, gguf=source.gguf_original is not None)
     max_model_len = resolve_max_model_len(config.max_model_len, hf_config)
     quant = select_quant_method(
-        registry, platform, config.quantization, getattr(hf_config, "quantization_config", None), dtype
+        registry,
+        platform,
+        config.quantization,
+        checkpoint_quantization(hf_config, import_model_class(model_class_path)),
+        dtype,
     )
     # without --block-size the spec's block size is a placeholder: each candidate backend runs its own
     block_size = DEFAULT_BLOCK_SIZE if config.block_size is None else config.block_size
@@ -268,7 +272,7 @@ def check_parallel(config: EngineConfig, hf_config: Any, model_class: type) -> N
             f"--pipeline-parallel-size {pp} is more than the model's {hf_config.num_hidden_layers} layers"
         )
     refused = {
-        "quantization": config.quantization is not None or getattr(hf_config, "quantization_config", None),
+        "quantization": config.quantization is not None or checkpoint_quantization(hf_config, model_class),
         "LoRA (enable_lora)": config.enable_lora,
         "a draft model (speculative_config)": (config.speculative or None)
         and config.speculative.method == "draft_model",
@@ -276,6 +280,15 @@ def check_parallel(config: EngineConfig, hf_config: Any, model_class: type) -> N
     for what, on in refused.items():
         if on:
             raise ConfigError(f"{what} with tensor or pipeline parallelism is not supported yet")
+
+
+def checkpoint_quantization(hf_config: Any, model_class: type) -> dict | None:
+    """The checkpoint's `quantization_config` for the quantization selector; None where there is none or
+    the model class reads that format itself (`CausalLM.reads_quantization`)."""
+    quantization = getattr(hf_config, "quantization_config", None)
+    if quantization and quantization.get("quant_method") in getattr(model_class, "reads_quantization", ()):
+        return None
+    return quantization
 
 
 def _check_experts_split(config: EngineConfig, hf_config: Any, tp: int) -> None:

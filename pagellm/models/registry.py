@@ -15,6 +15,7 @@ def pagellm_models() -> dict[str, str]:
         "Qwen2MoeForCausalLM": "pagellm.models.qwen2_moe:Qwen2MoeForCausalLM",
         "Qwen3MoeForCausalLM": "pagellm.models.qwen3_moe:Qwen3MoeForCausalLM",
         "MixtralForCausalLM": "pagellm.models.mixtral:MixtralForCausalLM",
+        "GptOssForCausalLM": "pagellm.models.gpt_oss:GptOssForCausalLM",
         "Phi3ForCausalLM": "pagellm.models.phi3:Phi3ForCausalLM",
         "GraniteForCausalLM": "pagellm.models.granite:GraniteForCausalLM",
         "Olmo2ForCausalLM": "pagellm.models.olmo2:Olmo2ForCausalLM",
