@@ -115,4 +115,6 @@ def dequantized_experts(
         del pending[base + "_blocks"], pending[base + "_scales"]
         yield base, dequantize_mxfp4(blocks, scales, dtype).transpose(-1, -2)
     if pending:
-        raise ConfigError(f"MXFP4 tensors without their blocks or scales in the checkpoint: {sorted(pending)}")
+        raise ConfigError(
+            f"MXFP4 tensors without their blocks or scales in the checkpoint: {sorted(pending)}"
+        )
