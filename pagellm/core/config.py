@@ -81,6 +81,11 @@ class EngineConfig:
     tensor_parallel_size: int = _opt(
         1, "Ranks to split each layer over (heads, MLP columns, vocabulary); one process per rank."
     )
+    enable_expert_parallel: bool = _opt(
+        False,
+        "Split mixture-of-experts layers over the tensor-parallel ranks by expert (each holds E/N experts "
+        "whole) instead of sharding every expert's width.",
+    )
     pipeline_parallel_size: int = _opt(1, "Ranks to split the layers over (stages); one process per rank.")
     data_parallel_size: int = _opt(1, "Engine copies behind one front end, each request on the least loaded.")
     distributed_executor_backend: str = _opt(

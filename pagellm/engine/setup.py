@@ -28,6 +28,7 @@ from pagellm.core.selector import (
 )
 from pagellm.engine.default_model import default_model_path
 from pagellm.models.hub import gguf_path, hub_cache_dir, model_snapshot, parse_model_id, tokenizer_snapshot
+from pagellm.models.layers.fused_moe.block import expert_count
 from pagellm.models.layers.rotary import scaled_max_positions
 from pagellm.models.loader import import_model_class, resolve_model_class
 from pagellm.plugins import load_plugins
@@ -172,7 +173,11 @@ def resolve_engine(config: EngineConfig) -> EngineSetup:
     dtype = resolve_dtype(config.dtype, hf_config, platform, gguf=source.gguf_original is not None)
     max_model_len = resolve_max_model_len(config.max_model_len, hf_config)
     quant = select_quant_method(
-        registry, platform, config.quantization, getattr(hf_config, "quantization_config", None), dtype
+        registry,
+        platform,
+        config.quantization,
+        checkpoint_quantization(hf_config, import_model_class(model_class_path)),
+        dtype,
     )
     # without --block-size the spec's block size is a placeholder: each candidate backend runs its own
     block_size = DEFAULT_BLOCK_SIZE if config.block_size is None else config.block_size
@@ -261,12 +266,13 @@ def check_parallel(config: EngineConfig, hf_config: Any, model_class: type) -> N
         raise ConfigError(
             f"--tensor-parallel-size {tp}: the MLP width {hf_config.intermediate_size} does not divide by it"
         )
+    _check_experts_split(config, hf_config, tp)
     if pp > hf_config.num_hidden_layers:
         raise ConfigError(
             f"--pipeline-parallel-size {pp} is more than the model's {hf_config.num_hidden_layers} layers"
         )
     refused = {
-        "quantization": config.quantization is not None or getattr(hf_config, "quantization_config", None),
+        "quantization": config.quantization is not None or checkpoint_quantization(hf_config, model_class),
         "LoRA (enable_lora)": config.enable_lora,
         "a draft model (speculative_config)": (config.speculative or None)
         and config.speculative.method == "draft_model",
@@ -274,6 +280,39 @@ def check_parallel(config: EngineConfig, hf_config: Any, model_class: type) -> N
     for what, on in refused.items():
         if on:
             raise ConfigError(f"{what} with tensor or pipeline parallelism is not supported yet")
+
+
+def checkpoint_quantization(hf_config: Any, model_class: type) -> dict | None:
+    """The checkpoint's `quantization_config` for the quantization selector; None where there is none or
+    the model class reads that format itself (`CausalLM.reads_quantization`)."""
+    quantization = getattr(hf_config, "quantization_config", None)
+    if quantization and quantization.get("quant_method") in getattr(model_class, "reads_quantization", ()):
+        return None
+    return quantization
+
+
+def _check_experts_split(config: EngineConfig, hf_config: Any, tp: int) -> None:
+    """A mixture-of-experts model splits its experts by expert (--enable-expert-parallel) or by width."""
+    experts = expert_count(hf_config)
+    if not experts:
+        return
+    if config.enable_expert_parallel and experts % tp:
+        raise ConfigError(
+            f"--enable-expert-parallel: the model's {experts} experts do not divide over "
+            f"--tensor-parallel-size {tp}",
+            param="enable_expert_parallel",
+        )
+    widths = ["shared_expert_intermediate_size"]
+    if not config.enable_expert_parallel:
+        widths.append("moe_intermediate_size")
+    for key in widths:
+        width = getattr(hf_config, key, None)
+        if width and width % tp:
+            raise ConfigError(
+                f"--tensor-parallel-size {tp}: the model's {key} {width} does not divide by it"
+                + ("" if config.enable_expert_parallel else " (--enable-expert-parallel splits experts whole)"),
+                param="tensor_parallel_size",
+            )
 
 
 def reasoning_parser(registry, name: str | None) -> type | None:

@@ -55,6 +55,10 @@ class CausalLM(nn.Module):
     supports_parallel: bool = False
     """Whether the class builds its layers for `ModelInit.parallel` (tensor and pipeline parallelism)."""
 
+    reads_quantization: tuple[str, ...] = ()
+    """`quantization_config.quant_method` values the class's own weight loading reads (GPT-OSS: its MXFP4
+    experts, dequantized at load); no `QuantMethod` is selected for those checkpoints."""
+
     packed_lm_head: PackedLinear | None = None
     """The output projection repacked by the platform (`Platform.pack_linear`, set by the model runner)."""
 

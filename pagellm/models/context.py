@@ -30,6 +30,7 @@ class ModelInit:
     quant_method: QuantMethod | None = None  # an instance, shared by every linear layer
     kv_cache_dtype: torch.dtype | None = None  # None: the model's dtype
     parallel: Parallel = field(default_factory=Parallel)  # this rank's tensor/pipeline-parallel place
+    expert_parallel: bool = False  # MoE layers split their experts over the tensor-parallel ranks
 
 
 @dataclass

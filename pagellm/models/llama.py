@@ -99,14 +99,16 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    """gate/up column parallel, down row parallel."""
+    """gate/up column parallel, down row parallel. `intermediate_size`: another width than the config's
+    (a mixture-of-experts model's shared expert or dense layers); `reduce` False: leave each rank's partial
+    sum for the caller to add up (a shared expert, reduced with the routed experts)."""
 
-    def __init__(self, init: ModelInit):
+    def __init__(self, init: ModelInit, intermediate_size: int | None = None, reduce: bool = True):
         super().__init__()
         c = init.hf_config
         tp = init.parallel.tp
         bias = getattr(c, "mlp_bias", False)
-        size = c.intermediate_size // tp.size
+        size = (intermediate_size or c.intermediate_size) // tp.size
         part = (tp.rank * size, size)
         self.gate_up_proj = Linear(
             c.hidden_size,
@@ -125,7 +127,7 @@ class LlamaMLP(nn.Module):
             init.dtype,
             init.quant_method,
             shard=Shard(1, (part,)) if tp.size > 1 else None,
-            reduce=tp,
+            reduce=tp if reduce else None,
         )
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
@@ -141,7 +143,11 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, init.dtype)
         self.self_attn = LlamaAttention(init, layer_idx, qkv_bias, qk_norm, spec_fn)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, init.dtype)
-        self.mlp = LlamaMLP(init)
+        self.mlp = self.build_mlp(init, layer_idx)
+
+    def build_mlp(self, init: ModelInit, layer_idx: int) -> nn.Module:
+        """The layer's MLP: a mixture-of-experts family returns its expert block on its sparse layers."""
+        return LlamaMLP(init)
 
     def forward(
         self, h: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor

@@ -31,6 +31,7 @@ from pagellm.distributed import Parallel
 from pagellm.lora.request import LoRARequest
 from pagellm.models.base import ModelInit
 from pagellm.models.context import LoRABatch, set_forward_context
+from pagellm.models.layers.fused_moe.layer import FusedMoE
 from pagellm.models.layers.linear import Linear
 from pagellm.models.layers.rotary import request_length_base
 from pagellm.models.loader import load_model, model_weight_bytes
@@ -157,6 +158,7 @@ class ModelRunner:
             quant,
             setup.spec.kv_cache_dtype,
             self.parallel,
+            setup.config.enable_expert_parallel,
         )
         torch.set_default_dtype(setup.dtype)
         try:
@@ -165,6 +167,7 @@ class ModelRunner:
             torch.set_default_dtype(torch.float32)
         self.model_bytes += model_weight_bytes(model)
         self._pack_linears(model)
+        self._pack_experts(model)
         return model
 
     def _pack_linears(self, model) -> None:
@@ -182,6 +185,21 @@ class ModelRunner:
             model.packed_lm_head = packed
             if isinstance(lm_head, Linear):
                 lm_head.use_packed(packed)
+
+    def _pack_experts(self, model) -> None:
+        """Hand every MoE layer's stacked experts to the platform's kernel (`Platform.pack_moe`); a layer
+        the platform packs nothing for runs `fused_experts_reference`. Says once which runs them."""
+        layers = [m for m in model.modules() if isinstance(m, FusedMoE)]
+        paths = set()
+        for layer in layers:
+            layer.use_packed(
+                self.setup.platform.pack_moe(
+                    layer.w13, layer.w2, layer.w13_bias, layer.w2_bias, layer.activation
+                )
+            )
+            paths.add(layer.packed.description if layer.packed is not None else "the PyTorch reference")
+        if layers:
+            logger.info("MoE experts of %d layers run on %s", len(layers), ", ".join(sorted(paths)))
 
     def _compile(self) -> Callable[..., torch.Tensor]:
         """The forward the platform compiles (`Platform.compile_model`), warmed up; the eager model with

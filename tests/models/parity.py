@@ -44,6 +44,12 @@ FAMILIES: dict[str, dict] = {
     "granite": {},
     "olmo2": {},
     "smollm3": {},
+    # mixtures of experts (8 experts, 2 per token); Qwen2-MoE's shared expert, and a dense layer between
+    "qwen3_moe": {},
+    "qwen2_moe-dense-layer": {"num_hidden_layers": 3, "mlp_only_layers": [1]},
+    "mixtral": {},
+    # GPT-OSS: sinks, windows of 8 on alternate layers, YaRN, 4 experts with biases and the clamped SwiGLU
+    "gpt_oss": {},
     # Qwen3 with windows on its last layers (max_window_layers): two KV cache groups, full and window 32
     "qwen3-mixed-windows": {
         "num_hidden_layers": 4,

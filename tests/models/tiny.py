@@ -26,12 +26,50 @@ ARCHS = (
     "granite",
     "olmo2",
     "smollm3",
+    "qwen3_moe",
+    "qwen2_moe",
+    "mixtral",
+    "gpt_oss",
 )
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # ids 0, 1, 2
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+# GPT-OSS's harmony format: pad, bos and eos at ids 0-2 as above (<|return|> ends an assistant's final
+# message), then the tokens that frame messages
+HARMONY_SPECIAL_TOKENS = (
+    "<|endoftext|>",
+    "<|startoftext|>",
+    "<|return|>",
+    "<|start|>",
+    "<|message|>",
+    "<|end|>",
+    "<|channel|>",
+    "<|call|>",
+    "<|constrain|>",
+)
+# the shape of gpt-oss's own template, without its tool and date sections: a system header naming the
+# channels, system/developer instructions as a developer message, earlier assistant turns on the final
+# channel (their reasoning, `thinking`, on the analysis channel), and the assistant's header to generate after
+HARMONY_CHAT_TEMPLATE = (
+    "<|start|>system<|message|>You are ChatGPT, a large language model trained by OpenAI.\n"
+    "Reasoning: {{ reasoning_effort | default('medium') }}\n\n"
+    "# Valid channels: analysis, commentary, final. Channel must be included for every message.<|end|>"
+    "{% for message in messages %}"
+    "{% if message['role'] in ('system', 'developer') %}"
+    "<|start|>developer<|message|># Instructions\n\n{{ message['content'] }}<|end|>"
+    "{% elif message['role'] == 'assistant' %}"
+    "{% if message.get('thinking') %}"
+    "<|start|>assistant<|channel|>analysis<|message|>{{ message['thinking'] }}<|end|>"
+    "{% endif %}"
+    "<|start|>assistant<|channel|>final<|message|>{{ message['content'] }}<|end|>"
+    "{% else %}"
+    "<|start|>{{ message['role'] }}<|message|>{{ message['content'] }}<|end|>"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|start|>assistant{% endif %}"
 )
 _CORPUS = [
     "The quick brown fox jumps over the lazy dog.",
@@ -73,11 +111,51 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
     ),
     "olmo2": dict(_LLAMA),
     "smollm3": dict(_LLAMA, num_hidden_layers=4),  # no_rope_layers: every fourth layer without rotary
+    # mixtures of experts: 8 experts of width 32, 2 per token
+    "qwen3_moe": dict(
+        _LLAMA, head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True
+    ),
+    "qwen2_moe": dict(
+        _LLAMA,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+    ),
+    "mixtral": dict(_LLAMA, intermediate_size=32, num_local_experts=8, num_experts_per_tok=2, sliding_window=None),
+    # 4 experts of width 32, 2 per token; windows of 8 tokens on layers 0 and 2; YaRN stretching 128 to 512;
+    # weights spread wider, so that the experts' SwiGLU clamps some of its inputs at 7
+    "gpt_oss": dict(
+        _LLAMA,
+        initializer_range=0.35,
+        num_hidden_layers=4,
+        head_dim=16,
+        intermediate_size=32,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=8,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 150000.0,
+            "factor": 4.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": 128,
+        },
+    ),
 }
+_TOKENIZERS = {"gpt_oss": (HARMONY_SPECIAL_TOKENS, HARMONY_CHAT_TEMPLATE)}
+"""Architectures whose tokenizer has other special tokens and chat template than ChatML's."""
 
 
-def make_tokenizer(vocab_size: int = 384):
-    """A byte-level BPE tokenizer trained on a fixed corpus: special tokens 0-2, then 256 bytes, then merges."""
+def make_tokenizer(
+    vocab_size: int = 384,
+    special_tokens: tuple[str, ...] = SPECIAL_TOKENS,
+    chat_template: str = CHAT_TEMPLATE,
+):
+    """A byte-level BPE tokenizer trained on a fixed corpus: the special tokens (pad, bos, eos at 0-2), then
+    256 bytes, then merges."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -86,17 +164,17 @@ def make_tokenizer(vocab_size: int = 384):
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=list(SPECIAL_TOKENS),
+        special_tokens=list(special_tokens),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tok.train_from_iterator(_CORPUS * 4, trainer=trainer)
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
-        bos_token=SPECIAL_TOKENS[BOS_ID],
-        eos_token=SPECIAL_TOKENS[EOS_ID],
-        pad_token=SPECIAL_TOKENS[PAD_ID],
-        chat_template=CHAT_TEMPLATE,
+        bos_token=special_tokens[BOS_ID],
+        eos_token=special_tokens[EOS_ID],
+        pad_token=special_tokens[PAD_ID],
+        chat_template=chat_template,
     )
 
 
@@ -119,6 +197,10 @@ def tiny_config(arch: str, vocab_size: int, **overrides: Any):
         "granite": transformers.GraniteConfig,
         "olmo2": transformers.Olmo2Config,
         "smollm3": transformers.SmolLM3Config,
+        "qwen3_moe": transformers.Qwen3MoeConfig,
+        "qwen2_moe": transformers.Qwen2MoeConfig,
+        "mixtral": transformers.MixtralConfig,
+        "gpt_oss": transformers.GptOssConfig,
     }[arch]
     fields = dict(
         _DEFAULTS[arch], vocab_size=vocab_size, bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID
@@ -145,7 +227,7 @@ def make_tiny_checkpoint(
     from transformers import AutoModelForCausalLM
 
     out = Path(tmp_path) / f"tiny-{arch}"
-    tokenizer = make_tokenizer()
+    tokenizer = make_tokenizer(384, *_TOKENIZERS.get(arch, ()))
     overrides.setdefault("vocab_size", len(tokenizer))
     config = tiny_config(arch, **overrides)
     torch.manual_seed(seed)
@@ -160,10 +242,11 @@ def make_tiny_checkpoint(
 
 
 def _randomise_vectors(model: torch.nn.Module) -> None:
-    """transformers initialises norm weights to 1 and biases to 0; spread them so their loading is tested."""
+    """transformers initialises norm weights to 1 and biases to 0 (stacked experts' biases too, GPT-OSS's
+    `gate_up_proj_bias` [E, 2I]); spread them so their loading is tested."""
     with torch.no_grad():
-        for param in model.parameters():
-            if param.dim() == 1:
+        for name, param in model.named_parameters():
+            if param.dim() == 1 or name.endswith("_bias"):
                 param.add_(torch.randn_like(param) * 0.1)
 
 

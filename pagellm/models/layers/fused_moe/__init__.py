@@ -1,0 +1,3 @@
+"""The mixture-of-experts layer every MoE family uses: routing (`routing.py`), the stacked experts and
+their checkpoint layouts (`layer.py`, `loading.py`), and the decoder layer's MoE block (`block.py`).
+The experts' compute is the platform's (`Platform.pack_moe`) or `pagellm.core.moe`'s reference."""

@@ -1,0 +1,215 @@
+"""`FusedMoE`: the routed experts of one mixture-of-experts layer, stacked as `pagellm.core.moe` lays them
+out, filled from any checkpoint layout the families use, run by the platform's kernel or the reference.
+
+Split over a tensor-parallel group of N ranks in one of two ways. Sharded (the default): every rank holds
+every expert, with its 1/N of the intermediate width (its gate and up rows of `w13`, its columns of `w2`),
+like the dense MLP's column- and row-parallel pair. Expert parallel (`--enable-expert-parallel`): rank r
+holds experts [r E/N, (r+1) E/N) whole and runs only the (token, expert) pairs routed to them. Either way
+the output is this rank's partial sum; the caller all-reduces it (once, with a shared expert's part:
+`SparseMoeBlock`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pagellm.core.errors import ConfigError
+from pagellm.core.moe import ACTIVATIONS, SILU, PackedMoE, fused_experts_reference
+from pagellm.distributed import Group
+from pagellm.models.loader import CheckpointSlice
+
+PER_EXPERT = {
+    "gate_proj": ("w13", 0),
+    "up_proj": ("w13", 1),
+    "down_proj": ("w2", 0),
+    "w1": ("w13", 0),  # Mixtral
+    "w3": ("w13", 1),
+    "w2": ("w2", 0),
+}
+"""Per-expert checkpoint modules (`experts.{e}.<name>.weight`) -> (parameter, part: 0 gate, 1 up)."""
+
+
+class FusedMoE(nn.Module):
+    """`w13` [E, 2I, H] (gate rows, then up rows), `w2` [E, H, I], optional `w13_bias` [E, 2I] and
+    `w2_bias` [E, H], for this rank's experts and width (E and I are the rank's own).
+
+    Checkpoint tensors reach `load_checkpoint` by their name below `experts.` (`copy_weights_with_experts`):
+    per expert, `{e}.gate_proj/up_proj/down_proj.weight` (Qwen, DeepSeek) or `{e}.w1/w3/w2.weight`
+    (Mixtral), which transformers 5's `save_pretrained` still writes for those families although its
+    modules hold the experts fused; or fused, GPT-OSS's `gate_up_proj` [E, H, 2I] with gate and up
+    interleaved column by column, `gate_up_proj_bias` [E, 2I] (interleaved too), `down_proj` [E, I, H] and
+    `down_proj_bias` [E, H] (transposed against our layout: GPT-OSS multiplies x @ W)."""
+
+    def __init__(
+        self,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        dtype: torch.dtype,
+        tp: Group | None = None,
+        expert_parallel: bool = False,
+        activation: str = SILU,
+        bias: bool = False,
+    ):
+        super().__init__()
+        tp = tp or Group()
+        if activation not in ACTIVATIONS:
+            raise ConfigError(f"expert activation {activation!r} is not supported; supported: {ACTIVATIONS}")
+        self.activation = activation
+        self.expert_parallel = expert_parallel and tp.size > 1
+        if self.expert_parallel:
+            if num_experts % tp.size:
+                raise ConfigError(
+                    f"--enable-expert-parallel: the model's {num_experts} experts do not divide over "
+                    f"--tensor-parallel-size {tp.size}",
+                    param="enable_expert_parallel",
+                )
+            self.num_local_experts, width = num_experts // tp.size, intermediate_size
+            self.first_expert, self.width_start = tp.rank * self.num_local_experts, 0
+        else:
+            if intermediate_size % tp.size:
+                raise ConfigError(
+                    f"--tensor-parallel-size {tp.size}: the experts' width {intermediate_size} does not divide "
+                    f"by it (--enable-expert-parallel splits the experts instead)",
+                    param="tensor_parallel_size",
+                )
+            self.num_local_experts, width = num_experts, intermediate_size // tp.size
+            self.first_expert, self.width_start = 0, tp.rank * width
+        self.num_experts, self.width = num_experts, width
+        self.bias_rank = tp.rank == 0 or self.expert_parallel
+        """Whether this rank adds `w2_bias`: a sharded layer's partial sums are added up, so only one does."""
+        e, h = self.num_local_experts, hidden_size
+        self.w13 = _parameter(torch.empty(e, 2 * width, h, dtype=dtype))
+        self.w2 = _parameter(torch.empty(e, h, width, dtype=dtype))
+        self.w13_bias = _parameter(torch.empty(e, 2 * width, dtype=dtype)) if bias else None
+        self.w2_bias = _parameter(torch.empty(e, h, dtype=dtype)) if bias else None
+        self.packed: PackedMoE | None = None
+        """The platform's kernel over its copy of the weights (`Platform.pack_moe`), set by the model runner."""
+        self._filled: set[tuple[str, int, int]] = set()  # (parameter, local expert, part) loaded
+
+    def forward(
+        self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    ) -> torch.Tensor:
+        """This rank's part of sum_k topk_weights[t, k] * expert(topk_ids[t, k], hidden[t]) -> [T, H]."""
+        if not self.expert_parallel:
+            return self._run(hidden, topk_weights, topk_ids)
+        # only the pairs routed to this rank's experts, each as a token of its own (top-1 routing)
+        local = topk_ids - self.first_expert
+        mine = (local >= 0) & (local < self.num_local_experts)
+        tokens, _ = mine.nonzero(as_tuple=True)
+        out = torch.zeros(hidden.shape[0], hidden.shape[1], dtype=torch.float32, device=hidden.device)
+        if tokens.numel():
+            part = self._run(hidden[tokens], topk_weights[mine].unsqueeze(1), local[mine].unsqueeze(1))
+            out.index_add_(0, tokens, part.float())
+        return out.to(hidden.dtype)
+
+    def _run(self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return self.packed(hidden, topk_weights, topk_ids)
+        return fused_experts_reference(
+            hidden,
+            self.w13,
+            self.w2,
+            topk_weights,
+            topk_ids,
+            activation=self.activation,
+            w13_bias=self.w13_bias,
+            w2_bias=self.w2_bias,
+        )
+
+    def use_packed(self, packed: PackedMoE | None) -> None:
+        """Run the experts with the platform's kernel, which holds its own copy of the weights (so the
+        plain ones are dropped); None: keep them and the reference."""
+        if packed is not None:
+            self.packed = packed
+            self.w13 = self.w2 = self.w13_bias = self.w2_bias = None
+
+    # -- loading ------------------------------------------------------------------------------------------
+
+    def load_checkpoint(self, name: str, tensor: torch.Tensor | CheckpointSlice) -> None:
+        """Load checkpoint tensor `experts.<name>` (see the class docstring for the names), reading only
+        what this rank keeps: nothing of other ranks' experts, only its width of the others."""
+        head, _, rest = name.partition(".")
+        if head.isdigit():
+            self._load_expert(int(head), rest, tensor)
+        elif name in ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias"):
+            self._load_fused(name, tensor)
+        else:
+            raise ConfigError(f"checkpoint tensor experts.{name} has no counterpart in {type(self).__name__}")
+
+    def _load_expert(self, expert: int, name: str, tensor: torch.Tensor | CheckpointSlice) -> None:
+        module, _, kind = name.partition(".")
+        if module not in PER_EXPERT or kind != "weight":
+            raise ConfigError(f"checkpoint tensor experts.{expert}.{name} has no counterpart in FusedMoE")
+        local = expert - self.first_expert
+        if not 0 <= local < self.num_local_experts:
+            return  # another rank's expert
+        param, part = PER_EXPERT[module]
+        w = self.width
+        if param == "w13":
+            target = self.w13.data[local, part * w : (part + 1) * w]
+            _copy(target, _read(tensor, (0, self.width_start, w)), f"{expert}.{name}")
+        else:
+            _copy(self.w2.data[local], _read(tensor, (1, self.width_start, w)), f"{expert}.{name}")
+        self._filled.add((param, local, part))
+
+    def _load_fused(self, name: str, tensor: torch.Tensor | CheckpointSlice) -> None:
+        experts = (0, self.first_expert, self.num_local_experts)
+        w, start = self.width, self.width_start
+        if name == "gate_up_proj":  # [E, H, 2I], column 2i gate i, column 2i + 1 up i
+            t = _read(tensor, experts, (2, 2 * start, 2 * w))
+            _copy(self.w13.data, torch.cat([t[..., ::2], t[..., 1::2]], dim=2).transpose(1, 2), name)
+            self._filled_all("w13", parts=2)
+        elif name == "down_proj":  # [E, I, H]
+            _copy(self.w2.data, _read(tensor, experts, (1, start, w)).transpose(1, 2), name)
+            self._filled_all("w2", parts=1)
+        elif self.w13_bias is None:
+            raise ConfigError(f"checkpoint tensor experts.{name}: this model's experts have no biases")
+        elif name == "gate_up_proj_bias":  # [E, 2I], interleaved
+            t = _read(tensor, experts, (1, 2 * start, 2 * w))
+            _copy(self.w13_bias.data, torch.cat([t[:, ::2], t[:, 1::2]], dim=1), name)
+            self._filled_all("w13_bias", parts=2)
+        else:  # down_proj_bias [E, H]
+            t = _read(tensor, experts)
+            _copy(self.w2_bias.data, t if self.bias_rank else torch.zeros_like(t), name)
+            self._filled_all("w2_bias", parts=1)
+
+    def _filled_all(self, param: str, parts: int) -> None:
+        self._filled.update((param, e, p) for e in range(self.num_local_experts) for p in range(parts))
+
+    def loaded_parameters(self) -> set[str]:
+        """The parameters every one of whose experts (and gate/up parts) the checkpoint filled."""
+        parts = {"w13": 2, "w2": 1, "w13_bias": 2, "w2_bias": 1}
+        return {
+            param
+            for param, n in parts.items()
+            if sum(1 for p, _, _ in self._filled if p == param) == n * self.num_local_experts
+        }
+
+
+def _read(tensor: torch.Tensor | CheckpointSlice, *ranges: tuple[int, int, int]) -> torch.Tensor:
+    """`tensor` narrowed along each (dim, start, length); a `CheckpointSlice` reads only that part."""
+    if not ranges:
+        return tensor.load() if isinstance(tensor, CheckpointSlice) else tensor
+    for dim, start, length in ranges:
+        if start + length > tensor.shape[dim]:
+            raise ConfigError(
+                f"a checkpoint expert tensor of shape {tuple(tensor.shape)} has no {start}:{start + length} "
+                f"along dimension {dim}; the config does not match the weights"
+            )
+        tensor = tensor.narrow(dim, start, length)
+    return tensor
+
+
+def _copy(target: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
+    if target.shape != tensor.shape:
+        raise ConfigError(
+            f"checkpoint tensor experts.{name} gives shape {tuple(tensor.shape)} where the model expects "
+            f"{tuple(target.shape)}; the config does not match the weights"
+        )
+    target.copy_(tensor)
+
+
+def _parameter(data: torch.Tensor) -> nn.Parameter:
+    return nn.Parameter(data, requires_grad=False)

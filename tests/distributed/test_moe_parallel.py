@@ -1,0 +1,124 @@
+"""Mixture-of-experts models over 2 ranks: a rank reads and keeps only its part of the experts (its width
+of every expert when sharded, its experts whole with --enable-expert-parallel), splits that cannot work are
+refused before loading, and both splits give transformers' greedy tokens on 2 gloo ranks (one family and
+split in the default run, the rest under -m slow)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from parity import assert_greedy_parity, mixed_prompts, tiny_model_and_reference
+from safetensors.torch import load_file
+from tiny import make_tiny_checkpoint
+
+from pagellm import LLM
+from pagellm.attention_backends.torch_sdpa import TorchSDPABackend
+from pagellm.core.config import EngineConfig
+from pagellm.core.errors import ConfigError
+from pagellm.distributed import Group, Parallel
+from pagellm.engine.setup import resolve_engine
+from pagellm.models.base import ModelInit
+from pagellm.models.layers.fused_moe.layer import FusedMoE
+from pagellm.models.loader import CheckpointSlice, iter_checkpoint_weights, load_model
+
+
+@pytest.mark.parametrize("expert_parallel", [False, True], ids=["sharded", "expert-parallel"])
+def test_a_rank_reads_and_keeps_only_its_part_of_the_experts(tmp_path, monkeypatch, expert_parallel):
+    from transformers import AutoConfig
+
+    path = make_tiny_checkpoint("qwen2_moe", tmp_path)  # 8 experts of width 32, shared expert 48, hidden 64
+    full = load_file(str(path / "model.safetensors"))
+    reads = []
+    for method in ("load", "narrow"):
+        original = getattr(CheckpointSlice, method)
+        monkeypatch.setattr(
+            CheckpointSlice,
+            method,
+            lambda self, *a, _o=original, _m=method: reads.append((_m, self._name)) or _o(self, *a),
+        )
+    original_init = CheckpointSlice.__init__
+
+    def init(self, handle, name):
+        original_init(self, handle, name)
+        self._name = name
+
+    monkeypatch.setattr(CheckpointSlice, "__init__", init)
+    parallel = Parallel(tp=Group(size=2, rank=1, ranks=[0, 1]))
+    model_init = ModelInit(
+        AutoConfig.from_pretrained(path), torch.float32, TorchSDPABackend, parallel=parallel,
+        expert_parallel=expert_parallel,
+    )
+    model = load_model(
+        "pagellm.models.qwen2_moe:Qwen2MoeForCausalLM", model_init, iter_checkpoint_weights(path, lazy=True), "cpu"
+    )
+    mlp = model.model.layers[1].mlp
+    experts = mlp.experts
+    assert (experts.num_local_experts, experts.first_expert) == ((4, 4) if expert_parallel else (8, 0))
+    cols = slice(None) if expert_parallel else slice(16, 32)
+    for local in range(experts.num_local_experts):
+        name = f"model.layers.1.mlp.experts.{experts.first_expert + local}"
+        gate, up, down = (full[f"{name}.{p}.weight"] for p in ("gate_proj", "up_proj", "down_proj"))
+        assert torch.equal(experts.w13[local], torch.cat([gate[cols], up[cols]]))
+        assert torch.equal(experts.w2[local], down[:, cols])
+    shared_down = full["model.layers.1.mlp.shared_expert.down_proj.weight"]
+    assert torch.equal(mlp.shared_expert.down_proj.weight, shared_down[:, 24:])  # sharded either way
+    expert_reads = {name for _, name in reads if ".mlp.experts." in name}
+    if expert_parallel:  # nothing at all of rank 0's experts 0-3
+        assert expert_reads == {n for n in full if ".mlp.experts." in n and int(n.split(".")[5]) >= 4}
+    assert not any(m == "load" and ".mlp.experts." in n for m, n in reads)  # experts: slices only
+
+
+@pytest.mark.parametrize(
+    "settings,overrides,message,param",
+    [
+        ({"enable_expert_parallel": True}, {"num_experts": 6, "num_hidden_layers": 1}, None, None),
+        ({"enable_expert_parallel": True}, {"num_experts": 5}, "5 experts do not divide", "enable_expert_parallel"),
+        ({}, {"moe_intermediate_size": 33}, "moe_intermediate_size 33 does not divide", "tensor_parallel_size"),
+        ({"enable_expert_parallel": True}, {"moe_intermediate_size": 33}, None, None),
+        ({}, {"shared_expert_intermediate_size": 45}, "shared_expert_intermediate_size 45", "tensor_parallel_size"),
+    ],
+)
+def test_expert_splits_that_cannot_work_are_refused_before_loading(tmp_path, settings, overrides, message, param):
+    path = make_tiny_checkpoint("qwen2_moe", tmp_path, **overrides)
+    config = EngineConfig(model=str(path), tensor_parallel_size=2, attention_backend="TORCH_SDPA", **settings)
+    if message is None:
+        resolve_engine(config)
+        return
+    with pytest.raises(ConfigError, match=message) as info:
+        resolve_engine(config)
+    assert info.value.param == param
+
+
+SPLITS = [
+    pytest.param("qwen2_moe-dense-layer", True, id="qwen2_moe-expert-parallel"),
+    pytest.param("qwen2_moe-dense-layer", False, id="qwen2_moe-sharded", marks=pytest.mark.slow),
+    pytest.param("qwen3_moe", True, id="qwen3_moe-expert-parallel", marks=pytest.mark.slow),
+    pytest.param("qwen3_moe", False, id="qwen3_moe-sharded", marks=pytest.mark.slow),
+    pytest.param("mixtral", True, id="mixtral-expert-parallel", marks=pytest.mark.slow),
+    pytest.param("mixtral", False, id="mixtral-sharded", marks=pytest.mark.slow),
+    pytest.param("gpt_oss", True, id="gpt_oss-expert-parallel", marks=pytest.mark.slow),
+    pytest.param("gpt_oss", False, id="gpt_oss-sharded", marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("family,expert_parallel", SPLITS)
+def test_greedy_parity_on_two_ranks(tmp_path, family, expert_parallel):
+    path, reference = tiny_model_and_reference(family, tmp_path, 12)
+    llm = LLM(
+        str(path),
+        dtype="float32",
+        enforce_eager=True,
+        max_num_batched_tokens=64,
+        max_num_seqs=16,
+        num_kv_blocks=40,
+        tensor_parallel_size=2,
+        enable_expert_parallel=expert_parallel,
+    )
+    try:
+        experts = next(m for m in llm.engine.runner.model.modules() if isinstance(m, FusedMoE))
+        assert experts.num_local_experts == experts.num_experts // (2 if expert_parallel else 1)  # rank 0 of 2
+        assert_greedy_parity(llm, reference, mixed_prompts(300)[::2])
+        assert llm.engine.stats().num_preemptions > 0
+    finally:
+        llm.shutdown()
