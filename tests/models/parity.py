@@ -44,6 +44,9 @@ FAMILIES: dict[str, dict] = {
     "granite": {},
     "olmo2": {},
     "smollm3": {},
+    # Multi-head Latent Attention, every layer dense (tests/models/tiny.py): V2-Lite-like and V3-like
+    "deepseek_v2": {},
+    "deepseek_v3": {},
     # Qwen3 with windows on its last layers (max_window_layers): two KV cache groups, full and window 32
     "qwen3-mixed-windows": {
         "num_hidden_layers": 4,
