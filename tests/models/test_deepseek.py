@@ -161,4 +161,5 @@ def test_greedy_parity_on_each_cpu_backend(backend, tmp_path):
         max_num_batched_tokens=32,
         max_num_seqs=8,
     )
+    assert llm.engine.setup.backend.name == backend
     assert_greedy_parity(llm, reference, mixed_prompts(300, seed=2)[:8])
