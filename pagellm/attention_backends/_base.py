@@ -42,7 +42,7 @@ class PagedBackend(AttentionBackend):
 def store_kv(
     kv_cache: torch.Tensor,
     k: torch.Tensor,
-    v: torch.Tensor,
+    v: torch.Tensor | None,
     metadata: PagedMetadata,
     heads_first: bool = False,
 ) -> None:
@@ -50,17 +50,19 @@ def store_kv(
     their scale, `pagellm.core.int8_rows`).
 
     kv_cache is [2, num_blocks, block_size, num_kv_heads, head_size], the default `kv_cache_shape`, or
-    with `heads_first` [2, num_kv_heads, num_blocks, block_size, head_size]."""
+    with `heads_first` [2, num_kv_heads, num_blocks, block_size, head_size]; v None: a latent cache (1
+    where 2 was), whose one row per token is k."""
+    rows = [k] if v is None else [k, v]
     if metadata.store_tokens is not None:
-        k, v = k[metadata.store_tokens], v[metadata.store_tokens]
+        rows = [t[metadata.store_tokens] for t in rows]
     if kv_cache.dtype == torch.int8:
-        k, v = quantize_int8_rows(k), quantize_int8_rows(v)
+        rows = [quantize_int8_rows(t) for t in rows]
     elif kv_cache.dtype.itemsize == 1:  # fp8: index_copy_ has no fp8 kernel on CPU, so copy the bytes
-        k, v = k.to(kv_cache.dtype).view(torch.uint8), v.to(kv_cache.dtype).view(torch.uint8)
+        rows = [t.to(kv_cache.dtype).view(torch.uint8) for t in rows]
     if kv_cache.dtype.itemsize == 1:
         kv_cache = kv_cache.view(torch.uint8)
-    num_kv, head_size = k.shape[1:]
-    for cache, new in ((kv_cache[0], k), (kv_cache[1], v)):
+    num_kv, head_size = rows[0].shape[1:]
+    for cache, new in zip(kv_cache, rows, strict=True):
         if heads_first:
             cache.view(num_kv, -1, head_size).index_copy_(
                 1, metadata.store_slots, new.transpose(0, 1).to(cache.dtype)

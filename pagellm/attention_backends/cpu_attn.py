@@ -12,7 +12,13 @@ that size the work is GEMM-bound and the gather is small beside it.
 Soft-capped layers: the kernel caps each work item's scores; prefills and the fallback's decodes compute
 in float32 ops (`explicit_attention` for prefills: torch's fused kernel cannot cap). Sink logits: the
 kernel adds them when it normalises each row; prefills take the fused kernel's log-sum-exp and rescale
-(`scale_by_sinks`); the fallback's decodes add a sink column to the softmax."""
+(`scale_by_sinks`); the fallback's decodes add a sink column to the softmax.
+
+Latent layers (MLA, `AttentionSpec.latent_kv`): the cache is [1, num_kv_heads, num_blocks, block_size,
+head_size], one row per token, and V is the first v_size elements of each gathered row. They run the
+PyTorch path for decodes too (the grouped `bmm`s above, as MQA over the latent rows): the native kernel
+reads V rows as wide as K's and writes outputs of K's width. Prefills with V narrower than K take torch's
+math kernel (the fused one wants one head size), or `explicit_attention` with sinks."""
 
 from __future__ import annotations
 
@@ -82,7 +88,9 @@ class CpuAttnMetadata(PagedMetadata):
             return
         impls = [layer.impl for layer in layers]
         kernel = getattr(impls[0], "kernel", None)
-        if kernel is None or not all(isinstance(impl, CpuAttnBackend) for impl in impls):
+        if kernel is None or not all(
+            isinstance(impl, CpuAttnBackend) and impl.kernel is not None for impl in impls
+        ):
             return
         native = []
         for layer, impl, kv_cache in zip(layers, impls, kv_caches, strict=True):
@@ -136,6 +144,7 @@ class CpuAttnBackend(PagedBackend):
     supports_sliding_window = True
     supports_logits_soft_cap = True
     supports_sinks = True
+    supports_latent_kv = True
     kv_cache_dtypes = (
         torch.float32,
         torch.bfloat16,
@@ -150,7 +159,7 @@ class CpuAttnBackend(PagedBackend):
 
     def __init__(self, spec: AttentionSpec):
         super().__init__(spec)
-        self.kernel = cpu_kernels.load()
+        self.kernel = None if spec.latent_kv else cpu_kernels.load()  # latent layers: the PyTorch path
         if self.kernel is not None:
             self.graph_op = torch.ops.pagellm.cpu_attention.default
 
@@ -170,7 +179,7 @@ class CpuAttnBackend(PagedBackend):
         ):
             self.kernel.store_kv(kv_cache, k, v, metadata.batch.slot_mapping)
         else:
-            store_kv(kv_cache, k, v, metadata, heads_first=True)
+            store_kv(kv_cache, k, None if self.spec.latent_kv else v, metadata, heads_first=True)
 
     def forward(
         self,
@@ -185,26 +194,31 @@ class CpuAttnBackend(PagedBackend):
         cap = s.logits_soft_cap
         if sinks is not None:
             sinks = sinks.detach().float().contiguous()  # the layer's parameter already is
-        num_kv, num_blocks, block_size, row = kv_cache.shape[1:]  # row: head_size (+ scale bytes, int8)
-        head_size = s.head_size
+        # rows: K and V, or the latent one; row: head_size (+ scale bytes, int8)
+        rows, num_kv, num_blocks, block_size, row = kv_cache.shape
+        head_size, v_size = s.head_size, s.v_size
         self._store(kv_cache, k, v, metadata)
-        k_blocks = kv_cache[0].view(num_kv, num_blocks, block_size * row)
-        v_blocks = kv_cache[1].view(num_kv, num_blocks, block_size * row)
+        blocks_of = kv_cache.view(rows, num_kv, num_blocks, block_size * row)
 
         def gather(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            """[kv_heads, len(blocks) * block_size, head_size] keys and values, in the compute dtype."""
+            """[kv_heads, len(blocks) * block_size, head_size] keys and [..., v_size] values, in the compute
+            dtype (a latent layer's values: a view of its keys' first v_size elements)."""
             shape = (num_kv, blocks.numel(), block_size * row)
-            gk, gv = _workspace(2 * num_kv * blocks.numel() * block_size * row, kv_cache).view(2, *shape)
-            torch.index_select(k_blocks, 1, blocks, out=gk)
-            torch.index_select(v_blocks, 1, blocks, out=gv)
-            gk, gv = gk.view(num_kv, -1, row), gv.view(num_kv, -1, row)
+            gathered = _workspace(rows * num_kv * blocks.numel() * block_size * row, kv_cache).view(
+                rows, *shape
+            )
+            for i in range(rows):
+                torch.index_select(blocks_of[i], 1, blocks, out=gathered[i])
+            parts = [part.view(num_kv, -1, row) for part in gathered]
             if kv_cache.dtype == torch.int8:
-                return dequantize_int8_rows(gk, q.dtype), dequantize_int8_rows(gv, q.dtype)
-            return gk.to(q.dtype), gv.to(q.dtype)
+                parts = [dequantize_int8_rows(part, q.dtype) for part in parts]
+            else:
+                parts = [part.to(q.dtype) for part in parts]
+            return parts[0], parts[-1][..., :v_size]
 
         plan = metadata.plan(s.sliding_window, block_size, q.dtype, self.kernel is not None, num_kv)
         q = q.contiguous()
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        out = torch.empty((*q.shape[:2], v_size), dtype=q.dtype, device=q.device)
         if plan.kernel_reqs is not None:
             batch = metadata.batch
             kind, raw = _CACHE_KINDS[kv_cache.dtype], kv_cache
@@ -238,7 +252,8 @@ class CpuAttnBackend(PagedBackend):
                 ctx_k, ctx_v = gather(p.blocks)
                 width = p.mask.shape[-1]
                 ctx_k, ctx_v = ctx_k[:, p.skip : p.skip + width], ctx_v[:, p.skip : p.skip + width]
-            if cap is not None:  # torch's fused kernel cannot cap logits
+            # torch's fused kernel cannot cap logits, nor give the log-sum-exp for sinks with V narrower than K
+            if cap is not None or (s.has_sinks and v_size != head_size):
                 o = explicit_attention(
                     q[p.tokens].transpose(0, 1),
                     ctx_k,
@@ -252,8 +267,8 @@ class CpuAttnBackend(PagedBackend):
                 continue
             # 4-d inputs and K/V broadcast over each KV head's query heads keep torch on its fused kernel
             # (3-d or enable_gqa fall back to the unfused math path, ten times slower)
-            expanded = (num_kv, group, *ctx_k.shape[1:])
-            ctx_k, ctx_v = ctx_k[:, None].expand(expanded), ctx_v[:, None].expand(expanded)
+            ctx_k = ctx_k[:, None].expand(num_kv, group, *ctx_k.shape[1:])
+            ctx_v = ctx_v[:, None].expand(num_kv, group, *ctx_v.shape[1:])
             if s.has_sinks:  # the fused kernel's own op, which also returns each row's log-sum-exp
                 o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
                     qt, ctx_k, ctx_v, 0.0, p.mask is None, attn_mask=p.mask, scale=scale
@@ -264,13 +279,13 @@ class CpuAttnBackend(PagedBackend):
                 o = F.scaled_dot_product_attention(
                     qt, ctx_k, ctx_v, attn_mask=p.mask, is_causal=p.mask is None, scale=scale
                 )
-            out[p.tokens] = o.reshape(s.num_heads, num_queries, head_size).transpose(0, 1)
+            out[p.tokens] = o.reshape(s.num_heads, num_queries, v_size).transpose(0, 1)
         for d in plan.decodes:
             dq = q[d.tokens].view(-1, num_kv, group, head_size).transpose(0, 1)  # [KV, B, G, d]
             batch_size = dq.shape[1]
             dk, dv = gather(d.blocks)
             dk = dk.view(num_kv * batch_size, -1, head_size)  # [KV * B, width, d]
-            dv = dv.view(num_kv * batch_size, -1, head_size)
+            dv = dv.view(num_kv * batch_size, -1, v_size)
             scores = torch.bmm(dq.reshape(num_kv * batch_size, group, head_size), dk.transpose(1, 2))
             scores = scores.view(num_kv, batch_size, group, -1)
             if cap is None:
@@ -284,8 +299,8 @@ class CpuAttnBackend(PagedBackend):
                 column = sinks.view(num_kv, 1, group, 1).expand(num_kv, batch_size, group, 1)
                 probs = torch.cat([scores, column], -1).softmax(-1)[..., :-1]
                 probs = probs.to(q.dtype).reshape(num_kv * batch_size, group, -1)
-            o = torch.bmm(probs, dv).view(num_kv, batch_size, group, head_size)
-            out.view(-1, num_kv, group, head_size)[d.tokens] = o.transpose(0, 1)
+            o = torch.bmm(probs, dv).view(num_kv, batch_size, group, v_size)
+            out.view(-1, num_kv, group, v_size)[d.tokens] = o.transpose(0, 1)
         return out
 
 

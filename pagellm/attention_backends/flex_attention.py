@@ -54,6 +54,9 @@ class FlexAttentionBackend(TorchSDPABackend):
     supports_sliding_window = True  # the block mask
     supports_logits_soft_cap = True  # a score_mod
     supports_sinks = True  # the output rescaled by the returned log-sum-exp
+    # not the latent layout: the step's block masks, shared by its layers, assume each layer's decodes
+    # group the query heads alike, and a latent layer's one KV head groups them all
+    supports_latent_kv = False
     metadata_type = FlexMetadata
 
     @classmethod

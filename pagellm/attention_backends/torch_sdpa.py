@@ -5,7 +5,9 @@ through the block tables; all single-token (decode) requests share one padded SD
 heads grouped by KV head, and every other request (a prefill chunk) gets one SDPA call against its whole
 context. Gather indices and masks depend only on the step and the sliding window, so they are built once per
 step and window, and shared by all layers. SDPA can neither cap logits nor take sink logits, so layers with
-either run the same plan through `explicit_attention`: plain float32 ops, queries in slices.
+either run the same plan through `explicit_attention`: plain float32 ops, queries in slices. A latent (MLA)
+layer's cache holds one row per token; its V is a view of the gathered K rows' first v_size elements, and
+SDPA takes V narrower than K (torch's math kernel: the fused CPU kernel wants one head size).
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ class TorchSDPABackend(PagedBackend):
     supports_sliding_window = True
     supports_logits_soft_cap = True
     supports_sinks = True
+    supports_latent_kv = True
     kv_cache_dtypes = (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2)
     metadata_type = TorchSDPAMetadata
 
@@ -72,18 +75,24 @@ class TorchSDPABackend(PagedBackend):
         sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         s = self.spec
-        store_kv(kv_cache, k, v, metadata)
+        store_kv(kv_cache, k, None if s.latent_kv else v, metadata)
         k_cache = kv_cache[0].view(-1, s.num_kv_heads, s.head_size)  # [num_blocks * block_size, kv, d]
-        v_cache = kv_cache[1].view(-1, s.num_kv_heads, s.head_size)
+        v_cache = None if s.latent_kv else kv_cache[1].view(-1, s.num_kv_heads, s.head_size)
+
+        def gather(slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            """K and V rows at `slots`, in q's dtype; a latent layer's V is its K rows' prefix."""
+            rows = k_cache.index_select(0, slots).to(q.dtype)
+            if v_cache is None:
+                return rows, rows[..., : s.v_size]
+            return rows, v_cache.index_select(0, slots).to(q.dtype)
 
         plan = metadata.plan(s.sliding_window, kv_cache.shape[2])
-        out = torch.zeros_like(q)
+        out = q.new_zeros(*q.shape[:2], s.v_size)
         for p in plan.prefills:
             if p.slots is None:
                 ctx_k, ctx_v = k[p.tokens], v[p.tokens]
             else:
-                ctx_k = k_cache.index_select(0, p.slots).to(q.dtype)
-                ctx_v = v_cache.index_select(0, p.slots).to(q.dtype)
+                ctx_k, ctx_v = gather(p.slots)
             o = self._attend(
                 q[p.tokens].transpose(0, 1),
                 ctx_k.transpose(0, 1),
@@ -97,16 +106,15 @@ class TorchSDPABackend(PagedBackend):
             batch_size, width = d.mask.shape[0], d.mask.shape[-1]
             group = s.num_heads // s.num_kv_heads
             dq = q[d.tokens].reshape(batch_size, s.num_kv_heads, group, s.head_size)
-            dk = k_cache.index_select(0, d.slots).view(batch_size, width, s.num_kv_heads, s.head_size)
-            dv = v_cache.index_select(0, d.slots).view(batch_size, width, s.num_kv_heads, s.head_size)
+            dk, dv = gather(d.slots)
             o = self._attend(
                 dq,
-                dk.transpose(1, 2).to(q.dtype),
-                dv.transpose(1, 2).to(q.dtype),
+                dk.unflatten(0, (batch_size, width)).transpose(1, 2),
+                dv.unflatten(0, (batch_size, width)).transpose(1, 2),
                 d.mask,
                 None if sinks is None else sinks.view(s.num_kv_heads, group),  # the group is the query axis
             )
-            out[d.tokens] = o.reshape(batch_size, s.num_heads, s.head_size)
+            out[d.tokens] = o.reshape(batch_size, s.num_heads, s.v_size)
         return out
 
     def _attend(
@@ -117,8 +125,8 @@ class TorchSDPABackend(PagedBackend):
         mask: torch.Tensor | None,
         sinks: torch.Tensor | None,
     ) -> torch.Tensor:
-        """q: [..., H, Q, d], k/v: [..., KV, C, d]; mask None means causal with Q == C; sinks broadcastable
-        to [..., H, Q], or None."""
+        """q: [..., H, Q, d], k: [..., KV, C, d], v: [..., KV, C, dv]; mask None means causal with Q == C;
+        sinks broadcastable to [..., H, Q], or None."""
         cap, scale = self.spec.logits_soft_cap, self.spec.softmax_scale
         if cap is not None or self.spec.has_sinks:
             return explicit_attention(q, k, v, mask, scale, cap, sinks)
@@ -127,14 +135,17 @@ class TorchSDPABackend(PagedBackend):
             return F.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale
             )
+
         # GQA as [KV, group] heads with K/V broadcast over each KV head's query heads: torch keeps its fused
         # kernels (enable_gqa with a bool mask falls back to the math path on CPU, and CUDA's fused kernels
         # refuse it)
-        expanded = (*k.shape[:-3], num_kv, group, *k.shape[-2:])
+        def expanded(t: torch.Tensor) -> torch.Tensor:
+            return t.unsqueeze(-3).expand(*t.shape[:-3], num_kv, group, *t.shape[-2:])
+
         o = F.scaled_dot_product_attention(
             q.unflatten(-3, (num_kv, group)),
-            k.unsqueeze(-3).expand(expanded),
-            v.unsqueeze(-3).expand(expanded),
+            expanded(k),
+            expanded(v),
             attn_mask=mask,
             is_causal=mask is None,
             scale=scale,

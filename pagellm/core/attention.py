@@ -3,13 +3,18 @@
 The class holds the facts (what it runs on) and the per-step metadata builder; an instance is one
 attention layer's implementation. Tensor conventions, for every backend:
 
-- q: [num_tokens, num_heads, head_size]; k, v: [num_tokens, num_kv_heads, head_size]
+- q: [num_tokens, num_heads, head_size]; k: [num_tokens, num_kv_heads, head_size]; v: [num_tokens,
+  num_kv_heads, v_size] (`AttentionSpec.v_size`: head_size unless the spec says otherwise)
 - the batch is flat: request i owns tokens query_start_loc[i]:query_start_loc[i+1]; its query tokens are
   the last ones of its sequence of seq_lens[i] tokens (prefill chunks and single-token decodes mixed)
 - kv_cache: a tensor of the backend's own `kv_cache_shape`; `forward` writes the new k/v into it at
   `slot_mapping` (slot = block_id * block_size + offset; negative = do not store) and reads the context
   through `block_tables`
-- forward returns [num_tokens, num_heads, head_size]
+- forward returns [num_tokens, num_heads, v_size]
+- a `latent_kv` spec (Multi-head Latent Attention, DeepSeek-V2/V3) keeps one row per token and KV head
+  instead of a K row and a V row: K is the row, V its first v_size elements (the latent vector c_kv of
+  [c_kv, k_pe]); `v` is then a view of k's first v_size elements and only k is stored. Its cache is
+  `layer_cache_shape`: `kv_cache_shape` with 1 where K and V were 2
 - per layer, from its spec: scores are q.k * `softmax_scale`, then `logits_soft_cap * tanh(score / cap)` when
   a cap is set, then masked (causal; at most `sliding_window` most recent positions when set); with
   `has_sinks`, `forward` also gets `sinks` (float32 [num_heads]): one logit per query head that joins each
@@ -47,6 +52,24 @@ class AttentionSpec:
     logits_soft_cap: float | None = None  # scores become cap * tanh(score / cap), after the scale
     scale: float | None = None  # None: head_size ** -0.5
     has_sinks: bool = False  # a learned logit per query head in every softmax (`forward`'s `sinks`)
+    v_head_size: int | None = None  # V's and the output's head size; None: head_size. Only with latent_kv
+    latent_kv: bool = False  # one cached row per token and KV head: K, whose first v_size elements are V
+
+    def __post_init__(self) -> None:
+        if self.v_head_size is not None and not self.latent_kv:
+            raise ValueError("v_head_size is for latent_kv specs, whose V is a prefix of K's cached row")
+        if self.v_head_size is not None and not 0 < self.v_head_size <= self.head_size:
+            raise ValueError(f"v_head_size {self.v_head_size} must be within head_size {self.head_size}")
+
+    @property
+    def v_size(self) -> int:
+        """Elements of one head of V and of the output."""
+        return self.v_head_size if self.v_head_size is not None else self.head_size
+
+    @property
+    def kv_rows(self) -> int:
+        """Rows the cache keeps per token and KV head: K and V, or the one latent row."""
+        return 1 if self.latent_kv else 2
 
     @property
     def cache_dtype(self) -> torch.dtype:
@@ -68,6 +91,7 @@ class AttentionSpec:
             f"-bs{self.block_size}-sw{self.sliding_window}"
             + (f"-cap{self.logits_soft_cap:g}" if self.logits_soft_cap is not None else "")
             + ("-sinks" if self.has_sinks else "")
+            + (f"-latent-v{self.v_size}" if self.latent_kv else "")
         )
 
 
@@ -115,6 +139,8 @@ class AttentionBackend:
     supports_logits_soft_cap: ClassVar[bool] = False
     supports_sinks: ClassVar[bool] = False
     """Whether `forward` takes `sinks` (specs with `has_sinks`); the layer passes it only for those."""
+    supports_latent_kv: ClassVar[bool] = False
+    """Whether it runs `latent_kv` specs (MLA): one cached row per token, V its prefix, outputs of v_size."""
     graph_op: Any = None
     """An op (q [T, H*D], k, v [T, KV*D], layer_idx) -> [T, H*D] that compiled graphs call instead of
     `pagellm::attention` (the Python op, which calls `forward`), or None. It must give the same results and
@@ -155,6 +181,8 @@ class AttentionBackend:
             reasons.append("no logits soft-cap support")
         if spec.has_sinks and not cls.supports_sinks:
             reasons.append("no attention-sink support")
+        if spec.latent_kv and not cls.supports_latent_kv:
+            reasons.append("no latent KV cache (MLA) support")
         return reasons
 
     @classmethod
@@ -170,6 +198,14 @@ class AttentionBackend:
     def kv_cache_shape(cls, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple:
         """Shape of one layer's KV cache tensor; `head_size` is the spec's `cache_row_size`."""
         return (2, num_blocks, block_size, num_kv_heads, head_size)
+
+    @classmethod
+    def layer_cache_shape(cls, spec: AttentionSpec, num_blocks: int, block_size: int) -> tuple:
+        """Shape of one layer's cache for `spec`: `kv_cache_shape` of its rows (`cache_row_size`), whose first
+        axis holds K and V; a `latent_kv` spec keeps one row per token, so that axis is 1 there. A backend
+        that supports latent specs with the K/V axis elsewhere overrides this."""
+        shape = tuple(cls.kv_cache_shape(num_blocks, block_size, spec.num_kv_heads, spec.cache_row_size))
+        return (1, *shape[1:]) if spec.latent_kv else shape
 
     @classmethod
     def build_metadata(cls, batch: AttentionBatch) -> Any:

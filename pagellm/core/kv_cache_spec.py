@@ -1,8 +1,9 @@
 """KV cache specs and groups: what each attention layer keeps per token, and which layers share a block
 table (vLLM v1's `KVCacheSpec` and KV cache groups, docs/architecture.md "Scheduler").
 
-A layer's `KVCacheSpec` is what its KV cache needs of the engine: the block size, the KV heads, the row
-size and the cache dtype (which fix a block's bytes, its "page"), and the sliding window, which says
+A layer's `KVCacheSpec` is what its KV cache needs of the engine: the block size, the KV heads, the rows
+per token and head (K and V, or MLA's one latent row), the row size and the cache dtype (which fix a
+block's bytes, its "page"), and the sliding window, which says
 which blocks the layer can still read. Layers with equal specs form a group; soft-caps, scales and other
 compute-only fields do not split groups. The KV cache manager keeps one block table per group per
 request, every group indexing tokens alike (token t lies in block t // block_size of each table), so the
@@ -18,7 +19,9 @@ per group would have to split the memory in advance on a guess at the context le
 
 The group key is the whole spec, so layers with other head sizes or KV heads form groups of their own;
 one pool then needs their pages to be of one size, which is checked (unequal pages are refused, not yet
-unified by block size as vLLM does). K and V rows of different widths (MLA) would be one more field.
+unified by block size as vLLM does). A latent layer (MLA, `AttentionSpec.latent_kv`) keeps one row per
+token, so its page is half that of a layer with K and V rows of the same width, and it never shares a
+group with one.
 """
 
 from __future__ import annotations
@@ -43,18 +46,24 @@ class KVCacheSpec:
     row_size: int  # elements of one cached K or V row (AttentionSpec.cache_row_size)
     dtype: torch.dtype  # the cache's
     sliding_window: int | None = None  # None: full attention, every block stays readable
+    rows: int = 2  # rows per token and KV head: K and V, or 1 for a latent layer (AttentionSpec.kv_rows)
 
     @classmethod
     def of(cls, spec: AttentionSpec) -> KVCacheSpec:
         return cls(
-            spec.block_size, spec.num_kv_heads, spec.cache_row_size, spec.cache_dtype, spec.sliding_window
+            spec.block_size,
+            spec.num_kv_heads,
+            spec.cache_row_size,
+            spec.cache_dtype,
+            spec.sliding_window,
+            spec.kv_rows,
         )
 
     @property
     def page_bytes(self) -> int:
-        """Bytes of one block of one layer: K and V rows of block_size tokens."""
+        """Bytes of one block of one layer: its rows (K and V, or the latent one) of block_size tokens."""
         itemsize = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.block_size * self.num_kv_heads * self.row_size * itemsize
+        return self.rows * self.block_size * self.num_kv_heads * self.row_size * itemsize
 
     @property
     def kind(self) -> str:
@@ -124,7 +133,7 @@ def group_layers(specs: Sequence[AttentionSpec]) -> KVCacheLayout:
     pages = {spec.page_bytes for spec in by_spec}
     if len(pages) > 1:
         shapes = "; ".join(
-            f"{spec.kind}: {spec.num_kv_heads} KV heads x {spec.row_size} {dtype_name(spec.dtype)}"
+            f"{spec.kind}: {spec.rows} x {spec.num_kv_heads} KV heads x {spec.row_size} {dtype_name(spec.dtype)}"
             for spec in by_spec
         )
         raise ConfigError(

@@ -31,7 +31,7 @@ def time_backend(backend: type[AttentionBackend], spec: AttentionSpec, platform:
     seq_lens = [PREFILL_TOKENS] + [DECODE_CONTEXT + 1] * DECODE_REQUESTS
     num_blocks = blocks_needed(seq_lens, spec.block_size)
     gen = torch.Generator().manual_seed(0)
-    shape = backend.kv_cache_shape(num_blocks, spec.block_size, spec.num_kv_heads, spec.cache_row_size)
+    shape = backend.layer_cache_shape(spec, num_blocks, spec.block_size)
     if spec.cache_dtype == torch.int8:  # rows with their scales, as the store writes them
         values = torch.randn(*shape[:-1], spec.head_size, generator=gen)
         kv_cache = quantize_int8_rows(values).view(torch.int8).to(device)
@@ -47,6 +47,8 @@ def time_backend(backend: type[AttentionBackend], spec: AttentionSpec, platform:
         q = torch.randn(tokens, spec.num_heads, spec.head_size, generator=gen).to(device, spec.dtype)
         k = torch.randn(tokens, spec.num_kv_heads, spec.head_size, generator=gen).to(device, spec.dtype)
         v = torch.randn(tokens, spec.num_kv_heads, spec.head_size, generator=gen).to(device, spec.dtype)
+        if spec.latent_kv:  # V is the first v_size elements of K's row (MLA)
+            v = k[..., : spec.v_size]
         steps.append((q, k, v, backend.build_metadata(batch)))
     impl = backend(spec)
     times = []

@@ -80,13 +80,19 @@ class CausalLM(nn.Module):
 
     @classmethod
     def selection_spec(cls, hf_config: Any, dtype: torch.dtype, block_size: int) -> AttentionSpec:
-        """The spec the attention backend is selected for: the most demanding layer's (a sliding window or a
-        soft-cap, which not every backend has), else the first layer's."""
+        """The spec the attention backend is selected for: the most demanding layer's (a sliding window, a
+        soft-cap, sinks or a latent KV layout, which not every backend has), else the first layer's."""
         specs = [
             cls.attention_spec(hf_config, dtype, block_size, i) for i in range(hf_config.num_hidden_layers)
         ]
         return max(
-            specs, key=lambda s: (s.sliding_window is not None, s.logits_soft_cap is not None, s.has_sinks)
+            specs,
+            key=lambda s: (
+                s.sliding_window is not None,
+                s.logits_soft_cap is not None,
+                s.has_sinks,
+                s.latent_kv,
+            ),
         )
 
     def attention_layers(self) -> list[Attention]:

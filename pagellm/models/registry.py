@@ -24,4 +24,6 @@ def pagellm_models() -> dict[str, str]:
         "OPTForCausalLM": "pagellm.models.opt:OPTForCausalLM",
         "Gemma2ForCausalLM": "pagellm.models.gemma:Gemma2ForCausalLM",
         "Gemma3ForCausalLM": "pagellm.models.gemma:Gemma3ForCausalLM",
+        "DeepseekV2ForCausalLM": "pagellm.models.deepseek:DeepseekV2ForCausalLM",
+        "DeepseekV3ForCausalLM": "pagellm.models.deepseek:DeepseekV3ForCausalLM",
     }

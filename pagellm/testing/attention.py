@@ -3,8 +3,8 @@ conformance check for backends.
 
 Any backend, ours or a vendor's, is checked the same way: `check_backend(MyBackend, spec, device, cases)`
 returns the largest difference from `reference_attention`; the caller picks the tolerance for the dtype.
-`check_layers` does the same for several layers of different specs (windows, soft-caps, sinks) run in
-the same steps over one shared metadata, as a model's layers are.
+`check_layers` does the same for several layers of different specs (windows, soft-caps, sinks, latent
+K/V) run in the same steps over one shared metadata, as a model's layers are.
 """
 
 from __future__ import annotations
@@ -32,10 +32,10 @@ def reference_attention(
 ) -> torch.Tensor:
     """Plain causal attention per sequence in float32, no paging: the answer every backend must give.
 
-    q: [sum(query_lens), H, d], each request's query tokens in order; k_full, v_full: [sum(seq_lens), KV, d],
-    each request's whole sequence in order; sinks: [H] logits that join every softmax and add no value
+    q: [sum(query_lens), H, d], each request's query tokens in order; k_full: [sum(seq_lens), KV, d], v_full:
+    [sum(seq_lens), KV, dv], each request's whole sequence in order; sinks: [H] logits that join every softmax and add no value
     (transformers' GPT-OSS eager attention). Scores are scaled, then capped, then masked. Returns float32
-    [sum(query_lens), H, d]."""
+    [sum(query_lens), H, dv]."""
     scale = scale if scale is not None else q.shape[-1] ** -0.5
     group = q.shape[1] // k_full.shape[1]
     outs, q_start, kv_start = [], 0, 0
@@ -74,7 +74,8 @@ def check_backend(
     Each case is (seq_lens, query_lens). The cached part of every sequence is first written by the
     backend's own forward, as one prefill step over it (whose output is checked too); then the case's step
     runs with the same block tables, so the backend's cache layout is its own business. A spec with
-    `has_sinks` gets random sink logits (float32 [num_heads]), passed to `forward` as `sinks`."""
+    `has_sinks` gets random sink logits (float32 [num_heads]), passed to `forward` as `sinks`; a `latent_kv`
+    spec gets V as the first v_size elements of K (MLA's latent row), as the model hands it over."""
     return max(check_layers(backend_cls, [spec], device, cases, seed))
 
 
@@ -101,9 +102,11 @@ def check_layers(
             q = torch.randn(total, spec.num_heads, spec.head_size, generator=gen).to(device, spec.dtype)
             k = torch.randn(total, spec.num_kv_heads, spec.head_size, generator=gen).to(device, spec.dtype)
             v = torch.randn(total, spec.num_kv_heads, spec.head_size, generator=gen).to(device, spec.dtype)
+            if spec.latent_kv:  # V is the first v_size elements of K's row
+                v = k[..., : spec.v_size]
             if i == 0:  # one layer draws what check_backend always drew, in that order
                 batch = make_paged_batch(seq_lens, query_lens, block_size, num_blocks, device, generator=gen)
-            shape = backend_cls.kv_cache_shape(num_blocks, block_size, spec.num_kv_heads, spec.cache_row_size)
+            shape = backend_cls.layer_cache_shape(spec, num_blocks, block_size)
             kv_cache = torch.zeros(shape, dtype=spec.cache_dtype, device=device)
             layers.append([spec, backend_cls(spec), q, k, v, kv_cache, None])
         for layer in layers:  # sinks of a few units, as trained ones are: some heads mostly sink

@@ -10,8 +10,9 @@ also works). Each backend runs every case its facts claim it supports on that pl
 sizes and block sizes, GQA and MQA, prefill, chunked prefill, decode, mixed batches, sequences ending on
 and around block boundaries, long contexts); a case it declares unsupported via `unsupported_reasons` is
 not run. The per-layer features are cases for every backend: sliding windows of several sizes, logit
-soft-capping, attention sinks, their combinations, and a model whose layers mix them in one step; those a
-backend refuses (it does not claim the feature) are reported as skipped, with its reasons. A backend with
+soft-capping, attention sinks, the latent KV layout of Multi-head Latent Attention (one cached row per
+token, V its prefix), their combinations, and models whose layers mix them in one step; those a backend
+refuses (it does not claim the feature) are reported as skipped, with its reasons. A backend with
 no case it can run is reported as skipped, with why.
 """
 
@@ -134,7 +135,9 @@ def feature_cases(base: AttentionSpec) -> list[ConformanceCase]:
     sorts them): sliding windows of 1 token (itself only), a few tokens, one block, more than a block and
     more than any sequence; soft-caps tight enough to bend most scores (5) and as models set them (30,
     after a scale other than head_size ** -0.5); sinks alone, with a window and over long contexts (where
-    contexts are split and merged); and one model whose layers mix all of them in each step."""
+    contexts are split and merged); the latent layout (DeepSeek's MLA in the weight-absorbed form: MQA over
+    one row of head_size + 16 per token whose first head_size elements are V), alone and over long contexts;
+    and models whose layers mix them in each step."""
     b = base.block_size
 
     def case(name: str, steps: tuple[Step, ...], **changes) -> ConformanceCase:
@@ -159,6 +162,8 @@ def feature_cases(base: AttentionSpec) -> list[ConformanceCase]:
             sliding_window=20,
         ),
     ]
+    latent = dict(num_kv_heads=1, head_size=base.head_size + 16, v_head_size=base.head_size, latent_kv=True)
+    cases += [case("latent_kv", MIXED, **latent), case("long_context-latent_kv", LONG, **latent)]
     # Gemma 2/3- and GPT-OSS-like: local and global layers, capped or with sinks, over one step's metadata
     mixed = [
         dataclasses.replace(base, sliding_window=7),
@@ -178,6 +183,15 @@ def feature_cases(base: AttentionSpec) -> list[ConformanceCase]:
         ConformanceCase("mixed_layers-sliding_window", windowed[0], MIXED, tuple(windowed[1:]), feature=True)
     )
     cases.append(ConformanceCase("mixed_layers", mixed[0], MIXED, tuple(mixed[1:]), feature=True))
+    # latent layers beside a plain one, one of them windowed, over one step's metadata
+    latent_layers = (
+        dataclasses.replace(base, **latent),
+        base,
+        dataclasses.replace(base, **latent, sliding_window=7),
+    )
+    cases.append(
+        ConformanceCase("mixed_layers-latent_kv", latent_layers[0], MIXED, latent_layers[1:], feature=True)
+    )
     return cases
 
 

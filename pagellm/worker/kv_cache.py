@@ -1,6 +1,7 @@
-"""The KV cache's layout and size: KV tensors in the backend's `kv_cache_shape` for this rank's heads, one
-per attention layer with one KV cache group, else one per layer of a group, shared by the same layer of
-every group (`core/kv_cache_spec.py`), and how many blocks a memory budget holds.
+"""The KV cache's layout and size: KV tensors in the backend's `layer_cache_shape` for this rank's heads (K
+and V rows, or one latent row per token for an MLA model), one per attention layer with one KV cache
+group, else one per layer of a group, shared by the same layer of every group (`core/kv_cache_spec.py`),
+and how many blocks a memory budget holds.
 
 Every place that needs a layer's cache shape (allocation, a block's bytes, the memory profile's one
 block, the KV connector's block dimension) asks `kv_cache_shape` here.
@@ -26,8 +27,7 @@ def rank_spec(setup: EngineSetup, tp: Group) -> AttentionSpec:
 
 def kv_cache_shape(setup: EngineSetup, tp: Group, num_blocks: int, block_size: int) -> tuple[int, ...]:
     """One layer's cache of `num_blocks` blocks, in the backend's layout."""
-    spec = rank_spec(setup, tp)
-    return tuple(setup.backend.kv_cache_shape(num_blocks, block_size, spec.num_kv_heads, spec.cache_row_size))
+    return tuple(setup.backend.layer_cache_shape(rank_spec(setup, tp), num_blocks, block_size))
 
 
 def kv_layout(setup: EngineSetup, num_layers: int) -> KVCacheLayout:

@@ -410,3 +410,30 @@ def test_int8_rows_round_trip():
     back = dequantize_int8_rows(rows, torch.float32)
     assert torch.all((back - x).abs() <= x.abs().amax(-1, keepdim=True) / 254 + 1e-6)
     assert not back[7, 1].any()
+
+
+LATENT = dict(num_heads=8, num_kv_heads=1, head_size=40, v_head_size=32, latent_kv=True)
+"""MLA-shaped: every query head against one cached row per token, V its first 32 elements."""
+
+
+@pytest.mark.parametrize(
+    "dtype, cache_dtype, tolerance",
+    [
+        (torch.float32, None, 1e-5),
+        (torch.bfloat16, None, TOLERANCE[torch.bfloat16]),
+        (torch.float32, torch.int8, INT8_TOLERANCE),
+        (torch.float32, torch.float8_e4m3fn, 0.25),
+    ],
+    ids=["fp32", "bf16", "int8-cache", "fp8-cache"],
+)
+def test_latent_layout_matches_reference(dtype, cache_dtype, tolerance):
+    """The latent layout keeps one row per token and runs the PyTorch path (no native kernel for it): in
+    every cache dtype, with sinks (explicit attention: V narrower than K) and a window."""
+    spec = AttentionSpec(**LATENT, dtype=dtype, kv_cache_dtype=cache_dtype)
+    assert CpuAttnBackend.layer_cache_shape(spec, 5, 16) == (1, 1, 5, 16, spec.cache_row_size)
+    assert CpuAttnBackend(spec).kernel is None and CpuAttnBackend(spec).graph_op is None
+    assert check_backend(CpuAttnBackend, spec, "cpu", ALL_CASES) < tolerance
+    windowed = AttentionSpec(
+        **LATENT, dtype=dtype, kv_cache_dtype=cache_dtype, sliding_window=20, has_sinks=True
+    )
+    assert check_backend(CpuAttnBackend, windowed, "cpu", CASES["mixed"]) < tolerance

@@ -161,3 +161,11 @@ def test_facts_and_plugin_registration(monkeypatch):
     assert torch_sdpa.PAGELLM_PLUGIN_API == "1.0"
     monkeypatch.setenv("PAGELLM_PLUGINS", "torch_sdpa")
     assert load_plugins().attention_backends == {"TORCH_SDPA": TorchSDPABackend}
+
+
+@pytest.mark.parametrize("cache_dtype", [None, torch.float8_e4m3fn], ids=["fp32", "fp8-cache"])
+def test_latent_layout_matches_reference(cache_dtype):
+    """MLA-shaped: every query head against one cached row per token, V its first 32 elements."""
+    spec = AttentionSpec(8, 1, 40, torch.float32, v_head_size=32, latent_kv=True, kv_cache_dtype=cache_dtype)
+    assert TorchSDPABackend.layer_cache_shape(spec, 5, 16) == (1, 5, 16, 1, 40)
+    assert check_backend(TorchSDPABackend, spec, "cpu", ALL_CASES) < (1e-5 if cache_dtype is None else 0.25)

@@ -51,6 +51,20 @@ def test_layers_are_grouped_by_spec_in_groups_of_equal_size():
         group_layers([_spec(), _spec(8, head_size=32)])
 
 
+def test_latent_layers_keep_one_row_and_group_apart():
+    """MLA's latent layers (one cached row per token, V its prefix) are a spec of their own: half the page
+    of K and V rows of the same width, never in a group with them."""
+    from pagellm.core.kv_cache_spec import KVCacheSpec
+
+    latent = AttentionSpec(4, 1, 40, torch.float32, 16, v_head_size=32, latent_kv=True)
+    plain = AttentionSpec(4, 1, 40, torch.float32, 16)
+    assert KVCacheSpec.of(latent).rows == 1 and KVCacheSpec.of(plain).rows == 2
+    assert KVCacheSpec.of(latent).page_bytes == 16 * 40 * 4 == KVCacheSpec.of(plain).page_bytes // 2
+    assert group_layers([latent] * 3).groups[0].spec == KVCacheSpec.of(latent)
+    with pytest.raises(ConfigError, match="different sizes"):
+        group_layers([latent, plain])
+
+
 @pytest.fixture(scope="module")
 def mixed_model(tmp_path_factory):
     path = make_tiny_checkpoint(

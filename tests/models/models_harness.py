@@ -54,9 +54,7 @@ class PagedRunner:
         self.device = next(model.parameters()).device
         self.caches = [
             torch.zeros(
-                TorchSDPABackend.kv_cache_shape(
-                    NUM_BLOCKS, BLOCK_SIZE, a.spec.num_kv_heads, a.spec.head_size
-                ),
+                TorchSDPABackend.layer_cache_shape(a.spec, NUM_BLOCKS, BLOCK_SIZE),
                 dtype=a.spec.cache_dtype,
                 device=self.device,
             )

@@ -50,6 +50,9 @@ FAMILIES: dict[str, dict] = {
     "mixtral": {},
     # GPT-OSS: sinks, windows of 8 on alternate layers, YaRN, 4 experts with biases and the clamped SwiGLU
     "gpt_oss": {},
+    # Multi-head Latent Attention, every layer dense (tests/models/tiny.py): V2-Lite-like and V3-like
+    "deepseek_v2": {},
+    "deepseek_v3": {},
     # Qwen3 with windows on its last layers (max_window_layers): two KV cache groups, full and window 32
     "qwen3-mixed-windows": {
         "num_hidden_layers": 4,

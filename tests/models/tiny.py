@@ -30,6 +30,8 @@ ARCHS = (
     "qwen2_moe",
     "mixtral",
     "gpt_oss",
+    "deepseek_v2",
+    "deepseek_v3",
 )
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # ids 0, 1, 2
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
@@ -144,6 +146,45 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
             "original_max_position_embeddings": 128,
         },
     ),
+    # MLA with every layer dense (first_k_dense_replace = the layer count): 4 heads of 16 nope + 8 rope
+    # features over a 32-wide latent; V2-Lite-like (no q_lora_rank) and V3-like (q_lora_rank, YaRN with
+    # mscale_all_dim in the softmax scale and mscale / mscale_all_dim on cos and sin, v_head_dim unlike qk_nope)
+    "deepseek_v2": dict(
+        _LLAMA,
+        num_key_value_heads=4,
+        first_k_dense_replace=2,
+        q_lora_rank=None,
+        kv_lora_rank=32,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+    ),
+    "deepseek_v3": dict(
+        _LLAMA,
+        num_key_value_heads=4,
+        first_k_dense_replace=2,
+        q_lora_rank=24,
+        kv_lora_rank=32,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=24,
+        n_routed_experts=4,
+        n_group=2,
+        topk_group=1,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": 128,
+            "mscale": 1.0,
+            "mscale_all_dim": 0.707,
+        },
+    ),
 }
 _TOKENIZERS = {"gpt_oss": (HARMONY_SPECIAL_TOKENS, HARMONY_CHAT_TEMPLATE)}
 """Architectures whose tokenizer has other special tokens and chat template than ChatML's."""
@@ -201,6 +242,8 @@ def tiny_config(arch: str, vocab_size: int, **overrides: Any):
         "qwen2_moe": transformers.Qwen2MoeConfig,
         "mixtral": transformers.MixtralConfig,
         "gpt_oss": transformers.GptOssConfig,
+        "deepseek_v2": transformers.DeepseekV2Config,
+        "deepseek_v3": transformers.DeepseekV3Config,
     }[arch]
     fields = dict(
         _DEFAULTS[arch], vocab_size=vocab_size, bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID

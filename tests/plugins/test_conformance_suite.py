@@ -83,6 +83,7 @@ def test_wrong_backend_fails(tmp_path):
     assert failed == [
         "WRONG_ATTN-long_context-sliding_window-300",
         "WRONG_ATTN-mixed_layers",
+        "WRONG_ATTN-mixed_layers-latent_kv",
         "WRONG_ATTN-mixed_layers-sliding_window",
         "WRONG_ATTN-sinks-sliding_window-7",
         "WRONG_ATTN-sinks-soft_cap-5-sliding_window-20",
@@ -94,7 +95,7 @@ def test_wrong_backend_fails(tmp_path):
     ], result.stdout
     # a window longer than every sequence is no window: that case passes
     assert (
-        "10 failed, 21 passed" in result.stdout and "largest difference from the reference" in result.stdout
+        "11 failed, 23 passed" in result.stdout and "largest difference from the reference" in result.stdout
     )
 
 
@@ -175,8 +176,11 @@ FEATURES = [
     "sinks-sliding_window-7",
     "long_context-sinks",
     "sinks-soft_cap-5-sliding_window-20",
+    "latent_kv",
+    "long_context-latent_kv",
     "mixed_layers-sliding_window",
     "mixed_layers",
+    "mixed_layers-latent_kv",
 ]
 """The per-layer feature cases for a backend whose block size is 32, in order."""
 
@@ -184,13 +188,23 @@ FEATURES = [
 @pytest.mark.parametrize("name", ["TORCH_SDPA", "FLEX_ATTENTION", "CPU_ATTN"])
 def test_builtin_cpu_backends_pass_the_feature_cases(name):
     """Every built-in backend that runs on CPU claims windows, soft-cap and sinks, and passes those cases
-    (the long-context ones are left to each backend's own tests: minutes here, on one thread)."""
+    (the long-context ones are left to each backend's own tests: minutes here, on one thread); TORCH_SDPA
+    and CPU_ATTN also claim the latent (MLA) layout, and FLEX_ATTENTION refuses it."""
     registry = load_plugins()
     backend = registry.attention_backends[name]
     platform = select_platform(registry, "cpu").platform
     runnable, _ = conformance_cases(backend, platform)
     cases = [case for case in runnable if case.feature and not case.id.startswith("long_context")]
-    assert len(cases) == 13 and skipped_features(backend, platform) == []
+    skipped = {case.id: reasons for case, reasons in skipped_features(backend, platform)}
+    if name == "FLEX_ATTENTION":
+        assert len(cases) == 13 and list(skipped) == [
+            "latent_kv",
+            "long_context-latent_kv",
+            "mixed_layers-latent_kv",
+        ]
+        assert set(skipped["latent_kv"]) == {"no latent KV cache (MLA) support"}
+    else:
+        assert len(cases) == 15 and skipped == {}
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

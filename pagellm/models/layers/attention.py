@@ -8,6 +8,9 @@ the layer calls the backend directly, without the dispatcher's overhead.
 A spec with `has_sinks` gives the layer a `sinks` parameter (float32, one logit per query head of this
 rank), which the model's loader fills from the checkpoint's `...self_attn.sinks` (a tensor-parallel rank
 takes its heads' slice, `narrow_checkpoint`); the layer hands it to the backend's `forward` each call.
+
+A `latent_kv` spec (MLA) takes k as the cached row and v as a view of its first `v_size` elements, and
+returns `v_size` elements per head.
 """
 
 from __future__ import annotations
@@ -22,7 +25,8 @@ from pagellm.models.context import ForwardContext, ModelInit, get_forward_contex
 
 
 class Attention(nn.Module):
-    """Paged attention over flat token batches. q: [T, H*D], k/v: [T, KV*D] -> [T, H*D]."""
+    """Paged attention over flat token batches. q: [T, H*D], k: [T, KV*D], v: [T, KV*Dv] -> [T, H*Dv] (Dv =
+    the spec's `v_size`, D unless the spec is latent)."""
 
     def __init__(self, init: ModelInit, spec: AttentionSpec, layer_idx: int):
         super().__init__()
@@ -54,7 +58,7 @@ class Attention(nn.Module):
         args = (
             q.view(-1, s.num_heads, s.head_size),
             k.view(-1, s.num_kv_heads, s.head_size),
-            v.view(-1, s.num_kv_heads, s.head_size),
+            v.view(-1, s.num_kv_heads, s.v_size),
             ctx.kv_caches[self.layer_idx],
             ctx.metadata_of(self.layer_idx),
         )
@@ -62,7 +66,7 @@ class Attention(nn.Module):
         out = (
             self.impl.forward(*args, sinks=self.sinks) if self.sinks is not None else self.impl.forward(*args)
         )
-        return out.reshape(-1, s.num_heads * s.head_size)
+        return out.reshape(-1, s.num_heads * s.v_size)
 
 
 @torch.library.custom_op("pagellm::attention", mutates_args=())
@@ -74,4 +78,5 @@ def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx: 
 
 @_attention_op.register_fake
 def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx: int) -> torch.Tensor:
-    return torch.empty_like(q)
+    # [T, H * Dv]: the query's width with each head's D turned into Dv (k and v have the same KV heads)
+    return q.new_empty(q.shape[0], q.shape[1] // k.shape[1] * v.shape[1])

@@ -1,0 +1,234 @@
+"""DeepSeek-V2 and DeepSeek-V3: Multi-head Latent Attention (MLA) in the weight-absorbed form, on Llama's
+decoder skeleton (embedding, residual RMSNorms, gated MLP, output projection), as transformers'
+`deepseek_v2` and `deepseek_v3` compute them.
+
+MLA, per token (transformers' DeepseekV2Attention / DeepseekV3Attention):
+- q: `q_a_proj` -> `q_a_layernorm` -> `q_b_proj` (low rank `q_lora_rank`), or one `q_proj` where the config
+  has no q_lora_rank (V2-Lite); each head's qk_nope_head_dim features then its qk_rope_head_dim features
+- kv: `kv_a_proj_with_mqa` gives the latent c_kv [kv_lora_rank], normalised by `kv_a_layernorm`, and one
+  rotary key k_pe [qk_rope_head_dim] shared by every head; `kv_b_proj` would expand c_kv into each head's
+  k_nope [qk_nope_head_dim] and v [v_head_dim]
+- rotary on the rope features only (decoupled rope). DeepSeek lays them out in interleaved pairs (x0, x1),
+  (x2, x3), ...: V2 always (complex multiplication), V3 where `rope_interleave` (the default). Both are
+  rotated here by de-interleaving first (evens, then odds) and rotating halves, which is V3's output
+  layout; V2 interleaves its result again, but q_pe and k_pe move alike, so every q.k is the same
+- softmax scale (qk_nope + qk_rope) ** -0.5, times mscale(factor, mscale_all_dim) ** 2 with a YaRN rope;
+  YaRN's own attention factor scales cos/sin (transformers' yarn init, in `RotaryEmbedding`)
+
+Weight absorption: k_nope_h . q_nope_h = c_kv . (W_UK_h^T q_nope_h), so the query's nope part is
+multiplied into latent space once per token and head (`LatentUpProjection.absorb_query`), and attention is
+MQA over the cache's one latent row per token, [c_kv, k_pe] (kv_lora_rank + qk_rope_head_dim), with V its
+first kv_lora_rank elements (`AttentionSpec.latent_kv`); the latent output of each head is expanded by
+W_UV_h afterwards (`expand_output`). Prefill and decode both run this form: the cache stays latent and
+the attention backend does one thing. (The expanded form, attention over per-head K/V expanded from the
+latents, does less work per prefill token on a wide model; vLLM switches to it for long prefills.)
+
+The KV cache per token and layer is (kv_lora_rank + qk_rope_head_dim) elements, against num_heads x
+(qk_nope + qk_rope + v_head_dim) for the same model with a K and V row per head: DeepSeek-V3 keeps 576 in
+place of 40,960 (1/71).
+
+MLP per layer (`DeepseekDecoderLayer.build_mlp`): the dense gated MLP before `first_k_dense_replace`; the
+mixture-of-experts layers after it are refused until the FusedMoE layer exists. DeepSeek-V3 checkpoints
+carry the multi-token-prediction module as layer `num_hidden_layers` (`num_nextn_predict_layers`); it is
+skipped, not used as a draft.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from pagellm.core.attention import AttentionSpec
+from pagellm.core.errors import ConfigError
+from pagellm.models.base import ModelInit
+from pagellm.models.layers.attention import Attention
+from pagellm.models.layers.linear import Linear
+from pagellm.models.layers.norm import RMSNorm
+from pagellm.models.layers.rotary import apply_rotary, rope_parameters
+from pagellm.models.llama import LlamaForCausalLM, LlamaMLP, LlamaModel, SpecFn
+from pagellm.models.loader import copy_weights
+
+STACKED = (
+    ("fused_qkv_a_proj", "q_a_proj", 0),
+    ("fused_qkv_a_proj", "q_proj", 0),
+    ("fused_qkv_a_proj", "kv_a_proj_with_mqa", 1),
+    ("gate_up_proj", "gate_proj", 0),
+    ("gate_up_proj", "up_proj", 1),
+)
+"""q's first projection and the kv latent projection both read the hidden state: one matmul."""
+
+LATENT_NORM_EPS = 1e-6
+"""transformers builds q_a_layernorm and kv_a_layernorm with its RMSNorm's default eps, not rms_norm_eps."""
+
+
+def yarn_mscale(factor: float, mscale: float) -> float:
+    """transformers' `yarn_get_mscale`."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def mla_softmax_scale(hf_config: Any) -> float:
+    """(qk_nope + qk_rope) ** -0.5, times mscale(factor, mscale_all_dim) squared under a scaled rope that
+    states mscale_all_dim (transformers' `yarn_apply_mscale`)."""
+    scale = (hf_config.qk_nope_head_dim + hf_config.qk_rope_head_dim) ** -0.5
+    params = rope_parameters(hf_config)
+    if params.get("rope_type", "default") != "default" and params.get("mscale_all_dim"):
+        scale *= yarn_mscale(params["factor"], params["mscale_all_dim"]) ** 2
+    return scale
+
+
+def mla_attention_spec(hf_config: Any, dtype: torch.dtype, block_size: int, layer_idx: int) -> AttentionSpec:
+    """MQA over the latent rows: every query head against one cached [c_kv, k_pe] row per token, V = c_kv."""
+    rank = hf_config.kv_lora_rank
+    return AttentionSpec(
+        num_heads=hf_config.num_attention_heads,
+        num_kv_heads=1,
+        head_size=rank + hf_config.qk_rope_head_dim,
+        dtype=dtype,
+        block_size=block_size,
+        scale=mla_softmax_scale(hf_config),
+        v_head_size=rank,
+        latent_kv=True,
+    )
+
+
+def interleaved_rope(hf_config: Any) -> bool:
+    """Whether the rope features come in interleaved pairs: always in V2, in V3 where `rope_interleave` (its
+    default) says so."""
+    return hf_config.model_type == "deepseek_v2" or bool(getattr(hf_config, "rope_interleave", True))
+
+
+class LatentUpProjection(nn.Module):
+    """`kv_b_proj`, kept as the checkpoint's [num_heads * (qk_nope + v_head_dim), kv_lora_rank] weight but
+    never applied to the cache: each head's first qk_nope rows (W_UK) absorb into its query, its v_head_dim
+    rows (W_UV) expand its latent output. A plain parameter, not a `Linear`, since both products read the
+    weight per head (a platform's packed or a quantized layout would hide it)."""
+
+    def __init__(self, num_heads: int, nope: int, v_dim: int, rank: int, dtype: torch.dtype):
+        super().__init__()
+        self.num_heads, self.nope, self.v_dim, self.rank = num_heads, nope, v_dim, rank
+        self.weight = nn.Parameter(
+            torch.empty(num_heads * (nope + v_dim), rank, dtype=dtype), requires_grad=False
+        )
+
+    def _per_head(self) -> torch.Tensor:
+        return self.weight.view(self.num_heads, self.nope + self.v_dim, self.rank)
+
+    def absorb_query(self, q_nope: torch.Tensor) -> torch.Tensor:
+        """[T, H, qk_nope] -> [T, H, kv_lora_rank]: q_nope_h W_UK_h."""
+        w_uk = self._per_head()[:, : self.nope]  # [H, nope, rank]
+        return torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)
+
+    def expand_output(self, latent: torch.Tensor) -> torch.Tensor:
+        """[T, H, kv_lora_rank] -> [T, H, v_head_dim]: o_h W_UV_h^T."""
+        w_uv = self._per_head()[:, self.nope :]  # [H, v, rank]
+        return torch.bmm(latent.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
+
+
+class MLAAttention(nn.Module):
+    def __init__(self, init: ModelInit, layer_idx: int, spec_fn: SpecFn, interleaved: bool):
+        super().__init__()
+        c = init.hf_config
+        dtype, quant = init.dtype, init.quant_method
+        self.num_heads = c.num_attention_heads
+        self.nope, self.rope, self.rank = c.qk_nope_head_dim, c.qk_rope_head_dim, c.kv_lora_rank
+        self.v_dim = c.v_head_dim
+        q_size = self.num_heads * (self.nope + self.rope)
+        self.q_lora_rank = c.q_lora_rank
+        self.q_in = self.q_lora_rank or q_size  # q's first projection: the low-rank q, or q itself
+        bias = bool(getattr(c, "attention_bias", False))
+        sizes = [self.q_in, self.rank + self.rope]
+        self.fused_qkv_a_proj = Linear(c.hidden_size, sum(sizes), bias, dtype, quant, sizes)
+        if bias and self.q_lora_rank is None:  # q_proj has no bias: its rows of the fused one stay zero
+            self.fused_qkv_a_proj.bias.data[: self.q_in].zero_()
+        if self.q_lora_rank is not None:
+            self.q_a_layernorm = RMSNorm(self.q_lora_rank, LATENT_NORM_EPS, dtype)
+            self.q_b_proj = Linear(self.q_lora_rank, q_size, False, dtype, quant)
+        else:
+            self.q_a_layernorm = self.q_b_proj = None
+        self.kv_a_layernorm = RMSNorm(self.rank, LATENT_NORM_EPS, dtype)
+        self.kv_b_proj = LatentUpProjection(self.num_heads, self.nope, self.v_dim, self.rank, dtype)
+        self.o_proj = Linear(self.num_heads * self.v_dim, c.hidden_size, bias, dtype, quant)
+        self.interleaved = interleaved
+        self.attn = Attention(init, spec_fn(c, dtype, init.block_size, layer_idx), layer_idx)
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        if self.interleaved:  # pairs (x0, x1), (x2, x3), ... -> halves (x0, x2, ...), (x1, x3, ...)
+            x = torch.cat([x[..., 0::2], x[..., 1::2]], dim=-1)
+        return apply_rotary(x, cos, sin)
+
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        tokens = h.shape[0]
+        q, latent = self.fused_qkv_a_proj(h).split([self.q_in, self.rank + self.rope], dim=-1)
+        if self.q_b_proj is not None:
+            q = self.q_b_proj(self.q_a_layernorm(q))
+        q_nope, q_pe = q.view(tokens, self.num_heads, self.nope + self.rope).split([self.nope, self.rope], -1)
+        c_kv, k_pe = latent.split([self.rank, self.rope], dim=-1)
+        q = torch.cat([self.kv_b_proj.absorb_query(q_nope), self._rotate(q_pe, cos, sin)], dim=-1)
+        k = torch.cat([self.kv_a_layernorm(c_kv), self._rotate(k_pe.unsqueeze(1), cos, sin)[:, 0]], dim=-1)
+        out = self.attn(q.reshape(tokens, -1), k, k[:, : self.rank])  # V: the latent c_kv, k's prefix
+        out = self.kv_b_proj.expand_output(out.view(tokens, self.num_heads, self.rank))
+        return self.o_proj(out.reshape(tokens, self.num_heads * self.v_dim))
+
+
+class DeepseekDecoderLayer(nn.Module):
+    """Llama's pre-norm layer with MLA; its MLP from `build_mlp`. Built by `LlamaModel` (the arguments it
+    passes every layer class; q/k/v bias and q/k norms are not DeepSeek's)."""
+
+    def __init__(self, init: ModelInit, layer_idx: int, qkv_bias: bool, qk_norm: bool, spec_fn: SpecFn):
+        super().__init__()
+        c = init.hf_config
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, init.dtype)
+        self.self_attn = MLAAttention(init, layer_idx, spec_fn, interleaved_rope(c))
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, init.dtype)
+        self.mlp = self.build_mlp(init, layer_idx)
+
+    @staticmethod
+    def build_mlp(init: ModelInit, layer_idx: int) -> nn.Module:
+        """Layer `layer_idx`'s MLP: the dense gated MLP before `first_k_dense_replace`, a mixture of experts
+        (routed and shared experts) from there on, as transformers builds them."""
+        c = init.hf_config
+        first_moe = c.first_k_dense_replace
+        if layer_idx < first_moe:
+            return LlamaMLP(init)
+        raise ConfigError(
+            f"layers {first_moe} to {c.num_hidden_layers - 1} of this {c.model_type} model are mixture-of-experts "
+            f"(first_k_dense_replace={first_moe}): MoE layers of DeepSeek need the FusedMoE layer, which "
+            "pagellm does not have yet; only DeepSeek models whose every layer is dense load"
+        )
+
+    def forward(
+        self, h: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        h, residual = self.input_layernorm.add_and_norm(h, residual)
+        h = self.self_attn(h, cos, sin)
+        h, residual = self.post_attention_layernorm.add_and_norm(h, residual)
+        return self.mlp(h), residual
+
+
+class DeepseekModel(LlamaModel):
+    layer_class = DeepseekDecoderLayer
+
+
+class DeepseekV2ForCausalLM(LlamaForCausalLM):
+    """DeepSeek-V2 (and V2-Lite, without q_lora_rank). One process: the latent projections are not split
+    for tensor parallelism."""
+
+    attention_spec = staticmethod(mla_attention_spec)
+    supports_parallel = False
+    model_class = DeepseekModel
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        return copy_weights(self, weights, STACKED, self._adapt)
+
+    def _adapt(self, name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor] | None:
+        if name.startswith("model.layers.") and int(name.split(".")[2]) >= len(self.model.layers):
+            return None  # V3's multi-token-prediction layer(s): not a decoder layer, no drafts from it
+        return super()._adapt(name, tensor)
+
+
+class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
+    """DeepSeek-V3 (and R1): V2's attention, with `rope_interleave` from the config."""
