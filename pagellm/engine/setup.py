@@ -297,7 +297,11 @@ def _check_experts_split(config: EngineConfig, hf_config: Any, tp: int) -> None:
         if width and width % tp:
             raise ConfigError(
                 f"--tensor-parallel-size {tp}: the model's {key} {width} does not divide by it"
-                + ("" if config.enable_expert_parallel else " (--enable-expert-parallel splits experts whole)"),
+                + (
+                    ""
+                    if config.enable_expert_parallel
+                    else " (--enable-expert-parallel splits experts whole)"
+                ),
                 param="tensor_parallel_size",
             )
 

@@ -45,11 +45,17 @@ def test_a_rank_reads_and_keeps_only_its_part_of_the_experts(tmp_path, monkeypat
     monkeypatch.setattr(CheckpointSlice, "__init__", init)
     parallel = Parallel(tp=Group(size=2, rank=1, ranks=[0, 1]))
     model_init = ModelInit(
-        AutoConfig.from_pretrained(path), torch.float32, TorchSDPABackend, parallel=parallel,
+        AutoConfig.from_pretrained(path),
+        torch.float32,
+        TorchSDPABackend,
+        parallel=parallel,
         expert_parallel=expert_parallel,
     )
     model = load_model(
-        "pagellm.models.qwen2_moe:Qwen2MoeForCausalLM", model_init, iter_checkpoint_weights(path, lazy=True), "cpu"
+        "pagellm.models.qwen2_moe:Qwen2MoeForCausalLM",
+        model_init,
+        iter_checkpoint_weights(path, lazy=True),
+        "cpu",
     )
     mlp = model.model.layers[1].mlp
     experts = mlp.experts
@@ -72,13 +78,30 @@ def test_a_rank_reads_and_keeps_only_its_part_of_the_experts(tmp_path, monkeypat
     "settings,overrides,message,param",
     [
         ({"enable_expert_parallel": True}, {"num_experts": 6, "num_hidden_layers": 1}, None, None),
-        ({"enable_expert_parallel": True}, {"num_experts": 5}, "5 experts do not divide", "enable_expert_parallel"),
-        ({}, {"moe_intermediate_size": 33}, "moe_intermediate_size 33 does not divide", "tensor_parallel_size"),
+        (
+            {"enable_expert_parallel": True},
+            {"num_experts": 5},
+            "5 experts do not divide",
+            "enable_expert_parallel",
+        ),
+        (
+            {},
+            {"moe_intermediate_size": 33},
+            "moe_intermediate_size 33 does not divide",
+            "tensor_parallel_size",
+        ),
         ({"enable_expert_parallel": True}, {"moe_intermediate_size": 33}, None, None),
-        ({}, {"shared_expert_intermediate_size": 45}, "shared_expert_intermediate_size 45", "tensor_parallel_size"),
+        (
+            {},
+            {"shared_expert_intermediate_size": 45},
+            "shared_expert_intermediate_size 45",
+            "tensor_parallel_size",
+        ),
     ],
 )
-def test_expert_splits_that_cannot_work_are_refused_before_loading(tmp_path, settings, overrides, message, param):
+def test_expert_splits_that_cannot_work_are_refused_before_loading(
+    tmp_path, settings, overrides, message, param
+):
     path = make_tiny_checkpoint("qwen2_moe", tmp_path, **overrides)
     config = EngineConfig(model=str(path), tensor_parallel_size=2, attention_backend="TORCH_SDPA", **settings)
     if message is None:
