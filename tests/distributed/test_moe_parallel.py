@@ -112,19 +112,21 @@ def test_expert_splits_that_cannot_work_are_refused_before_loading(
     assert info.value.param == param
 
 
-SPLITS = [
-    pytest.param("qwen2_moe-dense-layer", True, id="qwen2_moe-expert-parallel"),
-    pytest.param("qwen2_moe-dense-layer", False, id="qwen2_moe-sharded", marks=pytest.mark.slow),
-    pytest.param("qwen3_moe", True, id="qwen3_moe-expert-parallel", marks=pytest.mark.slow),
-    pytest.param("qwen3_moe", False, id="qwen3_moe-sharded", marks=pytest.mark.slow),
-    pytest.param("mixtral", True, id="mixtral-expert-parallel", marks=pytest.mark.slow),
-    pytest.param("mixtral", False, id="mixtral-sharded", marks=pytest.mark.slow),
+SLOW = pytest.mark.slow
+SPLITS = [  # family, tensor-parallel size, pipeline-parallel size, expert parallel
+    pytest.param("qwen2_moe-dense-layer", 2, 1, True, id="qwen2_moe-expert-parallel"),
+    pytest.param("qwen2_moe-dense-layer", 2, 1, False, id="qwen2_moe-sharded", marks=SLOW),
+    pytest.param("qwen2_moe-dense-layer", 1, 2, False, id="qwen2_moe-pipeline", marks=SLOW),
+    pytest.param("qwen3_moe", 2, 1, True, id="qwen3_moe-expert-parallel", marks=SLOW),
+    pytest.param("qwen3_moe", 2, 1, False, id="qwen3_moe-sharded", marks=SLOW),
+    pytest.param("mixtral", 2, 1, True, id="mixtral-expert-parallel", marks=SLOW),
+    pytest.param("mixtral", 2, 1, False, id="mixtral-sharded", marks=SLOW),
 ]
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("family,expert_parallel", SPLITS)
-def test_greedy_parity_on_two_ranks(tmp_path, family, expert_parallel):
+@pytest.mark.parametrize("family,tp,pp,expert_parallel", SPLITS)
+def test_greedy_parity_on_two_ranks(tmp_path, family, tp, pp, expert_parallel):
     path, reference = tiny_model_and_reference(family, tmp_path, 12)
     llm = LLM(
         str(path),
@@ -133,7 +135,8 @@ def test_greedy_parity_on_two_ranks(tmp_path, family, expert_parallel):
         max_num_batched_tokens=64,
         max_num_seqs=16,
         num_kv_blocks=40,
-        tensor_parallel_size=2,
+        tensor_parallel_size=tp,
+        pipeline_parallel_size=pp,
         enable_expert_parallel=expert_parallel,
     )
     try:

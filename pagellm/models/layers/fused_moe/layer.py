@@ -76,7 +76,7 @@ class FusedMoE(nn.Module):
                 )
             self.num_local_experts, width = num_experts, intermediate_size // tp.size
             self.first_expert, self.width_start = 0, tp.rank * width
-        self.num_experts, self.width = num_experts, width
+        self.width = width
         self.bias_rank = tp.rank == 0 or self.expert_parallel
         """Whether this rank adds `w2_bias`: a sharded layer's partial sums are added up, so only one does."""
         e, h = self.num_local_experts, hidden_size
