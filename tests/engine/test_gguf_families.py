@@ -1,8 +1,7 @@
 """Gemma 2, Gemma 3 and Phi-3 as llama.cpp writes them (pagellm.bench.gguf_convert): the engine on the GGUF
 file gives transformers' greedy tokens on the same file and, where transformers' GGUF reader rebuilds the
 whole config, the original checkpoint's; `--quantization gguf` on a Q8_0 file gives the tokens of the same
-file dequantized at load. Phi-3 runs by default, the
-other families under -m slow."""
+file dequantized at load. Phi-3 runs by default, the other families under -m slow."""
 
 from __future__ import annotations
 
