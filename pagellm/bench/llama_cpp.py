@@ -7,9 +7,7 @@ cache), and is stopped. Only the tokens each request asked for count (useful out
 setting is the peer's number, and every setting's rate is kept.
 
 The GGUF: `--llama-model PATH`, or one written from the run's model in its dtype (bf16 for parity with
-pagellm's bf16 runs) and cached under the pagellm cache dir: a GGUF model (model S ships as Q4_1) is
-dequantized and re-encoded tensor by tensor with the same metadata and tokenizer; a Hugging Face Llama or
-Qwen2 checkpoint (model M) is converted with the `gguf` package.
+pagellm's bf16 runs) and cached under the pagellm cache dir (pagellm.bench.gguf_convert writes it).
 """
 
 from __future__ import annotations
@@ -25,8 +23,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
-import numpy as np
 
 from pagellm.bench.common import ThroughputResult
 from pagellm.bench.process import LoggedProcess, quiet_httpx
@@ -200,180 +196,9 @@ def _help(binary: str) -> str:
         return ""
 
 
-# -- the GGUF file ---------------------------------------------------------------------------------------
-
-
-def _gguf_type(dtype_name: str):
-    from gguf import GGMLQuantizationType, LlamaFileType
-
-    return {
-        "bfloat16": (GGMLQuantizationType.BF16, LlamaFileType.MOSTLY_BF16),
-        "float16": (GGMLQuantizationType.F16, LlamaFileType.MOSTLY_F16),
-        "float32": (GGMLQuantizationType.F32, LlamaFileType.ALL_F32),
-    }[dtype_name]
-
-
-def _encode(data: np.ndarray, dtype_name: str) -> tuple[np.ndarray, Any]:
-    """Matrices in the run's dtype; vectors (norms, biases) stay float32, as llama.cpp's converter does."""
-    from gguf import GGMLQuantizationType, quants
-
-    qtype = _gguf_type(dtype_name)[0] if data.ndim >= 2 else GGMLQuantizationType.F32
-    data = np.ascontiguousarray(data, dtype=np.float32)
-    if qtype == GGMLQuantizationType.F32:
-        return data, qtype
-    if qtype == GGMLQuantizationType.F16:
-        return data.astype(np.float16), qtype
-    return quants.quantize(data, qtype), qtype
-
-
-def reencode_gguf(source: str | os.PathLike, target: str | os.PathLike, dtype_name: str = "bfloat16") -> Path:
-    """Write `source` (any GGUF) to `target` with every tensor dequantized and stored in `dtype_name`
-    (matrices) or float32 (vectors), keeping all its metadata and tokenizer."""
-    from gguf import GGUFReader, GGUFValueType, GGUFWriter, dequantize
-
-    reader = GGUFReader(str(source))
-    arch = reader.fields["general.architecture"].contents()
-    target = Path(target)
-    partial = target.with_name(target.name + ".partial")
-    writer = GGUFWriter(str(partial), arch)
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF.") or key in (
-            "general.architecture",
-            "general.file_type",
-            "general.quantization_version",
-        ):
-            continue
-        vtype = field.types[0]
-        sub_type = field.types[-1] if vtype == GGUFValueType.ARRAY else None
-        writer.add_key_value(key, field.contents(), vtype, sub_type=sub_type)
-    writer.add_file_type(_gguf_type(dtype_name)[1])
-    for tensor in reader.tensors:
-        data, qtype = _encode(dequantize(tensor.data, tensor.tensor_type), dtype_name)
-        writer.add_tensor(tensor.name, data, raw_dtype=qtype)
-    _finish(writer, partial, target)
-    return target
-
-
-def _finish(writer: Any, partial: Path, target: Path) -> None:
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    partial.rename(target)
-
-
-def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
-    """Hugging Face's rotate-half q/k rows into llama.cpp's interleaved order (its converter's permute)."""
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-_HF_ARCHS = {"llama": "LLAMA", "mistral": "LLAMA", "qwen2": "QWEN2"}
-
-
-def convert_hf_checkpoint(
-    directory: str | os.PathLike, target: str | os.PathLike, dtype_name: str = "bfloat16"
-) -> Path:
-    """A Hugging Face Llama/Mistral/Qwen2 checkpoint (safetensors, byte-level BPE tokenizer) as a GGUF file
-    llama.cpp can serve: llama.cpp's tensor names and metadata, q/k rows permuted for Llama."""
-    import gguf
-    from transformers import AutoConfig, AutoTokenizer
-
-    from pagellm.models.loader import iter_checkpoint_weights
-
-    config = AutoConfig.from_pretrained(directory)
-    if config.model_type not in _HF_ARCHS:
-        raise ValueError(
-            f"no GGUF conversion for {config.model_type!r} checkpoints; pass --llama-model with a GGUF file"
-        )
-    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
-        raise ValueError(
-            "no GGUF conversion for sliding-window checkpoints; pass --llama-model with a GGUF file"
-        )
-    arch = getattr(gguf.MODEL_ARCH, _HF_ARCHS[config.model_type])
-    arch_name = gguf.MODEL_ARCH_NAMES[arch]
-    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads or config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    target = Path(target)
-    partial = target.with_name(target.name + ".partial")
-    writer = gguf.GGUFWriter(str(partial), arch_name)
-    writer.add_name(Path(directory).name)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(heads)
-    writer.add_head_count_kv(kv_heads)
-    writer.add_key_length(head_dim)
-    writer.add_value_length(head_dim)
-    writer.add_rope_dimension_count(head_dim)
-    theta = getattr(config, "rope_theta", None) or (getattr(config, "rope_parameters", None) or {}).get(
-        "rope_theta"
-    )
-    writer.add_rope_freq_base(float(theta or 10000.0))
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_vocab_size(config.vocab_size)
-    writer.add_file_type(_gguf_type(dtype_name)[1])
-    _add_tokenizer(
-        writer,
-        AutoTokenizer.from_pretrained(directory),
-        config,
-        "qwen2" if arch_name == "qwen2" else "default",
-    )
-    names = gguf.get_tensor_name_map(arch, config.num_hidden_layers)
-    tied = bool(getattr(config, "tie_word_embeddings", False))
-    for name, tensor in iter_checkpoint_weights(str(directory)):
-        if name.endswith("rotary_emb.inv_freq") or (tied and name == "lm_head.weight"):
-            continue
-        data = tensor.float().numpy()
-        if arch_name == "llama" and name.endswith("q_proj.weight"):
-            data = _permute(data, heads)
-        elif arch_name == "llama" and name.endswith("k_proj.weight"):
-            data = _permute(data, kv_heads)
-        gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
-        if gguf_name is None:
-            raise ValueError(f"no GGUF name for tensor {name}")
-        data, qtype = _encode(data, dtype_name)
-        writer.add_tensor(gguf_name, data, raw_dtype=qtype)
-    _finish(writer, partial, target)
-    return target
-
-
-def _add_tokenizer(writer: Any, tokenizer: Any, config: Any, pre: str) -> None:
-    """A byte-level BPE tokenizer as llama.cpp's "gpt2" model: tokens by id, their types, the merges."""
-    import json
-
-    from gguf import TokenType
-
-    vocab = tokenizer.get_vocab()
-    size = config.vocab_size
-    by_id = {i: t for t, i in vocab.items()}
-    special = set(tokenizer.all_special_ids)
-    tokens, types = [], []
-    for i in range(size):
-        token = by_id.get(i)
-        if token is None:
-            tokens.append(f"[PAD{i}]")
-            types.append(TokenType.UNUSED)
-        else:
-            tokens.append(token)
-            types.append(TokenType.CONTROL if i in special else TokenType.NORMAL)
-    model = json.loads(tokenizer.backend_tokenizer.to_str())["model"]
-    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre(pre)
-    writer.add_token_list(tokens)
-    writer.add_token_types(types)
-    writer.add_token_merges(merges)
-    for kind in ("bos", "eos", "pad"):
-        token_id = getattr(tokenizer, f"{kind}_token_id", None)
-        if token_id is None:
-            token_id = getattr(config, f"{kind}_token_id", None)
-        if isinstance(token_id, int):
-            getattr(writer, f"add_{kind}_token_id")(token_id)
-
-
 def gguf_for(config: Any, dtype_name: str, cache_root: str | os.PathLike) -> str:
     """The GGUF of `config.model` in `dtype_name`, written once into `cache_root`/llama.cpp."""
+    from pagellm.bench.gguf_convert import convert_hf_checkpoint, reencode_gguf
     from pagellm.engine.setup import resolve_model_source
 
     source = resolve_model_source(config)

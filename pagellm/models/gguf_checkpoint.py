@@ -67,7 +67,8 @@ def iter_gguf_weights(
             if raw
             else dequantize(tensor.data, tensor.tensor_type)
         )
-        # the llama processor only reorders q/k rows, as valid for rows of packed blocks as for floats
+        # the llama processor only reorders q/k rows, as valid for rows of packed blocks as for floats; the
+        # Gemma one subtracts the 1 llama.cpp adds to norm weights
         data = processor.process(
             weights=data, name=tensor.name, tensor_key_mapping=names, parsed_parameters={"tensors": {}}
         ).weights
@@ -79,8 +80,9 @@ def iter_gguf_weights(
             yield hf_name, torch.from_numpy(np.array(data, dtype=np.float32))
 
 
-# GGUF architectures whose tensor processor leaves weight rows intact (gpt2's transposes them)
-_RAW_LINEAR_ARCHITECTURES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+# GGUF architectures whose tensor processor leaves linear weight rows intact (gpt2's transposes them; the
+# Gemma one only shifts norms back; Phi-3's fused q/k/v and gate/up rows split in its model)
+_RAW_LINEAR_ARCHITECTURES = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3"})
 
 
 def _gguf_to_hf_names(architecture: str, hf_config) -> dict[str, str]:

@@ -4,7 +4,8 @@ checkpoint, LongRoPE (short/long factors, models/layers/rotary.py), partial rota
 
 The fused checkpoint tensors are split into their q/k/v (gate/up) rows at load and loaded like Llama's
 separate ones, so a tensor-parallel rank takes its heads (and MLP columns) of each part, reading only
-those rows of a safetensors file.
+those rows of a safetensors file. A GGUF file's packed blocks (`--quantization gguf`) split the same way:
+each row of a GGUF tensor is one output, its blocks running along the input.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ class Phi3ForCausalLM(LlamaForCausalLM):
     def __init__(self, init: ModelInit):
         super().__init__(init)
         c = init.hf_config
+        self.gguf_rows = init.quant_method is not None and init.quant_method.loads_gguf_blocks
         q, kv = c.num_attention_heads * head_size(c), c.num_key_value_heads * head_size(c)
         self.fused_parts = {
             ".qkv_proj.": (("q_proj", q), ("k_proj", kv), ("v_proj", kv)),
@@ -34,7 +36,8 @@ class Phi3ForCausalLM(LlamaForCausalLM):
 
     def _split_fused(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         """Checkpoint `qkv_proj` as q_proj, k_proj, v_proj and `gate_up_proj` as gate_proj, up_proj: row
-        ranges of the output dimension, in that order."""
+        ranges of the output dimension, in that order (GGUF's packed rows too, each part with the fused
+        tensor's type)."""
         for name, tensor in weights:
             fused = next((key for key in self.fused_parts if key in name), None)
             if fused is None:
@@ -42,7 +45,11 @@ class Phi3ForCausalLM(LlamaForCausalLM):
                 continue
             if not self._on_this_stage(name):
                 continue
-            if not name.endswith((".weight", ".bias")):
+            if self.gguf_rows and name.endswith(".qweight_type"):  # one GGML type for every part
+                for part, _ in self.fused_parts[fused]:
+                    yield name.replace(fused, f".{part}."), tensor
+                continue
+            if not name.endswith((".weight", ".bias")) and not (self.gguf_rows and name.endswith(".qweight")):
                 raise ConfigError(
                     f"checkpoint tensor {name!r}: pre-quantized Phi-3 checkpoints (fused, packed tensors) are "
                     f"not supported; use an unquantized checkpoint (--quantization quantizes it at load)"

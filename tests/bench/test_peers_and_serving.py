@@ -15,7 +15,8 @@ import torch
 from bench_cli import ENGINE_ARGS, FLOOR_ARGS, SMALL_W1, run_bench
 
 from pagellm.bench import serve as w2
-from pagellm.bench.llama_cpp import LlamaSetting, convert_hf_checkpoint, reencode_gguf, server_command
+from pagellm.bench.gguf_convert import convert_hf_checkpoint, reencode_gguf
+from pagellm.bench.llama_cpp import LlamaSetting, server_command
 from pagellm.bench.workloads import w1
 from pagellm.core.config import EngineConfig
 

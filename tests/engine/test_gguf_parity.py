@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import importlib.util
+from pathlib import Path
 
 import pytest
-import torch
 from parity import Reference, assert_greedy_parity
 
 from pagellm import LLM, SamplingParams
@@ -20,19 +20,6 @@ pytestmark = [
 ]
 
 
-class GGUFReference(Reference):
-    def __init__(self, path: str, max_tokens: int):
-        from pathlib import Path
-
-        from transformers import AutoModelForCausalLM
-
-        self.model = AutoModelForCausalLM.from_pretrained(
-            Path(path).parent, gguf_file=Path(path).name, dtype=torch.float32
-        ).eval()
-        self.max_tokens = max_tokens
-        self.cache = {}
-
-
 def test_smollm2_gguf_greedy_equals_transformers():
     path = default_model_path()
     llm = LLM(path, dtype="float32", kv_cache_space=0.25, max_model_len=512)
@@ -40,7 +27,7 @@ def test_smollm2_gguf_greedy_equals_transformers():
     texts = ["The capital of France is", "def fibonacci(n):", "Paged attention stores", "1, 2, 3, 4,"]
     prompts = [tok.encode(t) for t in texts]
     prompts.append(llm.apply_chat_template([{"role": "user", "content": "What is 2 + 2?"}]))
-    assert_greedy_parity(llm, GGUFReference(path, max_tokens=8), prompts)
+    assert_greedy_parity(llm, Reference(Path(path).parent, 8, gguf_file=Path(path).name), prompts)
 
 
 def test_native_gguf_quantization_gives_the_dequantized_tokens():

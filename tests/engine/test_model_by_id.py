@@ -167,7 +167,7 @@ def test_a_local_directory_wins_over_an_id_of_the_same_spelling(hf_cache, tiny_d
 @pytest.fixture(scope="module")
 def gguf_dir(tiny_dir, tmp_path_factory) -> Path:
     """A GGUF repository: the tiny model as float32 GGUF, once as tiny-F32.gguf and once as tiny.Q8_0.gguf."""
-    from pagellm.bench.llama_cpp import convert_hf_checkpoint
+    from pagellm.bench.gguf_convert import convert_hf_checkpoint
 
     out = tmp_path_factory.mktemp("gguf-repo")
     convert_hf_checkpoint(tiny_dir, out / "tiny-F32.gguf", "float32")

@@ -98,12 +98,13 @@ def mixed_prompts(vocab: int, seed: int = 0, shared_prefix: int = 0) -> list[lis
 
 class Reference:
     """transformers greedy generate on the same weights, in float32, one prompt at a time (cached), on the
-    session's device (`pytest --device`), where the engine under test runs."""
+    session's device (`pytest --device`), where the engine under test runs. `gguf_file`: the model is that
+    file in `model_dir`, read by transformers' GGUF loader."""
 
-    def __init__(self, model_dir: Path, max_tokens: int):
+    def __init__(self, model_dir: Path, max_tokens: int, gguf_file: str | None = None):
         from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, gguf_file=gguf_file, dtype=torch.float32)
         self.model = model.to(session_device()).eval()
         self.max_tokens = max_tokens
         self.cache: dict[tuple[int, ...], list[int]] = {}

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from models_harness import PagedRunner
-from tiny import make_tokenizer, tiny_config
+from tiny import make_tiny_checkpoint, make_tokenizer, tiny_config
 
 from pagellm.attention_backends.torch_sdpa import TorchSDPABackend
 from pagellm.models.base import ModelInit
@@ -18,8 +18,19 @@ from pagellm.models.loader import load_model, resolve_model_class
 from pagellm.models.registry import pagellm_models
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gpt2", "phi3"])
-def test_gguf_names_match_transformers_mapping(arch):
+@pytest.mark.parametrize(
+    ("arch", "gguf_arch"),
+    [
+        ("llama",) * 2,
+        ("qwen2",) * 2,
+        ("qwen3",) * 2,
+        ("gpt2",) * 2,
+        ("phi3",) * 2,
+        ("gemma2",) * 2,
+        ("gemma3_text", "gemma3"),
+    ],
+)
+def test_gguf_names_match_transformers_mapping(arch, gguf_arch):
     from transformers import AutoModelForCausalLM
     from transformers.modeling_gguf_pytorch_utils import (
         TENSOR_PROCESSORS,
@@ -30,12 +41,42 @@ def test_gguf_names_match_transformers_mapping(arch):
     config = tiny_config(arch, vocab_size=len(make_tokenizer()))
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(config)
-    expected = get_gguf_hf_weights_map(skeleton, TENSOR_PROCESSORS.get(arch, TensorProcessor)())
-    names = _gguf_to_hf_names(arch, config)
+    expected = get_gguf_hf_weights_map(skeleton, TENSOR_PROCESSORS.get(gguf_arch, TensorProcessor)())
+    names = _gguf_to_hf_names(gguf_arch, config)
     assert names == expected
     assert names["blk.1.attn_output.weight"].endswith(
         ("layers.1.self_attn.o_proj.weight", "h.1.attn.c_proj.weight")
     )
+
+
+# Config fields of the tiny models that transformers' GGUF reader does not rebuild from the file, left at the
+# config class's default: Gemma 2's query_pre_attn_scalar (llama.cpp has no key for it); Phi-3's LongRoPE
+# (the factors are tensors the reader skips, the original context a key it does not map) and its rotary
+# width. Gemma 2's soft-caps are not mapped either; the tiny model's equal the defaults.
+READER_DROPS = {
+    "gemma2": {"query_pre_attn_scalar"},
+    "gemma3_text": set(),
+    "phi3": set(),
+    "phi3-longrope": {"rope_parameters", "original_max_position_embeddings"},
+}
+# differ in any file: paths and names, the dtype the model was saved in, the init spread
+UNSTATED = {"_name_or_path", "_model_name_or_path", "architectures", "dtype", "initializer_range"}
+
+
+@pytest.mark.parametrize("family", list(READER_DROPS))
+def test_converted_config_comes_back_but_for_what_the_reader_drops(family, tmp_path):
+    from parity import FAMILIES
+    from transformers import AutoConfig
+
+    from pagellm.bench.gguf_convert import convert_hf_checkpoint
+
+    checkpoint = make_tiny_checkpoint(family.split("-")[0], tmp_path, **FAMILIES[family])
+    gguf = convert_hf_checkpoint(checkpoint, tmp_path / "tiny.gguf", "float32")
+    original = AutoConfig.from_pretrained(checkpoint).to_dict()
+    back = AutoConfig.from_pretrained(tmp_path, gguf_file=gguf.name).to_dict()
+    assert back.pop("rms_norm_eps") == pytest.approx(original.pop("rms_norm_eps"))  # stored as float32
+    differ = {key for key in original.keys() | back.keys() if original.get(key) != back.get(key)}
+    assert differ - UNSTATED == READER_DROPS[family]
 
 
 def _smollm2_gguf() -> Path:

@@ -1,0 +1,71 @@
+"""Gemma 2, Gemma 3 and Phi-3 as llama.cpp writes them (pagellm.bench.gguf_convert): the engine on the GGUF
+file gives transformers' greedy tokens on the same file and, where transformers' GGUF reader rebuilds the
+whole config, the original checkpoint's; `--quantization gguf` on a Q8_0 file gives the tokens of the same
+file dequantized at load. Phi-3 runs by default, the other families under -m slow."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from parity import FAMILIES, Reference, assert_greedy_parity, mixed_prompts
+from tiny import make_tiny_checkpoint
+
+from pagellm import LLM, SamplingParams
+from pagellm.bench.gguf_convert import convert_hf_checkpoint
+
+MAX_TOKENS = 8
+ENGINE = dict(dtype="float32", max_model_len=400, kv_cache_space=0.01)
+# where the reader keeps every field the tiny model sets: Gemma 2's query_pre_attn_scalar (16 here) and
+# LongRoPE's factors and partial rotary are lost (tests/models/test_models_gguf.py checks which)
+ROUND_TRIPS = {"gemma3_text", "phi3"}
+
+
+def _gguf(family: str, root: Path, type_name: str = "float32") -> tuple[Path, Path]:
+    """(the tiny checkpoint, its GGUF file)."""
+    checkpoint = make_tiny_checkpoint(family.split("-")[0], root, **FAMILIES[family])
+    return checkpoint, convert_hf_checkpoint(checkpoint, root / f"tiny-{family}.{type_name}.gguf", type_name)
+
+
+@pytest.mark.parametrize(
+    "family",
+    [
+        "phi3",
+        pytest.param("gemma3_text", marks=pytest.mark.slow),
+        pytest.param("gemma2", marks=pytest.mark.slow),
+        pytest.param("phi3-longrope", marks=pytest.mark.slow),
+    ],
+)
+def test_gguf_family_matches_transformers_on_the_same_file(family, tmp_path, monkeypatch):
+    monkeypatch.setenv("PAGELLM_CACHE_DIR", str(tmp_path / "cache"))
+    checkpoint, gguf = _gguf(family, tmp_path)
+    llm = LLM(str(gguf), **ENGINE)
+    prompts = mixed_prompts(300, seed=2)[::4]  # 1 to 128 tokens, across the 32-token windows
+    assert_greedy_parity(llm, Reference(gguf.parent, MAX_TOKENS, gguf_file=gguf.name), prompts)
+    if family in ROUND_TRIPS:
+        assert_greedy_parity(llm, Reference(checkpoint, MAX_TOKENS), prompts)
+
+
+@pytest.mark.parametrize(
+    "family",
+    [
+        "phi3",
+        pytest.param("gemma2", marks=pytest.mark.slow),
+        pytest.param("gemma3_text", marks=pytest.mark.slow),
+    ],
+)
+def test_q8_0_gguf_kept_packed_gives_the_dequantized_tokens(family, tmp_path, monkeypatch):
+    monkeypatch.setenv("PAGELLM_CACHE_DIR", str(tmp_path / "cache"))
+    _, gguf = _gguf(family, tmp_path, "q8_0")
+    prompts = [{"prompt_token_ids": p} for p in mixed_prompts(300, seed=3)[8:14]]
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+    outputs = {}
+    for quantization in (None, "gguf"):
+        llm = LLM(str(gguf), quantization=quantization, **ENGINE)
+        outputs[quantization] = [
+            o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)
+        ]
+    layer = llm.engine.runner.model.model.layers[0]
+    assert type(layer.self_attn.qkv_proj.quant_method).__name__ == "GgufMethod"
+    assert layer.mlp.gate_up_proj.qweight_types == [8, 8]  # Q8_0 for gate and up
+    assert outputs["gguf"] == outputs[None]
