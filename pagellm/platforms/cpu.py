@@ -14,8 +14,10 @@ import torch
 
 from pagellm.core.dtypes import dtype_name
 from pagellm.core.errors import ConfigError
+from pagellm.core.moe import PackedMoE
 from pagellm.core.paths import cache_dir
 from pagellm.core.platform import DTYPE_VIEWS, FLOAT8, Availability, GiB, PackedLinear, Platform
+from pagellm.platforms import cpu_moe
 from pagellm.platforms._common import classproperty, gib
 from pagellm.plugins.hookspecs import hookimpl
 
@@ -164,6 +166,26 @@ class CpuPlatform(Platform):
             return None
         packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACKED_LINEAR_BATCH_HINT)
         return PackedLinear(packed, _onednn_linear)
+
+    @classmethod
+    def pack_moe(
+        cls,
+        w13: torch.Tensor,
+        w2: torch.Tensor,
+        w13_bias: torch.Tensor | None,
+        w2_bias: torch.Tensor | None,
+        activation: str,
+    ) -> PackedMoE | None:
+        """float32 and bfloat16 experts on pagellm's native kernel (platforms/cpu_kernels/fused_moe.cpp,
+        packed by platforms/cpu_moe.py): each chosen expert's weights read once a step, the activation in
+        the first GEMM's epilogue. None (the PyTorch reference) for other dtypes, or where the kernels
+        cannot be had here (no compiler, PAGELLM_CPU_KERNELS=0: `cpu_kernels.load` logs why, once)."""
+        if w13.dtype not in cpu_moe.DTYPES or w2.dtype != w13.dtype:
+            return None
+        kernels = _kernels()
+        if kernels is None:
+            return None
+        return cpu_moe.pack(w13, w2, w13_bias, w2_bias, activation, kernels.fused_moe_isa())
 
     @classmethod
     def argmax(cls, logits: torch.Tensor) -> torch.Tensor:

@@ -23,7 +23,7 @@ from pagellm.core.paths import cache_dir
 
 logger = logging.getLogger("pagellm")
 
-SOURCES = ("paged_attention.cpp", "linear_amx.cpp", "argmax.cpp")
+SOURCES = ("paged_attention.cpp", "linear_amx.cpp", "argmax.cpp", "fused_moe.cpp")
 HEADERS = ("amx_tiles.h",)
 ENV_SWITCH = "PAGELLM_CPU_KERNELS"
 
@@ -47,7 +47,9 @@ def load() -> ModuleType | None:
         module, _why_not = _build()
         if module is None:
             logger.warning(
-                "CPU kernels unavailable (attention uses its PyTorch path, linears oneDNN): %s", _why_not
+                "CPU kernels unavailable (attention uses its PyTorch path, linears oneDNN, MoE experts the "
+                "reference): %s",
+                _why_not,
             )
         _loaded["module"] = module
         return module
@@ -71,7 +73,7 @@ def _build() -> tuple[ModuleType | None, str | None]:
     fresh = not any(build_dir.glob("*.so"))
     if fresh:
         logger.info(
-            "building the CPU kernels (attention, AMX linear) in %s (once per CPU and torch version)",
+            "building the CPU kernels (attention, AMX linear, MoE) in %s (once per CPU and torch version)",
             build_dir,
         )
     started = time.monotonic()

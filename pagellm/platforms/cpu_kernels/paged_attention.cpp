@@ -1115,6 +1115,9 @@ at::Tensor amx_linear_w8a8(const at::Tensor& x, const at::Tensor& packed, const 
 // argmax.cpp
 at::Tensor argmax_rows(const at::Tensor& logits);
 
+// fused_moe.cpp (its op, pagellm::cpu_fused_moe, is registered there)
+std::string fused_moe_isa();
+
 // ---- pagellm::cpu_attention: the compiled CPU graph's attention op, without Python ----------------------
 // A decode-only step's attention is the same two calls in every layer (store_kv, paged_attention) with the
 // step's tables; Python's part of it (the custom op's dispatch and the backend's forward) cost ~4 ms of a
@@ -1206,6 +1209,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("argmax_rows", &argmax_rows, "each row's argmax (first on ties, first NaN), as max(dim=-1).indices");
   m.def("store_kv", &store_kv, "write new keys and values into a heads-first cache at their slots");
   m.def("isa", &isa, "the vector instruction set this build uses");
+  m.def("fused_moe_isa", &fused_moe_isa, "the vector instruction set the fused-MoE kernel uses");
   m.def("begin_native_step", &begin_native_step, "the step's tables and each layer's cache and plan, for cpu_attention");
   m.def("end_native_step", &end_native_step, "cpu_attention calls the Python op again");
 }

@@ -1,0 +1,514 @@
+// Fused mixture-of-experts for CPUs: one step's expert MLPs over prepacked weights.
+//
+// Why: run expert by expert in PyTorch (core/moe.py's reference), a decode step pays a gather, two GEMM
+// calls, the activation's temporaries and an index_add per chosen expert, and oneDNN re-reads each weight
+// in its own order per call. Here the step's (token, expert) pairs are sorted by expert once (counts, a
+// prefix sum, a permutation; experts no token chose are skipped), and each chosen expert's weights are read
+// once per step in panels laid out for the loop that multiplies them against all of that expert's tokens.
+//
+// Layout (packed by platforms/cpu_moe.py; padding is zero):
+//   w13 [E, ceil(I/8), H, 16]: panel p holds gate rows 8p..8p+7 and up rows 8p..8p+7 of w13 [E, 2I, H],
+//     k-major, so a panel is one sequential read and each k step is 16 weights: 8 gate and 8 up columns.
+//   w2  [E, ceil(H/16), I, 16]: panel p holds output rows 16p..16p+15 of w2 [E, H, I], k-major.
+//   Within a k step, float32 keeps the columns in order; bfloat16 interleaves them (value 2j is column j,
+//   2j + 1 column 8 + j), so that one 256-bit load becomes the two 8-float halves by a shift and a mask.
+//   Biases are float32: [E, 16 ceil(I/8)] (per panel: 8 gate, then 8 up) and [E, 16 ceil(H/16)].
+//
+// A step, per chunk of tokens (bounding the float32 buffers): (1) per (expert, w13 panel), every row of the
+// expert's tokens times the panel, in float32 registers (up to 6 rows x 16 columns), then in the epilogue
+// the bias and the activation, giving 8 activation columns of each row; (2) per (expert, w2 panel), the
+// activation rows times the panel, the bias, times the routing weight; (3) per token, the sum of its top-k
+// rows in float32, rounded to the output dtype once. Work is split between threads in contiguous runs of
+// equal cost (a panel's weight read plus its rows), so each thread streams its panels once and experts
+// with many tokens do not leave a thread idle: whole experts (both GEMMs, one parallel region) where there
+// are at least 4 chosen experts per thread, else the (expert, panel) items of (1), then of (2).
+//
+// Products are summed in float32 in k order (the reference rounds gate/up, the activation and the down
+// projection to bfloat16 in between; this does not). Built with the other kernels (-march=native): the
+// AVX2+FMA path, or plain C++ where the compiler may not use them. AVX-512 and AMX CPUs run the AVX2 path.
+
+// ATen's core and the op registry only, not torch/extension.h (pybind11 and the C++ frontend): this file
+// then compiles in about a quarter of the time.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define PL_MOE_AVX2 1
+#else
+#define PL_MOE_AVX2 0
+#endif
+
+namespace {
+
+constexpr int64_t kPanel = 16;     // weight columns per panel (w13: 8 gate + 8 up)
+constexpr int64_t kHalf = 8;       // activation columns per w13 panel
+constexpr int kMaxRows = 6;        // rows per register block: 6 x 2 accumulators + 2 weights + 1 broadcast
+constexpr int64_t kPanelCost = 4;  // a panel's weight read, in rows of compute (for splitting the work)
+constexpr int64_t kBufferFloats = int64_t(1) << 23;  // float32 buffers per chunk of tokens (32 MB)
+// With at least this many chosen experts per thread, threads take whole experts (one parallel region a
+// step: a second region's wake-up and barrier cost more than a decode step's work on a busy machine);
+// with fewer, they share each GEMM's panels (two regions).
+constexpr int64_t kExpertsPerThread = 4;
+
+enum Activation { kSilu, kSwigluOai, kGeluTanh };
+
+struct ActParams {
+  Activation kind;
+  float alpha, limit;
+};
+
+inline float bf16_to_float(uint16_t v) {
+  const uint32_t bits = static_cast<uint32_t>(v) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+// Round to nearest even, as torch does; NaN stays NaN.
+inline uint16_t float_to_bf16(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  if (std::isnan(f)) return static_cast<uint16_t>((bits >> 16) | 0x40);
+  return static_cast<uint16_t>((bits + 0x7fff + ((bits >> 16) & 1)) >> 16);
+}
+
+inline float sigmoid(float x) { return 1.f / (1.f + std::exp(-x)); }
+
+constexpr float kGeluC = 0.7978845608028654f;  // sqrt(2 / pi)
+
+// The activation of one gate/up pair (core/moe.py `activate`). gelu_tanh's 0.5 (1 + tanh(z)) is written
+// as sigmoid(2z), the same function.
+inline float activate(float gate, float up, const ActParams& a) {
+  switch (a.kind) {
+    case kSilu:
+      return gate * sigmoid(gate) * up;
+    case kGeluTanh:
+      return gate * sigmoid(2.f * kGeluC * (gate + 0.044715f * gate * gate * gate)) * up;
+    case kSwigluOai: {
+      const float g = std::min(gate, a.limit), u = std::min(std::max(up, -a.limit), a.limit);
+      return (u + 1.f) * g * sigmoid(a.alpha * g);
+    }
+  }
+  return 0.f;
+}
+
+// ---- the register block: rows x 16 columns over a whole panel --------------------------------------------
+// sums[r][c] = sum_k x[r][k] * panel column c at k, columns in logical order (w13: 8 gate, then 8 up).
+
+#if PL_MOE_AVX2
+template <int kRows, bool kBf16>
+inline void panel_dot(const float* const* x, const void* panel, int64_t k, __m256* lo, __m256* hi) {
+  // With one or two rows the FMA chains, not the loads, would set the pace: two sets of accumulators
+  // (even and odd k) keep four chains in flight.
+  constexpr int kSets = kRows <= 2 ? 2 : 1;
+  __m256 acc_lo[kSets][kRows], acc_hi[kSets][kRows];
+  for (int s = 0; s < kSets; ++s)
+    for (int r = 0; r < kRows; ++r) acc_lo[s][r] = _mm256_setzero_ps(), acc_hi[s][r] = _mm256_setzero_ps();
+  const __m256i high_half = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
+  auto step = [&](int64_t i, int s) {
+    __m256 w_lo, w_hi;
+    if constexpr (kBf16) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(panel) + i * kPanel));
+      w_lo = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+      w_hi = _mm256_castsi256_ps(_mm256_and_si256(v, high_half));
+    } else {
+      const float* p = static_cast<const float*>(panel) + i * kPanel;
+      w_lo = _mm256_loadu_ps(p);
+      w_hi = _mm256_loadu_ps(p + 8);
+    }
+    for (int r = 0; r < kRows; ++r) {
+      const __m256 b = _mm256_broadcast_ss(x[r] + i);
+      acc_lo[s][r] = _mm256_fmadd_ps(w_lo, b, acc_lo[s][r]);
+      acc_hi[s][r] = _mm256_fmadd_ps(w_hi, b, acc_hi[s][r]);
+    }
+  };
+  int64_t i = 0;
+  if constexpr (kSets == 2) {
+    for (; i + 2 <= k; i += 2) step(i, 0), step(i + 1, 1);
+  }
+  for (; i < k; ++i) step(i, 0);
+  for (int r = 0; r < kRows; ++r) {
+    lo[r] = kSets == 2 ? _mm256_add_ps(acc_lo[0][r], acc_lo[kSets - 1][r]) : acc_lo[0][r];
+    hi[r] = kSets == 2 ? _mm256_add_ps(acc_hi[0][r], acc_hi[kSets - 1][r]) : acc_hi[0][r];
+  }
+}
+
+// e^x, x clamped to [-87, 88] (beyond, sigmoid is 0 or 1 in float32 anyway); relative error ~1e-7.
+inline __m256 vexp(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.f)), _mm256_set1_ps(88.f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.f / 720);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 120));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 24));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 6));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+inline __m256 vsigmoid(__m256 x) {
+  const __m256 one = _mm256_set1_ps(1.f);
+  return _mm256_div_ps(one, _mm256_add_ps(one, vexp(_mm256_sub_ps(_mm256_setzero_ps(), x))));
+}
+
+inline __m256 vactivate(__m256 gate, __m256 up, const ActParams& a) {
+  switch (a.kind) {
+    case kSilu:
+      return _mm256_mul_ps(_mm256_mul_ps(gate, vsigmoid(gate)), up);
+    case kGeluTanh: {
+      const __m256 g3 = _mm256_mul_ps(_mm256_mul_ps(gate, gate), gate);
+      const __m256 z = _mm256_mul_ps(_mm256_set1_ps(2.f * kGeluC), _mm256_fmadd_ps(_mm256_set1_ps(0.044715f), g3, gate));
+      return _mm256_mul_ps(_mm256_mul_ps(gate, vsigmoid(z)), up);
+    }
+    case kSwigluOai: {
+      const __m256 limit = _mm256_set1_ps(a.limit);
+      const __m256 g = _mm256_min_ps(gate, limit);
+      const __m256 u = _mm256_min_ps(_mm256_max_ps(up, _mm256_sub_ps(_mm256_setzero_ps(), limit)), limit);
+      const __m256 gs = _mm256_mul_ps(g, vsigmoid(_mm256_mul_ps(_mm256_set1_ps(a.alpha), g)));
+      return _mm256_mul_ps(_mm256_add_ps(u, _mm256_set1_ps(1.f)), gs);
+    }
+  }
+  return _mm256_setzero_ps();
+}
+
+// 8 floats to bfloat16, rounding to nearest even; NaN stays NaN.
+inline __m128i vto_bf16(__m256 v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  __m256i rounded = _mm256_add_epi32(_mm256_add_epi32(bits, _mm256_set1_epi32(0x7fff)), lsb);
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  rounded = _mm256_blendv_epi8(rounded, _mm256_or_si256(bits, _mm256_set1_epi32(0x400000)), nan);
+  rounded = _mm256_srli_epi32(rounded, 16);
+  return _mm_packus_epi32(_mm256_castsi256_si128(rounded), _mm256_extracti128_si256(rounded, 1));
+}
+#else
+template <int kRows, bool kBf16>
+inline void panel_dot(const float* const* x, const void* panel, int64_t k, float (*sums)[kPanel]) {
+  for (int r = 0; r < kRows; ++r)
+    for (int64_t c = 0; c < kPanel; ++c) sums[r][c] = 0.f;
+  for (int64_t i = 0; i < k; ++i) {
+    float w[kPanel];
+    for (int64_t j = 0; j < kHalf; ++j) {
+      if constexpr (kBf16) {
+        const uint16_t* p = static_cast<const uint16_t*>(panel) + i * kPanel;
+        w[j] = bf16_to_float(p[2 * j]), w[kHalf + j] = bf16_to_float(p[2 * j + 1]);
+      } else {
+        const float* p = static_cast<const float*>(panel) + i * kPanel;
+        w[j] = p[j], w[kHalf + j] = p[kHalf + j];
+      }
+    }
+    for (int r = 0; r < kRows; ++r) {
+      const float xv = x[r][i];
+      for (int64_t c = 0; c < kPanel; ++c) sums[r][c] += w[c] * xv;
+    }
+  }
+}
+#endif
+
+// ---- the two GEMMs' register blocks with their epilogues -------------------------------------------------
+
+// Gate/up of `rows` rows (x: their float32 inputs) against one w13 panel, then bias and activation:
+// act[r][0..8) = activation columns 8p..8p+7 of row r.
+template <int kRows, bool kBf16>
+void gate_up_block(const float* const* x, const void* panel, int64_t h, const float* bias, const ActParams& a,
+                   float* const* act) {
+#if PL_MOE_AVX2
+  __m256 gate[kRows], up[kRows];
+  panel_dot<kRows, kBf16>(x, panel, h, gate, up);
+  const __m256 bg = bias ? _mm256_loadu_ps(bias) : _mm256_setzero_ps();
+  const __m256 bu = bias ? _mm256_loadu_ps(bias + kHalf) : _mm256_setzero_ps();
+  for (int r = 0; r < kRows; ++r)
+    _mm256_storeu_ps(act[r], vactivate(_mm256_add_ps(gate[r], bg), _mm256_add_ps(up[r], bu), a));
+#else
+  float sums[kRows][kPanel];
+  panel_dot<kRows, kBf16>(x, panel, h, sums);
+  for (int r = 0; r < kRows; ++r)
+    for (int64_t j = 0; j < kHalf; ++j)
+      act[r][j] = activate(sums[r][j] + (bias ? bias[j] : 0.f), sums[r][kHalf + j] + (bias ? bias[kHalf + j] : 0.f), a);
+#endif
+}
+
+// Down projection of `rows` activation rows against one w2 panel, then (sum + bias) * routing weight:
+// y[r][0..16) = the weighted output columns 16p..16p+15 of row r.
+template <int kRows, bool kBf16>
+void down_block(const float* const* act, const void* panel, int64_t inter, const float* bias, const float* weight,
+                float* const* y) {
+#if PL_MOE_AVX2
+  __m256 lo[kRows], hi[kRows];
+  panel_dot<kRows, kBf16>(act, panel, inter, lo, hi);
+  const __m256 b_lo = bias ? _mm256_loadu_ps(bias) : _mm256_setzero_ps();
+  const __m256 b_hi = bias ? _mm256_loadu_ps(bias + kHalf) : _mm256_setzero_ps();
+  for (int r = 0; r < kRows; ++r) {
+    const __m256 w = _mm256_set1_ps(weight[r]);
+    _mm256_storeu_ps(y[r], _mm256_mul_ps(_mm256_add_ps(lo[r], b_lo), w));
+    _mm256_storeu_ps(y[r] + kHalf, _mm256_mul_ps(_mm256_add_ps(hi[r], b_hi), w));
+  }
+#else
+  float sums[kRows][kPanel];
+  panel_dot<kRows, kBf16>(act, panel, inter, sums);
+  for (int r = 0; r < kRows; ++r)
+    for (int64_t c = 0; c < kPanel; ++c) y[r][c] = (sums[r][c] + (bias ? bias[c] : 0.f)) * weight[r];
+#endif
+}
+
+// Calls block<rows>(...) for a run-time row count in 1..kMaxRows.
+template <template <int> class Block, typename... Args>
+void dispatch_rows(int rows, Args&&... args) {
+  switch (rows) {
+    case 1: return Block<1>::run(args...);
+    case 2: return Block<2>::run(args...);
+    case 3: return Block<3>::run(args...);
+    case 4: return Block<4>::run(args...);
+    case 5: return Block<5>::run(args...);
+    default: return Block<6>::run(args...);
+  }
+}
+
+template <bool kBf16>
+struct GateUp {
+  template <int kRows>
+  struct Block {
+    template <typename... Args>
+    static void run(Args&&... args) { gate_up_block<kRows, kBf16>(args...); }
+  };
+};
+
+template <bool kBf16>
+struct Down {
+  template <int kRows>
+  struct Block {
+    template <typename... Args>
+    static void run(Args&&... args) { down_block<kRows, kBf16>(args...); }
+  };
+};
+
+// Runs fn(i) for i in [0, n), the items split into one contiguous run per thread of about equal total
+// cost (cost(i) >= 1), so each thread reads its items' weights in order and none waits for a heavy expert.
+template <typename Cost, typename Fn>
+void parallel_balanced(int64_t n, Cost cost, Fn fn) {
+  if (n == 0) return;
+  std::vector<int64_t> prefix(n + 1, 0);
+  for (int64_t i = 0; i < n; ++i) prefix[i + 1] = prefix[i] + cost(i);
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), n), total = prefix[n];
+  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const auto first = std::lower_bound(prefix.begin(), prefix.end(), total * t / threads) - prefix.begin();
+      const auto last = std::lower_bound(prefix.begin(), prefix.end(), total * (t + 1) / threads) - prefix.begin();
+      for (int64_t i = first; i < last; ++i) fn(i);
+    }
+  });
+}
+
+// The step's pairs of one chunk of tokens, sorted by expert (stable: token order within an expert).
+struct Routing {
+  std::vector<int64_t> token;     // [pairs] the token of sorted pair s
+  std::vector<float> weight;      // [pairs] its routing weight
+  std::vector<int64_t> position;  // [pairs] sorted position of pair (t, k), t local to the chunk
+  std::vector<int64_t> experts, start, count;  // the chosen experts, their first sorted pair and pair count
+};
+
+Routing sort_pairs(const int64_t* ids, const float* weights, int64_t tokens, int64_t top_k, int64_t num_experts) {
+  const int64_t pairs = tokens * top_k;
+  std::vector<int64_t> offset(num_experts + 1, 0);
+  for (int64_t i = 0; i < pairs; ++i) {
+    TORCH_CHECK(ids[i] >= 0 && ids[i] < num_experts, "cpu_fused_moe: expert id ", ids[i], " out of range [0, ",
+                num_experts, ")");
+    ++offset[ids[i] + 1];
+  }
+  Routing r;
+  for (int64_t e = 0; e < num_experts; ++e) {
+    if (offset[e + 1] > 0) r.experts.push_back(e), r.start.push_back(offset[e]), r.count.push_back(offset[e + 1]);
+    offset[e + 1] += offset[e];
+  }
+  r.token.resize(pairs), r.weight.resize(pairs), r.position.resize(pairs);
+  for (int64_t i = 0; i < pairs; ++i) {
+    const int64_t s = offset[ids[i]]++;
+    r.token[s] = i / top_k, r.weight[s] = weights[i], r.position[i] = s;
+  }
+  return r;
+}
+
+Activation parse_activation(c10::string_view name) {
+  const std::string s(name.data(), name.size());
+  if (s == "silu") return kSilu;
+  if (s == "swiglu_oai") return kSwigluOai;
+  if (s == "gelu_pytorch_tanh") return kGeluTanh;
+  TORCH_CHECK(false, "cpu_fused_moe: unknown activation ", s);
+  return kSilu;
+}
+
+const float* optional_bias(const c10::optional<at::Tensor>& bias, int64_t experts, int64_t width, const char* name) {
+  if (!bias.has_value() || !bias->defined()) return nullptr;
+  TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->dim() == 2 && bias->size(0) == experts &&
+                  bias->size(1) == width,
+              "cpu_fused_moe: ", name, " must be packed float32 [", experts, ", ", width, "]");
+  return bias->data_ptr<float>();
+}
+
+template <bool kBf16>
+void run_chunk(const float* x, int64_t h, const Routing& routing, const uint8_t* w13, const uint8_t* w2,
+               int64_t inter, const float* b13, const float* b2, const ActParams& act_params, float* act,
+               float* y) {
+  const int64_t elem = kBf16 ? 2 : 4;
+  const int64_t p13 = (inter + kHalf - 1) / kHalf, p2 = (h + kPanel - 1) / kPanel;
+  const int64_t act_stride = p13 * kHalf, y_stride = p2 * kPanel;
+  const int64_t w13_panel = h * kPanel * elem, w2_panel = inter * kPanel * elem;
+  const int64_t chosen = static_cast<int64_t>(routing.experts.size());
+
+  // gate/up and the activation of chosen expert c's rows against its w13 panel p
+  auto gate_up = [&](int64_t c, int64_t p) {
+    const int64_t e = routing.experts[c], end = routing.start[c] + routing.count[c];
+    const uint8_t* panel = w13 + (e * p13 + p) * w13_panel;
+    const float* bias = b13 ? b13 + (e * p13 + p) * kPanel : nullptr;
+    for (int64_t s0 = routing.start[c]; s0 < end; s0 += kMaxRows) {
+      const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, end - s0));
+      const float* xr[kMaxRows];
+      float* out[kMaxRows];
+      for (int r = 0; r < rows; ++r) xr[r] = x + routing.token[s0 + r] * h, out[r] = act + (s0 + r) * act_stride + p * kHalf;
+      dispatch_rows<GateUp<kBf16>::template Block>(rows, xr, panel, h, bias, act_params, out);
+    }
+  };
+  // the down projection, bias and routing weight of expert c's activation rows against its w2 panel p
+  auto down = [&](int64_t c, int64_t p) {
+    const int64_t e = routing.experts[c], end = routing.start[c] + routing.count[c];
+    const uint8_t* panel = w2 + (e * p2 + p) * w2_panel;
+    const float* bias = b2 ? b2 + (e * p2 + p) * kPanel : nullptr;
+    for (int64_t s0 = routing.start[c]; s0 < end; s0 += kMaxRows) {
+      const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, end - s0));
+      const float* ar[kMaxRows];
+      float* out[kMaxRows];
+      for (int r = 0; r < rows; ++r) ar[r] = act + (s0 + r) * act_stride, out[r] = y + (s0 + r) * y_stride + p * kPanel;
+      dispatch_rows<Down<kBf16>::template Block>(rows, ar, panel, inter, bias, routing.weight.data() + s0, out);
+    }
+  };
+
+  if (chosen >= kExpertsPerThread * at::get_num_threads()) {
+    // enough experts to share out whole: one parallel region, each thread both GEMMs of its experts
+    parallel_balanced(
+        chosen, [&](int64_t c) { return routing.count[c] + kPanelCost; },
+        [&](int64_t c) {
+          for (int64_t p = 0; p < p13; ++p) gate_up(c, p);
+          for (int64_t p = 0; p < p2; ++p) down(c, p);
+        });
+    return;
+  }
+  // few experts: share out their panels, gate/up for all of them before any down projection
+  parallel_balanced(
+      chosen * p13, [&](int64_t i) { return routing.count[i / p13] + kPanelCost; },
+      [&](int64_t i) { gate_up(i / p13, i % p13); });
+  parallel_balanced(
+      chosen * p2, [&](int64_t i) { return routing.count[i / p2] + kPanelCost; },
+      [&](int64_t i) { down(i / p2, i % p2); });
+}
+
+// out[t] = sum over k of y[position[t, k]], in float32, then rounded to the output dtype.
+template <bool kOutBf16>
+void sum_top_k(const float* y, int64_t y_stride, const Routing& routing, int64_t tokens, int64_t top_k, int64_t h,
+               void* out) {
+  at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> row(h);
+    for (int64_t t = begin; t < end; ++t) {
+      const float* first = y + routing.position[t * top_k] * y_stride;
+      std::copy(first, first + h, row.begin());
+      for (int64_t k = 1; k < top_k; ++k) {
+        const float* src = y + routing.position[t * top_k + k] * y_stride;
+        int64_t i = 0;
+#if PL_MOE_AVX2
+        for (; i + 8 <= h; i += 8) _mm256_storeu_ps(row.data() + i, _mm256_add_ps(_mm256_loadu_ps(row.data() + i), _mm256_loadu_ps(src + i)));
+#endif
+        for (; i < h; ++i) row[i] += src[i];
+      }
+      if constexpr (kOutBf16) {
+        uint16_t* dst = static_cast<uint16_t*>(out) + t * h;
+        int64_t i = 0;
+#if PL_MOE_AVX2
+        for (; i + 8 <= h; i += 8) _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), vto_bf16(_mm256_loadu_ps(row.data() + i)));
+#endif
+        for (; i < h; ++i) dst[i] = float_to_bf16(row[i]);
+      } else {
+        std::copy(row.begin(), row.end(), static_cast<float*>(out) + t * h);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+// hidden [T, H] (float32 or bfloat16), topk_weights [T, K], topk_ids [T, K], w13/w2/biases packed as the
+// header says -> [T, H] in hidden's dtype.
+at::Tensor cpu_fused_moe(const at::Tensor& hidden, const at::Tensor& topk_weights, const at::Tensor& topk_ids,
+                         const at::Tensor& w13, const at::Tensor& w2, const c10::optional<at::Tensor>& w13_bias,
+                         const c10::optional<at::Tensor>& w2_bias, c10::string_view activation, double swiglu_alpha,
+                         double swiglu_limit) {
+  TORCH_CHECK(hidden.dim() == 2 && (hidden.scalar_type() == at::kFloat || hidden.scalar_type() == at::kBFloat16),
+              "cpu_fused_moe: hidden must be float32 or bfloat16 [tokens, hidden]");
+  TORCH_CHECK(w13.dim() == 4 && w2.dim() == 4 && w13.size(3) == kPanel && w2.size(3) == kPanel && w13.is_contiguous() &&
+                  w2.is_contiguous() && w13.scalar_type() == w2.scalar_type() &&
+                  (w13.scalar_type() == at::kFloat || w13.scalar_type() == at::kBFloat16),
+              "cpu_fused_moe: w13 and w2 must be packed by platforms/cpu_moe.py");
+  const int64_t tokens = hidden.size(0), h = hidden.size(1), num_experts = w13.size(0), inter = w2.size(2);
+  const int64_t p13 = (inter + kHalf - 1) / kHalf, p2 = (h + kPanel - 1) / kPanel;
+  TORCH_CHECK(w13.size(1) == p13 && w13.size(2) == h && w2.size(0) == num_experts && w2.size(1) == p2,
+              "cpu_fused_moe: packed weights do not match hidden size ", h);
+  TORCH_CHECK(topk_ids.dim() == 2 && topk_ids.size(0) == tokens && topk_weights.sizes() == topk_ids.sizes(),
+              "cpu_fused_moe: topk_weights and topk_ids must both be [tokens, top_k]");
+  const float* b13 = optional_bias(w13_bias, num_experts, p13 * kPanel, "w13_bias");
+  const float* b2 = optional_bias(w2_bias, num_experts, p2 * kPanel, "w2_bias");
+  const ActParams act_params{parse_activation(activation), static_cast<float>(swiglu_alpha), static_cast<float>(swiglu_limit)};
+  auto out = at::empty({tokens, h}, hidden.options());
+  const int64_t top_k = topk_ids.size(1);
+  if (tokens == 0 || h == 0) return out;
+  if (top_k == 0) return out.zero_();
+
+  const at::Tensor x = hidden.to(at::kFloat).contiguous();
+  const at::Tensor ids = topk_ids.to(at::kLong).contiguous();
+  const at::Tensor weights = topk_weights.to(at::kFloat).contiguous();
+  const bool bf16_weights = w13.scalar_type() == at::kBFloat16;
+  const int64_t act_stride = p13 * kHalf, y_stride = p2 * kPanel;
+  const int64_t chunk = std::max<int64_t>(1, std::min(tokens, kBufferFloats / (top_k * (act_stride + y_stride))));
+  // uninitialised: every value read is written first (std::vector would zero megabytes a call)
+  std::unique_ptr<float[]> act(new float[chunk * top_k * act_stride]), y(new float[chunk * top_k * y_stride]);
+  const auto* w13p = static_cast<const uint8_t*>(w13.data_ptr());
+  const auto* w2p = static_cast<const uint8_t*>(w2.data_ptr());
+  const int64_t out_elem = out.element_size();
+  for (int64_t t0 = 0; t0 < tokens; t0 += chunk) {
+    const int64_t n = std::min(chunk, tokens - t0);
+    const Routing routing = sort_pairs(ids.data_ptr<int64_t>() + t0 * top_k, weights.data_ptr<float>() + t0 * top_k,
+                                       n, top_k, num_experts);
+    const float* xs = x.data_ptr<float>() + t0 * h;
+    if (bf16_weights) {
+      run_chunk<true>(xs, h, routing, w13p, w2p, inter, b13, b2, act_params, act.get(), y.get());
+    } else {
+      run_chunk<false>(xs, h, routing, w13p, w2p, inter, b13, b2, act_params, act.get(), y.get());
+    }
+    void* dst = static_cast<uint8_t*>(out.data_ptr()) + t0 * h * out_elem;
+    if (hidden.scalar_type() == at::kBFloat16) {
+      sum_top_k<true>(y.get(), y_stride, routing, n, top_k, h, dst);
+    } else {
+      sum_top_k<false>(y.get(), y_stride, routing, n, top_k, h, dst);
+    }
+  }
+  return out;
+}
+
+std::string fused_moe_isa() { return PL_MOE_AVX2 ? "avx2" : "scalar"; }
+
+// The schema is defined in Python (platforms/cpu_moe.py) with its fake implementation for torch.compile;
+// this build adds the CPU implementation, so a compiled graph calls it without entering Python.
+TORCH_LIBRARY_IMPL(pagellm, CPU, m) { m.impl("cpu_fused_moe", TORCH_FN(cpu_fused_moe)); }

@@ -1,0 +1,144 @@
+"""The native CPU fused-MoE kernel (`cpu_kernels/fused_moe.cpp`): its weight layout, packed once per layer,
+and the op a step calls.
+
+The op, `pagellm::cpu_fused_moe`, is defined here with a fake implementation and implemented in C++ by the
+kernels' build, so under torch.compile it is one opaque call that never enters Python. The packed layout
+(the C++ file's header says it in full): w13 in panels of 8 gate and the matching 8 up rows, w2 in panels
+of 16 output rows, each panel k-major so the kernel reads it in one sequential pass; bfloat16 panels
+interleave their two 8-column halves so that AVX2 widens them to float32 with a shift and a mask.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from pagellm.core.moe import ACTIVATIONS, SWIGLU_ALPHA, SWIGLU_LIMIT, PackedMoE
+
+PANEL = 16
+"""Weight columns per packed panel: w13's hold 8 gate and 8 up columns, w2's 16 output columns."""
+
+HALF = PANEL // 2
+
+DTYPES = (torch.float32, torch.bfloat16)
+"""Expert weight dtypes the kernel reads (hidden states may be either, independently)."""
+
+torch.library.define(
+    "pagellm::cpu_fused_moe",
+    "(Tensor hidden, Tensor topk_weights, Tensor topk_ids, Tensor w13, Tensor w2, Tensor? w13_bias, "
+    "Tensor? w2_bias, str activation, float swiglu_alpha, float swiglu_limit) -> Tensor",
+)
+
+
+@torch.library.register_fake("pagellm::cpu_fused_moe")
+def _(
+    hidden: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    w13_bias: torch.Tensor | None,
+    w2_bias: torch.Tensor | None,
+    activation: str,
+    swiglu_alpha: float,
+    swiglu_limit: float,
+) -> torch.Tensor:
+    return hidden.new_empty(hidden.shape)
+
+
+def _pad_rows(weight: torch.Tensor, rows: int) -> torch.Tensor:
+    """weight [E, R, ...] zero-padded to [E, rows, ...]."""
+    extra = rows - weight.shape[1]
+    if extra == 0:
+        return weight
+    return torch.cat([weight, weight.new_zeros(weight.shape[0], extra, *weight.shape[2:])], dim=1)
+
+
+def _interleave(panels: torch.Tensor) -> torch.Tensor:
+    """[..., 2, 8, K] (two 8-column halves of each panel) -> [..., K, 16] in the kernel's order: halves
+    side by side for float32, interleaved column by column for bfloat16."""
+    if panels.dtype == torch.bfloat16:
+        panels = panels.transpose(-3, -2)  # [..., 8, 2, K]: value 2j is column j, 2j + 1 column 8 + j
+    return panels.flatten(-3, -2).transpose(-1, -2).contiguous()
+
+
+def pack_w13(w13: torch.Tensor) -> torch.Tensor:
+    """w13 [E, 2I, H] -> [E, ceil(I/8), H, 16]: panel p holds gate rows 8p..8p+7, then up rows 8p..8p+7."""
+    experts, two_i, hidden = w13.shape
+    inter = two_i // 2
+    panels = -(-inter // HALF)
+    gate = _pad_rows(w13[:, :inter], panels * HALF).view(experts, panels, 1, HALF, hidden)
+    up = _pad_rows(w13[:, inter:], panels * HALF).view(experts, panels, 1, HALF, hidden)
+    return _interleave(torch.cat([gate, up], dim=2))
+
+
+def pack_w2(w2: torch.Tensor) -> torch.Tensor:
+    """w2 [E, H, I] -> [E, ceil(H/16), I, 16]: panel p holds output rows 16p..16p+15."""
+    experts, hidden, inter = w2.shape
+    panels = -(-hidden // PANEL)
+    return _interleave(_pad_rows(w2, panels * PANEL).view(experts, panels, 2, HALF, inter))
+
+
+def pack_w13_bias(bias: torch.Tensor) -> torch.Tensor:
+    """[E, 2I] -> float32 [E, 16 ceil(I/8)]: per panel the 8 gate biases, then the 8 up biases."""
+    experts, two_i = bias.shape
+    inter = two_i // 2
+    panels = -(-inter // HALF)
+    gate = F.pad(bias[:, :inter].float(), (0, panels * HALF - inter)).view(experts, panels, 1, HALF)
+    up = F.pad(bias[:, inter:].float(), (0, panels * HALF - inter)).view(experts, panels, 1, HALF)
+    return torch.cat([gate, up], dim=2).reshape(experts, panels * PANEL).contiguous()
+
+
+def pack_w2_bias(bias: torch.Tensor) -> torch.Tensor:
+    """[E, H] -> float32 [E, 16 ceil(H/16)], zero-padded."""
+    hidden = bias.shape[1]
+    return F.pad(bias.float(), (0, -(-hidden // PANEL) * PANEL - hidden)).contiguous()
+
+
+class CpuFusedMoE:
+    """A layer's experts in the kernel's layout; called with (hidden [T, H], topk_weights [T, K],
+    topk_ids [T, K]) -> [T, H] in hidden's dtype."""
+
+    def __init__(
+        self,
+        w13: torch.Tensor,
+        w2: torch.Tensor,
+        w13_bias: torch.Tensor | None,
+        w2_bias: torch.Tensor | None,
+        activation: str,
+    ):
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"unknown expert activation {activation!r}; known: {', '.join(ACTIVATIONS)}")
+        self.w13 = pack_w13(w13)
+        self.w2 = pack_w2(w2)
+        self.w13_bias = None if w13_bias is None else pack_w13_bias(w13_bias)
+        self.w2_bias = None if w2_bias is None else pack_w2_bias(w2_bias)
+        self.activation = activation
+
+    def __call__(
+        self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    ) -> torch.Tensor:
+        return torch.ops.pagellm.cpu_fused_moe(
+            hidden,
+            topk_weights,
+            topk_ids,
+            self.w13,
+            self.w2,
+            self.w13_bias,
+            self.w2_bias,
+            self.activation,
+            SWIGLU_ALPHA,
+            SWIGLU_LIMIT,
+        )
+
+
+def pack(
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    w13_bias: torch.Tensor | None,
+    w2_bias: torch.Tensor | None,
+    activation: str,
+    isa: str,
+) -> PackedMoE:
+    """The layer's experts on the kernel (which the caller has loaded: it registers the op's CPU code)."""
+    return PackedMoE(CpuFusedMoE(w13, w2, w13_bias, w2_bias, activation), f"native CPU kernel, {isa}")
