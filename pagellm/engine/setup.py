@@ -302,15 +302,14 @@ def _check_experts_split(config: EngineConfig, hf_config: Any, tp: int) -> None:
             f"--tensor-parallel-size {tp}",
             param="enable_expert_parallel",
         )
-    widths = ["shared_expert_intermediate_size"]
+    hints = {"shared_expert_intermediate_size": ""}  # a shared expert is sharded either way
     if not config.enable_expert_parallel:
-        widths.append("moe_intermediate_size")
-    for key in widths:
+        hints["moe_intermediate_size"] = " (--enable-expert-parallel splits the experts whole instead)"
+    for key, hint in hints.items():
         width = getattr(hf_config, key, None)
         if width and width % tp:
             raise ConfigError(
-                f"--tensor-parallel-size {tp}: the model's {key} {width} does not divide by it"
-                + ("" if config.enable_expert_parallel else " (--enable-expert-parallel splits experts whole)"),
+                f"--tensor-parallel-size {tp}: the model's {key} {width} does not divide by it{hint}",
                 param="tensor_parallel_size",
             )
 

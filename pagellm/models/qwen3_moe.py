@@ -20,7 +20,9 @@ from pagellm.models.llama import STACKED, LlamaDecoderLayer, LlamaForCausalLM, L
 
 def softmax_routing(hf_config: Any) -> Routing:
     """Qwen's router: softmax, top k, renormalised when the config says `norm_topk_prob`."""
-    return Routing(hf_config.num_experts_per_tok, renormalize=bool(getattr(hf_config, "norm_topk_prob", False)))
+    return Routing(
+        hf_config.num_experts_per_tok, renormalize=bool(getattr(hf_config, "norm_topk_prob", False))
+    )
 
 
 class Qwen3MoeDecoderLayer(LlamaDecoderLayer):

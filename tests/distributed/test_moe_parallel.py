@@ -45,11 +45,17 @@ def test_a_rank_reads_and_keeps_only_its_part_of_the_experts(tmp_path, monkeypat
     monkeypatch.setattr(CheckpointSlice, "__init__", init)
     parallel = Parallel(tp=Group(size=2, rank=1, ranks=[0, 1]))
     model_init = ModelInit(
-        AutoConfig.from_pretrained(path), torch.float32, TorchSDPABackend, parallel=parallel,
+        AutoConfig.from_pretrained(path),
+        torch.float32,
+        TorchSDPABackend,
+        parallel=parallel,
         expert_parallel=expert_parallel,
     )
     model = load_model(
-        "pagellm.models.qwen2_moe:Qwen2MoeForCausalLM", model_init, iter_checkpoint_weights(path, lazy=True), "cpu"
+        "pagellm.models.qwen2_moe:Qwen2MoeForCausalLM",
+        model_init,
+        iter_checkpoint_weights(path, lazy=True),
+        "cpu",
     )
     mlp = model.model.layers[1].mlp
     experts = mlp.experts
@@ -72,13 +78,30 @@ def test_a_rank_reads_and_keeps_only_its_part_of_the_experts(tmp_path, monkeypat
     "settings,overrides,message,param",
     [
         ({"enable_expert_parallel": True}, {"num_experts": 6, "num_hidden_layers": 1}, None, None),
-        ({"enable_expert_parallel": True}, {"num_experts": 5}, "5 experts do not divide", "enable_expert_parallel"),
-        ({}, {"moe_intermediate_size": 33}, "moe_intermediate_size 33 does not divide", "tensor_parallel_size"),
+        (
+            {"enable_expert_parallel": True},
+            {"num_experts": 5},
+            "5 experts do not divide",
+            "enable_expert_parallel",
+        ),
+        (
+            {},
+            {"moe_intermediate_size": 33},
+            "moe_intermediate_size 33 does not divide",
+            "tensor_parallel_size",
+        ),
         ({"enable_expert_parallel": True}, {"moe_intermediate_size": 33}, None, None),
-        ({}, {"shared_expert_intermediate_size": 45}, "shared_expert_intermediate_size 45", "tensor_parallel_size"),
+        (
+            {},
+            {"shared_expert_intermediate_size": 45},
+            "shared_expert_intermediate_size 45",
+            "tensor_parallel_size",
+        ),
     ],
 )
-def test_expert_splits_that_cannot_work_are_refused_before_loading(tmp_path, settings, overrides, message, param):
+def test_expert_splits_that_cannot_work_are_refused_before_loading(
+    tmp_path, settings, overrides, message, param
+):
     path = make_tiny_checkpoint("qwen2_moe", tmp_path, **overrides)
     config = EngineConfig(model=str(path), tensor_parallel_size=2, attention_backend="TORCH_SDPA", **settings)
     if message is None:
@@ -89,21 +112,23 @@ def test_expert_splits_that_cannot_work_are_refused_before_loading(tmp_path, set
     assert info.value.param == param
 
 
-SPLITS = [
-    pytest.param("qwen2_moe-dense-layer", True, id="qwen2_moe-expert-parallel"),
-    pytest.param("qwen2_moe-dense-layer", False, id="qwen2_moe-sharded", marks=pytest.mark.slow),
-    pytest.param("qwen3_moe", True, id="qwen3_moe-expert-parallel", marks=pytest.mark.slow),
-    pytest.param("qwen3_moe", False, id="qwen3_moe-sharded", marks=pytest.mark.slow),
-    pytest.param("mixtral", True, id="mixtral-expert-parallel", marks=pytest.mark.slow),
-    pytest.param("mixtral", False, id="mixtral-sharded", marks=pytest.mark.slow),
-    pytest.param("gpt_oss", True, id="gpt_oss-expert-parallel", marks=pytest.mark.slow),
-    pytest.param("gpt_oss", False, id="gpt_oss-sharded", marks=pytest.mark.slow),
+SLOW = pytest.mark.slow
+SPLITS = [  # family, tensor-parallel size, pipeline-parallel size, expert parallel
+    pytest.param("qwen2_moe-dense-layer", 2, 1, True, id="qwen2_moe-expert-parallel"),
+    pytest.param("qwen2_moe-dense-layer", 2, 1, False, id="qwen2_moe-sharded", marks=SLOW),
+    pytest.param("qwen2_moe-dense-layer", 1, 2, False, id="qwen2_moe-pipeline", marks=SLOW),
+    pytest.param("qwen3_moe", 2, 1, True, id="qwen3_moe-expert-parallel", marks=SLOW),
+    pytest.param("qwen3_moe", 2, 1, False, id="qwen3_moe-sharded", marks=SLOW),
+    pytest.param("mixtral", 2, 1, True, id="mixtral-expert-parallel", marks=SLOW),
+    pytest.param("mixtral", 2, 1, False, id="mixtral-sharded", marks=SLOW),
+    pytest.param("gpt_oss", 2, 1, True, id="gpt_oss-expert-parallel", marks=SLOW),
+    pytest.param("gpt_oss", 2, 1, False, id="gpt_oss-sharded", marks=SLOW),
 ]
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("family,expert_parallel", SPLITS)
-def test_greedy_parity_on_two_ranks(tmp_path, family, expert_parallel):
+@pytest.mark.parametrize("family,tp,pp,expert_parallel", SPLITS)
+def test_greedy_parity_on_two_ranks(tmp_path, family, tp, pp, expert_parallel):
     path, reference = tiny_model_and_reference(family, tmp_path, 12)
     llm = LLM(
         str(path),
@@ -112,7 +137,8 @@ def test_greedy_parity_on_two_ranks(tmp_path, family, expert_parallel):
         max_num_batched_tokens=64,
         max_num_seqs=16,
         num_kv_blocks=40,
-        tensor_parallel_size=2,
+        tensor_parallel_size=tp,
+        pipeline_parallel_size=pp,
         enable_expert_parallel=expert_parallel,
     )
     try:

@@ -5,7 +5,14 @@ full settings matrix per family runs under -m slow (test_llm_parity.py)."""
 from __future__ import annotations
 
 import pytest
-from parity import FAMILIES, assert_greedy_parity, mixed_prompts, small_kv_cache, tiny_model_and_reference
+from parity import (
+    FAMILIES,
+    SLOW_FAMILIES,
+    assert_greedy_parity,
+    mixed_prompts,
+    small_kv_cache,
+    tiny_model_and_reference,
+)
 
 from pagellm import LLM
 
@@ -13,7 +20,9 @@ MAX_TOKENS = 16
 MAX_MODEL_LEN, TOKEN_BUDGET = 400, 48
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize(
+    "family", [pytest.param(f, marks=pytest.mark.slow) if f in SLOW_FAMILIES else f for f in FAMILIES]
+)
 def test_family_matches_transformers_under_chunking_prefix_hits_and_preemption(family, tmp_path):
     path, reference = tiny_model_and_reference(family, tmp_path, MAX_TOKENS)
     llm = LLM(

@@ -63,6 +63,11 @@ FAMILIES: dict[str, dict] = {
 }
 
 
+SLOW_FAMILIES = {"qwen3_moe", "mixtral"}
+"""Families whose combined check runs only under -m slow: the mixtures of experts share one layer, so one
+of them (Qwen2-MoE, the one with a shared expert and a dense layer) stands for them in the default run."""
+
+
 def tiny_model_and_reference(arch: str, tmp_path: Path, max_tokens: int) -> tuple[Path, Reference]:
     """A tiny checkpoint of one of ARCHS (e.g. "mistral-sliding-window") and its transformers oracle."""
     from tiny import make_tiny_checkpoint

@@ -93,7 +93,8 @@ def _two_ranks(expert_parallel: bool, bias: bool, tensors: dict[str, torch.Tenso
     activation = SWIGLU_OAI if bias else SILU
     return [
         _load(
-            FusedMoE(E, H, I, torch.float32, Group(2, rank, [0, 1]), expert_parallel, activation, bias), tensors
+            FusedMoE(E, H, I, torch.float32, Group(2, rank, [0, 1]), expert_parallel, activation, bias),
+            tensors,
         )
         for rank in range(2)
     ]
@@ -114,7 +115,9 @@ def test_two_ranks_add_up_to_the_whole_layer(expert_parallel, layout):
     gen = torch.Generator().manual_seed(1)
     bias = layout == "gpt-oss-fused"
     tensors = _gpt_oss_tensors(gen) if bias else _per_expert(gen)
-    whole = _load(FusedMoE(E, H, I, torch.float32, activation=SWIGLU_OAI if bias else SILU, bias=bias), tensors)
+    whole = _load(
+        FusedMoE(E, H, I, torch.float32, activation=SWIGLU_OAI if bias else SILU, bias=bias), tensors
+    )
     ranks = _two_ranks(expert_parallel, bias, tensors)
     for rank, layer in enumerate(ranks):
         assert layer.loaded_parameters() == whole.loaded_parameters()
@@ -123,7 +126,9 @@ def test_two_ranks_add_up_to_the_whole_layer(expert_parallel, layout):
             assert torch.equal(layer.w2, whole.w2[2 * rank : 2 * rank + 2])
         else:  # its half of every expert's gate rows, of its up rows and of its down columns
             half = slice(rank * I // 2, (rank + 1) * I // 2)
-            torch.testing.assert_close(layer.w13, torch.cat([whole.w13[:, :I][:, half], whole.w13[:, I:][:, half]], 1))
+            torch.testing.assert_close(
+                layer.w13, torch.cat([whole.w13[:, :I][:, half], whole.w13[:, I:][:, half]], 1)
+            )
             torch.testing.assert_close(layer.w2, whole.w2[:, :, half])
     hidden, weights, ids = _routing(gen, tokens=16)
     ids[0] = torch.tensor([0, 1])  # a token whose experts are all on rank 0

@@ -7,7 +7,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagellm.models.layers.fused_moe.routing import SIGMOID, SOFTMAX, SOFTMAX_AFTER_TOPK, Routing, select_experts
+from pagellm.models.layers.fused_moe.routing import (
+    SIGMOID,
+    SOFTMAX,
+    SOFTMAX_AFTER_TOPK,
+    Routing,
+    select_experts,
+)
 
 HIDDEN, TOKENS = 32, 40
 
@@ -28,18 +34,24 @@ def _routers():
     from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeTopKRouter
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
 
-    grouped = dict(n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2, routed_scaling_factor=2.5)
+    grouped = dict(
+        n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2, routed_scaling_factor=2.5
+    )
     return {
         "mixtral": (
             MixtralTopKRouter(_config("MixtralConfig", num_local_experts=8, num_experts_per_tok=2)),
             Routing(2, SOFTMAX, renormalize=True),
         ),
         "qwen3_moe-norm_topk_prob": (
-            Qwen3MoeTopKRouter(_config("Qwen3MoeConfig", num_experts=8, num_experts_per_tok=3, norm_topk_prob=True)),
+            Qwen3MoeTopKRouter(
+                _config("Qwen3MoeConfig", num_experts=8, num_experts_per_tok=3, norm_topk_prob=True)
+            ),
             Routing(3, SOFTMAX, renormalize=True),
         ),
         "qwen2_moe": (
-            Qwen2MoeTopKRouter(_config("Qwen2MoeConfig", num_experts=8, num_experts_per_tok=2, norm_topk_prob=False)),
+            Qwen2MoeTopKRouter(
+                _config("Qwen2MoeConfig", num_experts=8, num_experts_per_tok=2, norm_topk_prob=False)
+            ),
             Routing(2, SOFTMAX),
         ),
         "deepseek_v3-noaux_tc": (

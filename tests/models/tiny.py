@@ -115,7 +115,12 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
     "smollm3": dict(_LLAMA, num_hidden_layers=4),  # no_rope_layers: every fourth layer without rotary
     # mixtures of experts: 8 experts of width 32, 2 per token
     "qwen3_moe": dict(
-        _LLAMA, head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True
+        _LLAMA,
+        head_dim=16,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        norm_topk_prob=True,
     ),
     "qwen2_moe": dict(
         _LLAMA,

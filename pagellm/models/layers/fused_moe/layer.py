@@ -76,7 +76,7 @@ class FusedMoE(nn.Module):
                 )
             self.num_local_experts, width = num_experts, intermediate_size // tp.size
             self.first_expert, self.width_start = 0, tp.rank * width
-        self.num_experts, self.width = num_experts, width
+        self.width = width
         self.bias_rank = tp.rank == 0 or self.expert_parallel
         """Whether this rank adds `w2_bias`: a sharded layer's partial sums are added up, so only one does."""
         e, h = self.num_local_experts, hidden_size
@@ -107,15 +107,9 @@ class FusedMoE(nn.Module):
     def _run(self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
             return self.packed(hidden, topk_weights, topk_ids)
-        return fused_experts_reference(
-            hidden,
-            self.w13,
-            self.w2,
-            topk_weights,
-            topk_ids,
-            activation=self.activation,
-            w13_bias=self.w13_bias,
-            w2_bias=self.w2_bias,
+        reference = torch.ops.pagellm.moe_reference if torch.compiler.is_compiling() else _moe_reference
+        return reference(
+            hidden, self.w13, self.w2, topk_weights, topk_ids, self.activation, self.w13_bias, self.w2_bias
         )
 
     def use_packed(self, packed: PackedMoE | None) -> None:
@@ -186,6 +180,29 @@ class FusedMoE(nn.Module):
             for param, n in parts.items()
             if sum(1 for p, _, _ in self._filled if p == param) == n * self.num_local_experts
         }
+
+
+@torch.library.custom_op("pagellm::moe_reference", mutates_args=())
+def _moe_reference(
+    hidden: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    activation: str,
+    w13_bias: torch.Tensor | None,
+    w2_bias: torch.Tensor | None,
+) -> torch.Tensor:
+    """`fused_experts_reference` as one opaque op under torch.compile: traced, its per-step expert counts
+    would recompile the graph for every new routing pattern (minutes at start-up, then the recompile limit)."""
+    return fused_experts_reference(
+        hidden, w13, w2, topk_weights, topk_ids, activation=activation, w13_bias=w13_bias, w2_bias=w2_bias
+    )
+
+
+@_moe_reference.register_fake
+def _(hidden, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias) -> torch.Tensor:
+    return hidden.new_empty(hidden.shape[0], w2.shape[1])
 
 
 def _read(tensor: torch.Tensor | CheckpointSlice, *ranges: tuple[int, int, int]) -> torch.Tensor:

@@ -38,4 +38,6 @@ def copy_weights_with_experts(
                 layer.load_checkpoint(rest, tensor)
 
     loaded = copy_weights(model, others(), stacked)
-    return loaded | {f"{name}.{param}" for name, layer in layers.items() for param in layer.loaded_parameters()}
+    return loaded | {
+        f"{name}.{param}" for name, layer in layers.items() for param in layer.loaded_parameters()
+    }
