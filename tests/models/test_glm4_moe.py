@@ -1,8 +1,8 @@
 """GLM-4.5 (`Glm4MoeForCausalLM`) against transformers on tiny checkpoints: logits through prefill and decode
 (partial rotary, q/k norms and biases on and off, ungrouped and grouped sigmoid routing), which layers have
-experts, the MTP layer skipped, and a split whose shared experts cannot be sharded refused. Greedy parity
-through the engine is in tests/engine/test_family_parity.py (FAMILIES); over 2 ranks in
-tests/distributed/test_moe_parallel.py."""
+experts, bfloat16 with a float32 router, the MTP layer skipped, and a split whose shared experts cannot be
+sharded refused. Greedy parity through the engine is in tests/engine/test_family_parity.py (FAMILIES); over
+2 ranks in tests/distributed/test_moe_parallel.py (-m slow)."""
 
 from __future__ import annotations
 
@@ -81,3 +81,15 @@ def test_shared_experts_that_cannot_be_sharded_are_refused(tmp_path, expert_para
     message = "shared experts' width .* 99 does not divide" if expert_parallel else "moe_intermediate_size 33"
     with pytest.raises(ConfigError, match=message):
         resolve_engine(config)
+
+
+def test_bfloat16_model_keeps_a_float32_router_and_stays_close_to_transformers(tmp_path):
+    """transformers keeps the router's weight and correction bias in float32 (`_keep_in_fp32_modules`)."""
+    path = make_tiny_checkpoint("glm4_moe", tmp_path)
+    model = load_pagellm(path, torch.bfloat16)
+    gate = model.model.layers[1].mlp.gate
+    assert gate.weight.dtype == gate.e_score_correction_bias.dtype == torch.float32
+    got = PagedRunner(model, num_seqs=1).step({0: PROMPT})[0]
+    assert got.dtype == torch.bfloat16
+    reference = reference_logits(load_reference(path, torch.bfloat16), PROMPT)
+    torch.testing.assert_close(got.float(), reference, atol=0.15, rtol=0)
