@@ -305,8 +305,14 @@ def _check_experts_split(config: EngineConfig, hf_config: Any, tp: int) -> None:
     hints = {"shared_expert_intermediate_size": ""}  # a shared expert is sharded either way
     if not config.enable_expert_parallel:
         hints["moe_intermediate_size"] = " (--enable-expert-parallel splits the experts whole instead)"
+    widths = {key: getattr(hf_config, key, None) for key in hints}
+    # DeepSeek's and GLM-4.5's shared experts: one MLP of n_shared_experts x the experts' width
+    shared = getattr(hf_config, "n_shared_experts", None)
+    if shared and getattr(hf_config, "moe_intermediate_size", None):
+        key = "shared experts' width (n_shared_experts x moe_intermediate_size)"
+        hints[key], widths[key] = "", shared * hf_config.moe_intermediate_size
     for key, hint in hints.items():
-        width = getattr(hf_config, key, None)
+        width = widths[key]
         if width and width % tp:
             raise ConfigError(
                 f"--tensor-parallel-size {tp}: the model's {key} {width} does not divide by it{hint}",

@@ -27,10 +27,15 @@ The KV cache per token and layer is (kv_lora_rank + qk_rope_head_dim) elements, 
 (qk_nope + qk_rope + v_head_dim) for the same model with a K and V row per head: DeepSeek-V3 keeps 576 in
 place of 40,960 (1/71).
 
-MLP per layer (`DeepseekDecoderLayer.build_mlp`): the dense gated MLP before `first_k_dense_replace`; the
-mixture-of-experts layers after it are refused until the FusedMoE layer exists. DeepSeek-V3 checkpoints
-carry the multi-token-prediction module as layer `num_hidden_layers` (`num_nextn_predict_layers`); it is
-skipped, not used as a draft.
+MLP per layer (`DeepseekDecoderLayer.build_mlp`): the dense gated MLP before `first_k_dense_replace` (and,
+with `moe_layer_freq` f, on layers whose index f does not divide, as DeepSeek's own modelling code builds
+them; transformers reads no moe_layer_freq, every released model has 1), a mixture of experts from there
+on (`deepseek_moe_block`): `n_routed_experts` routed experts on the `FusedMoE` layer (the checkpoint's
+per-expert `mlp.experts.{e}.gate_proj/up_proj/down_proj`), and `n_shared_experts` shared experts that every
+token runs, one gated MLP of width n_shared_experts x moe_intermediate_size (`mlp.shared_experts`). The
+router is float32 (weights and logits), as transformers keeps it; `deepseek_routing` reads its scoring
+from the config. DeepSeek-V3 checkpoints carry the multi-token-prediction module as layer
+`num_hidden_layers` (`num_nextn_predict_layers`); it is skipped, not used as a draft.
 """
 
 from __future__ import annotations
@@ -46,11 +51,13 @@ from pagellm.core.attention import AttentionSpec
 from pagellm.core.errors import ConfigError
 from pagellm.models.base import ModelInit
 from pagellm.models.layers.attention import Attention
+from pagellm.models.layers.fused_moe.block import SparseMoeBlock, is_sparse_layer
+from pagellm.models.layers.fused_moe.loading import copy_weights_with_experts
+from pagellm.models.layers.fused_moe.routing import SIGMOID, SOFTMAX, Routing
 from pagellm.models.layers.linear import Linear
 from pagellm.models.layers.norm import RMSNorm
 from pagellm.models.layers.rotary import apply_rotary, rope_parameters
 from pagellm.models.llama import LlamaForCausalLM, LlamaMLP, LlamaModel, SpecFn
-from pagellm.models.loader import copy_weights
 
 STACKED = (
     ("fused_qkv_a_proj", "q_a_proj", 0),
@@ -99,6 +106,72 @@ def interleaved_rope(hf_config: Any) -> bool:
     """Whether the rope features come in interleaved pairs: always in V2, in V3 where `rope_interleave` (its
     default) says so."""
     return hf_config.model_type == "deepseek_v2" or bool(getattr(hf_config, "rope_interleave", True))
+
+
+RENORMALIZE_EPS = 1e-20
+"""Added to the top k weights' sum before renormalising, in every DeepSeek-style router."""
+V2_TOPK_METHODS = ("greedy", "group_limited_greedy")
+
+
+def deepseek_routing(hf_config: Any) -> Routing:
+    """The router of DeepSeek-V2 (softmax), DeepSeek-V3 and GLM-4.5 (sigmoid, "noaux_tc"), as transformers'
+    DeepseekV2TopkRouter / DeepseekV3TopkRouter / Glm4MoeTopkRouter compute it:
+
+    - V2, `topk_method` "greedy": softmax over every expert, the top k; "group_limited_greedy": only the
+      experts of the `topk_group` groups (of `n_group`) with the best single score. The weights are the
+      chosen softmax scores, times `routed_scaling_factor`. transformers ignores `norm_topk_prob` here;
+      DeepSeek's own code (and vLLM) renormalises the k weights with it (k > 1) before scaling, and so
+      does this (every released V2 model has it false, so the two agree on them).
+    - V3 and GLM-4.5 (whatever their `topk_method` says: transformers reads none): sigmoid per expert; the
+      choice adds `e_score_correction_bias` and is grouped (a group's score: its two best), the weights
+      are the un-biased scores, renormalised with `norm_topk_prob`, times `routed_scaling_factor`."""
+    c = hf_config
+    common = dict(
+        renormalize=bool(getattr(c, "norm_topk_prob", False)),
+        scaling_factor=float(getattr(c, "routed_scaling_factor", 1.0) or 1.0),
+        renormalize_eps=RENORMALIZE_EPS,
+    )
+    if c.model_type != "deepseek_v2":
+        groups = dict(num_groups=c.n_group or 1, topk_groups=c.topk_group or 1)
+        return Routing(c.num_experts_per_tok, SIGMOID, **groups, **common)
+    method = getattr(c, "topk_method", "greedy")
+    if method not in V2_TOPK_METHODS:
+        raise ConfigError(
+            f"DeepSeek-V2 topk_method {method!r} is not supported; supported: {', '.join(V2_TOPK_METHODS)} "
+            "(noaux_tc is DeepSeek-V3's: DeepseekV3ForCausalLM)"
+        )
+    groups = dict(num_groups=c.n_group, topk_groups=c.topk_group) if method == "group_limited_greedy" else {}
+    common["renormalize"] &= c.num_experts_per_tok > 1  # DeepSeek's code: "if self.top_k > 1 and ..."
+    return Routing(c.num_experts_per_tok, SOFTMAX, **groups, **common)
+
+
+def deepseek_sparse_layer(hf_config: Any, layer_idx: int) -> bool:
+    """Whether layer `layer_idx` has experts: from `first_k_dense_replace` on, every `moe_layer_freq`-th."""
+    return (
+        is_sparse_layer(hf_config, layer_idx)
+        and layer_idx % (getattr(hf_config, "moe_layer_freq", 1) or 1) == 0
+    )
+
+
+def deepseek_moe_block(init: ModelInit) -> SparseMoeBlock:
+    """Routed experts, a float32 router (with V3's and GLM-4.5's `e_score_correction_bias`) and the shared
+    experts as one MLP of width n_shared_experts x moe_intermediate_size (reduced with the routed ones)."""
+    c = init.hf_config
+    routing = deepseek_routing(c)
+    shared = getattr(c, "n_shared_experts", None) or 0
+    return SparseMoeBlock(
+        init,
+        routing,
+        c.moe_intermediate_size,
+        router_dtype=torch.float32,
+        correction_bias=routing.scoring == SIGMOID,
+        shared_expert=LlamaMLP(init, shared * c.moe_intermediate_size, reduce=False) if shared else None,
+    )
+
+
+def adapt_moe_names(name: str) -> str:
+    """DeepSeek's and GLM-4.5's `mlp.shared_experts` is the block's `shared_expert`."""
+    return name.replace(".mlp.shared_experts.", ".mlp.shared_expert.")
 
 
 class LatentUpProjection(nn.Module):
@@ -188,17 +261,10 @@ class DeepseekDecoderLayer(nn.Module):
 
     @staticmethod
     def build_mlp(init: ModelInit, layer_idx: int) -> nn.Module:
-        """Layer `layer_idx`'s MLP: the dense gated MLP before `first_k_dense_replace`, a mixture of experts
-        (routed and shared experts) from there on, as transformers builds them."""
-        c = init.hf_config
-        first_moe = c.first_k_dense_replace
-        if layer_idx < first_moe:
+        """Layer `layer_idx`'s MLP: the dense gated MLP, or the mixture of experts on the sparse layers."""
+        if not deepseek_sparse_layer(init.hf_config, layer_idx):
             return LlamaMLP(init)
-        raise ConfigError(
-            f"layers {first_moe} to {c.num_hidden_layers - 1} of this {c.model_type} model are mixture-of-experts "
-            f"(first_k_dense_replace={first_moe}): MoE layers of DeepSeek need the FusedMoE layer, which "
-            "pagellm does not have yet; only DeepSeek models whose every layer is dense load"
-        )
+        return deepseek_moe_block(init)
 
     def forward(
         self, h: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor
@@ -222,12 +288,12 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
     model_class = DeepseekModel
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        return copy_weights(self, weights, STACKED, self._adapt)
+        return copy_weights_with_experts(self, weights, STACKED, self._adapt)
 
     def _adapt(self, name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor] | None:
         if name.startswith("model.layers.") and int(name.split(".")[2]) >= len(self.model.layers):
             return None  # V3's multi-token-prediction layer(s): not a decoder layer, no drafts from it
-        return super()._adapt(name, tensor)
+        return super()._adapt(adapt_moe_names(name), tensor)
 
 
 class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):

@@ -58,6 +58,9 @@ class LlamaAttention(nn.Module):
     """q/k/v column parallel by heads (a KV head replicated on several ranks when there are fewer KV heads
     than ranks), o_proj row parallel."""
 
+    o_bias: bool | None = None
+    """Bias on o_proj; None: the config's `attention_bias` (GLM-4.5 has q/k/v biases but none on o)."""
+
     def __init__(
         self, init: ModelInit, layer_idx: int, qkv_bias: bool, qk_norm: bool, spec_fn: SpecFn = attention_spec
     ):
@@ -76,7 +79,7 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = Linear(
             c.hidden_size, sum(sizes), qkv_bias, init.dtype, init.quant_method, sizes, qkv_shard
         )
-        o_bias = getattr(c, "attention_bias", False)
+        o_bias = self.o_bias if self.o_bias is not None else getattr(c, "attention_bias", False)
         o_shard = Shard(1, ((tp.rank * self.q_size, self.q_size),)) if tp.size > 1 else None
         self.o_proj = Linear(
             self.q_size, c.hidden_size, o_bias, init.dtype, init.quant_method, shard=o_shard, reduce=tp
@@ -135,13 +138,15 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
+    attention_class: type[LlamaAttention] = LlamaAttention
+
     def __init__(
         self, init: ModelInit, layer_idx: int, qkv_bias: bool, qk_norm: bool, spec_fn: SpecFn = attention_spec
     ):
         super().__init__()
         c = init.hf_config
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, init.dtype)
-        self.self_attn = LlamaAttention(init, layer_idx, qkv_bias, qk_norm, spec_fn)
+        self.self_attn = self.attention_class(init, layer_idx, qkv_bias, qk_norm, spec_fn)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, init.dtype)
         self.mlp = self.build_mlp(init, layer_idx)
 

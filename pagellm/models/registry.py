@@ -26,4 +26,5 @@ def pagellm_models() -> dict[str, str]:
         "Gemma3ForCausalLM": "pagellm.models.gemma:Gemma3ForCausalLM",
         "DeepseekV2ForCausalLM": "pagellm.models.deepseek:DeepseekV2ForCausalLM",
         "DeepseekV3ForCausalLM": "pagellm.models.deepseek:DeepseekV3ForCausalLM",
+        "Glm4MoeForCausalLM": "pagellm.models.glm4_moe:Glm4MoeForCausalLM",
     }

@@ -18,6 +18,7 @@ from pagellm.core.errors import ConfigError
 from pagellm.distributed import Group, Parallel
 from pagellm.engine.setup import resolve_engine
 from pagellm.models.base import ModelInit
+from pagellm.models.layers.fused_moe.block import expert_count
 from pagellm.models.layers.fused_moe.layer import FusedMoE
 from pagellm.models.loader import CheckpointSlice, iter_checkpoint_weights, load_model
 
@@ -123,12 +124,16 @@ SPLITS = [  # family, tensor-parallel size, pipeline-parallel size, expert paral
     pytest.param("mixtral", 2, 1, False, id="mixtral-sharded", marks=SLOW),
     pytest.param("gpt_oss", 2, 1, True, id="gpt_oss-expert-parallel", marks=SLOW),
     pytest.param("gpt_oss", 2, 1, False, id="gpt_oss-sharded", marks=SLOW),
+    pytest.param("glm4_moe", 2, 1, True, id="glm4_moe-expert-parallel", marks=SLOW),
+    pytest.param("glm4_moe", 2, 1, False, id="glm4_moe-sharded", marks=SLOW),
 ]
 
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("family,tp,pp,expert_parallel", SPLITS)
 def test_greedy_parity_on_two_ranks(tmp_path, family, tp, pp, expert_parallel):
+    from transformers import AutoConfig
+
     path, reference = tiny_model_and_reference(family, tmp_path, 12)
     llm = LLM(
         str(path),
@@ -143,9 +148,8 @@ def test_greedy_parity_on_two_ranks(tmp_path, family, tp, pp, expert_parallel):
     )
     try:
         experts = next(m for m in llm.engine.runner.model.modules() if isinstance(m, FusedMoE))
-        assert experts.num_local_experts == experts.num_experts // (
-            2 if expert_parallel else 1
-        )  # rank 0 of 2
+        total = expert_count(AutoConfig.from_pretrained(path))
+        assert experts.num_local_experts == total // (2 if expert_parallel else 1)  # on rank 0 of 2
         assert_greedy_parity(llm, reference, mixed_prompts(300)[::2])
         assert llm.engine.stats().num_preemptions > 0
     finally:

@@ -50,9 +50,12 @@ FAMILIES: dict[str, dict] = {
     "mixtral": {},
     # GPT-OSS: sinks, windows of 8 on alternate layers, YaRN, 4 experts with biases and the clamped SwiGLU
     "gpt_oss": {},
-    # Multi-head Latent Attention, every layer dense (tests/models/tiny.py): V2-Lite-like and V3-like
+    # Multi-head Latent Attention, a dense layer then a mixture of experts with shared experts
+    # (tests/models/tiny.py): V2-Lite-like (softmax top 2) and V3-like (sigmoid, correction bias, groups)
     "deepseek_v2": {},
     "deepseek_v3": {},
+    # GLM-4.5: partial rotary, q/k norms, q/k/v biases; V3's routing (one group) and a shared expert
+    "glm4_moe": {},
     # Qwen3 with windows on its last layers (max_window_layers): two KV cache groups, full and window 32
     "qwen3-mixed-windows": {
         "num_hidden_layers": 4,
@@ -63,9 +66,11 @@ FAMILIES: dict[str, dict] = {
 }
 
 
-SLOW_FAMILIES = {"qwen3_moe", "mixtral"}
+SLOW_FAMILIES = {"qwen3_moe", "mixtral", "deepseek_v2"}
 """Families whose combined check runs only under -m slow: the mixtures of experts share one layer, so one
-of them (Qwen2-MoE, the one with a shared expert and a dense layer) stands for them in the default run."""
+of them (Qwen2-MoE, the one with a shared expert and a dense layer) stands for them in the default run;
+DeepSeek-V3 stands for V2 (the same latent attention and MoE block; V2's own q path, rope and routing are
+checked against transformers' logits in tests/models/test_deepseek.py)."""
 
 
 def tiny_model_and_reference(arch: str, tmp_path: Path, max_tokens: int) -> tuple[Path, Reference]:

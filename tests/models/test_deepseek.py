@@ -1,8 +1,10 @@
-"""DeepSeek-V2 and -V3 (Multi-head Latent Attention, dense layers) against transformers on tiny checkpoints:
-logits through prefill and decode for each q path and rope layout, the latent KV cache's size against a
-K/V cache of the same model, the MTP layer skipped, MoE layers refused, and greedy parity on both CPU
-backends that run the latent layout. Greedy parity under chunking, prefix hits and preemption is in
-tests/engine/test_family_parity.py (FAMILIES)."""
+"""DeepSeek-V2 and -V3 (Multi-head Latent Attention, a dense layer then mixture-of-experts layers) against
+transformers on tiny checkpoints: logits through prefill and decode for each q path, rope layout and
+routing (V2 greedy and group-limited softmax, V3 sigmoid with the correction bias over groups, renormalised
+or not), which layers have experts (`moe_layer_freq` too), the latent KV cache's size against a K/V cache
+of the same model, the MTP layer skipped, and greedy parity on both CPU backends that run the latent
+layout. Greedy parity under chunking, prefix hits and preemption is in tests/engine/test_family_parity.py
+(FAMILIES); each router alone against transformers' in tests/models/test_moe_routing.py."""
 
 from __future__ import annotations
 
@@ -18,25 +20,56 @@ from pagellm.core.config import EngineConfig
 from pagellm.core.errors import BackendUnsupportedError, ConfigError
 from pagellm.core.kv_cache_spec import KVCacheSpec
 from pagellm.engine.setup import resolve_engine
-from pagellm.models.deepseek import DeepseekV3ForCausalLM, mla_softmax_scale
+from pagellm.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM, mla_softmax_scale
+from pagellm.models.layers.fused_moe.block import SparseMoeBlock
 
 ATOL = 1e-4
 PROMPT = [5, 77, 200, 13, 150, 42, 99, 260, 301, 7, 64, 120, 33]
 
 VARIANTS = {
-    "deepseek_v2-lite": ("deepseek_v2", {}),  # q_proj, interleaved (complex) rope, default rope
-    "deepseek_v2-q_lora-bias": ("deepseek_v2", {"q_lora_rank": 24, "attention_bias": True}),
-    "deepseek_v3": ("deepseek_v3", {}),  # q_lora, interleaved pairs, YaRN with mscale
-    "deepseek_v3-not-interleaved": ("deepseek_v3", {"rope_interleave": False}),
+    # q_proj, interleaved (complex) rope, default rope; softmax top 2 ("greedy"), 2 shared experts
+    "deepseek_v2-lite": ("deepseek_v2", {}),
+    "deepseek_v2-q_lora-bias-group_limited_greedy": (
+        "deepseek_v2",
+        {
+            "q_lora_rank": 24,
+            "attention_bias": True,
+            "topk_method": "group_limited_greedy",
+            "n_group": 4,
+            "topk_group": 2,
+            "routed_scaling_factor": 2.0,
+        },
+    ),
+    # q_lora, interleaved pairs, YaRN with mscale; sigmoid + correction bias, top 3 of 2 of 4 groups
+    "deepseek_v3": ("deepseek_v3", {}),
+    "deepseek_v3-not-interleaved-unnormalised-2-moe-layers": (
+        "deepseek_v3",
+        {
+            "rope_interleave": False,
+            "norm_topk_prob": False,
+            "num_hidden_layers": 3,
+            "n_group": 1,
+            "topk_group": 1,
+        },
+    ),
 }
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_prefill_and_decode_match_transformers(variant, tmp_path):
+    from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2Moe
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
+
     arch, overrides = VARIANTS[variant]
     path = make_tiny_checkpoint(arch, tmp_path, **overrides)
     reference = load_reference(path)
-    runner = PagedRunner(load_pagellm(path), num_seqs=2)
+    model = load_pagellm(path)
+    sparse = [isinstance(layer.mlp, SparseMoeBlock) for layer in model.model.layers]
+    assert sparse == [
+        isinstance(layer.mlp, (DeepseekV2Moe, DeepseekV3MoE)) for layer in reference.model.layers
+    ]
+    assert sparse[0] is False and all(sparse[1:])
+    runner = PagedRunner(model, num_seqs=2)
 
     ids, other = list(PROMPT), PROMPT[::-1]
     got = runner.step({0: ids, 1: other[:5]})
@@ -107,15 +140,45 @@ def test_mtp_layer_is_skipped(tmp_path):
     assert torch.equal(before, after)
 
 
-def test_moe_layers_are_refused_until_the_fused_moe_layer_exists():
+def test_moe_layer_freq_keeps_layers_between_dense():
+    """DeepSeek's own modelling code (transformers reads no moe_layer_freq): experts on layer i when
+    i >= first_k_dense_replace and moe_layer_freq divides i."""
     from tiny import tiny_config
 
     from pagellm.attention_backends.torch_sdpa import TorchSDPABackend
     from pagellm.models.base import ModelInit
 
-    config = tiny_config("deepseek_v3", vocab_size=384, first_k_dense_replace=1)
-    with pytest.raises(ConfigError, match="MoE layers of DeepSeek need the FusedMoE layer"):
-        DeepseekV3ForCausalLM(ModelInit(config, torch.float32, TorchSDPABackend))
+    config = tiny_config("deepseek_v2", vocab_size=384, num_hidden_layers=5, moe_layer_freq=2)
+    model = DeepseekV2ForCausalLM(ModelInit(config, torch.float32, TorchSDPABackend))
+    sparse = [isinstance(layer.mlp, SparseMoeBlock) for layer in model.model.layers]
+    assert sparse == [False, False, True, False, True]
+
+
+def test_v2_topk_methods_other_than_greedy_and_group_limited_are_refused():
+    from tiny import tiny_config
+
+    from pagellm.attention_backends.torch_sdpa import TorchSDPABackend
+    from pagellm.models.base import ModelInit
+
+    config = tiny_config("deepseek_v2", vocab_size=384, topk_method="noaux_tc")
+    with pytest.raises(ConfigError, match="topk_method 'noaux_tc' is not supported"):
+        DeepseekV2ForCausalLM(ModelInit(config, torch.float32, TorchSDPABackend))
+
+
+def test_correction_bias_is_loaded_and_changes_the_choice(tmp_path):
+    """The tiny V3 checkpoint's `e_score_correction_bias` is not zero and moves some token to other experts,
+    so the logits test above depends on it."""
+    from safetensors.torch import load_file
+
+    path = make_tiny_checkpoint("deepseek_v3", tmp_path)
+    saved = load_file(str(path / "model.safetensors"))["model.layers.1.mlp.gate.e_score_correction_bias"]
+    gate = load_pagellm(path).model.layers[1].mlp.gate
+    assert saved.abs().min() > 0 and torch.equal(gate.e_score_correction_bias.cpu(), saved)
+    hidden = torch.randn(64, 64, generator=torch.Generator().manual_seed(0)).to(saved.device)
+    ids = gate.route(hidden.to(gate.weight.device))[1].sort().values
+    with torch.no_grad():
+        gate.e_score_correction_bias.zero_()
+    assert not torch.equal(ids, gate.route(hidden.to(gate.weight.device))[1].sort().values)
 
 
 def test_softmax_scale_is_transformers():

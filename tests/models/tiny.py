@@ -32,6 +32,7 @@ ARCHS = (
     "gpt_oss",
     "deepseek_v2",
     "deepseek_v3",
+    "glm4_moe",
 )
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # ids 0, 1, 2
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
@@ -153,35 +154,40 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
             "original_max_position_embeddings": 128,
         },
     ),
-    # MLA with every layer dense (first_k_dense_replace = the layer count): 4 heads of 16 nope + 8 rope
-    # features over a 32-wide latent; V2-Lite-like (no q_lora_rank) and V3-like (q_lora_rank, YaRN with
-    # mscale_all_dim in the softmax scale and mscale / mscale_all_dim on cos and sin, v_head_dim unlike qk_nope)
+    # MLA (4 heads of 16 nope + 8 rope features over a 32-wide latent), layer 0 dense, layer 1 a mixture of
+    # 8 experts of width 32 and shared experts. V2-Lite-like: no q_lora_rank, softmax top 2 ("greedy"),
+    # 2 shared experts. V3-like: q_lora_rank, YaRN with mscale_all_dim in the softmax scale and mscale /
+    # mscale_all_dim on cos and sin, v_head_dim unlike qk_nope; sigmoid routing with the correction bias,
+    # top 3 of the best 2 of 4 groups, renormalised and scaled by 2.5, one shared expert
     "deepseek_v2": dict(
         _LLAMA,
         num_key_value_heads=4,
-        first_k_dense_replace=2,
+        first_k_dense_replace=1,
         q_lora_rank=None,
         kv_lora_rank=32,
         qk_nope_head_dim=16,
         qk_rope_head_dim=8,
         v_head_dim=16,
-        n_routed_experts=4,
+        n_routed_experts=8,
         num_experts_per_tok=2,
+        n_shared_experts=2,
         moe_intermediate_size=32,
     ),
     "deepseek_v3": dict(
         _LLAMA,
         num_key_value_heads=4,
-        first_k_dense_replace=2,
+        first_k_dense_replace=1,
         q_lora_rank=24,
         kv_lora_rank=32,
         qk_nope_head_dim=16,
         qk_rope_head_dim=8,
         v_head_dim=24,
-        n_routed_experts=4,
-        n_group=2,
-        topk_group=1,
-        num_experts_per_tok=2,
+        n_routed_experts=8,
+        n_group=4,
+        topk_group=2,
+        num_experts_per_tok=3,
+        n_shared_experts=1,
+        routed_scaling_factor=2.5,
         moe_intermediate_size=32,
         rope_parameters={
             "rope_type": "yarn",
@@ -191,6 +197,26 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
             "mscale": 1.0,
             "mscale_all_dim": 0.707,
         },
+    ),
+    # GLM-4.5: GQA with head_dim 32 (not hidden / heads), half of it rotating, q/k/v biases (none on o),
+    # q/k norms; layer 0 dense, layer 1 8 experts of width 32 (top 2, sigmoid with the correction bias,
+    # renormalised, scaled by 2.5) and a shared expert; one MTP layer counted (none written)
+    "glm4_moe": dict(
+        _LLAMA,
+        head_dim=32,
+        partial_rotary_factor=0.5,
+        attention_bias=True,
+        use_qk_norm=True,
+        first_k_dense_replace=1,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        moe_intermediate_size=32,
+        routed_scaling_factor=2.5,
+        norm_topk_prob=True,
+        n_group=1,
+        topk_group=1,
+        num_nextn_predict_layers=1,
     ),
 }
 _TOKENIZERS = {"gpt_oss": (HARMONY_SPECIAL_TOKENS, HARMONY_CHAT_TEMPLATE)}
@@ -251,6 +277,7 @@ def tiny_config(arch: str, vocab_size: int, **overrides: Any):
         "gpt_oss": transformers.GptOssConfig,
         "deepseek_v2": transformers.DeepseekV2Config,
         "deepseek_v3": transformers.DeepseekV3Config,
+        "glm4_moe": transformers.Glm4MoeConfig,
     }[arch]
     fields = dict(
         _DEFAULTS[arch], vocab_size=vocab_size, bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID
@@ -293,9 +320,11 @@ def make_tiny_checkpoint(
 
 def _randomise_vectors(model: torch.nn.Module) -> None:
     """transformers initialises norm weights to 1 and biases to 0 (stacked experts' biases too, GPT-OSS's
-    `gate_up_proj_bias` [E, 2I]); spread them so their loading is tested."""
+    `gate_up_proj_bias` [E, 2I], and the routers' `e_score_correction_bias` buffer of DeepSeek-V3 and
+    GLM-4.5); spread them so their loading is tested."""
+    corrections = [(n, b) for n, b in model.named_buffers() if n.endswith("e_score_correction_bias")]
     with torch.no_grad():
-        for name, param in model.named_parameters():
+        for name, param in [*model.named_parameters(), *corrections]:
             if param.dim() == 1 or name.endswith("_bias"):
                 param.add_(torch.randn_like(param) * 0.1)
 
