@@ -5,11 +5,14 @@
 both measured on the spot (this machine's speed drifts; a number from another day means nothing).
 
 FLOPs: 2 * (weights in the decoder's linear layers) per token processed, plus attention's
-4 * heads * head_size * context per token and layer (q.k and p.v), plus the lm_head (2 * hidden * vocab)
-only for positions that sample. Prompt tokens served from the prefix cache cost no FLOPs.
+2 * heads * (head_size + v_head_size) * context per token and layer (q.k and p.v), plus the lm_head
+(2 * hidden * vocab) only for positions that sample, plus, in a mixture of experts, 2 * K * (one expert's
+weights) per token and MoE layer. Prompt tokens served from the prefix cache cost no FLOPs.
 
-Bytes: the weights (decoder linears and lm_head) once per engine step, plus the KV cache each decode
-token reads (its cached context * layers * 2 * kv_heads * head_size * cache element size; the new token's
+Bytes: the weights (decoder linears and lm_head) once per engine step, plus the routed experts a step's
+tokens choose, each once (the expected number of distinct ones under uniform routing, E * (1 - (1 - K/E)^n)
+per layer for n tokens: pagellm.bench.experts), plus the KV cache each decode token reads (its cached
+context * layers * 2 * kv_heads * head_size * cache element size, one latent row for MLA; the new token's
 own K/V is fresh), plus the tokens before a prompt chunk (a cached prefix, earlier chunks), read once.
 Embedding rows, activations and norms are left out: a floor may only be low.
 
@@ -29,6 +32,8 @@ from typing import Any
 
 import torch
 
+from pagellm.bench.experts import Experts, element_size, experts_of_model, mlp_from_hf_config
+
 GiB = 1 << 30
 
 # the machine measurements: big enough to leave the caches, short enough to run before every benchmark
@@ -42,7 +47,8 @@ BUDGET_S = 0.3
 
 @dataclass(frozen=True)
 class ModelShape:
-    """What the floor needs of a model: the weights of its linears and the shapes of its attention."""
+    """What the floor needs of a model: the weights of its linears, its routed experts and the shapes of
+    its attention."""
 
     num_layers: int
     num_heads: int
@@ -54,11 +60,25 @@ class ModelShape:
     lm_head_bytes: int
     kv_bytes_per_token: float  # one token's K and V over all layers, as the cache stores them
     layer_windows: tuple[int | None, ...] = ()  # per layer: sliding window or None; () = no layer has one
+    v_head_size: int | None = None  # V's head size where it differs (MLA: the latent); None: head_size
+    experts: Experts | None = None  # the routed experts, apart from linear_*; None: a dense model
 
     @property
     def weight_bytes(self) -> int:
-        """Bytes a step that samples reads: every linear's weights and the lm_head's."""
+        """Bytes a step that samples reads whole: every linear's weights and the lm_head's (the experts
+        are charged by the tokens that choose them: `expert_bytes`)."""
         return self.linear_bytes + self.lm_head_bytes
+
+    def attention_flops(self, attended: int) -> float:
+        """q.k and p.v for `attended` (query, token, layer) triples."""
+        return 2.0 * self.num_heads * (self.head_size + (self.v_head_size or self.head_size)) * attended
+
+    def expert_flops(self, num_tokens: int) -> float:
+        return self.experts.flops_per_token() * num_tokens if self.experts else 0.0
+
+    def expert_bytes(self, num_tokens: int) -> float:
+        """Expert bytes one step of `num_tokens` tokens reads (expected, uniform routing)."""
+        return self.experts.step_bytes(num_tokens) if self.experts else 0.0
 
     def attended(self, context: int) -> int:
         """Tokens attended, summed over layers, by one query with `context` tokens of context."""
@@ -101,8 +121,9 @@ class ModelShape:
         attended = self.attended_range(start + 1, start + num_tokens)
         return Work(
             linear_flops=2.0 * self.linear_params * num_tokens,
-            attention_flops=4.0 * self.num_heads * self.head_size * attended,
+            attention_flops=self.attention_flops(attended),
             lm_head_flops=2.0 * self.lm_head_params if samples else 0.0,
+            expert_flops=self.expert_flops(num_tokens),
             kv_bytes=self.kv_read_bytes(self.cached_tokens_read(start)),
         )
 
@@ -110,32 +131,42 @@ class ModelShape:
     def from_hf_config(
         cls, hf_config: Any, dtype: torch.dtype, kv_cache_dtype: torch.dtype | None = None
     ) -> ModelShape:
-        """From a Hugging Face config alone (Llama family incl. Qwen2/3 and Mistral, GPT-2, OPT), with
-        dense weights of `dtype`. Raises ValueError for an architecture it does not know."""
+        """From a Hugging Face config alone (Llama family incl. Qwen2/3 and Mistral, GPT-2, OPT, and the
+        mixtures of experts `pagellm.bench.experts` knows, DeepSeek's latent attention included), with
+        weights of `dtype`. Raises ValueError for an architecture it does not know."""
         c = hf_config
         kind = getattr(c, "model_type", "")
-        elem = _element_size(dtype)
-        kv_elem = _element_size(kv_cache_dtype or dtype)
+        elem = element_size(dtype)
+        kv_elem = element_size(kv_cache_dtype or dtype)
+        v_head_size, experts = None, None
         if kind in ("gpt2",):
             hidden, layers, heads = c.n_embd, c.n_layer, c.n_head
             inner = getattr(c, "n_inner", None) or 4 * hidden
-            per_layer = 4 * hidden * hidden + 2 * hidden * inner
+            linear = layers * (4 * hidden * hidden + 2 * hidden * inner)
+            linear_bytes = linear * elem
             kv_heads, head_size = heads, hidden // heads
         elif kind in ("opt",):
             hidden, layers, heads = c.hidden_size, c.num_hidden_layers, c.num_attention_heads
-            per_layer = 4 * hidden * hidden + 2 * hidden * c.ffn_dim
+            linear = layers * (4 * hidden * hidden + 2 * hidden * c.ffn_dim)
+            linear_bytes = linear * elem
             kv_heads, head_size = heads, hidden // heads
         elif hasattr(c, "intermediate_size") and hasattr(c, "num_attention_heads"):
             hidden, layers, heads = c.hidden_size, c.num_hidden_layers, c.num_attention_heads
-            kv_heads = getattr(c, "num_key_value_heads", None) or heads
-            head_size = getattr(c, "head_dim", None) or hidden // heads
-            q, kv = heads * head_size, kv_heads * head_size
-            per_layer = hidden * (q + 2 * kv) + q * hidden + 3 * hidden * c.intermediate_size
+            if getattr(c, "kv_lora_rank", None):
+                attention, kv_heads, head_size, v_head_size = _mla_attention(c)
+            else:
+                kv_heads = getattr(c, "num_key_value_heads", None) or heads
+                head_size = getattr(c, "head_dim", None) or hidden // heads
+                q, kv = heads * head_size, kv_heads * head_size
+                attention = hidden * (q + 2 * kv) + q * hidden
+            mlp, mlp_bytes, experts = mlp_from_hf_config(c, dtype)
+            linear = layers * attention + mlp
+            linear_bytes = layers * attention * elem + mlp_bytes
         else:
             raise ValueError(f"no floor model for architecture {kind!r}")
-        linear = layers * per_layer
         lm_head = hidden * c.vocab_size
         windows = tuple(_layer_window(c, i) for i in range(layers))
+        kv_rows = 1 if v_head_size is not None else 2  # MLA caches one latent row per token and layer
         return cls(
             num_layers=layers,
             num_heads=heads,
@@ -143,29 +174,37 @@ class ModelShape:
             head_size=head_size,
             linear_params=linear,
             lm_head_params=lm_head,
-            linear_bytes=linear * elem,
+            linear_bytes=linear_bytes,
             lm_head_bytes=lm_head * elem,
-            kv_bytes_per_token=layers * 2 * kv_heads * head_size * kv_elem,
+            kv_bytes_per_token=layers * kv_rows * kv_heads * head_size * kv_elem,
             layer_windows=windows if any(w is not None for w in windows) else (),
+            v_head_size=v_head_size,
+            experts=experts,
         )
 
     @classmethod
     def from_llm(cls, llm: Any) -> ModelShape:
-        """From a loaded engine: its Linear and Attention modules, the bytes its weights really take
-        (quantized ones included) and its KV cache's bytes per token."""
+        """From a loaded engine: its Linear (routers and shared experts among them), latent
+        up-projection, FusedMoE and Attention modules, the bytes its weights really take (quantized ones
+        included) and its KV cache's bytes per token."""
+        from pagellm.models.deepseek import LatentUpProjection
         from pagellm.models.layers.attention import Attention
         from pagellm.models.layers.linear import Linear
+        from pagellm.worker.kv_cache import kv_block_bytes, num_kv_tensors
 
         runner = llm.engine.runner
         model = runner.model
         lm_head = getattr(model, "lm_head", None)
         linears = [m for m in model.modules() if isinstance(m, Linear) and m is not lm_head]
+        latents = [m for m in model.modules() if isinstance(m, LatentUpProjection)]
         attentions = [m for m in model.modules() if isinstance(m, Attention)]
         if not attentions:
             raise ValueError("the model has no Attention layers")
         spec = attentions[0].spec
         linear_bytes = sum(
-            t.numel() * t.element_size() for m in linears for t in [*m.parameters(), *m.buffers()]
+            t.numel() * t.element_size()
+            for m in [*linears, *latents]
+            for t in [*m.parameters(), *m.buffers()]
         )
         hf_config = llm.engine.setup.hf_config
         weight = getattr(lm_head, "weight", None)
@@ -173,24 +212,44 @@ class ModelShape:
             lm_head_params, lm_head_bytes = weight.numel(), weight.numel() * weight.element_size()
         else:
             lm_head_params = hf_config.hidden_size * hf_config.vocab_size
-            lm_head_bytes = lm_head_params * _element_size(llm.engine.setup.dtype)
+            lm_head_bytes = lm_head_params * element_size(llm.engine.setup.dtype)
         windows = tuple(a.spec.sliding_window for a in attentions)
+        # a hybrid layout (sliding and full layers) shares each KV tensor between layers of different
+        # groups, but every layer still reads its own rows: count the cache by layer, not by tensor
+        layer_bytes = kv_block_bytes(runner.setup, runner.parallel.tp, runner.block_size, 1)
+        shared = len(attentions) - num_kv_tensors(runner.layers, runner.kv_layout)
         return cls(
             num_layers=len(attentions),
             num_heads=spec.num_heads,
             num_kv_heads=spec.num_kv_heads,
             head_size=spec.head_size,
-            linear_params=sum(m.in_features * m.out_features for m in linears),
+            linear_params=sum(m.in_features * m.out_features for m in linears)
+            + sum(m.weight.numel() for m in latents),
             lm_head_params=lm_head_params,
             linear_bytes=linear_bytes,
             lm_head_bytes=lm_head_bytes,
-            kv_bytes_per_token=runner.block_bytes() / runner.block_size,
+            kv_bytes_per_token=(runner.block_bytes() + shared * layer_bytes) / runner.block_size,
             layer_windows=windows if any(w is not None for w in windows) else (),
+            v_head_size=spec.v_head_size,
+            experts=experts_of_model(model),
         )
 
 
-def _element_size(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+def _mla_attention(c: Any) -> tuple[int, int, int, int]:
+    """(linear params per layer, KV heads, head size, V head size) of DeepSeek's latent attention as
+    pagellm.models.deepseek runs it: MQA over one cached [c_kv, k_pe] row per token, V its c_kv, and
+    kv_b_proj (absorbed into the queries and expanded from the outputs) as linear as the projections."""
+    hidden, heads, rank = c.hidden_size, c.num_attention_heads, c.kv_lora_rank
+    nope, rope, v = c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim
+    q = heads * (nope + rope)
+    q_in = c.q_lora_rank or q
+    params = (
+        hidden * (q_in + rank + rope)
+        + (c.q_lora_rank or 0) * q
+        + heads * (nope + v) * rank
+        + heads * v * hidden
+    )
+    return params, 1, rank + rope, rank
 
 
 def _layer_window(hf_config: Any, layer: int) -> int | None:
@@ -212,17 +271,19 @@ class Work:
     linear_flops: float = 0.0
     attention_flops: float = 0.0
     lm_head_flops: float = 0.0
+    expert_flops: float = 0.0
     weight_bytes: float = 0.0
+    expert_bytes: float = 0.0
     kv_bytes: float = 0.0
     steps: int = 0
 
     @property
     def flops(self) -> float:
-        return self.linear_flops + self.attention_flops + self.lm_head_flops
+        return self.linear_flops + self.attention_flops + self.lm_head_flops + self.expert_flops
 
     @property
     def bytes(self) -> float:
-        return self.weight_bytes + self.kv_bytes
+        return self.weight_bytes + self.expert_bytes + self.kv_bytes
 
     def __add__(self, other: Work) -> Work:
         return Work(**{k: v + getattr(other, k) for k, v in asdict(self).items()})
@@ -240,11 +301,9 @@ def request_work(shape: ModelShape, prompt_len: int, output_len: int, cached: in
         first, last = prompt_len, prompt_len + output_len - 2  # decode positions
         work = work + Work(
             linear_flops=2.0 * shape.linear_params * n,
-            attention_flops=4.0
-            * shape.num_heads
-            * shape.head_size
-            * shape.attended_range(first + 1, last + 1),
+            attention_flops=shape.attention_flops(shape.attended_range(first + 1, last + 1)),
             lm_head_flops=2.0 * shape.lm_head_params * n,
+            expert_flops=shape.expert_flops(n),
             kv_bytes=shape.kv_read_bytes(shape.attended_range(first, last)),
         )
     return work
@@ -257,11 +316,20 @@ def workload_work(
     steps: int,
     cached: Sequence[int] | None = None,
 ) -> Work:
-    """Every request's work (prompts unchunked), plus all weights read once per engine step (`steps`)."""
+    """Every request's work (prompts unchunked), plus all weights read once per engine step (`steps`).
+
+    The steps' routed experts are those of the schedule `min_steps` counts, all requests at once: one step
+    runs every prompt, then step j the j-th output token of each request that has one. It packs the
+    tokens densest, so it reads about the fewest experts the requests allow (a step split in two reads at
+    least as many: the expected distinct experts are subadditive in the tokens)."""
     cached = cached or [0] * len(prompt_lens)
     total = Work(weight_bytes=float(shape.weight_bytes) * steps, steps=steps)
     for prompt_len, output_len, hit in zip(prompt_lens, output_lens, cached, strict=True):
         total = total + request_work(shape, prompt_len, output_len, hit)
+    if shape.experts is not None:
+        step_tokens = [sum(p - h for p, h in zip(prompt_lens, cached, strict=True))]
+        step_tokens += [sum(1 for n in output_lens if n >= j) for j in range(2, min_steps(output_lens) + 1)]
+        total.expert_bytes = sum(shape.expert_bytes(n) for n in step_tokens)
     return total
 
 
@@ -270,6 +338,7 @@ def step_work(shape: ModelShape, chunks: Sequence[tuple[int, int, bool]]) -> Wor
     read once, the lm_head's if any request samples."""
     total = Work(
         weight_bytes=float(shape.linear_bytes + (shape.lm_head_bytes if any(c[2] for c in chunks) else 0)),
+        expert_bytes=shape.expert_bytes(sum(c[1] for c in chunks)),
         steps=1,
     )
     for start, num_tokens, samples in chunks:
@@ -423,8 +492,10 @@ class Floor:
             "linear_flops": w.linear_flops,
             "attention_flops": w.attention_flops,
             "lm_head_flops": w.lm_head_flops,
+            "expert_flops": w.expert_flops,
             "bytes": w.bytes,
             "weight_bytes": w.weight_bytes,
+            "expert_bytes": w.expert_bytes,
             "kv_bytes": w.kv_bytes,
             "steps": w.steps,
             **self.machine.as_dict(),
@@ -447,10 +518,14 @@ def format_floor(report: dict[str, Any], label: str = "floor") -> str:
     unit = _time_unit(report["floor_s"])
     steps = report["steps"]
     per_step = report["weight_bytes"] / steps / 1e9 if steps else 0.0
+    experts = report["expert_bytes"]
+    expert_term = (
+        f" + experts {experts / 1e9:.3g} GB (each step's expected picks, uniform routing)" if experts else ""
+    )
     line = (
         f"{label}: compute {report['flops'] / 1e12:.3g} TFLOP / {report['peak_tflops']:.2f} TFLOP/s = "
         f"{unit(report['compute_s'])}, memory {report['bytes'] / 1e9:.3g} GB (weights {per_step:.3g} GB x "
-        f"{steps} steps + KV {report['kv_bytes'] / 1e9:.3g} GB) / {report['read_gb_s']:.1f} GB/s = "
+        f"{steps} steps{expert_term} + KV {report['kv_bytes'] / 1e9:.3g} GB) / {report['read_gb_s']:.1f} GB/s = "
         f"{unit(report['memory_s'])} -> floor {unit(report['floor_s'])} ({report['bound']}-bound)"
     )
     if "floor_output_tok_s" in report:

@@ -134,7 +134,7 @@ def test_measure_machine_is_quick_and_cached(monkeypatch):
     assert (given.peak_flops, given.read_bytes_s, given.measured) == (2e12, 30e9, False)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2", "opt"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2", "opt", "gemma2"])
 def test_loaded_engine_agrees_with_its_config(arch, tmp_path):
     from pagellm import LLM
 

@@ -77,6 +77,8 @@ class FusedMoE(nn.Module):
             self.num_local_experts, width = num_experts, intermediate_size // tp.size
             self.first_expert, self.width_start = 0, tp.rank * width
         self.width = width
+        self.hidden_size, self.weight_dtype, self.has_bias = hidden_size, dtype, bias
+        """The experts' shape and dtype, which outlive `use_packed` (the benchmark floor reads them)."""
         self.bias_rank = tp.rank == 0 or self.expert_parallel
         """Whether this rank adds `w2_bias`: a sharded layer's partial sums are added up, so only one does."""
         e, h = self.num_local_experts, hidden_size
