@@ -63,6 +63,24 @@ FAMILIES: dict[str, dict] = {
 }
 
 
+GGUF_FAMILIES: dict[str, dict] = {
+    # what pagellm.bench.gguf_convert writes as llama.cpp does, and the fields of each variant that
+    # transformers' GGUF reader drops (pagellm/models/gguf_config.py reads them from the file)
+    "gemma2": FAMILIES["gemma2"],
+    "gemma2-softcaps": {"attn_logit_softcapping": 2.0, "final_logit_softcapping": 5.0},
+    "gemma3_text": FAMILIES["gemma3_text"],
+    "gemma3_text-linear-rope": {  # Gemma 3 4B and larger: global positions scaled by 8
+        "rope_parameters": {
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+        }
+    },
+    "phi3": FAMILIES["phi3"],
+    "phi3-partial-rotary": {"rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.75}},
+    "phi3-longrope": PHI3_LONGROPE,  # partial rotary too, as Phi-4-mini
+}
+
+
 SLOW_FAMILIES = {"qwen3_moe", "mixtral"}
 """Families whose combined check runs only under -m slow: the mixtures of experts share one layer, so one
 of them (Qwen2-MoE, the one with a shared expert and a dense layer) stands for them in the default run."""
