@@ -68,6 +68,8 @@ GGUF_FAMILIES: dict[str, dict] = {
     # transformers' GGUF reader drops (pagellm/models/gguf_config.py reads them from the file)
     "gemma2": FAMILIES["gemma2"],
     "gemma2-softcaps": {"attn_logit_softcapping": 2.0, "final_logit_softcapping": 5.0},
+    # shaped as the 27B models, told apart by their layer count: attention scaled by hidden size / heads
+    "gemma2-27b": {"num_hidden_layers": 46, "head_dim": 8, "query_pre_attn_scalar": 16},
     "gemma3_text": FAMILIES["gemma3_text"],
     "gemma3_text-linear-rope": {  # Gemma 3 4B and larger: global positions scaled by 8
         "rope_parameters": {
@@ -75,6 +77,7 @@ GGUF_FAMILIES: dict[str, dict] = {
             "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
         }
     },
+    "gemma3_text-27b": {"num_hidden_layers": 62, "head_dim": 8, "query_pre_attn_scalar": 16},
     "phi3": FAMILIES["phi3"],
     "phi3-partial-rotary": {"rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.75}},
     "phi3-longrope": PHI3_LONGROPE,  # partial rotary too, as Phi-4-mini
