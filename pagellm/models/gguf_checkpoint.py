@@ -2,7 +2,8 @@
 
 transformers reads the config and tokenizer and knows llama.cpp's tensor names and layouts (including the
 reversal of its q/k row permutation); this module streams the tensors through that knowledge one at a time,
-dequantized to float32, so the model loads them like any checkpoint.
+dequantized to float32, so the model loads them like any checkpoint. The config fields transformers' reader
+drops are filled in from the file by models/gguf_config.py.
 """
 
 from __future__ import annotations
@@ -16,12 +17,14 @@ import numpy as np
 import torch
 
 from pagellm.core.errors import ConfigError
+from pagellm.models.gguf_config import fill_gguf_config
 
 
 def load_gguf(path: str | os.PathLike) -> tuple[Any, Any, Iterator[tuple[str, torch.Tensor]]]:
     """(HF config, tokenizer, lazy iterator of (HF tensor name, float32 tensor)) for a .gguf file.
 
     The config's `architectures` is filled from its model type (GGUF files do not name the class)."""
+    from gguf import GGUFReader
     from transformers import AutoConfig, AutoTokenizer
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
@@ -32,10 +35,12 @@ def load_gguf(path: str | os.PathLike) -> tuple[Any, Any, Iterator[tuple[str, to
         config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
     except ValueError as exc:
         raise ConfigError(f"transformers cannot read the GGUF file {path}: {exc}") from exc
+    reader = GGUFReader(str(path))
+    config = fill_gguf_config(config, reader)
     if not getattr(config, "architectures", None):
         config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type, config.model_type)]
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    return config, tokenizer, iter_gguf_weights(path, config)
+    return config, tokenizer, _weights(reader, config, raw_linear=False)
 
 
 def iter_gguf_weights(
@@ -45,10 +50,16 @@ def iter_gguf_weights(
 
     raw_linear: decoder linear weights come as `<prefix>.qweight` (their raw GGUF bytes, uint8 [out, bytes])
     plus `<prefix>.qweight_type` (the GGML type), for the `gguf` quantization method that keeps them packed."""
-    from gguf import GGUFReader, dequantize
+    from gguf import GGUFReader
+
+    return _weights(GGUFReader(str(path)), hf_config, raw_linear)
+
+
+def _weights(reader: Any, hf_config, raw_linear: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    """iter_gguf_weights on a file already open (load_gguf's reader, which filled the config)."""
+    from gguf import dequantize
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, read_field
 
-    reader = GGUFReader(str(path))
     architecture = read_field(reader, "general.architecture")[0]
     if raw_linear and architecture not in _RAW_LINEAR_ARCHITECTURES:
         raise ConfigError(
@@ -107,19 +118,24 @@ def _gguf_to_hf_names(architecture: str, hf_config) -> dict[str, str]:
     return names
 
 
+# raised when the converted copy changes for the same file (2: the config fields gguf_config.py fills), so
+# copies converted before are redone
+_CONVERSION = 2
+
+
 def gguf_checkpoint_dir(path: str | os.PathLike, cache_root: str | os.PathLike) -> Path:
     """A Hugging Face directory (config, tokenizer, float32 safetensors) converted from a GGUF file once.
 
     Parsing a GGUF file's metadata takes seconds (tens of thousands of vocabulary strings) and
     transformers parses it again for the config and the tokenizer; the converted copy loads in a fraction
-    of that. Keyed by the file's path, size and modification time."""
+    of that. Keyed by the file's path, size and modification time, and by _CONVERSION."""
     import hashlib
 
     from safetensors.torch import save_file
 
     path = Path(path).resolve()
     stat = path.stat()
-    key = hashlib.sha256(f"{path}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    key = hashlib.sha256(f"{path}|{stat.st_size}|{stat.st_mtime_ns}|{_CONVERSION}".encode()).hexdigest()[:16]
     out = Path(cache_root) / "gguf" / f"{path.stem}-{key}"
     if (out / "model.safetensors").exists():
         return out

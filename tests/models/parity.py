@@ -66,6 +66,27 @@ FAMILIES: dict[str, dict] = {
 }
 
 
+GGUF_FAMILIES: dict[str, dict] = {
+    # what pagellm.bench.gguf_convert writes as llama.cpp does, and the fields of each variant that
+    # transformers' GGUF reader drops (pagellm/models/gguf_config.py reads them from the file)
+    "gemma2": FAMILIES["gemma2"],
+    "gemma2-softcaps": {"attn_logit_softcapping": 2.0, "final_logit_softcapping": 5.0},
+    # shaped as the 27B models, told apart by their layer count: attention scaled by hidden size / heads
+    "gemma2-27b": {"num_hidden_layers": 46, "head_dim": 8, "query_pre_attn_scalar": 16},
+    "gemma3_text": FAMILIES["gemma3_text"],
+    "gemma3_text-linear-rope": {  # Gemma 3 4B and larger: global positions scaled by 8
+        "rope_parameters": {
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+        }
+    },
+    "gemma3_text-27b": {"num_hidden_layers": 62, "head_dim": 8, "query_pre_attn_scalar": 16},
+    "phi3": FAMILIES["phi3"],
+    "phi3-partial-rotary": {"rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.75}},
+    "phi3-longrope": PHI3_LONGROPE,  # partial rotary too, as Phi-4-mini
+}
+
+
 SLOW_FAMILIES = {"qwen3_moe", "mixtral", "deepseek_v2"}
 """Families whose combined check runs only under -m slow: the mixtures of experts share one layer, so one
 of them (Qwen2-MoE, the one with a shared expert and a dense layer) stands for them in the default run;

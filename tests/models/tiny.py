@@ -103,7 +103,10 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
         final_logit_softcapping=30.0,
         query_pre_attn_scalar=16,
     ),
-    "gemma3_text": dict(_LLAMA, num_hidden_layers=6, head_dim=16, sliding_window=32),  # 5 local : 1 global
+    # 5 local : 1 global; the attention scale by the head size, as every Gemma 3 but 27B has it
+    "gemma3_text": dict(
+        _LLAMA, num_hidden_layers=6, head_dim=16, sliding_window=32, query_pre_attn_scalar=16
+    ),
     "phi3": dict(_LLAMA),
     "granite": dict(
         _LLAMA,
