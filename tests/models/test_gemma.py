@@ -90,7 +90,7 @@ def test_attention_specs_follow_layer_types(tmp_path):
     assert {s.softmax_scale for s in specs} == {16**-0.5}  # query_pre_attn_scalar, not head_dim
 
     g3 = AutoConfig.from_pretrained(
-        make_tiny_checkpoint("gemma3_text", tmp_path, attn_logit_softcapping=50.0)
+        make_tiny_checkpoint("gemma3_text", tmp_path, attn_logit_softcapping=50.0, query_pre_attn_scalar=256)
     )
     specs = [Gemma3ForCausalLM.attention_spec(g3, torch.float32, 16, i) for i in range(6)]
     assert [s.sliding_window for s in specs] == [32] * 5 + [None]
@@ -115,7 +115,7 @@ def test_bfloat16_model_stays_close_to_transformers_bfloat16(arch, tmp_path):
 
 def test_chat_through_the_engine_matches_transformers(tmp_path):
     path = make_tiny_checkpoint("gemma3_text", tmp_path)
-    llm = LLM(str(path), dtype="float32", num_kv_blocks=64, max_model_len=256)
+    llm = LLM(str(path), dtype="float32", max_model_len=256)  # KV blocks for 6 groups: sized by the engine
     messages = [{"role": "user", "content": "Hello, how are you today?"}]
     out = llm.chat(messages, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)[0]
     tokenizer = llm.get_tokenizer()
