@@ -11,6 +11,13 @@ A parser is a function of the whole reply so far: the server parses again after 
 sends what grew, so unless `final` a parser holds back what may still change (a tail that may become a
 tag), and the streamed pieces concatenate to exactly the whole reply's parse. The registry holds the
 classes; the server makes one instance of each with no arguments.
+
+Two optional class attributes (False when absent, so older parsers need neither) change what a parser
+is given, for formats whose markers are special tokens and whose calls sit beside the thinking (GPT-OSS's
+harmony): `reads_special_tokens` (either kind) has the server decode the reply with its special tokens
+kept (a request's `skip_special_tokens` is overridden; the parsers keep the markers out of what they
+return), and `reads_whole_reply` (a tool parser) has it parse the whole reply, thinking included, instead
+of the reasoning parser's answer; its content then replaces that answer.
 """
 
 from __future__ import annotations
@@ -51,6 +58,16 @@ class ReasoningParser(Protocol):
         """(reasoning, content) of the reply so far; unless `final`, a tail that may still become a tag is
         left out of both."""
         ...
+
+
+def reads_special_tokens(parser: ToolParser | ReasoningParser | None) -> bool:
+    """Whether `parser` reads the reply with its special tokens (see the module's docstring)."""
+    return bool(getattr(parser, "reads_special_tokens", False))
+
+
+def reads_whole_reply(parser: ToolParser | None) -> bool:
+    """Whether tool parser `parser` reads the whole reply rather than the reasoning parser's answer."""
+    return bool(getattr(parser, "reads_whole_reply", False))
 
 
 # what a class must have to be each kind: its string attributes, then its methods

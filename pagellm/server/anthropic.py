@@ -25,10 +25,8 @@ from pagellm.engine.async_llm import RequestStream
 from pagellm.engine.outputs import CompletionOutput
 from pagellm.server import errors
 from pagellm.server.protocol import ChatCompletionRequest, ChatResponseMessage, valid_unicode
-from pagellm.server.reasoning import ReasoningStream
 from pagellm.server.serving_base import final_outputs, merged_outputs, sse_response
-from pagellm.server.serving_chat import ServingChat
-from pagellm.server.tool_parsers import ToolCallStream
+from pagellm.server.serving_chat import ReplyStream, ServingChat
 
 # the chat request's field an error names -> the Messages request's
 _FIELDS = {"stop": "stop_sequences", "prompt": "messages", "max_completion_tokens": "max_tokens"}
@@ -254,8 +252,7 @@ class ServingMessages(ServingChat):
         ).model_dump()
         yield _event("message_start", message={**start, "stop_reason": None})
         blocks = _Blocks(message_id)
-        reasoning = ReasoningStream(self.reasoning) if self.reasoning else None
-        calls = ToolCallStream(tool_parser, "") if tool_parser else None
+        reply = ReplyStream(self.reasoning, tool_parser, "")
         output_tokens, called = 0, False
         try:
             async with contextlib.aclosing(merged_outputs(streams, raw_request)) as merged:
@@ -263,12 +260,7 @@ class ServingMessages(ServingChat):
                     for sample in output.outputs:  # n is 1
                         output_tokens += len(sample.token_ids)
                         final = sample.finish_reason is not None
-                        thinking, text = (
-                            reasoning.feed(sample.text, final) if reasoning else ("", sample.text)
-                        )
-                        deltas: list[dict] = []
-                        if calls:
-                            text, deltas = calls.feed(text, final)
+                        thinking, text, deltas = reply.feed(sample.text, final)
                         called |= bool(deltas)
                         for event in blocks.feed(thinking, text, deltas):
                             yield event

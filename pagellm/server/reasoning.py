@@ -13,6 +13,7 @@ from typing import ClassVar
 
 from pagellm.core.parsers import ReasoningParser
 from pagellm.plugins import hookimpl
+from pagellm.server import harmony
 
 PAGELLM_PLUGIN_API = "1.1"
 
@@ -65,6 +66,21 @@ class Qwen3ReasoningParser(ThinkTagParser):
     name = "qwen3"
 
 
+class GptOssReasoningParser(ReasoningParser):
+    """GPT-OSS (vLLM's `openai_gptoss`): the harmony analysis channel is the thinking, the rest of the
+    reply that addresses no tool (the final channel) the answer; a call to a tool is neither (the `openai`
+    tool-call parser reads it from the whole reply). A reply without harmony's markers is all answer."""
+
+    name: ClassVar[str] = "openai_gptoss"
+    end_tag: ClassVar[str] = "<|channel|>final<|message|>"
+    reads_special_tokens: ClassVar[bool] = True  # the markers are special tokens
+
+    def split(self, text: str, final: bool = True) -> tuple[str, str]:
+        found = harmony.messages(text, final)
+        thinking = "\n".join(m.body for m in found if m.channel == "analysis" and m.recipient is None)
+        return thinking, harmony.answer(found)
+
+
 class ReasoningStream:
     """One streamed reply: feed it each text delta, get (reasoning delta, content delta)."""
 
@@ -83,4 +99,4 @@ class ReasoningStream:
 
 @hookimpl
 def pagellm_reasoning_parsers() -> list[type[ReasoningParser]]:
-    return [DeepSeekR1ReasoningParser, Qwen3ReasoningParser]
+    return [DeepSeekR1ReasoningParser, Qwen3ReasoningParser, GptOssReasoningParser]

@@ -400,7 +400,7 @@ def top_logprobs(entry: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]
 
 def message_dict(message: ChatMessage) -> dict[str, Any]:
     """A chat message as chat templates read it: text parts joined (400 for other parts), reasoning as
-    `reasoning_content`, tool-call arguments as objects."""
+    `reasoning_content` and `thinking`, tool-call arguments as objects."""
     content = message.content
     if isinstance(content, list):
         texts = []
@@ -412,8 +412,10 @@ def message_dict(message: ChatMessage) -> dict[str, Any]:
             texts.append(str(part.get("text", "")))
         content = "\n".join(texts)
     out = {**(message.model_extra or {}), "role": message.role, "content": content or ""}
-    if "reasoning" in out and "reasoning_content" not in out:  # chat templates read reasoning_content
-        out["reasoning_content"] = out["reasoning"]
+    reasoning = out.get("reasoning_content", out.get("reasoning"))
+    if reasoning is not None:  # chat templates read reasoning_content (Qwen3, DeepSeek) or thinking (GPT-OSS)
+        out.setdefault("reasoning_content", reasoning)
+        out.setdefault("thinking", reasoning)
     for call in out.get("tool_calls") or []:  # OpenAI sends arguments as JSON text; templates want objects
         function = call.get("function", {}) if isinstance(call, dict) else {}
         if isinstance(function.get("arguments"), str):

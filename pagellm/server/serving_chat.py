@@ -14,7 +14,7 @@ from typing import Any
 
 from fastapi import Request
 
-from pagellm.core.parsers import ReasoningParser, ToolParser
+from pagellm.core.parsers import ReasoningParser, ToolParser, reads_special_tokens, reads_whole_reply
 from pagellm.engine.async_llm import AsyncLLM, RequestStream
 from pagellm.engine.outputs import CompletionOutput, RequestOutput
 from pagellm.engine.setup import reasoning_parser
@@ -104,6 +104,10 @@ class ServingChat(ServingBase):
         model = self.served.resolve(request.model)
         params = self.sampling_params(request, "top_logprobs")
         tool_parser = self._request_tool_parser(request)
+        if reads_special_tokens(self.reasoning) or reads_special_tokens(tool_parser):
+            params.skip_special_tokens = (
+                False  # the parsers read the markers, and leave them out of the reply
+            )
         tools = [t.model_dump(exclude_none=True) for t in request.tools] if request.tools else None
         ids = await asyncio.to_thread(
             self.chat_prompt_ids,
@@ -124,11 +128,12 @@ class ServingChat(ServingBase):
         self, text: str, tool_parser: ToolParser | None = None, call_prefix: str = ""
     ) -> ChatResponseMessage:
         """A whole reply: split into reasoning and content when a reasoning parser is set, and its tool
-        calls parsed out of the content when the request may call tools."""
+        calls parsed out of the content (or the whole reply, for a parser that reads it) when the request
+        may call tools."""
         reasoning, content = self.reasoning.split(text, final=True) if self.reasoning else ("", text)
         calls = []
         if tool_parser is not None:
-            parsed = tool_parser.parse(content, final=True)
+            parsed = tool_parser.parse(text if reads_whole_reply(tool_parser) else content, final=True)
             content = parsed.content
             calls = [
                 ToolCall(id=call_id(call_prefix, i), function=ToolCallFunction(name=name, arguments=args))
@@ -174,10 +179,9 @@ class ServingChat(ServingBase):
             return ChatCompletionChunk(id=request_id, created=created, model=model, choices=[choice])
 
         finished: set[int] = set()
-        splitters = {i: ReasoningStream(self.reasoning) for i in range(request.n)} if self.reasoning else {}
-        tool_streams = (
-            {i: ToolCallStream(tool_parser, f"{request_id}-{i}") for i in range(request.n)}
-            if tool_parser
+        replies = (
+            {i: ReplyStream(self.reasoning, tool_parser, f"{request_id}-{i}") for i in range(request.n)}
+            if self.reasoning or tool_parser
             else {}
         )
         called: set[int] = set()
@@ -188,12 +192,11 @@ class ServingChat(ServingBase):
                     continue
                 delta = DeltaMessage(content=sample.text)
                 final = sample.finish_reason is not None
-                if splitters:  # the same split as a whole reply's, piece by piece
-                    reasoning, content = splitters[sample.index].feed(sample.text, final)
-                    delta = DeltaMessage(content=content or None, reasoning=reasoning or None)
-                if tool_streams:  # calls in the answer, piece by piece
-                    content, calls = tool_streams[sample.index].feed(delta.content or "", final)
-                    delta.content, delta.tool_calls = content or None, calls or None
+                if replies:  # the same split and calls as a whole reply's, piece by piece
+                    reasoning, content, calls = replies[sample.index].feed(sample.text, final)
+                    delta = DeltaMessage(
+                        content=content or None, reasoning=reasoning or None, tool_calls=calls or None
+                    )
                     if calls:
                         called.add(sample.index)
                 if (
@@ -234,6 +237,23 @@ class ServingChat(ServingBase):
                 )
             )
         return ChatLogprobs(content=content)
+
+
+class ReplyStream:
+    """One streamed reply through the reasoning parser and the tool-call parser, as `ServingChat.message`
+    parses a whole one: feed it each text delta, get (reasoning delta, content delta, tool-call deltas)."""
+
+    def __init__(self, reasoning: ReasoningParser | None, tool_parser: ToolParser | None, call_prefix: str):
+        self.reasoning = ReasoningStream(reasoning) if reasoning else None
+        self.calls = ToolCallStream(tool_parser, call_prefix) if tool_parser else None
+        self.whole_reply = reads_whole_reply(tool_parser)
+
+    def feed(self, delta: str, final: bool) -> tuple[str, str, list[dict]]:
+        reasoning, content = self.reasoning.feed(delta, final) if self.reasoning else ("", delta)
+        if self.calls is None:
+            return reasoning, content, []
+        content, calls = self.calls.feed(delta if self.whole_reply else content, final)
+        return reasoning, content, calls
 
 
 def tool_parser(name: str | None) -> ToolParser | None:

@@ -17,6 +17,7 @@ from typing import ClassVar
 
 from pagellm.core.parsers import ToolCallParse, ToolParser
 from pagellm.plugins import hookimpl
+from pagellm.server import harmony
 
 PAGELLM_PLUGIN_API = "1.1"
 
@@ -143,6 +144,27 @@ class Llama3JsonToolParser(ToolParser):
         return result
 
 
+class OpenAIToolParser(ToolParser):
+    """GPT-OSS's harmony calls (vLLM's `openai`): each message addressed `to=functions.NAME` (commentary
+    channel) is a call, its body the arguments' JSON text; any number. It reads the whole reply, thinking
+    included, since the calls sit beside the thinking rather than in the answer; its content is the
+    answer (the final channel), so the analysis channel never shows there."""
+
+    name: ClassVar[str] = "openai"
+    reads_special_tokens: ClassVar[bool] = True  # the markers are special tokens
+    reads_whole_reply: ClassVar[bool] = True
+    prefix = "functions."
+
+    def parse(self, text: str, final: bool = True) -> ToolCallParse:
+        found = harmony.messages(text, final)
+        calls = [
+            (m.recipient[len(self.prefix) :], m.body.strip() or ("{}" if m.closed or final else ""))
+            for m in found
+            if m.recipient is not None and m.recipient.startswith(self.prefix)
+        ]
+        return ToolCallParse(harmony.answer(found), calls)
+
+
 class RequiredToolParser(ToolParser):
     """tool_choice "required": the grammar made the reply a JSON array of {"name", "parameters"}."""
 
@@ -234,4 +256,4 @@ def _partial(text: str, tag: str) -> int:
 
 @hookimpl
 def pagellm_tool_parsers() -> list[type[ToolParser]]:
-    return [HermesToolParser, Llama3JsonToolParser]
+    return [HermesToolParser, Llama3JsonToolParser, OpenAIToolParser]

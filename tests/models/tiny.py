@@ -53,13 +53,22 @@ HARMONY_SPECIAL_TOKENS = (
     "<|call|>",
     "<|constrain|>",
 )
-# the shape of gpt-oss's own template, without its tool and date sections: a system header naming the
-# channels, system/developer instructions as a developer message, earlier assistant turns on the final
-# channel (their reasoning, `thinking`, on the analysis channel), and the assistant's header to generate after
+# the shape of gpt-oss's own template, without its date section and with the tools' parameters as JSON
+# rather than TypeScript: a system header naming the channels, system/developer instructions as a developer
+# message, the tools as a developer message declaring `namespace functions`, earlier assistant turns on the
+# final channel (their reasoning, `thinking`, on the analysis channel), their calls as commentary messages
+# `to=functions.NAME` with the arguments as JSON, a tool's result as a message from `functions.NAME` (the
+# last call's name), and the assistant's header to generate after
 HARMONY_CHAT_TEMPLATE = (
     "<|start|>system<|message|>You are ChatGPT, a large language model trained by OpenAI.\n"
     "Reasoning: {{ reasoning_effort | default('medium') }}\n\n"
-    "# Valid channels: analysis, commentary, final. Channel must be included for every message.<|end|>"
+    "# Valid channels: analysis, commentary, final. Channel must be included for every message."
+    "{% if tools %}\nCalls to these tools must go to the commentary channel: 'functions'.{% endif %}<|end|>"
+    "{% if tools %}<|start|>developer<|message|># Tools\n\n## functions\n\nnamespace functions {\n\n"
+    "{% for tool in tools %}// {{ tool['function']['description'] }}\n"
+    "type {{ tool['function']['name'] }} = (_: {{ tool['function']['parameters'] | tojson }}) => any;\n\n"
+    "{% endfor %}} // namespace functions<|end|>{% endif %}"
+    "{% set last = namespace(call='') %}"
     "{% for message in messages %}"
     "{% if message['role'] in ('system', 'developer') %}"
     "<|start|>developer<|message|># Instructions\n\n{{ message['content'] }}<|end|>"
@@ -67,7 +76,17 @@ HARMONY_CHAT_TEMPLATE = (
     "{% if message.get('thinking') %}"
     "<|start|>assistant<|channel|>analysis<|message|>{{ message['thinking'] }}<|end|>"
     "{% endif %}"
+    "{% if message.get('tool_calls') %}"
+    "{% for call in message['tool_calls'] %}"
+    "<|start|>assistant to=functions.{{ call['function']['name'] }}<|channel|>commentary json<|message|>"
+    "{{ call['function']['arguments'] | tojson }}<|call|>"
+    "{% set last.call = call['function']['name'] %}"
+    "{% endfor %}"
+    "{% else %}"
     "<|start|>assistant<|channel|>final<|message|>{{ message['content'] }}<|end|>"
+    "{% endif %}"
+    "{% elif message['role'] == 'tool' %}"
+    "<|start|>functions.{{ last.call }} to=assistant<|channel|>commentary<|message|>{{ message['content'] }}<|end|>"
     "{% else %}"
     "<|start|>{{ message['role'] }}<|message|>{{ message['content'] }}<|end|>"
     "{% endif %}"
