@@ -105,9 +105,8 @@ class ServingChat(ServingBase):
         params = self.sampling_params(request, "top_logprobs")
         tool_parser = self._request_tool_parser(request)
         if reads_special_tokens(self.reasoning) or reads_special_tokens(tool_parser):
-            params.skip_special_tokens = (
-                False  # the parsers read the markers, and leave them out of the reply
-            )
+            # the parsers read the markers (special tokens) and leave them out of what they return
+            params.skip_special_tokens = False
         tools = [t.model_dump(exclude_none=True) for t in request.tools] if request.tools else None
         ids = await asyncio.to_thread(
             self.chat_prompt_ids,

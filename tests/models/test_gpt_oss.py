@@ -14,6 +14,7 @@ import httpx
 import pytest
 import torch
 from models_harness import PagedRunner, load_pagellm, load_reference, reference_logits
+from openai_asgi import call_app
 from parity import Reference, assert_greedy_parity, mixed_prompts
 from safetensors.torch import load_file, save_file
 from tiny import make_tiny_checkpoint
@@ -21,7 +22,12 @@ from tiny import make_tiny_checkpoint
 from pagellm import LLM, AsyncLLM
 from pagellm.core import moe
 from pagellm.core.mxfp4 import BLOCK_SIZE
+from pagellm.server import harmony
 from pagellm.server.app import build_app
+from pagellm.server.protocol import ChatCompletionRequest
+from pagellm.server.serving_chat import ServingChat
+from pagellm.server.serving_models import ServedModels
+from pagellm.server.tool_parsers import OpenAIToolParser
 
 ATOL = 1e-4
 PROMPT = [5, 77, 200, 13, 150, 42, 99, 260, 301, 7, 64, 120, 33]  # longer than the 8-token window
@@ -154,3 +160,83 @@ def test_harmony_chat_through_the_server_matches_transformers(checkpoint):
     assert tokens == prompt
     assert response["usage"]["prompt_tokens"] == len(prompt)
     assert response["choices"][0]["message"]["content"] == tokenizer.decode(theirs, skip_special_tokens=True)
+
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "weather",
+            "description": "Weather",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+]
+
+
+def test_harmony_tool_turns_and_parsers_through_the_server(checkpoint):
+    """`--reasoning-parser openai_gptoss --tool-call-parser openai`: an earlier call and its result render
+    through the GPT-OSS template (the reasoning sent back as `thinking`, the arguments as JSON); the
+    parsers read the reply with its special tokens, streamed as whole. A random model speaks no harmony,
+    so its marker tokens are favoured and the reply is compared with the parsers' reading of the same text
+    from /v1/completions with special tokens kept; a realistic reply goes through the server's parse."""
+    llm = AsyncLLM(
+        str(checkpoint), dtype="float32", num_kv_blocks=128, max_model_len=512, engine_process=False,
+        reasoning_parser="openai_gptoss",
+    )  # fmt: skip
+    options = {"tool_call_parser": "openai", "enable_auto_tool_choice": True}
+    app = build_app(llm, ["tiny"], log_requests=False, **options)
+    chat = ServingChat(llm, ServedModels(llm, ["tiny"]), **options)
+    tokenizer = llm.tokenizer
+    messages = [
+        {"role": "user", "content": "Paris?"},
+        {"role": "assistant", "content": None, "reasoning": "Look it up.", "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Paris"}'}},
+        ]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+    ]  # fmt: skip
+    ids = chat.chat_prompt_ids(ChatCompletionRequest(messages=messages).messages, None, True, TOOLS)
+    prompt = tokenizer.decode(ids, skip_special_tokens=False)
+    assert "namespace functions {\n\n// Weather\ntype weather = (_: {" in prompt
+    assert prompt.endswith(
+        "<|start|>assistant<|channel|>analysis<|message|>Look it up.<|end|>"
+        '<|start|>assistant to=functions.weather<|channel|>commentary json<|message|>{"city": "Paris"}<|call|>'
+        "<|start|>functions.weather to=assistant<|channel|>commentary<|message|>sunny<|end|><|start|>assistant"
+    )
+
+    markers = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>")
+    bias = {str(tokenizer.convert_tokens_to_ids(m)): 6 for m in markers}
+    body = {"model": "tiny", "messages": messages, "tools": TOOLS, "max_tokens": 16, "temperature": 0}
+
+    async def work(client, http):
+        whole = (await client.chat.completions.create(**body, logit_bias=bias)).choices[0]
+        chunks = [c async for c in await client.chat.completions.create(**body, logit_bias=bias, stream=True)]
+        completion = {"prompt": ids, "max_tokens": 16, "temperature": 0, "logit_bias": bias}
+        raw = await http.post("/v1/completions", json={**completion, "skip_special_tokens": False})
+        return whole, chunks, raw.json()["choices"][0]["text"]
+
+    try:
+        whole, chunks, text = call_app(app, work)
+    finally:
+        llm.shutdown()
+    assert any(m in text for m in markers)
+    expected = chat.message(text, OpenAIToolParser(), "x")
+    reasoning = whole.message.model_extra.get("reasoning")
+    assert (whole.message.content, reasoning) == (expected.content, expected.reasoning)
+    assert [(c.function.name, c.function.arguments) for c in whole.message.tool_calls or []] == [
+        (c.function.name, c.function.arguments) for c in expected.tool_calls
+    ]
+    assert not any(m in (whole.message.content or "") + (reasoning or "") for m in harmony.MARKERS)
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert "".join(d.content or "" for d in deltas) == (whole.message.content or "")
+    assert "".join(d.model_extra.get("reasoning") or "" for d in deltas) == (reasoning or "")
+
+    reply = (
+        "<|channel|>analysis<|message|>Look it up.<|end|><|start|>assistant<|channel|>commentary "
+        'to=functions.weather <|constrain|>json<|message|>{"city": "Paris"}'
+    )
+    message = chat.message(reply, OpenAIToolParser(), "x")
+    assert (message.content, message.reasoning) == (None, "Look it up.")
+    assert [(c.function.name, c.function.arguments) for c in message.tool_calls] == [
+        ("weather", '{"city": "Paris"}')
+    ]
