@@ -102,7 +102,8 @@ def serve_options(skip: tuple[str, ...] = ()) -> Callable:
         click.option(
             "--tool-call-parser",
             default=None,
-            help="How to find tool calls in replies: hermes, llama3_json, or a plugin's (see `pagellm plugins`).",
+            help="How to find tool calls in replies: hermes, llama3_json, openai, or a plugin's "
+            "(see `pagellm plugins`).",
         ),
     )
 

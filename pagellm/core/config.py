@@ -115,8 +115,8 @@ class EngineConfig:
     max_cpu_loras: int | None = _opt(None, "LoRA adapters kept loaded in memory (default: max_loras).")
     reasoning_parser: str | None = _opt(
         None,
-        "Split replies into reasoning and content (deepseek_r1, qwen3, or a plugin's); a grammar "
-        "(structured output) applies only after the reasoning ends.",
+        "Split replies into reasoning and content (deepseek_r1, qwen3, openai_gptoss, or a plugin's); a "
+        "grammar (structured output) applies only after the reasoning ends.",
     )
     enforce_eager: bool = _opt(
         False,

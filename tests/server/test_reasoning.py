@@ -100,7 +100,7 @@ def test_an_unknown_reasoning_parser_is_refused_with_the_known_ones(tmp_path):
     from pagellm.engine.setup import reasoning_parser
     from pagellm.plugins.loader import load_plugins
 
-    with pytest.raises(ConfigError, match="deepseek_r1, qwen3"):
+    with pytest.raises(ConfigError, match="deepseek_r1, openai_gptoss, qwen3"):
         reasoning_parser(load_plugins(), "r2d2")
     assert EngineConfig(reasoning_parser="qwen3").reasoning_parser == "qwen3"
 
