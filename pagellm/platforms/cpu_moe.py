@@ -163,5 +163,5 @@ def pack(
 ) -> PackedMoE:
     """The layer's experts on the kernel (which the caller has loaded: it registers the op's CPU code)."""
     kernel = CpuFusedMoE(w13, w2, w13_bias, w2_bias, activation, w13_scale, w2_scale)
-    what = f", {w13.dtype} weight-only" if w13.dtype in QUANTIZED_DTYPES else ""
+    what = f", {str(w13.dtype).removeprefix('torch.')} weight-only" if w13.dtype in QUANTIZED_DTYPES else ""
     return PackedMoE(kernel, f"native CPU kernel, {isa}{what}")

@@ -134,9 +134,8 @@ def test_quantized_kernel_matches_the_reference(kernels, method, hidden_dtype, c
     hidden = hidden.to(dtype)
     (q13, s13), (q2, s2) = QUANTIZED[method].quantize_rows(w13), QUANTIZED[method].quantize_rows(w2)
     packed = CpuPlatform.pack_moe(q13, q2, w13_bias, w2_bias, activation, w13_scale=s13, w2_scale=s2)
-    assert packed is not None and packed.description.endswith(
-        f"{q13.dtype} weight-only".removeprefix("torch.")
-    )
+    name = {"int8": "int8", "fp8": "float8_e4m3fn"}[method]
+    assert packed is not None and packed.description.endswith(f", {name} weight-only")
     got = packed(hidden, weights, ids)
     assert got.shape == hidden.shape and got.dtype == dtype
     want = fused_experts_reference(
