@@ -178,9 +178,7 @@ class FusedMoE(nn.Module):
             quantized = self._store("w13", (local, rows), _read(tensor, (0, self.width_start, w)), label)
         else:
             quantized = self._store("w2", (local,), _read(tensor, (1, self.width_start, w)), label)
-        self._filled.update(
-            (name, local, part) for name in ([param, f"{param}_scale"] if quantized else [param])
-        )
+        self._filled.update((p, local, part) for p in ([param, f"{param}_scale"] if quantized else [param]))
 
     def _store(self, param: str, index: tuple, tensor: torch.Tensor, name: str) -> bool:
         """Copy `tensor` into `param`[index]: as it is, or quantized row by row into quantized experts,
