@@ -4,6 +4,9 @@ checked against.
 
 Layout (fixed, whatever the checkpoint's): `w13` [E, 2I, H] with the gate's I rows first and the up
 projection's I rows after them, `w2` [E, H, I], optional biases `w13_bias` [E, 2I] and `w2_bias` [E, H].
+Quantized experts (`QUANTIZED_DTYPES`, weight-only) keep that layout in int8 or float8_e4m3fn with one
+float32 scale per output row, `w13_scale` [E, 2I] and `w2_scale` [E, H]: expert e's weight is
+w13[e] * w13_scale[e, :, None] (symmetric, no zero point).
 A step's routing is `topk_weights` [T, K] float32 and `topk_ids` [T, K] int64: token t's output is
 sum_k topk_weights[t, k] * expert(topk_ids[t, k], x_t).
 """
@@ -21,6 +24,9 @@ SWIGLU_OAI = "swiglu_oai"
 GELU_TANH = "gelu_pytorch_tanh"
 ACTIVATIONS = (SILU, SWIGLU_OAI, GELU_TANH)
 """silu(gate) * up (Llama-style experts); GPT-OSS's clamped SwiGLU; gelu(tanh)(gate) * up."""
+
+QUANTIZED_DTYPES = (torch.int8, torch.float8_e4m3fn)
+"""Expert weight dtypes that come with per-row scales."""
 
 SWIGLU_ALPHA = 1.702
 SWIGLU_LIMIT = 7.0
@@ -71,10 +77,16 @@ def fused_experts_reference(
     activation: str = SILU,
     w13_bias: torch.Tensor | None = None,
     w2_bias: torch.Tensor | None = None,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The experts in plain PyTorch: the step's (token, expert) pairs sorted by expert once, each chosen
     expert run on its tokens (experts no token chose are skipped), weighted and summed per token in float32.
-    The fallback where a platform packs nothing, and the oracle its kernels are tested against."""
+    The fallback where a platform packs nothing, and the oracle its kernels are tested against.
+
+    Quantized experts (scales given) are dequantized one chosen expert at a time, so a step never holds
+    more than one expert's weights in the activation dtype: the weight is cast (int8 and e4m3 values are
+    exact in bfloat16) and its per-row scale applied to the product, as the dense int8/fp8 layers do."""
     num_tokens, top_k = topk_ids.shape
     out = torch.zeros(num_tokens, w2.shape[1], dtype=torch.float32, device=hidden.device)
     if num_tokens == 0:
@@ -90,9 +102,24 @@ def fused_experts_reference(
             continue
         rows = tokens[start : start + count]
         x = hidden[rows]
-        gate_up = F.linear(x, w13[expert], None if w13_bias is None else w13_bias[expert])
+        gate_up = _expert_linear(x, w13, w13_scale, w13_bias, expert)
         act = activate(gate_up, activation).to(hidden.dtype)
-        y = F.linear(act, w2[expert], None if w2_bias is None else w2_bias[expert]).float()
+        y = _expert_linear(act, w2, w2_scale, w2_bias, expert).float()
         out.index_add_(0, rows, y * weights[start : start + count, None])
         start += count
     return out.to(hidden.dtype)
+
+
+def _expert_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    expert: int,
+) -> torch.Tensor:
+    """x @ weight[expert]^T (+ bias[expert]); with a per-row scale, (x @ q^T) * scale + bias."""
+    b = None if bias is None else bias[expert]
+    if scale is None:
+        return F.linear(x, weight[expert], b)
+    y = F.linear(x, weight[expert].to(x.dtype)) * scale[expert].to(x.dtype)
+    return y if b is None else y + b

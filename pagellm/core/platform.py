@@ -172,10 +172,14 @@ class Platform:
         w13_bias: torch.Tensor | None,
         w2_bias: torch.Tensor | None,
         activation: str,
+        w13_scale: torch.Tensor | None = None,
+        w2_scale: torch.Tensor | None = None,
     ) -> PackedMoE | None:
         """A fused-MoE layer's stacked expert weights (`pagellm.core.moe` says the layout) in the device's
         kernel layout with the function that runs them, or None: the layer then runs
-        `fused_experts_reference`. Called once per MoE layer after the weights load."""
+        `fused_experts_reference`. Called once per MoE layer after the weights load. Quantized experts
+        (int8 or float8_e4m3fn `w13`/`w2`) come with their per-row scales; a platform whose kernel does
+        not read them returns None."""
         return None
 
     @classmethod

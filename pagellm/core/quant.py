@@ -37,6 +37,10 @@ class QuantMethod:
     model's dtype must be one where the selector is given it (`select_quant_method(..., dtype=)`)."""
     min_capability: ClassVar[tuple[int, int] | None] = None
     """Lowest device capability (platforms that report one), e.g. (8, 9) for FP8 matmul."""
+    expert_dtype: ClassVar[torch.dtype | None] = None
+    """The dtype a mixture-of-experts layer (`FusedMoE`) keeps its routed experts in under this method,
+    one of `core.moe.QUANTIZED_DTYPES`, with a float32 scale per output row (`quantize_rows`); experts
+    are weight-only whatever the method does for linears. None: the experts stay in the model's dtype."""
     loads_gguf_blocks: ClassVar[bool] = False
     """True: from a GGUF checkpoint, the engine hands `create_weights`' parameters the file's packed blocks,
     read straight from the .gguf file (`<layer>.qweight`: uint8 [rows, bytes per row], `<layer>.qweight_type`:
@@ -78,6 +82,12 @@ class QuantMethod:
 
     def __init__(self, quantization_config: dict[str, Any] | None = None):
         self.quantization_config = quantization_config or {}
+
+    @classmethod
+    def quantize_rows(cls, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Symmetric per-row quantization for `expert_dtype`: weight [..., rows, cols] -> (values in
+        `expert_dtype`, float32 scales [..., rows])."""
+        raise NotImplementedError
 
     def create_weights(
         self, layer: torch.nn.Module, in_features: int, out_features: int, params_dtype: torch.dtype

@@ -163,9 +163,12 @@ class TorchRuntimePlatform(AcceleratorPlatform):
         w13_bias: torch.Tensor | None,
         w2_bias: torch.Tensor | None,
         activation: str,
+        w13_scale: torch.Tensor | None = None,
+        w2_scale: torch.Tensor | None = None,
     ) -> PackedMoE | None:
         """The Triton fused-MoE kernel (`triton_moe`) on CUDA and ROCm where triton is installed and the
-        weights are in a float dtype it runs; None elsewhere (XPU: untried), so the reference runs."""
+        weights are in a float dtype it runs; None elsewhere (XPU: untried; quantized experts: the kernel
+        reads no scales), so the reference runs."""
         if cls.runtime != "cuda" or TRITON not in cls.capabilities or not triton_moe_runs(w13):
             return None
         return pack_triton_moe(w13, w2, w13_bias, w2_bias, activation)

@@ -175,17 +175,22 @@ class CpuPlatform(Platform):
         w13_bias: torch.Tensor | None,
         w2_bias: torch.Tensor | None,
         activation: str,
+        w13_scale: torch.Tensor | None = None,
+        w2_scale: torch.Tensor | None = None,
     ) -> PackedMoE | None:
-        """float32 and bfloat16 experts on pagellm's native kernel (platforms/cpu_kernels/fused_moe.cpp,
-        packed by platforms/cpu_moe.py): each chosen expert's weights read once a step, the activation in
-        the first GEMM's epilogue. None (the PyTorch reference) for other dtypes, or where the kernels
-        cannot be had here (no compiler, PAGELLM_CPU_KERNELS=0: `cpu_kernels.load` logs why, once)."""
+        """float32, bfloat16, int8 and fp8 (e4m3) experts on pagellm's native kernel
+        (platforms/cpu_kernels/fused_moe.cpp, packed by platforms/cpu_moe.py): each chosen expert's weights
+        read once a step, the activation in the first GEMM's epilogue. None (the PyTorch reference) for
+        other dtypes, or where the kernels cannot be had here (no compiler, PAGELLM_CPU_KERNELS=0:
+        `cpu_kernels.load` logs why, once)."""
         if w13.dtype not in cpu_moe.DTYPES or w2.dtype != w13.dtype:
             return None
         kernels = _kernels()
         if kernels is None:
             return None
-        return cpu_moe.pack(w13, w2, w13_bias, w2_bias, activation, kernels.fused_moe_isa())
+        return cpu_moe.pack(
+            w13, w2, w13_bias, w2_bias, activation, kernels.fused_moe_isa(), w13_scale, w2_scale
+        )
 
     @classmethod
     def argmax(cls, logits: torch.Tensor) -> torch.Tensor:

@@ -37,10 +37,16 @@ class ChannelwiseMethod(QuantMethod):
 
     @classmethod
     def quantize(cls, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Symmetric per-row quantization: (weight in storage dtype, float32 scale [out, 1])."""
+        """Symmetric per-row quantization of [..., out, in]: (weight in storage dtype, float32 scale
+        [..., out, 1])."""
         w = weight.float()
-        scale = (w.abs().amax(dim=1, keepdim=True) / cls.qmax).clamp(min=torch.finfo(torch.float32).tiny)
+        scale = (w.abs().amax(dim=-1, keepdim=True) / cls.qmax).clamp(min=torch.finfo(torch.float32).tiny)
         return cls.to_storage(w / scale), scale
+
+    @classmethod
+    def quantize_rows(cls, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        qweight, scale = cls.quantize(weight)
+        return qweight, scale.squeeze(-1)
 
     @classmethod
     def to_storage(cls, scaled: torch.Tensor) -> torch.Tensor:

@@ -50,6 +50,7 @@ TENSORWISE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 class Fp8Method(ChannelwiseMethod):
     name = "fp8"
     storage_dtype = FP8
+    expert_dtype = FP8
     qmax = FP8_MAX
     requires = (FLOAT8,)  # weights stay float8_e4m3fn on the device; torch._scaled_mm is probed, not needed
 

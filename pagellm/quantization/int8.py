@@ -28,6 +28,7 @@ class Int8Method(ChannelwiseMethod):
     name = "int8"
     # requires nothing: int8 weights cast for an ordinary matmul; W8A8 on AMX is a fast path taken at load
     storage_dtype = torch.int8
+    expert_dtype = torch.int8
     qmax = 127.0
 
     @classmethod

@@ -194,7 +194,13 @@ class ModelRunner:
         for layer in layers:
             layer.use_packed(
                 self.setup.platform.pack_moe(
-                    layer.w13, layer.w2, layer.w13_bias, layer.w2_bias, layer.activation
+                    layer.w13,
+                    layer.w2,
+                    layer.w13_bias,
+                    layer.w2_bias,
+                    layer.activation,
+                    w13_scale=layer.w13_scale,
+                    w2_scale=layer.w2_scale,
                 )
             )
             paths.add(layer.packed.description if layer.packed is not None else "the PyTorch reference")

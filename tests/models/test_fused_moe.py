@@ -15,6 +15,8 @@ from pagellm.core.errors import ConfigError
 from pagellm.core.moe import SILU, SWIGLU_OAI, PackedMoE, fused_experts_reference
 from pagellm.distributed import Group
 from pagellm.models.layers.fused_moe.layer import FusedMoE
+from pagellm.quantization.fp8 import Fp8Method
+from pagellm.quantization.int8 import Int8Method
 
 E, H, I = 4, 16, 8  # noqa: E741
 
@@ -89,6 +91,97 @@ def test_gpt_oss_fused_experts_run_like_transformers():
     torch.testing.assert_close(layer(hidden, weights, ids), expected, rtol=1e-5, atol=1e-4)
 
 
+QUANT_METHODS = {"int8": Int8Method, "fp8": Fp8Method}
+
+
+def _dequantized(layer: FusedMoE) -> tuple[torch.Tensor, torch.Tensor]:
+    return layer.w13.float() * layer.w13_scale[..., None], layer.w2.float() * layer.w2_scale[..., None]
+
+
+@pytest.mark.parametrize("method", list(QUANT_METHODS))
+def test_quantized_experts_from_float_and_from_quantized_tensors(method):
+    """Float tensors are quantized per row as they load (gate and up rows each with their own scales);
+    the same values saved quantized (`weight` + `weight_scale` [rows, 1], or one per-tensor scale) load
+    to the same layer; it runs the reference on its quantized weights, equal to the dequantized experts."""
+    quant = QUANT_METHODS[method]
+    gen = torch.Generator().manual_seed(0)
+    tensors = _per_expert(gen)
+    layer = _load(FusedMoE(E, H, I, torch.float32, quant_method=quant()), tensors)
+    assert layer.w13.dtype == layer.w2.dtype == quant.expert_dtype
+    assert layer.loaded_parameters() == {"w13", "w2", "w13_scale", "w2_scale"}
+    saved = {}
+    for name, tensor in tensors.items():
+        values, scale = quant.quantize_rows(tensor)
+        saved[name], saved[f"{name}_scale"] = values, scale[:, None]
+    assert torch.equal(saved["1.up_proj.weight"].view(torch.uint8), layer.w13[1, I:].view(torch.uint8))
+    again = _load(FusedMoE(E, H, I, torch.float32, quant_method=quant()), saved)
+    assert again.loaded_parameters() == layer.loaded_parameters()
+    for name in ("w13", "w2", "w13_scale", "w2_scale"):
+        assert torch.equal(getattr(again, name).float(), getattr(layer, name).float()), name
+    del saved["2.down_proj.weight_scale"]
+    assert _load(FusedMoE(E, H, I, torch.float32, quant_method=quant()), saved).loaded_parameters() == {
+        "w13",
+        "w2",
+        "w13_scale",
+    }
+    w13, w2 = _dequantized(layer)
+    hidden, weights, ids = _routing(gen)
+    torch.testing.assert_close(
+        layer(hidden, weights, ids),
+        fused_experts_reference(hidden, w13, w2, weights, ids),
+        rtol=1e-5,
+        atol=1e-5,
+    )
+    other = torch.float8_e4m3fn if method == "int8" else torch.int8
+    with pytest.raises(ConfigError, match="quantized to"):
+        FusedMoE(E, H, I, torch.float32, quant_method=quant()).load_checkpoint(
+            "0.gate_proj.weight", torch.zeros(I, H, dtype=other)
+        )
+    per_tensor = FusedMoE(E, H, I, torch.float32, quant_method=quant())
+    one = saved["0.down_proj.weight_scale"].amax()  # a per-tensor scale, as AutoFP8 writes
+    per_tensor.load_checkpoint("0.down_proj.weight_scale", one)
+    assert torch.equal(per_tensor.w2_scale[0], one.expand(H))
+
+
+def test_quantized_experts_split_their_scales_with_their_rows():
+    """Sharded by width, a rank keeps its gate and up rows' scales and all of w2's (its rows are whole);
+    quantizing its own columns of w2, its w2 scales are its columns' own."""
+    gen = torch.Generator().manual_seed(2)
+    tensors = _per_expert(gen)
+    saved = {}
+    for name, tensor in tensors.items():
+        saved[name], scale = Int8Method.quantize_rows(tensor)
+        saved[f"{name}_scale"] = scale[:, None]
+    whole = _load(FusedMoE(E, H, I, torch.float32, quant_method=Int8Method()), saved)
+    half = slice(I // 2, I)
+    rank = _load(FusedMoE(E, H, I, torch.float32, Group(2, 1, [0, 1]), quant_method=Int8Method()), saved)
+    assert torch.equal(
+        rank.w13_scale, torch.cat([whole.w13_scale[:, :I][:, half], whole.w13_scale[:, I:][:, half]], 1)
+    )
+    assert torch.equal(rank.w2_scale, whole.w2_scale) and torch.equal(rank.w2, whole.w2[:, :, half])
+    from_float = _load(
+        FusedMoE(E, H, I, torch.float32, Group(2, 1, [0, 1]), quant_method=Int8Method()), tensors
+    )
+    expected = torch.stack([tensors[f"{e}.down_proj.weight"][:, half].abs().amax(1) / 127 for e in range(E)])
+    torch.testing.assert_close(from_float.w2_scale, expected, rtol=0, atol=0)
+
+
+def test_gpt_oss_fused_experts_quantize_while_loading():
+    gen = torch.Generator().manual_seed(3)
+    tensors = _gpt_oss_tensors(gen)
+    plain = _load(FusedMoE(E, H, I, torch.float32, activation=SWIGLU_OAI, bias=True), tensors)
+    layer = FusedMoE(E, H, I, torch.float32, activation=SWIGLU_OAI, bias=True, quant_method=Int8Method())
+    _load(layer, tensors)
+    assert layer.loaded_parameters() == {"w13", "w2", "w13_bias", "w2_bias", "w13_scale", "w2_scale"}
+    w13, w2 = _dequantized(layer)
+    torch.testing.assert_close(w13, plain.w13, rtol=0, atol=float(plain.w13.abs().max()) / 254)
+    hidden, weights, ids = _routing(gen)
+    expected = fused_experts_reference(
+        hidden, w13, w2, weights, ids, activation=SWIGLU_OAI, w13_bias=plain.w13_bias, w2_bias=plain.w2_bias
+    )
+    torch.testing.assert_close(layer(hidden, weights, ids), expected, rtol=1e-5, atol=1e-4)
+
+
 def _two_ranks(expert_parallel: bool, bias: bool, tensors: dict[str, torch.Tensor]) -> list[FusedMoE]:
     activation = SWIGLU_OAI if bias else SILU
     return [
@@ -151,7 +244,7 @@ def test_the_runner_hands_the_experts_to_the_platform(tmp_path, monkeypatch, cap
 
     calls = []
 
-    def pack_moe(cls, w13, w2, w13_bias, w2_bias, activation):
+    def pack_moe(cls, w13, w2, w13_bias, w2_bias, activation, w13_scale=None, w2_scale=None):
         calls.append((tuple(w13.shape), tuple(w2.shape), activation))
 
         def run(hidden, topk_weights, topk_ids):

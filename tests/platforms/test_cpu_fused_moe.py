@@ -5,7 +5,10 @@ torch.compile.
 bfloat16 is checked two ways: against the reference run in bfloat16 (which rounds gate/up, the activation
 and the down projection to bfloat16 on the way, so the two differ by a few such roundings), and against the
 reference run in float32 on the same bfloat16 values, which the kernel (float32 inside, one rounding at the
-end) must match to about half a bfloat16 step."""
+end) must match to about half a bfloat16 step.
+
+Quantized experts (int8, fp8 e4m3; weight-only, per-row scales) are checked against the reference on the
+same quantized weights, which dequantizes each chosen expert, with float32 and bfloat16 hidden states."""
 
 from __future__ import annotations
 
@@ -17,6 +20,10 @@ import torch
 from pagellm.core.moe import ACTIVATIONS, SWIGLU_OAI, fused_experts_reference
 from pagellm.platforms import cpu_kernels, cpu_moe
 from pagellm.platforms.cpu import CpuPlatform
+from pagellm.quantization.fp8 import Fp8Method
+from pagellm.quantization.int8 import Int8Method
+
+QUANTIZED = {"int8": Int8Method, "fp8": Fp8Method}
 
 
 @pytest.fixture(scope="module")
@@ -107,6 +114,77 @@ def test_kernel_matches_the_reference(kernels, dtype, activation, bias, case):
     torch.testing.assert_close(got.float(), exact, rtol=2**-8, atol=1e-4)
 
 
+def quantized_matrix():
+    """`matrix()` for int8 and fp8 experts with float32 hidden states in the default run (bfloat16
+    hidden states, and the cases `matrix()` leaves out, under -m slow)."""
+    for param in matrix():
+        slow = any(mark.name == "slow" for mark in param.marks)
+        for method in QUANTIZED:
+            for hidden in ("fp32", "bf16"):
+                marks = (pytest.mark.slow,) if slow or hidden == "bf16" else ()
+                yield pytest.param(
+                    method, hidden, *param.values, marks=marks, id=f"{method}-{hidden}-{param.id}"
+                )
+
+
+@pytest.mark.parametrize(("method", "hidden_dtype", "case", "activation", "bias"), list(quantized_matrix()))
+def test_quantized_kernel_matches_the_reference(kernels, method, hidden_dtype, case, activation, bias):
+    hidden, w13, w2, weights, ids, w13_bias, w2_bias = make_case(case, torch.float32, bias)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[hidden_dtype]
+    hidden = hidden.to(dtype)
+    (q13, s13), (q2, s2) = QUANTIZED[method].quantize_rows(w13), QUANTIZED[method].quantize_rows(w2)
+    packed = CpuPlatform.pack_moe(q13, q2, w13_bias, w2_bias, activation, w13_scale=s13, w2_scale=s2)
+    name = {"int8": "int8", "fp8": "float8_e4m3fn"}[method]
+    assert packed is not None and packed.description.endswith(f", {name} weight-only")
+    got = packed(hidden, weights, ids)
+    assert got.shape == hidden.shape and got.dtype == dtype
+    want = fused_experts_reference(
+        hidden.float(),
+        q13,
+        q2,
+        weights,
+        ids,
+        activation=activation,
+        w13_bias=w13_bias,
+        w2_bias=w2_bias,
+        w13_scale=s13,
+        w2_scale=s2,
+    )
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    else:  # float32 inside, one rounding to bfloat16 at the end
+        torch.testing.assert_close(got.float(), want, rtol=2**-8, atol=1e-4)
+
+
+def test_every_e4m3_value_reaches_the_kernel(kernels):
+    """All 254 finite e4m3 codes (subnormals, both zeros, +-448) as weights: token t is the unit vector t,
+    so its gate and up are code t times the scale (2^-7, exact, keeping SiLU's argument in [-3.5, 3.5])."""
+    codes = torch.arange(256, dtype=torch.uint8)
+    codes = codes[(codes & 0x7F) != 0x7F]  # not NaN
+    hidden_size, inter = len(codes), 8
+    w13 = codes.repeat(1, 2 * inter, 1).view(torch.float8_e4m3fn)  # [1, 16, 254]: every row holds every code
+    w2 = torch.ones(1, hidden_size, inter).to(torch.float8_e4m3fn)
+    scales = torch.full((1, 2 * inter), 2.0**-7), torch.ones(1, hidden_size)
+    tokens, weights, ids = (
+        torch.eye(hidden_size),
+        torch.ones(hidden_size, 1),
+        torch.zeros(hidden_size, 1).long(),
+    )
+    packed = CpuPlatform.pack_moe(w13, w2, None, None, "silu", w13_scale=scales[0], w2_scale=scales[1])
+    want = fused_experts_reference(tokens, w13, w2, weights, ids, w13_scale=scales[0], w2_scale=scales[1])
+    assert int((want[:, 0] == 0).sum()) == 2  # +0 and -0; the rest distinct values
+    torch.testing.assert_close(packed(tokens, weights, ids), want, rtol=1e-6, atol=0)
+
+
+def test_quantized_experts_need_their_scales(kernels):
+    _, w13, w2, _, _, _, _ = make_case("random", torch.float32, False)
+    (q13, s13), (q2, s2) = Int8Method.quantize_rows(w13), Int8Method.quantize_rows(w2)
+    with pytest.raises(ValueError, match="scales"):
+        CpuPlatform.pack_moe(q13, q2, None, None, "silu")
+    with pytest.raises(ValueError, match="scales"):
+        CpuPlatform.pack_moe(w13, w2, None, None, "silu", w13_scale=s13, w2_scale=s2)
+
+
 def test_swiglu_clamps_reach_the_kernel(kernels):
     """Gates and ups far beyond GPT-OSS's limit (7): the clamps, not just the smooth part, are exercised."""
     hidden, w13, w2, weights, ids, w13_bias, w2_bias = make_case("random", torch.float32, True)
@@ -146,12 +224,14 @@ def test_out_of_range_expert_ids_are_refused(kernels):
 def test_packed_layout_keeps_every_weight_once():
     """The packing is a permutation plus zero padding: each panel's columns, read back in the kernel's
     order, are the gate/up (w13) and output (w2) rows they stand for."""
-    for dtype in (torch.float32, torch.bfloat16):
-        w13 = torch.randn(3, 2 * 13, 37).to(dtype)
-        w2 = torch.randn(3, 37, 13).to(dtype)
+    for dtype in cpu_moe.DTYPES:
+        w13 = torch.randn(3, 2 * 13, 37).mul(10).to(dtype)
+        w2 = torch.randn(3, 37, 13).mul(10).to(dtype)
+        if dtype.itemsize == 1:  # compared as bytes (float8 has no equality)
+            w13, w2 = w13.view(torch.uint8), w2.view(torch.uint8)
         p13, p2 = cpu_moe.pack_w13(w13), cpu_moe.pack_w2(w2)
         assert p13.shape == (3, 2, 37, 16) and p2.shape == (3, 3, 13, 16)
-        order = list(range(16)) if dtype == torch.float32 else [*range(0, 16, 2), *range(1, 16, 2)]
+        order = [*range(0, 16, 2), *range(1, 16, 2)] if dtype == torch.bfloat16 else list(range(16))
         cols13 = p13[..., order].transpose(-1, -2)  # [E, panel, 16 logical columns, H]
         gate = cols13[:, :, :8].reshape(3, 16, 37)
         up = cols13[:, :, 8:].reshape(3, 16, 37)

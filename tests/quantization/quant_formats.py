@@ -31,14 +31,27 @@ def is_quantized(name: str, tensor: torch.Tensor) -> bool:
     return ".layers." in name and name.endswith(".weight") and tensor.dim() == 2
 
 
-def write_quantized(src: Path, dst: Path, quantizer: Quantizer, config: dict) -> Path:
-    """Write `dst` (quantized, with `config` as quantization_config) and `dst`-dequant; return the latter."""
+def is_quantized_with_experts(name: str, tensor: torch.Tensor) -> bool:
+    """A mixture-of-experts checkpoint as quantizing tools write it: the linears and every expert's
+    matrices, not the router (`mlp.gate`, which stays in the model's dtype)."""
+    return is_quantized(name, tensor) and not name.endswith(".mlp.gate.weight")
+
+
+def write_quantized(
+    src: Path,
+    dst: Path,
+    quantizer: Quantizer,
+    config: dict,
+    select: Callable[[str, torch.Tensor], bool] = is_quantized,
+) -> Path:
+    """Write `dst` (quantized, with `config` as quantization_config) and `dst`-dequant; return the latter.
+    `select` says which tensors are quantized."""
     state = {}
     for path in sorted(src.glob("*.safetensors")):
         state.update(load_file(path))
     quantized, dequantized = {}, {}
     for name, tensor in state.items():
-        if is_quantized(name, tensor):
+        if select(name, tensor):
             prefix = name.removesuffix(".weight")
             saved, deq = quantizer(tensor.float())
             quantized.update({f"{prefix}.{key}": value.contiguous() for key, value in saved.items()})

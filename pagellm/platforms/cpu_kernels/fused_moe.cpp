@@ -12,20 +12,25 @@
 //   w2  [E, ceil(H/16), I, 16]: panel p holds output rows 16p..16p+15 of w2 [E, H, I], k-major.
 //   Within a k step, float32 keeps the columns in order; bfloat16 interleaves them (value 2j is column j,
 //   2j + 1 column 8 + j), so that one 256-bit load becomes the two 8-float halves by a shift and a mask.
+//   Quantized experts (weight-only) keep one byte per weight, columns in order: int8, or fp8 e4m3fn. Each
+//   comes with float32 scales per column (per row of w13/w2), laid out as the biases.
 //   Biases are float32: [E, 16 ceil(I/8)] (per panel: 8 gate, then 8 up) and [E, 16 ceil(H/16)].
 //
 // A step, per chunk of tokens (bounding the float32 buffers): (1) per (expert, w13 panel), every row of the
 // expert's tokens times the panel, in float32 registers (up to 6 rows x 16 columns), then in the epilogue
 // the bias and the activation, giving 8 activation columns of each row; (2) per (expert, w2 panel), the
 // activation rows times the panel, the bias, times the routing weight; (3) per token, the sum of its top-k
-// rows in float32, rounded to the output dtype once. Work is split between threads in contiguous runs of
+// rows in float32, rounded to the output dtype once. A quantized panel's bytes are widened to float32 as they
+// are read (int8 by sign extension; e4m3 through a half: see panel_dot) and its scales multiply the sums
+// once, after the k reduction, before the bias. Work is split between threads in contiguous runs of
 // equal cost (a panel's weight read plus its rows), so each thread streams its panels once and experts
 // with many tokens do not leave a thread idle: whole experts (both GEMMs, one parallel region) where there
 // are at least 4 chosen experts per thread, else the (expert, panel) items of (1), then of (2).
 //
 // Products are summed in float32 in k order (the reference rounds gate/up, the activation and the down
 // projection to bfloat16 in between; this does not). Built with the other kernels (-march=native): the
-// AVX2+FMA path, or plain C++ where the compiler may not use them. AVX-512 and AMX CPUs run the AVX2 path.
+// AVX2+FMA(+F16C) path, or plain C++ where the compiler may not use them. AVX-512 and AMX CPUs run the
+// AVX2 path, int8 experts included: weight-only, not AMX's int8 tiles (W8A8, as the dense int8 layers run).
 
 // ATen's core and the op registry only, not torch/extension.h (pybind11 and the C++ frontend): this file
 // then compiles in about a quarter of the time.
@@ -42,7 +47,7 @@
 #include <string>
 #include <vector>
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define PL_MOE_AVX2 1
 #else
@@ -63,6 +68,16 @@ constexpr int64_t kExpertsPerThread = 4;
 
 enum Activation { kSilu, kSwigluOai, kGeluTanh };
 
+// The packed weights' element format (platforms/cpu_moe.py DTYPES).
+enum Format { kF32, kBf16, kI8, kFp8 };
+
+constexpr int64_t format_bytes(Format f) { return f == kF32 ? 4 : f == kBf16 ? 2 : 1; }
+constexpr bool is_quantized(Format f) { return f == kI8 || f == kFp8; }
+
+// An e4m3 panel's sums come out 2^-8 times too small (panel_dot reads each byte as a half with the wrong
+// exponent bias), so its scales are multiplied by this once per panel instead of every weight.
+constexpr float kFp8Unscale = 256.f;
+
 struct ActParams {
   Activation kind;
   float alpha, limit;
@@ -81,6 +96,14 @@ inline uint16_t float_to_bf16(float f) {
   std::memcpy(&bits, &f, 4);
   if (std::isnan(f)) return static_cast<uint16_t>((bits >> 16) | 0x40);
   return static_cast<uint16_t>((bits + 0x7fff + ((bits >> 16) & 1)) >> 16);
+}
+
+// e4m3fn (sign, 4 exponent bits biased by 7, 3 mantissa bits; subnormals below exponent 1) -> its value
+// times 2^-8, as the AVX2 path reads it. NaN (0x7f, 0xff) is not handled: quantized weights never hold it.
+inline float fp8_to_float_unscaled(uint8_t v) {
+  const int e = (v >> 3) & 0xf, m = v & 7;
+  const float mag = e ? std::ldexp(1.f + m / 8.f, e - 7 - 8) : std::ldexp(m / 8.f, -6 - 8);
+  return (v & 0x80) ? -mag : mag;
 }
 
 inline float sigmoid(float x) { return 1.f / (1.f + std::exp(-x)); }
@@ -107,7 +130,7 @@ inline float activate(float gate, float up, const ActParams& a) {
 // sums[r][c] = sum_k x[r][k] * panel column c at k, columns in logical order (w13: 8 gate, then 8 up).
 
 #if PL_MOE_AVX2
-template <int kRows, bool kBf16>
+template <int kRows, Format kFormat>
 inline void panel_dot(const float* const* x, const void* panel, int64_t k, __m256* lo, __m256* hi) {
   // With one or two rows the FMA chains, not the loads, would set the pace: two sets of accumulators
   // (even and odd k) keep four chains in flight.
@@ -116,12 +139,25 @@ inline void panel_dot(const float* const* x, const void* panel, int64_t k, __m25
   for (int s = 0; s < kSets; ++s)
     for (int r = 0; r < kRows; ++r) acc_lo[s][r] = _mm256_setzero_ps(), acc_hi[s][r] = _mm256_setzero_ps();
   const __m256i high_half = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
+  const __m128i no_bit_14 = _mm_set1_epi16(static_cast<short>(0xbfff));
   auto step = [&](int64_t i, int s) {
     __m256 w_lo, w_hi;
-    if constexpr (kBf16) {
+    if constexpr (kFormat == kBf16) {
       const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(panel) + i * kPanel));
       w_lo = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
       w_hi = _mm256_castsi256_ps(_mm256_and_si256(v, high_half));
+    } else if constexpr (kFormat == kI8) {
+      const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const int8_t*>(panel) + i * kPanel));
+      w_lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v));
+      w_hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(v, v)));
+    } else if constexpr (kFormat == kFp8) {
+      // byte b -> 16 bits b << 8, shifted right arithmetically by 1: the sign in bits 15 and 14, the 7
+      // exponent and mantissa bits at 13..7. Clearing bit 14 leaves a half (exponent bias 15, not 7) worth
+      // the e4m3 value times 2^-8, subnormals included, which F16C widens exactly.
+      const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint8_t*>(panel) + i * kPanel));
+      const __m128i zero = _mm_setzero_si128();
+      w_lo = _mm256_cvtph_ps(_mm_and_si128(_mm_srai_epi16(_mm_unpacklo_epi8(zero, v), 1), no_bit_14));
+      w_hi = _mm256_cvtph_ps(_mm_and_si128(_mm_srai_epi16(_mm_unpackhi_epi8(zero, v), 1), no_bit_14));
     } else {
       const float* p = static_cast<const float*>(panel) + i * kPanel;
       w_lo = _mm256_loadu_ps(p);
@@ -198,16 +234,22 @@ inline __m128i vto_bf16(__m256 v) {
   return _mm_packus_epi32(_mm256_castsi256_si128(rounded), _mm256_extracti128_si256(rounded, 1));
 }
 #else
-template <int kRows, bool kBf16>
+template <int kRows, Format kFormat>
 inline void panel_dot(const float* const* x, const void* panel, int64_t k, float (*sums)[kPanel]) {
   for (int r = 0; r < kRows; ++r)
     for (int64_t c = 0; c < kPanel; ++c) sums[r][c] = 0.f;
   for (int64_t i = 0; i < k; ++i) {
     float w[kPanel];
     for (int64_t j = 0; j < kHalf; ++j) {
-      if constexpr (kBf16) {
+      if constexpr (kFormat == kBf16) {
         const uint16_t* p = static_cast<const uint16_t*>(panel) + i * kPanel;
         w[j] = bf16_to_float(p[2 * j]), w[kHalf + j] = bf16_to_float(p[2 * j + 1]);
+      } else if constexpr (kFormat == kI8) {
+        const int8_t* p = static_cast<const int8_t*>(panel) + i * kPanel;
+        w[j] = p[j], w[kHalf + j] = p[kHalf + j];
+      } else if constexpr (kFormat == kFp8) {
+        const uint8_t* p = static_cast<const uint8_t*>(panel) + i * kPanel;
+        w[j] = fp8_to_float_unscaled(p[j]), w[kHalf + j] = fp8_to_float_unscaled(p[kHalf + j]);
       } else {
         const float* p = static_cast<const float*>(panel) + i * kPanel;
         w[j] = p[j], w[kHalf + j] = p[kHalf + j];
@@ -225,33 +267,58 @@ inline void panel_dot(const float* const* x, const void* panel, int64_t k, float
 
 // Gate/up of `rows` rows (x: their float32 inputs) against one w13 panel, then bias and activation:
 // act[r][0..8) = activation columns 8p..8p+7 of row r.
-template <int kRows, bool kBf16>
-void gate_up_block(const float* const* x, const void* panel, int64_t h, const float* bias, const ActParams& a,
-                   float* const* act) {
+// The column scales of a quantized panel (16 floats: the first 8 columns, then the other 8), with e4m3's
+// 2^8 folded in; 1 for float panels.
+template <Format kFormat>
+inline float column_scale(const float* scale, int64_t c) {
+  if constexpr (!is_quantized(kFormat)) return 1.f;
+  return kFormat == kFp8 ? scale[c] * kFp8Unscale : scale[c];
+}
+
+#if PL_MOE_AVX2
+// sums[r] *= the 8 column scales at `scale` (nothing for float panels).
+template <int kRows, Format kFormat>
+inline void apply_scale(__m256* sums, const float* scale) {
+  if constexpr (is_quantized(kFormat)) {
+    __m256 s = _mm256_loadu_ps(scale);
+    if constexpr (kFormat == kFp8) s = _mm256_mul_ps(s, _mm256_set1_ps(kFp8Unscale));
+    for (int r = 0; r < kRows; ++r) sums[r] = _mm256_mul_ps(sums[r], s);
+  }
+}
+#endif
+
+template <int kRows, Format kFormat>
+void gate_up_block(const float* const* x, const void* panel, int64_t h, const float* scale, const float* bias,
+                   const ActParams& a, float* const* act) {
 #if PL_MOE_AVX2
   __m256 gate[kRows], up[kRows];
-  panel_dot<kRows, kBf16>(x, panel, h, gate, up);
+  panel_dot<kRows, kFormat>(x, panel, h, gate, up);
+  apply_scale<kRows, kFormat>(gate, scale);
+  apply_scale<kRows, kFormat>(up, scale + kHalf);
   const __m256 bg = bias ? _mm256_loadu_ps(bias) : _mm256_setzero_ps();
   const __m256 bu = bias ? _mm256_loadu_ps(bias + kHalf) : _mm256_setzero_ps();
   for (int r = 0; r < kRows; ++r)
     _mm256_storeu_ps(act[r], vactivate(_mm256_add_ps(gate[r], bg), _mm256_add_ps(up[r], bu), a));
 #else
   float sums[kRows][kPanel];
-  panel_dot<kRows, kBf16>(x, panel, h, sums);
+  panel_dot<kRows, kFormat>(x, panel, h, sums);
   for (int r = 0; r < kRows; ++r)
     for (int64_t j = 0; j < kHalf; ++j)
-      act[r][j] = activate(sums[r][j] + (bias ? bias[j] : 0.f), sums[r][kHalf + j] + (bias ? bias[kHalf + j] : 0.f), a);
+      act[r][j] = activate(sums[r][j] * column_scale<kFormat>(scale, j) + (bias ? bias[j] : 0.f),
+                           sums[r][kHalf + j] * column_scale<kFormat>(scale, kHalf + j) + (bias ? bias[kHalf + j] : 0.f), a);
 #endif
 }
 
 // Down projection of `rows` activation rows against one w2 panel, then (sum + bias) * routing weight:
 // y[r][0..16) = the weighted output columns 16p..16p+15 of row r.
-template <int kRows, bool kBf16>
-void down_block(const float* const* act, const void* panel, int64_t inter, const float* bias, const float* weight,
-                float* const* y) {
+template <int kRows, Format kFormat>
+void down_block(const float* const* act, const void* panel, int64_t inter, const float* scale, const float* bias,
+                const float* weight, float* const* y) {
 #if PL_MOE_AVX2
   __m256 lo[kRows], hi[kRows];
-  panel_dot<kRows, kBf16>(act, panel, inter, lo, hi);
+  panel_dot<kRows, kFormat>(act, panel, inter, lo, hi);
+  apply_scale<kRows, kFormat>(lo, scale);
+  apply_scale<kRows, kFormat>(hi, scale + kHalf);
   const __m256 b_lo = bias ? _mm256_loadu_ps(bias) : _mm256_setzero_ps();
   const __m256 b_hi = bias ? _mm256_loadu_ps(bias + kHalf) : _mm256_setzero_ps();
   for (int r = 0; r < kRows; ++r) {
@@ -261,9 +328,10 @@ void down_block(const float* const* act, const void* panel, int64_t inter, const
   }
 #else
   float sums[kRows][kPanel];
-  panel_dot<kRows, kBf16>(act, panel, inter, sums);
+  panel_dot<kRows, kFormat>(act, panel, inter, sums);
   for (int r = 0; r < kRows; ++r)
-    for (int64_t c = 0; c < kPanel; ++c) y[r][c] = (sums[r][c] + (bias ? bias[c] : 0.f)) * weight[r];
+    for (int64_t c = 0; c < kPanel; ++c)
+      y[r][c] = (sums[r][c] * column_scale<kFormat>(scale, c) + (bias ? bias[c] : 0.f)) * weight[r];
 #endif
 }
 
@@ -280,21 +348,21 @@ void dispatch_rows(int rows, Args&&... args) {
   }
 }
 
-template <bool kBf16>
+template <Format kFormat>
 struct GateUp {
   template <int kRows>
   struct Block {
     template <typename... Args>
-    static void run(Args&&... args) { gate_up_block<kRows, kBf16>(args...); }
+    static void run(Args&&... args) { gate_up_block<kRows, kFormat>(args...); }
   };
 };
 
-template <bool kBf16>
+template <Format kFormat>
 struct Down {
   template <int kRows>
   struct Block {
     template <typename... Args>
-    static void run(Args&&... args) { down_block<kRows, kBf16>(args...); }
+    static void run(Args&&... args) { down_block<kRows, kFormat>(args...); }
   };
 };
 
@@ -353,6 +421,7 @@ Activation parse_activation(c10::string_view name) {
   return kSilu;
 }
 
+// A packed per-column float32 vector (bias or scale) of every expert, or nullptr where there is none.
 const float* optional_bias(const c10::optional<at::Tensor>& bias, int64_t experts, int64_t width, const char* name) {
   if (!bias.has_value() || !bias->defined()) return nullptr;
   TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->dim() == 2 && bias->size(0) == experts &&
@@ -361,11 +430,16 @@ const float* optional_bias(const c10::optional<at::Tensor>& bias, int64_t expert
   return bias->data_ptr<float>();
 }
 
-template <bool kBf16>
-void run_chunk(const float* x, int64_t h, const Routing& routing, const uint8_t* w13, const uint8_t* w2,
-               int64_t inter, const float* b13, const float* b2, const ActParams& act_params, float* act,
-               float* y) {
-  const int64_t elem = kBf16 ? 2 : 4;
+// The packed weights of one layer: panels and, for quantized ones, their column scales; float32 biases.
+struct Experts {
+  const uint8_t *w13, *w2;
+  const float *s13, *s2, *b13, *b2;
+};
+
+template <Format kFormat>
+void run_chunk(const float* x, int64_t h, const Routing& routing, const Experts& w, int64_t inter,
+               const ActParams& act_params, float* act, float* y) {
+  const int64_t elem = format_bytes(kFormat);
   const int64_t p13 = (inter + kHalf - 1) / kHalf, p2 = (h + kPanel - 1) / kPanel;
   const int64_t act_stride = p13 * kHalf, y_stride = p2 * kPanel;
   const int64_t w13_panel = h * kPanel * elem, w2_panel = inter * kPanel * elem;
@@ -374,27 +448,29 @@ void run_chunk(const float* x, int64_t h, const Routing& routing, const uint8_t*
   // gate/up and the activation of chosen expert c's rows against its w13 panel p
   auto gate_up = [&](int64_t c, int64_t p) {
     const int64_t e = routing.experts[c], end = routing.start[c] + routing.count[c];
-    const uint8_t* panel = w13 + (e * p13 + p) * w13_panel;
-    const float* bias = b13 ? b13 + (e * p13 + p) * kPanel : nullptr;
+    const uint8_t* panel = w.w13 + (e * p13 + p) * w13_panel;
+    const float* scale = w.s13 ? w.s13 + (e * p13 + p) * kPanel : nullptr;
+    const float* bias = w.b13 ? w.b13 + (e * p13 + p) * kPanel : nullptr;
     for (int64_t s0 = routing.start[c]; s0 < end; s0 += kMaxRows) {
       const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, end - s0));
       const float* xr[kMaxRows];
       float* out[kMaxRows];
       for (int r = 0; r < rows; ++r) xr[r] = x + routing.token[s0 + r] * h, out[r] = act + (s0 + r) * act_stride + p * kHalf;
-      dispatch_rows<GateUp<kBf16>::template Block>(rows, xr, panel, h, bias, act_params, out);
+      dispatch_rows<GateUp<kFormat>::template Block>(rows, xr, panel, h, scale, bias, act_params, out);
     }
   };
   // the down projection, bias and routing weight of expert c's activation rows against its w2 panel p
   auto down = [&](int64_t c, int64_t p) {
     const int64_t e = routing.experts[c], end = routing.start[c] + routing.count[c];
-    const uint8_t* panel = w2 + (e * p2 + p) * w2_panel;
-    const float* bias = b2 ? b2 + (e * p2 + p) * kPanel : nullptr;
+    const uint8_t* panel = w.w2 + (e * p2 + p) * w2_panel;
+    const float* scale = w.s2 ? w.s2 + (e * p2 + p) * kPanel : nullptr;
+    const float* bias = w.b2 ? w.b2 + (e * p2 + p) * kPanel : nullptr;
     for (int64_t s0 = routing.start[c]; s0 < end; s0 += kMaxRows) {
       const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, end - s0));
       const float* ar[kMaxRows];
       float* out[kMaxRows];
       for (int r = 0; r < rows; ++r) ar[r] = act + (s0 + r) * act_stride, out[r] = y + (s0 + r) * y_stride + p * kPanel;
-      dispatch_rows<Down<kBf16>::template Block>(rows, ar, panel, inter, bias, routing.weight.data() + s0, out);
+      dispatch_rows<Down<kFormat>::template Block>(rows, ar, panel, inter, scale, bias, routing.weight.data() + s0, out);
     }
   };
 
@@ -454,14 +530,18 @@ void sum_top_k(const float* y, int64_t y_stride, const Routing& routing, int64_t
 // header says -> [T, H] in hidden's dtype.
 at::Tensor cpu_fused_moe(const at::Tensor& hidden, const at::Tensor& topk_weights, const at::Tensor& topk_ids,
                          const at::Tensor& w13, const at::Tensor& w2, const c10::optional<at::Tensor>& w13_bias,
-                         const c10::optional<at::Tensor>& w2_bias, c10::string_view activation, double swiglu_alpha,
+                         const c10::optional<at::Tensor>& w2_bias, const c10::optional<at::Tensor>& w13_scale,
+                         const c10::optional<at::Tensor>& w2_scale, c10::string_view activation, double swiglu_alpha,
                          double swiglu_limit) {
   TORCH_CHECK(hidden.dim() == 2 && (hidden.scalar_type() == at::kFloat || hidden.scalar_type() == at::kBFloat16),
               "cpu_fused_moe: hidden must be float32 or bfloat16 [tokens, hidden]");
+  const at::ScalarType wtype = w13.scalar_type();
+  const Format format = wtype == at::kFloat ? kF32 : wtype == at::kBFloat16 ? kBf16 : wtype == at::kChar ? kI8 : kFp8;
   TORCH_CHECK(w13.dim() == 4 && w2.dim() == 4 && w13.size(3) == kPanel && w2.size(3) == kPanel && w13.is_contiguous() &&
-                  w2.is_contiguous() && w13.scalar_type() == w2.scalar_type() &&
-                  (w13.scalar_type() == at::kFloat || w13.scalar_type() == at::kBFloat16),
-              "cpu_fused_moe: w13 and w2 must be packed by platforms/cpu_moe.py");
+                  w2.is_contiguous() && w2.scalar_type() == wtype &&
+                  (format != kFp8 || wtype == at::kFloat8_e4m3fn),
+              "cpu_fused_moe: w13 and w2 must be packed by platforms/cpu_moe.py (float32, bfloat16, int8 or "
+              "float8_e4m3fn)");
   const int64_t tokens = hidden.size(0), h = hidden.size(1), num_experts = w13.size(0), inter = w2.size(2);
   const int64_t p13 = (inter + kHalf - 1) / kHalf, p2 = (h + kPanel - 1) / kPanel;
   TORCH_CHECK(w13.size(1) == p13 && w13.size(2) == h && w2.size(0) == num_experts && w2.size(1) == p2,
@@ -470,6 +550,10 @@ at::Tensor cpu_fused_moe(const at::Tensor& hidden, const at::Tensor& topk_weight
               "cpu_fused_moe: topk_weights and topk_ids must both be [tokens, top_k]");
   const float* b13 = optional_bias(w13_bias, num_experts, p13 * kPanel, "w13_bias");
   const float* b2 = optional_bias(w2_bias, num_experts, p2 * kPanel, "w2_bias");
+  const float* s13 = optional_bias(w13_scale, num_experts, p13 * kPanel, "w13_scale");
+  const float* s2 = optional_bias(w2_scale, num_experts, p2 * kPanel, "w2_scale");
+  TORCH_CHECK(is_quantized(format) == (s13 != nullptr) && is_quantized(format) == (s2 != nullptr),
+              "cpu_fused_moe: int8 and float8_e4m3fn weights take both scales, float weights none");
   const ActParams act_params{parse_activation(activation), static_cast<float>(swiglu_alpha), static_cast<float>(swiglu_limit)};
   auto out = at::empty({tokens, h}, hidden.options());
   const int64_t top_k = topk_ids.size(1);
@@ -479,23 +563,23 @@ at::Tensor cpu_fused_moe(const at::Tensor& hidden, const at::Tensor& topk_weight
   const at::Tensor x = hidden.to(at::kFloat).contiguous();
   const at::Tensor ids = topk_ids.to(at::kLong).contiguous();
   const at::Tensor weights = topk_weights.to(at::kFloat).contiguous();
-  const bool bf16_weights = w13.scalar_type() == at::kBFloat16;
   const int64_t act_stride = p13 * kHalf, y_stride = p2 * kPanel;
   const int64_t chunk = std::max<int64_t>(1, std::min(tokens, kBufferFloats / (top_k * (act_stride + y_stride))));
   // uninitialised: every value read is written first (std::vector would zero megabytes a call)
   std::unique_ptr<float[]> act(new float[chunk * top_k * act_stride]), y(new float[chunk * top_k * y_stride]);
-  const auto* w13p = static_cast<const uint8_t*>(w13.data_ptr());
-  const auto* w2p = static_cast<const uint8_t*>(w2.data_ptr());
+  const Experts experts{static_cast<const uint8_t*>(w13.data_ptr()), static_cast<const uint8_t*>(w2.data_ptr()), s13, s2,
+                        b13, b2};
   const int64_t out_elem = out.element_size();
   for (int64_t t0 = 0; t0 < tokens; t0 += chunk) {
     const int64_t n = std::min(chunk, tokens - t0);
     const Routing routing = sort_pairs(ids.data_ptr<int64_t>() + t0 * top_k, weights.data_ptr<float>() + t0 * top_k,
                                        n, top_k, num_experts);
     const float* xs = x.data_ptr<float>() + t0 * h;
-    if (bf16_weights) {
-      run_chunk<true>(xs, h, routing, w13p, w2p, inter, b13, b2, act_params, act.get(), y.get());
-    } else {
-      run_chunk<false>(xs, h, routing, w13p, w2p, inter, b13, b2, act_params, act.get(), y.get());
+    switch (format) {
+      case kF32: run_chunk<kF32>(xs, h, routing, experts, inter, act_params, act.get(), y.get()); break;
+      case kBf16: run_chunk<kBf16>(xs, h, routing, experts, inter, act_params, act.get(), y.get()); break;
+      case kI8: run_chunk<kI8>(xs, h, routing, experts, inter, act_params, act.get(), y.get()); break;
+      case kFp8: run_chunk<kFp8>(xs, h, routing, experts, inter, act_params, act.get(), y.get()); break;
     }
     void* dst = static_cast<uint8_t*>(out.data_ptr()) + t0 * h * out_elem;
     if (hidden.scalar_type() == at::kBFloat16) {

@@ -103,6 +103,7 @@ class SparseMoeBlock(nn.Module):
             init.expert_parallel,
             activation,
             expert_bias,
+            init.quant_method,
         )
         self.shared_expert = shared_expert
         self.shared_expert_gate = Linear(c.hidden_size, 1, False, init.dtype) if shared_expert_gate else None

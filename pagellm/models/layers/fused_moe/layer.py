@@ -7,6 +7,12 @@ like the dense MLP's column- and row-parallel pair. Expert parallel (`--enable-e
 holds experts [r E/N, (r+1) E/N) whole and runs only the (token, expert) pairs routed to them. Either way
 the output is this rank's partial sum; the caller all-reduces it (once, with a shared expert's part:
 `SparseMoeBlock`).
+
+Under a quantization method with an `expert_dtype` (`int8`, `fp8`) the experts are kept in that dtype with
+a float32 scale per output row (`w13_scale`, `w2_scale`; weight-only): float checkpoint tensors are
+quantized one expert part at a time as they load, quantized ones (`weight` in that dtype with its
+`weight_scale`, as the dense layers read them) are copied. Sharded by width, a rank quantizes its own
+columns of `w2`, so its row scales are its own.
 """
 
 from __future__ import annotations
@@ -15,7 +21,8 @@ import torch
 from torch import nn
 
 from pagellm.core.errors import ConfigError
-from pagellm.core.moe import ACTIVATIONS, SILU, PackedMoE, fused_experts_reference
+from pagellm.core.moe import ACTIVATIONS, QUANTIZED_DTYPES, SILU, PackedMoE, fused_experts_reference
+from pagellm.core.quant import QuantMethod
 from pagellm.distributed import Group
 from pagellm.models.loader import CheckpointSlice
 
@@ -51,6 +58,7 @@ class FusedMoE(nn.Module):
         expert_parallel: bool = False,
         activation: str = SILU,
         bias: bool = False,
+        quant_method: QuantMethod | None = None,
     ):
         super().__init__()
         tp = tp or Group()
@@ -77,13 +85,20 @@ class FusedMoE(nn.Module):
             self.num_local_experts, width = num_experts, intermediate_size // tp.size
             self.first_expert, self.width_start = 0, tp.rank * width
         self.width = width
-        self.hidden_size, self.weight_dtype, self.has_bias = hidden_size, dtype, bias
+        self.quantizer = quant_method if quant_method and quant_method.expert_dtype else None
+        """The method whose `quantize_rows` quantizes float checkpoint experts; None: unquantized experts.
+        (Not named `quant_method`: the loader calls that attribute's linear-layer hooks.)"""
+        weight_dtype = self.quantizer.expert_dtype if self.quantizer else dtype
+        self.hidden_size, self.weight_dtype, self.has_bias = hidden_size, weight_dtype, bias
         """The experts' shape and dtype, which outlive `use_packed` (the benchmark floor reads them)."""
         self.bias_rank = tp.rank == 0 or self.expert_parallel
         """Whether this rank adds `w2_bias`: a sharded layer's partial sums are added up, so only one does."""
         e, h = self.num_local_experts, hidden_size
-        self.w13 = _parameter(torch.empty(e, 2 * width, h, dtype=dtype))
-        self.w2 = _parameter(torch.empty(e, h, width, dtype=dtype))
+        self.w13 = _parameter(torch.empty(e, 2 * width, h, dtype=weight_dtype))
+        self.w2 = _parameter(torch.empty(e, h, width, dtype=weight_dtype))
+        quantized = self.quantizer is not None
+        self.w13_scale = _parameter(torch.empty(e, 2 * width, dtype=torch.float32)) if quantized else None
+        self.w2_scale = _parameter(torch.empty(e, h, dtype=torch.float32)) if quantized else None
         self.w13_bias = _parameter(torch.empty(e, 2 * width, dtype=dtype)) if bias else None
         self.w2_bias = _parameter(torch.empty(e, h, dtype=dtype)) if bias else None
         self.packed: PackedMoE | None = None
@@ -111,7 +126,16 @@ class FusedMoE(nn.Module):
             return self.packed(hidden, topk_weights, topk_ids)
         reference = torch.ops.pagellm.moe_reference if torch.compiler.is_compiling() else _moe_reference
         return reference(
-            hidden, self.w13, self.w2, topk_weights, topk_ids, self.activation, self.w13_bias, self.w2_bias
+            hidden,
+            self.w13,
+            self.w2,
+            topk_weights,
+            topk_ids,
+            self.activation,
+            self.w13_bias,
+            self.w2_bias,
+            self.w13_scale,
+            self.w2_scale,
         )
 
     def use_packed(self, packed: PackedMoE | None) -> None:
@@ -119,7 +143,7 @@ class FusedMoE(nn.Module):
         plain ones are dropped); None: keep them and the reference."""
         if packed is not None:
             self.packed = packed
-            self.w13 = self.w2 = self.w13_bias = self.w2_bias = None
+            self.w13 = self.w2 = self.w13_bias = self.w2_bias = self.w13_scale = self.w2_scale = None
 
     # -- loading ------------------------------------------------------------------------------------------
 
@@ -136,30 +160,56 @@ class FusedMoE(nn.Module):
 
     def _load_expert(self, expert: int, name: str, tensor: torch.Tensor | CheckpointSlice) -> None:
         module, _, kind = name.partition(".")
-        if module not in PER_EXPERT or kind != "weight":
+        scale = kind == "weight_scale" and self.quantizer is not None
+        if module not in PER_EXPERT or (kind != "weight" and not scale):
             raise ConfigError(f"checkpoint tensor experts.{expert}.{name} has no counterpart in FusedMoE")
         local = expert - self.first_expert
         if not 0 <= local < self.num_local_experts:
             return  # another rank's expert
         param, part = PER_EXPERT[module]
-        w = self.width
+        w, label = self.width, f"{expert}.{name}"
+        rows = slice(part * w, (part + 1) * w) if param == "w13" else slice(None)
+        if scale:  # w13's rows are split by width; w2's are whole (its columns are)
+            start, count = (self.width_start, w) if param == "w13" else (0, self.hidden_size)
+            _copy(getattr(self, f"{param}_scale").data[local, rows], _scale_rows(tensor, start, count), label)
+            self._filled.add((f"{param}_scale", local, part))
+            return
         if param == "w13":
-            target = self.w13.data[local, part * w : (part + 1) * w]
-            _copy(target, _read(tensor, (0, self.width_start, w)), f"{expert}.{name}")
+            quantized = self._store("w13", (local, rows), _read(tensor, (0, self.width_start, w)), label)
         else:
-            _copy(self.w2.data[local], _read(tensor, (1, self.width_start, w)), f"{expert}.{name}")
-        self._filled.add((param, local, part))
+            quantized = self._store("w2", (local,), _read(tensor, (1, self.width_start, w)), label)
+        self._filled.update((p, local, part) for p in ([param, f"{param}_scale"] if quantized else [param]))
+
+    def _store(self, param: str, index: tuple, tensor: torch.Tensor, name: str) -> bool:
+        """Copy `tensor` into `param`[index]: as it is, or quantized row by row into quantized experts,
+        filling their scales too (returns True then; quantized checkpoint values are copied as they are
+        and their scales come separately)."""
+        target = getattr(self, param).data[index]
+        if self.quantizer is None or tensor.dtype == self.weight_dtype:
+            _copy(target, tensor, name)
+            return False
+        if tensor.dtype in QUANTIZED_DTYPES or not tensor.dtype.is_floating_point:
+            raise ConfigError(
+                f"checkpoint tensor experts.{name} is {tensor.dtype}; these experts are quantized to "
+                f"{self.weight_dtype} and read float or {self.weight_dtype} weights"
+            )
+        values, scale = self.quantizer.quantize_rows(tensor)
+        _copy(target, values, name)
+        getattr(self, f"{param}_scale").data[index].copy_(scale)
+        return True
 
     def _load_fused(self, name: str, tensor: torch.Tensor | CheckpointSlice) -> None:
         experts = (0, self.first_expert, self.num_local_experts)
         w, start = self.width, self.width_start
         if name == "gate_up_proj":  # [E, H, 2I], column 2i gate i, column 2i + 1 up i
             t = _read(tensor, experts, (2, 2 * start, 2 * w))
-            _copy(self.w13.data, torch.cat([t[..., ::2], t[..., 1::2]], dim=2).transpose(1, 2), name)
-            self._filled_all("w13", parts=2)
+            quantized = self._store(
+                "w13", (), torch.cat([t[..., ::2], t[..., 1::2]], 2).transpose(1, 2), name
+            )
+            self._filled_all("w13", parts=2, scaled=quantized)
         elif name == "down_proj":  # [E, I, H]
-            _copy(self.w2.data, _read(tensor, experts, (1, start, w)).transpose(1, 2), name)
-            self._filled_all("w2", parts=1)
+            quantized = self._store("w2", (), _read(tensor, experts, (1, start, w)).transpose(1, 2), name)
+            self._filled_all("w2", parts=1, scaled=quantized)
         elif self.w13_bias is None:
             raise ConfigError(f"checkpoint tensor experts.{name}: this model's experts have no biases")
         elif name == "gate_up_proj_bias":  # [E, 2I], interleaved
@@ -171,12 +221,16 @@ class FusedMoE(nn.Module):
             _copy(self.w2_bias.data, t if self.bias_rank else torch.zeros_like(t), name)
             self._filled_all("w2_bias", parts=1)
 
-    def _filled_all(self, param: str, parts: int) -> None:
-        self._filled.update((param, e, p) for e in range(self.num_local_experts) for p in range(parts))
+    def _filled_all(self, param: str, parts: int, scaled: bool = False) -> None:
+        """Mark `param` filled for every expert (and its scale, where `scaled`)."""
+        names = [param, f"{param}_scale"] if scaled else [param]
+        self._filled.update(
+            (name, e, p) for name in names for e in range(self.num_local_experts) for p in range(parts)
+        )
 
     def loaded_parameters(self) -> set[str]:
         """The parameters every one of whose experts (and gate/up parts) the checkpoint filled."""
-        parts = {"w13": 2, "w2": 1, "w13_bias": 2, "w2_bias": 1}
+        parts = {"w13": 2, "w2": 1, "w13_bias": 2, "w2_bias": 1, "w13_scale": 2, "w2_scale": 1}
         return {
             param
             for param, n in parts.items()
@@ -194,16 +248,29 @@ def _moe_reference(
     activation: str,
     w13_bias: torch.Tensor | None,
     w2_bias: torch.Tensor | None,
+    w13_scale: torch.Tensor | None,
+    w2_scale: torch.Tensor | None,
 ) -> torch.Tensor:
     """`fused_experts_reference` as one opaque op under torch.compile: traced, its per-step expert counts
     would recompile the graph for every new routing pattern (minutes at start-up, then the recompile limit)."""
     return fused_experts_reference(
-        hidden, w13, w2, topk_weights, topk_ids, activation=activation, w13_bias=w13_bias, w2_bias=w2_bias
+        hidden,
+        w13,
+        w2,
+        topk_weights,
+        topk_ids,
+        activation=activation,
+        w13_bias=w13_bias,
+        w2_bias=w2_bias,
+        w13_scale=w13_scale,
+        w2_scale=w2_scale,
     )
 
 
 @_moe_reference.register_fake
-def _(hidden, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias) -> torch.Tensor:
+def _(
+    hidden, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias, w13_scale, w2_scale
+) -> torch.Tensor:
     return hidden.new_empty(hidden.shape[0], w2.shape[1])
 
 
@@ -219,6 +286,13 @@ def _read(tensor: torch.Tensor | CheckpointSlice, *ranges: tuple[int, int, int])
             )
         tensor = tensor.narrow(dim, start, length)
     return tensor
+
+
+def _scale_rows(tensor: torch.Tensor | CheckpointSlice, start: int, count: int) -> torch.Tensor:
+    """A checkpoint `weight_scale` ([rows, 1], [rows], or one per-tensor value as AutoFP8 writes) as float32
+    [count]: rows start..start+count, or the one value spread over them."""
+    scale = _read(tensor).float().reshape(-1)
+    return scale.expand(count) if scale.numel() == 1 else _read(scale, (0, start, count))
 
 
 def _copy(target: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
