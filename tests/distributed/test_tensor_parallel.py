@@ -29,13 +29,21 @@ SETTINGS = dict(
 )
 
 
+class _Models(dict):
+    """Tiny checkpoints and their oracles, each built on first use (most runs need only Llama's)."""
+
+    def __init__(self, root):
+        super().__init__()
+        self.root = root
+
+    def __missing__(self, arch):
+        self[arch] = tiny_model_and_reference(arch, self.root, MAX_TOKENS)
+        return self[arch]
+
+
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("parallel")
-    return {
-        arch: tiny_model_and_reference(arch, root, MAX_TOKENS)
-        for arch in ("llama", "qwen2", "mistral-sliding-window", "qwen3-mixed-windows")
-    }
+    return _Models(tmp_path_factory.mktemp("parallel"))
 
 
 @contextlib.contextmanager
@@ -53,7 +61,10 @@ def prompts(vocab: int) -> list[list[int]]:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral-sliding-window", "qwen3-mixed-windows"])
+@pytest.mark.parametrize(
+    "arch",
+    ["llama", *(pytest.param(a, marks=pytest.mark.slow) for a in ("qwen2", "mistral-sliding-window", "qwen3-mixed-windows"))],
+)
 @pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)], ids=["tp2", "pp2"])
 def test_greedy_parity_with_transformers(models, arch, tp, pp):
     path, reference = models[arch]
@@ -66,6 +77,7 @@ def test_greedy_parity_with_transformers(models, arch, tp, pp):
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.slow
 def test_tensor_and_pipeline_together_on_four_ranks(models):
     path, reference = models["qwen2"]
     with split_llm(path, tensor_parallel_size=2, pipeline_parallel_size=2) as llm:
@@ -198,6 +210,7 @@ def test_reference_helper_is_deterministic(models):  # guards the oracle the tes
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.slow
 def test_tensor_parallel_under_the_ray_executor_on_a_local_cluster(models):
     ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'pagellm[ray]')")
     path, reference = models["qwen2"]

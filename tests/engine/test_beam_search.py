@@ -117,11 +117,11 @@ def assert_equal_to_transformers(hf, llm, prompts, **kwargs):
     "width,length_penalty,early_stopping",
     [
         (2, 1.0, False),
-        (4, 1.0, False),
-        (4, 0.5, False),
         (4, 1.0, True),
-        (4, 1.0, "never"),
-        (2, -1.0, "never"),
+        *(
+            pytest.param(*case, marks=pytest.mark.slow)
+            for case in [(4, 1.0, False), (4, 0.5, False), (4, 1.0, "never"), (2, -1.0, "never")]
+        ),
     ],
 )
 def test_beam_search_equals_transformers(hf, llm, prompts, width, length_penalty, early_stopping):

@@ -70,7 +70,9 @@ def make_adapter(base, out):
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral-sliding-window"])
+@pytest.mark.parametrize(
+    "arch", ["llama", *(pytest.param(a, marks=pytest.mark.slow) for a in ("qwen2", "mistral-sliding-window"))]
+)
 def test_greedy_outputs_equal_one_engine_through_llm(arch, tmp_path):
     path = make_tiny_checkpoint(arch.split("-")[0], tmp_path, **ARCHS[arch])
     settings = dict(SETTINGS)
@@ -247,6 +249,7 @@ def test_a_killed_engine_fails_the_streams_naming_its_rank_and_health_says_so(ll
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.slow
 def test_engine_copies_as_ray_actors_answer_like_one_engine(llama):
     ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'pagellm[ray]')")
     one = tokens(LLM(str(llama), **SETTINGS).generate(token_prompts(), GREEDY, use_tqdm=False))

@@ -1,4 +1,4 @@
-"""Each newer model family (tests/models/parity.py FAMILIES) in one engine that exercises what splits the
+"""Each architecture but Llama (tests/models/parity.py ARCHS and FAMILIES) in one engine that exercises what splits the
 work: chunked prefill, prefix-cache hits and preemption together, greedy-identical to transformers. The
 full settings matrix per family runs under -m slow (test_llm_parity.py)."""
 
@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 from parity import (
+    ARCHS,
     FAMILIES,
     SLOW_FAMILIES,
     assert_greedy_parity,
@@ -21,7 +22,12 @@ MAX_MODEL_LEN, TOKEN_BUDGET = 400, 48
 
 
 @pytest.mark.parametrize(
-    "family", [pytest.param(f, marks=pytest.mark.slow) if f in SLOW_FAMILIES else f for f in FAMILIES]
+    "family",
+    [
+        pytest.param(f, marks=pytest.mark.slow) if f in SLOW_FAMILIES else f
+        for f in [*ARCHS, *FAMILIES]
+        if f != "llama"  # test_llm_parity.py runs its whole matrix
+    ],
 )
 def test_family_matches_transformers_under_chunking_prefix_hits_and_preemption(family, tmp_path):
     path, reference = tiny_model_and_reference(family, tmp_path, MAX_TOKENS)

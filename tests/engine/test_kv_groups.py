@@ -85,7 +85,7 @@ def test_the_start_up_explanation_says_the_groups(mixed_model):
     assert "KV cache: 4 groups of 1 layer: full (1 layer), sliding window 32 (3 layers)" in setup.explanation
 
 
-@pytest.mark.parametrize("backend", ["TORCH_SDPA", "CPU_ATTN"])
+@pytest.mark.parametrize("backend", ["CPU_ATTN", pytest.param("TORCH_SDPA", marks=pytest.mark.slow)])
 def test_a_three_to_one_model_frees_window_blocks_and_matches_transformers(mixed_model, backend):
     """Each layer reads and writes its own group's blocks: a window group's slots never land in a freed
     block (0 in its table), its tables do get freed blocks, and the greedy tokens are transformers'."""

@@ -1,5 +1,7 @@
 """Greedy outputs equal transformers' token for token, for every architecture and every engine setting
-that changes how the work is split: chunked prefill, preemption, prefix-cache hits, tiny batches."""
+that changes how the work is split: chunked prefill, preemption, prefix-cache hits, tiny batches. Llama runs
+the whole matrix in the default run; every other architecture runs one combined check there
+(test_family_parity.py) and this matrix under -m slow."""
 
 from __future__ import annotations
 
@@ -23,7 +25,10 @@ from pagellm.engine.setup import resolve_engine
 MAX_TOKENS = 16
 
 
-@pytest.fixture(scope="module", params=[*ARCHS, *(pytest.param(f, marks=pytest.mark.slow) for f in FAMILIES)])
+@pytest.fixture(
+    scope="module",
+    params=["llama", *(pytest.param(a, marks=pytest.mark.slow) for a in [*ARCHS, *FAMILIES] if a != "llama")],
+)
 def model(request, tmp_path_factory):
     return tiny_model_and_reference(request.param, tmp_path_factory.mktemp(request.param), MAX_TOKENS)
 
@@ -96,8 +101,10 @@ def checkpoints(tmp_path_factory):
     "arch",
     [
         "llama",
-        "mistral-sliding-window",
-        *(pytest.param(a, marks=pytest.mark.slow) for a in ("qwen2", "qwen3", "gpt2", "opt")),
+        *(
+            pytest.param(a, marks=pytest.mark.slow)
+            for a in ("mistral-sliding-window", "qwen2", "qwen3", "gpt2", "opt")
+        ),
     ],
 )
 def test_every_backend_that_runs_here(checkpoints, arch, backend):
@@ -109,7 +116,7 @@ def test_every_backend_that_runs_here(checkpoints, arch, backend):
 
 @pytest.mark.parametrize(
     "arch",
-    ["llama", "mistral-sliding-window", *(pytest.param(a, marks=pytest.mark.slow) for a in ("gpt2", "opt"))],
+    ["llama", *(pytest.param(a, marks=pytest.mark.slow) for a in ("mistral-sliding-window", "gpt2", "opt"))],
 )
 def test_compiled_forward(checkpoints, arch):
     """The default outside the test suite (tox sets PAGELLM_ENFORCE_EAGER=1): torch.compile'd forward."""
@@ -144,7 +151,7 @@ their logits are far more sensitive to K/V rounding than a trained model's); mea
 The engine's own math is checked exactly: both backends read the same rounded cache and must agree."""
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8_e4m3", pytest.param("fp8_e5m2", marks=pytest.mark.slow)])
 def test_fp8_kv_cache_logprobs_stay_close(checkpoints, kv_cache_dtype):
     path, reference = checkpoints("llama")
     prompts = mixed_prompts(300)[::2]

@@ -131,7 +131,7 @@ def assert_nothing_held(*engines: Engine) -> None:
         time.sleep(0.1)
 
 
-@pytest.mark.parametrize("connector", ["zmq", "shared_storage"])
+@pytest.mark.parametrize("connector", ["zmq", pytest.param("shared_storage", marks=pytest.mark.slow)])
 def test_greedy_answers_through_the_proxy_equal_one_engines(stacks, reference, connector):
     prefill, decode, proxy = stacks[connector]
     hits = decode.metric("pagellm:prefix_cache_hits_total")

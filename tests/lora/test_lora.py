@@ -47,7 +47,7 @@ def make_adapter(base, out, rank, seed, rslora=False, targets=TARGETS, **extra):
     return out / "adapter", out / "merged"
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2"])
+@pytest.fixture(scope="module", params=["llama", pytest.param("qwen2", marks=pytest.mark.slow)])
 def base(request, tmp_path_factory):
     return make_tiny_checkpoint(request.param, tmp_path_factory.mktemp(request.param))
 
@@ -68,7 +68,7 @@ def generate(llm, prompts, loras):
     return [o.outputs[0].token_ids for o in outputs]
 
 
-@pytest.mark.parametrize("rank, rslora", [(4, False), (16, True)])
+@pytest.mark.parametrize("rank, rslora", [(4, False), pytest.param(16, True, marks=pytest.mark.slow)])
 def test_greedy_outputs_equal_peft_merged(base, tmp_path, rank, rslora):
     adapter, merged = make_adapter(base, tmp_path, rank, seed=rank, rslora=rslora)
     llm = engine(base)

@@ -124,6 +124,7 @@ def test_chat_through_the_engine_matches_transformers(tmp_path):
     assert list(out.outputs[0].token_ids) == Reference(path, 8).generate(list(out.prompt_token_ids))
 
 
+@pytest.mark.slow
 def test_lora_adapter_outputs_equal_peft_merged(tmp_path):
     """A PEFT adapter on every projection: greedy outputs equal peft's merge_and_unload() model's."""
     from peft import LoraConfig, get_peft_model

@@ -111,6 +111,7 @@ def _greedy(model, ids: list[int], steps: int) -> list[int]:
     return out
 
 
+@pytest.mark.slow
 def test_smollm2_gguf_answers():
     model, tokenizer, ids = _load_smollm2()
     assert model.lm_head.weight is model.model.embed_tokens.weight  # the file has no output.weight

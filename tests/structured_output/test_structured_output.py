@@ -194,6 +194,7 @@ def chat(llm, text: str) -> str:
     )
 
 
+@pytest.mark.slow
 def test_model_s_json_schemas_validate_and_an_open_grammar_changes_nothing(model_s):
     prompts = [
         chat(model_s, "Describe a user of a web shop as JSON."),

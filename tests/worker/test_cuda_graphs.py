@@ -316,6 +316,7 @@ def test_triton_attn_replays_decode_steps_token_for_token(model_dir, graphable):
 
 
 @pytest.mark.usefixtures("triton_interpreter")
+@pytest.mark.slow
 def test_a_model_with_window_groups_replays_token_for_token(tmp_path, graphable):
     """Qwen3 with 3 window layers : 1 full: four KV cache groups, each captured with its own metadata."""
     graphable(TritonAttnBackend)
