@@ -66,7 +66,7 @@ class Fp8Method(ChannelwiseMethod):
                 f"scales) are not supported; use one with dynamic activation scaling"
             )
         blocks = config.get("weight_block_size")
-        self.block_size = block_size(blocks) if blocks is not None and self.serialized else None
+        self.block_size = block_size(blocks) if blocks is not None else None
         """(rows, columns) of a block-wise checkpoint's scale blocks; None: scales per row or tensor."""
 
     @classmethod
