@@ -1,11 +1,13 @@
 """The `QuantMethod` interface: one weight format (fp8, int8, AWQ, GPTQ, GGUF, or a vendor's).
 
-A model's linear layers call `create_weights` at construction, the loader fills the parameters it made,
-`process_weights_after_loading` repacks them once, and `apply` is the layer's forward.
+A model's linear layers call `create_weights` at construction, the loader fills the parameters it made
+from the checkpoint's tensors (as `checkpoint_weights` hands them on), `process_weights_after_loading`
+repacks them once, and `apply` is the layer's forward.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -88,6 +90,15 @@ class QuantMethod:
         """Symmetric per-row quantization for `expert_dtype`: weight [..., rows, cols] -> (values in
         `expert_dtype`, float32 scales [..., rows])."""
         raise NotImplementedError
+
+    def checkpoint_weights(
+        self, weights: Iterable[tuple[str, Any]], float_modules: tuple[str, ...] = ()
+    ) -> Iterable[tuple[str, Any]]:
+        """The checkpoint's (name, tensor) stream as the model's layers read it under this method; the default
+        passes it through. A method whose checkpoints hold a layout the layers do not read translates it here
+        (block-wise fp8: per-row scales). `float_modules`: checkpoint modules (last name part) the model reads
+        as plain float weights whatever the checkpoint holds (`CausalLM.float_modules`)."""
+        return weights
 
     def create_weights(
         self, layer: torch.nn.Module, in_features: int, out_features: int, params_dtype: torch.dtype

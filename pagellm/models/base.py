@@ -59,6 +59,12 @@ class CausalLM(nn.Module):
     """`quantization_config.quant_method` values the class's own weight loading reads (GPT-OSS: its MXFP4
     experts, dequantized at load); no `QuantMethod` is selected for those checkpoints."""
 
+    float_modules: tuple[str, ...] = ()
+    """Checkpoint modules (the last part of their names) whose weights the class reads as plain floats even
+    from a quantized checkpoint, as a method that translates the checkpoint hands them on
+    (`QuantMethod.checkpoint_weights`: block-wise fp8 dequantizes them). DeepSeek: kv_b_proj, which MLA
+    reads per head."""
+
     packed_lm_head: PackedLinear | None = None
     """The output projection repacked by the platform (`Platform.pack_linear`, set by the model runner)."""
 

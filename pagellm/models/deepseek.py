@@ -285,6 +285,7 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
 
     attention_spec = staticmethod(mla_attention_spec)
     supports_parallel = False
+    float_modules = ("kv_b_proj",)  # a `LatentUpProjection`: a plain weight, read per head
     model_class = DeepseekModel
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:

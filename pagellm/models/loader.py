@@ -51,6 +51,8 @@ def load_model(
     model_cls = import_model_class(model_cls_path)
     with torch.device(device):
         model = model_cls(init)
+    if init.quant_method is not None:
+        weights = init.quant_method.checkpoint_weights(weights, model_cls.float_modules)
     loaded = model.load_weights(weights)
     if loaded is not None:
         missing = [name for name, _ in model.named_parameters() if name not in loaded]

@@ -4,6 +4,8 @@ On disk (and in memory) a layer holds `weight` [out, in] in the storage dtype an
 [out, 1], with weight ~= weight * weight_scale. A checkpoint that says so in `quantization_config` is copied
 as is (a scalar per-tensor `weight_scale`, as AutoFP8 writes, is spread over its rows); an unquantized
 checkpoint is quantized tensor by tensor while it loads, so the float weights never sit in memory whole.
+A layer a quantized checkpoint holds in float (one its tools left out: `modules_to_not_convert`,
+`ignored_layers`) stays a plain float layer.
 """
 
 from __future__ import annotations
@@ -17,6 +19,9 @@ from torch import nn
 
 from pagellm.core.errors import ConfigError
 from pagellm.core.quant import QuantMethod
+
+UNQUANTIZED = (torch.float32, torch.bfloat16, torch.float16)
+"""Weight dtypes of a layer a quantized checkpoint left unquantized."""
 
 
 class ChannelwiseMethod(QuantMethod):
@@ -59,8 +64,10 @@ class ChannelwiseMethod(QuantMethod):
         weight = nn.Parameter(
             torch.empty(out_features, in_features, dtype=self.storage_dtype), requires_grad=False
         )
-        weight.weight_loader = partial(self._load_weight, layer)
+        weight.weight_loader = partial(self._load_weight, layer, params_dtype)
         layer.register_parameter("weight", weight)
+        layer.loaded_quantized = False
+        """Whether a quantized checkpoint part reached the weight (a fused layer must not mix them)."""
         scale = torch.empty(out_features, 1, dtype=torch.float32)
         if self.serialized:
             # A parameter, so a checkpoint missing it fails at load; quantizing at load time fills a buffer.
@@ -70,13 +77,24 @@ class ChannelwiseMethod(QuantMethod):
         else:
             layer.register_buffer("weight_scale", scale)
 
-    def _load_weight(self, layer: nn.Module, param: nn.Parameter, tensor: torch.Tensor, shard: int | None):
+    def _load_weight(
+        self,
+        layer: nn.Module,
+        params_dtype: torch.dtype,
+        param: nn.Parameter,
+        tensor: torch.Tensor,
+        shard: int | None,
+    ):
+        if self.serialized and tensor.dtype in UNQUANTIZED:
+            _keep_unquantized(layer, params_dtype, tensor, shard)
+            return
         if self.serialized:
             if tensor.dtype != self.storage_dtype:
                 raise ConfigError(
                     f"the checkpoint says {self.name} but holds a {tensor.dtype} weight of shape "
                     f"{tuple(tensor.shape)}; re-save it with {self.storage_dtype} weights"
                 )
+            layer.loaded_quantized = True
             _copy_rows(layer, param, tensor, shard)
             return
         qweight, scale = self.quantize(tensor)
@@ -101,6 +119,35 @@ def dequantized_linear(
     applied to the [tokens, out] result instead of the [out, in] weight."""
     y = F.linear(x, weight.to(x.dtype)) * scale.view(-1).to(x.dtype)
     return y if bias is None else y + bias
+
+
+def _keep_unquantized(layer: nn.Module, dtype: torch.dtype, tensor: torch.Tensor, shard: int | None) -> None:
+    """Make `layer` a plain float layer (no quant method, a `dtype` weight, no scale) and copy `tensor` in.
+    Its other fused parts must be float too: the new weight's loader refuses quantized ones, and quantized
+    parts already copied refuse the change."""
+    if layer.loaded_quantized:
+        raise ConfigError(
+            f"a fused layer of output sizes {layer.output_sizes} mixes quantized checkpoint parts and an "
+            f"unquantized {tensor.dtype} one; quantize all of its parts or none"
+        )
+    weight = nn.Parameter(
+        torch.empty(layer.out_features, layer.in_features, dtype=dtype, device=layer.weight.device),
+        requires_grad=False,
+    )
+    weight.weight_loader = partial(_load_float, layer)
+    layer.weight = weight
+    del layer.weight_scale
+    layer.quant_method = None
+    _load_float(layer, weight, tensor, shard)
+
+
+def _load_float(layer: nn.Module, param: nn.Parameter, tensor: torch.Tensor, shard: int | None) -> None:
+    if tensor.dtype not in UNQUANTIZED:
+        raise ConfigError(
+            f"a fused layer of output sizes {layer.output_sizes} mixes unquantized checkpoint parts and a "
+            f"{tensor.dtype} one; quantize all of its parts or none"
+        )
+    _copy_rows(layer, param, tensor.to(param.dtype), shard)
 
 
 def _copy_rows(layer: nn.Module, param: torch.Tensor, tensor: torch.Tensor, shard: int | None) -> None:

@@ -2,8 +2,9 @@
 
 `--quantization fp8` quantizes an unquantized checkpoint while it loads; a checkpoint with
 `quantization_config: {"quant_method": "fp8"}` holds `weight` float8_e4m3fn [out, in] and `weight_scale`
-(float32 [out, 1], [out], or a per-tensor scalar as AutoFP8 writes). Only dynamic activation scaling is
-read: static `input_scale` and block-wise `weight_block_size` checkpoints are refused.
+(float32 [out, 1], [out], or a per-tensor scalar as AutoFP8 writes), or, with `weight_block_size`, block
+scales `weight_scale_inv`, requantized per row as they load (`fp8_blocks`). Only dynamic activation scaling
+is read: static `input_scale` checkpoints are refused.
 
 Compute: on CUDA devices with FP8 tensor cores, activations are quantized to FP8 too and multiplied with
 torch._scaled_mm (as vLLM does), laid out as its CUDA kernels require (`scaled_mm_linear`): row-wise
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -27,6 +29,7 @@ from pagellm.core.platform import FLOAT8
 from pagellm.core.quant import QuantMethod
 from pagellm.plugins.hookspecs import hookimpl
 from pagellm.quantization.channelwise import ChannelwiseMethod, dequantized_linear
+from pagellm.quantization.fp8_blocks import block_size, requantized
 
 PAGELLM_PLUGIN_API = "1.3"
 
@@ -62,15 +65,20 @@ class Fp8Method(ChannelwiseMethod):
                 f"fp8 checkpoints with activation_scheme {config['activation_scheme']!r} (static input "
                 f"scales) are not supported; use one with dynamic activation scaling"
             )
-        if config.get("weight_block_size"):
-            raise ConfigError(
-                f"block-wise fp8 (weight_block_size {config['weight_block_size']}) is not supported; "
-                f"use a per-tensor or per-channel fp8 checkpoint"
-            )
+        blocks = config.get("weight_block_size")
+        self.block_size = block_size(blocks) if blocks is not None else None
+        """(rows, columns) of a block-wise checkpoint's scale blocks; None: scales per row or tensor."""
 
     @classmethod
     def to_storage(cls, scaled: torch.Tensor) -> torch.Tensor:
         return scaled.clamp(-cls.qmax, cls.qmax).to(FP8)
+
+    def checkpoint_weights(
+        self, weights: Iterable[tuple[str, Any]], float_modules: tuple[str, ...] = ()
+    ) -> Iterable[tuple[str, Any]]:
+        if self.block_size is None:
+            return weights
+        return requantized(weights, self.block_size, self.quantize, float_modules)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         layer.fp8_scaled_mm = _scaled_mm_runs(layer.weight, layer.weight_scale)

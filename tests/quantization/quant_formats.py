@@ -94,6 +94,30 @@ def fp8_per_tensor_quantizer(weight: torch.Tensor) -> tuple[dict[str, torch.Tens
     return {"weight": q, "weight_scale": scale}, q.float() * scale
 
 
+def fp8_block_quantizer(block: tuple[int, int], requantize: bool) -> Quantizer:
+    """Block-wise fp8 as DeepSeek's and Qwen's tools write it: e4m3 `weight` and float32 `weight_scale_inv`
+    [ceil(out / bm), ceil(in / bn)], each block's max |w| / 448 (edge blocks partial). The dequantized
+    weight is q * scale_inv, or with `requantize` what pagellm keeps of it: those values quantized again
+    with one scale per row (`fp8_quantizer`)."""
+
+    def quantize(weight: torch.Tensor):
+        rows, cols = weight.shape
+        bm, bn = block
+        scale_inv = torch.empty(-(-rows // bm), -(-cols // bn))
+        q = torch.empty(rows, cols, dtype=torch.float8_e4m3fn)
+        deq = torch.empty(rows, cols)
+        for i in range(scale_inv.shape[0]):
+            for j in range(scale_inv.shape[1]):
+                part = weight[i * bm : (i + 1) * bm, j * bn : (j + 1) * bn]
+                scale_inv[i, j] = part.abs().max() / 448
+                q_part = (part / scale_inv[i, j]).clamp(-448, 448).to(torch.float8_e4m3fn)
+                q[i * bm : (i + 1) * bm, j * bn : (j + 1) * bn] = q_part
+                deq[i * bm : (i + 1) * bm, j * bn : (j + 1) * bn] = q_part.float() * scale_inv[i, j]
+        return {"weight": q, "weight_scale_inv": scale_inv}, fp8_quantizer(deq)[1] if requantize else deq
+
+    return quantize
+
+
 # AWQ (AutoAWQ gemm) and GPTQ (AutoGPTQ / GPTQModel)
 
 

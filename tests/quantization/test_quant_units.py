@@ -39,8 +39,6 @@ def test_fp8_scaled_mm_path_approximates_the_weight_only_result():
 def test_refusals():
     with pytest.raises(ConfigError, match="static"):
         Fp8Method({"quant_method": "fp8", "activation_scheme": "static"})
-    with pytest.raises(ConfigError, match="weight_block_size"):
-        Fp8Method({"quant_method": "fp8", "weight_block_size": [128, 128]})
     with pytest.raises(ConfigError, match="'gptq'"):
         Int8Method({"quant_method": "gptq", "bits": 4})
     with pytest.raises(ConfigError, match="3-bit"):
