@@ -11,6 +11,13 @@ Per family, what llama.cpp's converter does and this one copies:
 - Phi-3 / Phi-4-mini: the fused `qkv_proj` and `gate_up_proj` kept as `attn_qkv` and `ffn_up`; the rotary
   width in dimensions (partial rotary), the original context length, the window (0 for none) and, for
   LongRoPE, the attention factor and the long and short factors as the tensors `rope_factors_long/short`.
+- Mixtures of experts: Qwen3-MoE (`qwen3moe`), Qwen2-MoE (`qwen2moe`, with its shared expert as
+  `ffn_*_shexp` and its gate as `ffn_gate_inp_shexp`) and Mixtral (`llama` with an expert count, q/k
+  permuted as Llama's): each layer's per-expert projections stacked into `ffn_gate_exps` / `ffn_up_exps`
+  [E, I, H] and `ffn_down_exps` [E, H, I]; the expert count, experts per token and the experts' (and shared
+  expert's) width as keys; routers kept float32 whatever the type. llama.cpp has every layer a mixture of
+  experts and fixes the top-k renormalisation per architecture (Qwen3-MoE and Mixtral yes, Qwen2-MoE no),
+  so a checkpoint with dense layers or the other renormalisation is refused.
 
 Beyond llama.cpp's keys the file also states the rope base and vocabulary size, which transformers' GGUF
 reader takes from them. Tokenizers: byte-level BPE only (llama.cpp's "gpt2" model); a SentencePiece one is
@@ -22,6 +29,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,11 +49,12 @@ def _gguf_type(type_name: str):
     }[type_name]
 
 
-def _encode(data: np.ndarray, type_name: str) -> tuple[np.ndarray, Any]:
-    """Matrices in the requested type; vectors (norms, biases) stay float32, as llama.cpp's converter does."""
+def _encode(data: np.ndarray, type_name: str, keep_f32: bool = False) -> tuple[np.ndarray, Any]:
+    """Matrices in the requested type; vectors (norms, biases) and `keep_f32` tensors (routers) stay float32,
+    as llama.cpp's converter does."""
     from gguf import GGMLQuantizationType, quants
 
-    qtype = _gguf_type(type_name)[0] if data.ndim >= 2 else GGMLQuantizationType.F32
+    qtype = _gguf_type(type_name)[0] if data.ndim >= 2 and not keep_f32 else GGMLQuantizationType.F32
     data = np.ascontiguousarray(data, dtype=np.float32)
     if qtype == GGMLQuantizationType.F32:
         return data, qtype
@@ -142,6 +151,78 @@ def _phi3_keys(writer: Any, config: Any) -> list[tuple[str, np.ndarray]]:
     ]
 
 
+def _moe_keys(writer: Any, config: Any) -> list[tuple[str, np.ndarray]]:
+    """Expert count and experts per token; Qwen's experts' width and shared expert's width (Mixtral's
+    experts' width is its `feed_forward_length`)."""
+    writer.add_expert_count(_expert_count(config))
+    writer.add_expert_used_count(config.num_experts_per_tok)
+    if getattr(config, "moe_intermediate_size", None):
+        writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+    if getattr(config, "shared_expert_intermediate_size", None):
+        writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
+    return []
+
+
+def _expert_count(config: Any) -> int:
+    return getattr(config, "num_experts", None) or config.num_local_experts
+
+
+_RENORMALISED = {"QWEN3MOE": True, "QWEN2MOE": False, "LLAMA": True}
+"""Whether llama.cpp renormalises the top-k expert weights of each MoE architecture (fixed in its code)."""
+
+
+def _check_moe(config: Any, arch: str) -> None:
+    """Refuse what llama.cpp's MoE architectures cannot state: dense layers, the other renormalisation."""
+    if getattr(config, "mlp_only_layers", None) or (getattr(config, "decoder_sparse_step", 1) or 1) != 1:
+        raise ValueError("no GGUF conversion for a mixture of experts with dense layers (llama.cpp has none)")
+    renormalised = bool(getattr(config, "norm_topk_prob", True))
+    if renormalised != _RENORMALISED[arch]:
+        raise ValueError(
+            f"no GGUF conversion for {config.model_type!r} with norm_topk_prob={renormalised}: llama.cpp "
+            f"fixes it to {_RENORMALISED[arch]} for this architecture"
+        )
+
+
+class _ExpertStacker:
+    """Collects a layer's per-expert projections (`<mlp>.experts.{e}.<module>.weight`) and hands out each
+    projection stacked over the experts, [E, rows, columns], under gguf's name, once all E have come."""
+
+    _KINDS = {
+        "gate_proj": "FFN_GATE_EXP",
+        "up_proj": "FFN_UP_EXP",
+        "down_proj": "FFN_DOWN_EXP",
+        "w1": "FFN_GATE_EXP",  # Mixtral's names
+        "w3": "FFN_UP_EXP",
+        "w2": "FFN_DOWN_EXP",
+    }
+    _NAME = re.compile(r".*\.layers\.(\d+)\..*\.experts\.(\d+)\.(\w+)\.weight")
+
+    def __init__(self, num_experts: int):
+        self.num_experts = num_experts
+        self.pending: dict[tuple[int, str], dict[int, np.ndarray]] = {}
+
+    def add(self, name: str, data: np.ndarray) -> tuple[str, np.ndarray] | None:
+        """The stacked tensor (GGUF name, data) `name` completes, or None while experts are missing."""
+        from gguf import MODEL_TENSOR, TENSOR_NAMES
+
+        match = self._NAME.fullmatch(name)
+        if match is None or match[3] not in self._KINDS:
+            raise ValueError(f"no GGUF name for expert tensor {name}")
+        key = (int(match[1]), self._KINDS[match[3]])
+        parts = self.pending.setdefault(key, {})
+        parts[int(match[2])] = data
+        if len(parts) < self.num_experts:
+            return None
+        del self.pending[key]
+        layer, kind = key
+        gguf_name = TENSOR_NAMES[MODEL_TENSOR[kind]].format(bid=layer) + ".weight"
+        return gguf_name, np.stack([parts[e] for e in range(self.num_experts)])
+
+    def check_done(self) -> None:
+        if self.pending:
+            raise ValueError(f"the checkpoint lacks experts of {sorted(self.pending)}")
+
+
 @dataclass(frozen=True)
 class _Family:
     """How llama.cpp writes one Hugging Face model type."""
@@ -161,14 +242,18 @@ _FAMILIES = {
     "gemma2": _Family("GEMMA2", norm_shift=1.0, keys=_gemma2_keys),
     "gemma3_text": _Family("GEMMA3", norm_shift=1.0, keys=_gemma3_keys),
     "phi3": _Family("PHI3", keys=_phi3_keys),
+    "qwen3_moe": _Family("QWEN3MOE", keys=_moe_keys, tokenizer_pre="qwen2"),
+    "qwen2_moe": _Family("QWEN2MOE", keys=_moe_keys, tokenizer_pre="qwen2"),
+    "mixtral": _Family("LLAMA", permute_qk=True, keys=_moe_keys),
 }
 
 
 def convert_hf_checkpoint(
     directory: str | os.PathLike, target: str | os.PathLike, dtype_name: str = "bfloat16"
 ) -> Path:
-    """A Hugging Face Llama/Mistral/Qwen2/Gemma 2/Gemma 3 (text)/Phi-3 checkpoint (safetensors, byte-level
-    BPE tokenizer) as a GGUF file llama.cpp can serve, matrices in `dtype_name` (a dtype or "q8_0")."""
+    """A Hugging Face Llama/Mistral/Qwen2/Gemma 2/Gemma 3 (text)/Phi-3/Qwen3-MoE/Qwen2-MoE/Mixtral checkpoint
+    (safetensors, byte-level BPE tokenizer) as a GGUF file llama.cpp can serve, matrices in `dtype_name` (a
+    dtype or "q8_0")."""
     import gguf
     from transformers import AutoConfig, AutoTokenizer
 
@@ -185,6 +270,9 @@ def convert_hf_checkpoint(
             raise ValueError(
                 "no GGUF conversion for sliding-window checkpoints; pass --llama-model with a GGUF file"
             )
+    moe = config.model_type in ("qwen3_moe", "qwen2_moe", "mixtral")
+    if moe:
+        _check_moe(config, family.arch)
     arch = getattr(gguf.MODEL_ARCH, family.arch)
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads or config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
@@ -211,10 +299,21 @@ def convert_hf_checkpoint(
     _add_tokenizer(writer, AutoTokenizer.from_pretrained(directory), config, family.tokenizer_pre)
     names = gguf.get_tensor_name_map(arch, config.num_hidden_layers)
     tied = bool(getattr(config, "tie_word_embeddings", False))
+    experts = _ExpertStacker(_expert_count(config)) if moe else None
+    routers = (gguf.MODEL_TENSOR.FFN_GATE_INP, gguf.MODEL_TENSOR.FFN_GATE_INP_SHEXP)
+    router_names = {
+        gguf.TENSOR_NAMES[kind].format(bid=bid) for kind in routers for bid in range(config.num_hidden_layers)
+    }
     for name, tensor in iter_checkpoint_weights(str(directory)):
         if name.endswith("rotary_emb.inv_freq") or (tied and name == "lm_head.weight"):
             continue
         data = tensor.float().numpy()
+        if experts is not None and ".experts." in name:
+            stacked = experts.add(name, data)
+            if stacked is not None:
+                data, qtype = _encode(stacked[1], dtype_name)
+                writer.add_tensor(stacked[0], data, raw_dtype=qtype)
+            continue
         if family.permute_qk and name.endswith("q_proj.weight"):
             data = _permute(data, heads)
         elif family.permute_qk and name.endswith("k_proj.weight"):
@@ -224,8 +323,10 @@ def convert_hf_checkpoint(
         gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
         if gguf_name is None:
             raise ValueError(f"no GGUF name for tensor {name}")
-        data, qtype = _encode(data, dtype_name)
+        data, qtype = _encode(data, dtype_name, keep_f32=gguf_name.removesuffix(".weight") in router_names)
         writer.add_tensor(gguf_name, data, raw_dtype=qtype)
+    if experts is not None:
+        experts.check_done()
     for gguf_name, data in extra_tensors:
         writer.add_tensor(gguf_name, data)
     _finish(writer, partial, target)

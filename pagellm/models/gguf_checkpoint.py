@@ -4,6 +4,12 @@ transformers reads the config and tokenizer and knows llama.cpp's tensor names a
 reversal of its q/k row permutation); this module streams the tensors through that knowledge one at a time,
 dequantized to float32, so the model loads them like any checkpoint. The config fields transformers' reader
 drops are filled in from the file by models/gguf_config.py.
+
+Mixtures of experts (Qwen3-MoE, Qwen2-MoE, Mixtral): llama.cpp stacks each layer's experts into one tensor
+per projection, `blk.N.ffn_gate_exps` / `ffn_up_exps` [E, I, H] and `ffn_down_exps` [E, H, I] (numpy order).
+They come out one expert at a time under the per-expert names `FusedMoE` reads
+(`<mlp>.experts.{e}.gate_proj.weight`), each dequantized on its own, so at most one expert's float copy is
+held; experts are always dequantized, also under `--quantization gguf`.
 """
 
 from __future__ import annotations
@@ -68,11 +74,28 @@ def _weights(reader: Any, hf_config, raw_linear: bool) -> Iterator[tuple[str, to
         )
     processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=hf_config.to_dict())
     names = _gguf_to_hf_names(architecture, hf_config)
+    experts, routers, shared_gates = _moe_tensors(hf_config.num_hidden_layers)
     for tensor in reader.tensors:
+        if tensor.name in experts:
+            yield from _split_experts(tensor, names, *experts[tensor.name])
+            continue
         hf_name = names.get(tensor.name)
         if hf_name is None:
             continue
-        raw = raw_linear and ".layers." in hf_name and hf_name.endswith(".weight") and len(tensor.shape) == 2
+        if tensor.name in shared_gates:
+            # [1, H] as llama.cpp's converter writes it, [H] in older files; transformers' processor
+            # would add a dimension to either
+            gate = dequantize(tensor.data, tensor.tensor_type).reshape(1, -1)
+            yield hf_name, torch.from_numpy(np.array(gate, dtype=np.float32))
+            continue
+        # routers are plain linears in the model (and float32 in llama.cpp's files)
+        raw = (
+            raw_linear
+            and ".layers." in hf_name
+            and hf_name.endswith(".weight")
+            and len(tensor.shape) == 2
+            and tensor.name not in routers
+        )
         data = (
             np.ascontiguousarray(tensor.data).view(np.uint8)
             if raw
@@ -92,8 +115,47 @@ def _weights(reader: Any, hf_config, raw_linear: bool) -> Iterator[tuple[str, to
 
 
 # GGUF architectures whose tensor processor leaves linear weight rows intact (gpt2's transposes them; the
-# Gemma one only shifts norms back; Phi-3's fused q/k/v and gate/up rows split in its model)
-_RAW_LINEAR_ARCHITECTURES = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3"})
+# Gemma one only shifts norms back; Phi-3's fused q/k/v and gate/up rows split in its model; the Qwen MoE
+# one only sees the tensors other than the experts)
+_RAW_LINEAR_ARCHITECTURES = frozenset(
+    {"llama", "mistral", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "gemma2", "gemma3", "phi3"}
+)
+
+_EXPERT_PROJECTIONS = {"FFN_GATE_EXP": "gate_proj", "FFN_UP_EXP": "up_proj", "FFN_DOWN_EXP": "down_proj"}
+"""gguf's stacked expert tensors -> the per-expert checkpoint module FusedMoE reads."""
+
+
+def _moe_tensors(layers: int) -> tuple[dict[str, tuple[int, str]], set[str], set[str]]:
+    """From gguf's name table, for `layers` decoder layers: the stacked expert tensors (GGUF name -> (layer,
+    per-expert module)), the routers' names and the shared-expert gates' names."""
+    from gguf import MODEL_TENSOR, TENSOR_NAMES
+
+    def name(kind: str, bid: int) -> str:
+        return TENSOR_NAMES[MODEL_TENSOR[kind]].format(bid=bid) + ".weight"
+
+    experts = {
+        name(kind, bid): (bid, module)
+        for kind, module in _EXPERT_PROJECTIONS.items()
+        for bid in range(layers)
+    }
+    routers = {name("FFN_GATE_INP", bid) for bid in range(layers)}
+    return experts, routers, {name("FFN_GATE_INP_SHEXP", bid) for bid in range(layers)}
+
+
+def _split_experts(
+    tensor: Any, names: dict[str, str], layer: int, module: str
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """One stacked expert tensor as (`<mlp>.experts.{e}.<module>.weight`, float32 [rows, columns]) per expert,
+    `<mlp>` the HF module holding the layer's router; each expert read and dequantized alone."""
+    from gguf import MODEL_TENSOR, TENSOR_NAMES, dequantize
+
+    router = names.get(TENSOR_NAMES[MODEL_TENSOR.FFN_GATE_INP].format(bid=layer) + ".weight")
+    if router is None:
+        raise ConfigError(f"GGUF tensor {tensor.name}: the model has no mixture of experts in layer {layer}")
+    mlp = router.removesuffix(".weight").rpartition(".")[0]
+    for expert in range(tensor.data.shape[0]):
+        data = dequantize(tensor.data[expert], tensor.tensor_type)
+        yield f"{mlp}.experts.{expert}.{module}.weight", torch.from_numpy(np.array(data, dtype=np.float32))
 
 
 def _gguf_to_hf_names(architecture: str, hf_config) -> dict[str, str]:
@@ -118,9 +180,9 @@ def _gguf_to_hf_names(architecture: str, hf_config) -> dict[str, str]:
     return names
 
 
-# raised when the converted copy changes for the same file (2: the config fields gguf_config.py fills), so
-# copies converted before are redone
-_CONVERSION = 2
+# raised when the converted copy changes for the same file (2: the config fields gguf_config.py fills; 3:
+# mixtures of experts), so copies converted before are redone
+_CONVERSION = 3
 
 
 def gguf_checkpoint_dir(path: str | os.PathLike, cache_root: str | os.PathLike) -> Path:

@@ -7,6 +7,12 @@ layers, Phi-4-mini's partial rotary, the LongRoPE of Phi-3-128k, Phi-3.5-mini an
 below read those fields from the file and, for the one field llama.cpp has no key for but derives (Gemma's
 attention scale), derive it as llama.cpp does, so a GGUF file runs as the checkpoint it was converted from.
 
+Mixtures of experts: transformers reads a Qwen3-MoE or Qwen2-MoE file's expert count and experts per token
+but not the experts' width, Qwen2-MoE's shared expert width, or whether the top-k weights are renormalised
+(llama.cpp fixes that per architecture: Qwen3-MoE yes, Qwen2-MoE no); it reads a Mixtral file (`llama`
+with experts) as a dense Llama. The rules below fill the widths and the renormalisation, and make a `llama`
+file with experts a Mixtral config.
+
 What llama.cpp fixes in its code and no file states stays at transformers' defaults, which are the same
 values: Gemma 2's alternating window layers, Gemma 3's five local layers per global one and its local rope
 base (10000).
@@ -116,6 +122,35 @@ def _phi3_window(meta: _Metadata, fields: Fields) -> Fields:
     return {} if window is None else {"sliding_window": window or None}
 
 
+def _topk_renormalised(fixed: bool) -> Rule:
+    """`norm_topk_prob`: the file's `expert_weights_norm` where it states one, else what llama.cpp fixes for
+    the architecture (it renormalises Qwen3-MoE's top-k weights, not Qwen2-MoE's)."""
+
+    def rule(meta: _Metadata, fields: Fields) -> Fields:
+        stated = meta.get("expert_weights_norm")
+        return {"norm_topk_prob": fixed if stated is None else bool(stated)}
+
+    return rule
+
+
+def _mixtral(meta: _Metadata, fields: Fields) -> Fields:
+    """A `llama` file with experts is Mixtral: llama.cpp writes Mixtral as Llama plus an expert count, and
+    its `feed_forward_length` is then the experts' width, which Mixtral's config keeps in intermediate_size."""
+    experts = meta.get("expert_count")
+    if not experts:
+        return {}
+    return {
+        "model_type": "mixtral",
+        "num_local_experts": experts,
+        "num_experts_per_tok": meta.get("expert_used_count"),
+    }
+
+
+_QWEN_MOE_WIDTHS = {
+    "expert_feed_forward_length": "moe_intermediate_size",
+    "expert_shared_feed_forward_length": "shared_expert_intermediate_size",
+}
+
 _RULES: dict[str, tuple[Rule, ...]] = {
     "gemma2": (
         _stated(
@@ -132,12 +167,19 @@ _RULES: dict[str, tuple[Rule, ...]] = {
         _global_rope_scaling,
     ),
     "phi3": (_phi3_rope, _phi3_window),
+    "qwen3moe": (_stated(_QWEN_MOE_WIDTHS), _topk_renormalised(fixed=True)),
+    "qwen2moe": (_stated(_QWEN_MOE_WIDTHS), _topk_renormalised(fixed=False)),
+    "llama": (_mixtral,),
 }
 
 
 def fill_gguf_config(config: Any, reader: Any) -> Any:
     """`config` (transformers' reading of the GGUF file `reader` has open) with the fields the reader drops
-    set from the file; rebuilt through its class, so rope parameters are validated as a checkpoint's are."""
+    set from the file; rebuilt through its class, so rope parameters are validated as a checkpoint's are.
+    A rule that changes `model_type` (Mixtral) rebuilds it through that type's class, from the fields the
+    class has."""
+    from transformers import CONFIG_MAPPING
+
     meta = _Metadata(reader)
     rules = _RULES.get(meta.arch)
     if rules is None:
@@ -145,4 +187,8 @@ def fill_gguf_config(config: Any, reader: Any) -> Any:
     fields = config.to_dict()
     for rule in rules:
         fields.update(rule(meta, fields))
-    return type(config).from_dict(fields)
+    if fields["model_type"] == config.model_type:
+        return type(config).from_dict(fields)
+    config_class = CONFIG_MAPPING[fields["model_type"]]
+    known = config_class().to_dict().keys()
+    return config_class.from_dict({key: value for key, value in fields.items() if key in known})

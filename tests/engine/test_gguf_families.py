@@ -1,8 +1,9 @@
-"""Gemma 2, Gemma 3 and Phi-3 as llama.cpp writes them (pagellm.bench.gguf_convert): the engine on the GGUF
+"""Gemma 2, Gemma 3, Phi-3 and the mixtures of experts as llama.cpp writes them (pagellm.bench.gguf_convert): the engine on the GGUF
 file gives the greedy tokens of transformers on the original checkpoint, each variant with a field that
 transformers' own GGUF reader drops (so transformers on the GGUF file is no oracle for them);
 `--quantization gguf` on a Q8_0 file gives the tokens of the same file dequantized at load. Phi-3 with
-LongRoPE and partial rotary (Phi-4-mini's) runs by default, the other families under -m slow."""
+LongRoPE and partial rotary (Phi-4-mini's) runs by default, the other families under -m slow (the MoE
+files' loading is checked by default in tests/models/test_models_gguf.py)."""
 
 from __future__ import annotations
 
@@ -35,6 +36,9 @@ def _gguf(family: str, root: Path, type_name: str = "float32") -> tuple[Path, Pa
         pytest.param("phi3-partial-rotary", marks=pytest.mark.slow),
         pytest.param("gemma2-softcaps", marks=pytest.mark.slow),
         pytest.param("gemma3_text-linear-rope", marks=pytest.mark.slow),
+        pytest.param("qwen3_moe", marks=pytest.mark.slow),
+        pytest.param("qwen2_moe", marks=pytest.mark.slow),
+        pytest.param("mixtral", marks=pytest.mark.slow),
     ],
 )
 def test_gguf_family_matches_the_original_checkpoint(family, tmp_path, monkeypatch):
@@ -70,4 +74,27 @@ def test_q8_0_gguf_kept_packed_gives_the_dequantized_tokens(family, tmp_path, mo
     layer = llm.engine.runner.model.model.layers[0]
     assert type(layer.self_attn.qkv_proj.quant_method).__name__ == "GgufMethod"
     assert layer.mlp.gate_up_proj.qweight_types == [8, 8]  # Q8_0 for gate and up
+    assert outputs["gguf"] == outputs[None]
+
+
+@pytest.mark.slow
+def test_q8_0_moe_gguf_dequantizes_the_experts(tmp_path, monkeypatch):
+    """Qwen3-MoE in Q8_0 under `--quantization gguf`: attention kept packed, the float32 routers and the
+    stacked Q8_0 experts loaded as floats (the experts dequantized at load); the tokens of the file
+    dequantized whole. (How near the dequantized experts are to the original ones:
+    tests/models/test_models_gguf.py.)"""
+    monkeypatch.setenv("PAGELLM_CACHE_DIR", str(tmp_path / "cache"))
+    _, gguf = _gguf("qwen3_moe", tmp_path, "q8_0")
+    prompts = mixed_prompts(300, seed=3)[8:14]
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+    outputs = {}
+    for quantization in ("gguf", None):
+        llm = LLM(str(gguf), quantization=quantization, **ENGINE)
+        outputs[quantization] = [
+            o.outputs[0].token_ids
+            for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        ]
+        if quantization == "gguf":
+            layer = llm.engine.runner.model.model.layers[0]
+            assert layer.self_attn.qkv_proj.qweight_types == [8, 8, 8]  # q, k, v kept packed
     assert outputs["gguf"] == outputs[None]

@@ -84,6 +84,11 @@ GGUF_FAMILIES: dict[str, dict] = {
     "phi3": FAMILIES["phi3"],
     "phi3-partial-rotary": {"rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.75}},
     "phi3-longrope": PHI3_LONGROPE,  # partial rotary too, as Phi-4-mini
+    # mixtures of experts, every layer one (llama.cpp has no dense layers); the expert and shared expert
+    # widths and Qwen3-MoE's renormalisation are fields transformers' reader drops
+    "qwen3_moe": FAMILIES["qwen3_moe"],
+    "qwen2_moe": {},
+    "mixtral": {"head_dim": 16},  # llama.cpp states the head size, which Mixtral's config leaves unset
 }
 
 

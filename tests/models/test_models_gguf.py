@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from models_harness import PagedRunner
+from models_harness import PagedRunner, load_reference, reference_logits
 from parity import GGUF_FAMILIES
 from tiny import make_tiny_checkpoint, make_tokenizer, tiny_config
 
@@ -79,6 +79,51 @@ def test_converted_config_comes_back_whole(family, tmp_path):
         if original.get(key) != back.get(key)
     }
     assert differ == {}
+
+
+@pytest.mark.parametrize(
+    "family",
+    [
+        "qwen2_moe",  # the shared expert and its gate, q/k/v biases
+        pytest.param("qwen3_moe", marks=pytest.mark.slow),
+        pytest.param("mixtral", marks=pytest.mark.slow),  # a `llama` file with experts; q/k permuted
+    ],
+)
+def test_moe_gguf_gives_the_original_log_probabilities(family, tmp_path):
+    """llama.cpp's stacked experts split back per expert, the widths and the renormalisation filled from
+    the file: the model loaded from the GGUF file gives transformers' log-probabilities on the original
+    checkpoint at every position (its top-2 routing over 8 experts picks other experts where a weight is
+    off)."""
+    from pagellm.bench.gguf_convert import convert_hf_checkpoint
+
+    checkpoint = make_tiny_checkpoint(family, tmp_path, **GGUF_FAMILIES[family])
+    config, _, weights = load_gguf(convert_hf_checkpoint(checkpoint, tmp_path / "tiny.gguf", "float32"))
+    init = ModelInit(config, torch.float32, TorchSDPABackend, block_size=4)
+    model = load_model(resolve_model_class(config, pagellm_models()), init, weights, "cpu")
+    ids = list(range(3, 40))
+    got = PagedRunner(model, num_seqs=1).step({0: ids})[0].log_softmax(-1)
+    expected = reference_logits(load_reference(checkpoint), ids).log_softmax(-1)
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
+
+
+@pytest.mark.slow
+def test_q8_0_moe_gguf_experts_come_back_within_rounding(tmp_path):
+    """Every tensor of a Q8_0 Qwen3-MoE file, the stacked experts dequantized one by one, lies within Q8_0's
+    rounding (half a step of 1/127 of its block's largest value, a little more for its float16 scale) of
+    the original; a misplaced expert,
+    row or block would be off by the weights' whole size. (Whether the model then computes as transformers
+    does is the rounding's business: a tiny random model's routing amplifies it.)"""
+    from pagellm.bench.gguf_convert import convert_hf_checkpoint
+    from pagellm.models.loader import iter_checkpoint_weights
+
+    checkpoint = make_tiny_checkpoint("qwen3_moe", tmp_path)
+    original = dict(iter_checkpoint_weights(checkpoint))
+    _, _, weights = load_gguf(convert_hf_checkpoint(checkpoint, tmp_path / "tiny.gguf", "q8_0"))
+    loaded = dict(weights)
+    assert loaded.keys() == original.keys()
+    for name, tensor in loaded.items():
+        step = original[name].abs().max() / 127
+        assert (tensor - original[name]).abs().max() <= 0.6 * step, name  # half a step, float16 scales
 
 
 def _smollm2_gguf() -> Path:
