@@ -9,6 +9,7 @@ import pytest
 import torch
 from parity import assert_greedy_parity, mixed_prompts, tiny_model_and_reference
 from safetensors.torch import load_file
+from test_sharded_loading import load_rank
 from tiny import make_tiny_checkpoint
 
 from pagellm import LLM
@@ -21,6 +22,8 @@ from pagellm.models.base import ModelInit
 from pagellm.models.layers.fused_moe.block import expert_count
 from pagellm.models.layers.fused_moe.layer import FusedMoE
 from pagellm.models.loader import CheckpointSlice, iter_checkpoint_weights, load_model
+
+TP1 = Parallel(tp=Group(size=2, rank=1, ranks=[0, 1]))  # rank 1 of 2
 
 
 @pytest.mark.parametrize("expert_parallel", [False, True], ids=["sharded", "expert-parallel"])
@@ -111,6 +114,39 @@ def test_expert_splits_that_cannot_work_are_refused_before_loading(
     with pytest.raises(ConfigError, match=message) as info:
         resolve_engine(config)
     assert info.value.param == param
+
+
+def test_a_deepseek_rank_keeps_its_heads_and_the_whole_latent_path(tmp_path, monkeypatch):
+    """Rank 1 of 2: heads 2-3 of q (q_proj, or q_b_proj after the whole q_a_proj), of kv_b_proj and of
+    o_proj's input; the latent projection and norms whole, one latent KV head of the whole width."""
+    for arch, q_lora in (("deepseek_v2", False), ("deepseek_v3", True)):  # 4 heads of 16 nope + 8 rope
+        path = make_tiny_checkpoint(arch, tmp_path / arch)
+        full = load_file(str(path / "model.safetensors"))
+        model_class = "DeepseekV3ForCausalLM" if q_lora else "DeepseekV2ForCausalLM"
+        model, _ = load_rank(path, TP1, monkeypatch, f"pagellm.models.deepseek:{model_class}")
+        attn = model.model.layers[1].self_attn
+        name = "model.layers.1.self_attn"
+        latent = full[f"{name}.kv_a_proj_with_mqa.weight"]
+        if q_lora:
+            a = torch.cat([full[f"{name}.q_a_proj.weight"], latent])
+            assert torch.equal(attn.q_b_proj.weight, full[f"{name}.q_b_proj.weight"][48:])
+        else:
+            a = torch.cat([full[f"{name}.q_proj.weight"][48:], latent])
+        assert torch.equal(attn.fused_qkv_a_proj.weight, a)
+        v_dim = attn.v_dim
+        up_rows = 2 * (16 + v_dim)  # heads 0-1's W_UK and W_UV rows: rank 0's
+        assert torch.equal(attn.kv_b_proj.weight, full[f"{name}.kv_b_proj.weight"][up_rows:])
+        assert torch.equal(attn.o_proj.weight, full[f"{name}.o_proj.weight"][:, 2 * v_dim :])
+        assert torch.equal(attn.kv_a_layernorm.weight, full[f"{name}.kv_a_layernorm.weight"])
+        spec = attn.attn.spec
+        assert (spec.num_heads, spec.num_kv_heads, spec.head_size, spec.v_size) == (2, 1, 40, 32)
+
+
+def test_deepseek_heads_that_do_not_divide_are_refused(tmp_path):
+    path = make_tiny_checkpoint("deepseek_v3", tmp_path)
+    config = EngineConfig(model=str(path), tensor_parallel_size=3, attention_backend="TORCH_SDPA")
+    with pytest.raises(ConfigError, match="4 attention heads do not divide by it"):
+        resolve_engine(config)
 
 
 SLOW = pytest.mark.slow
