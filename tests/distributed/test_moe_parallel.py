@@ -1,7 +1,8 @@
 """Mixture-of-experts models over 2 ranks: a rank reads and keeps only its part of the experts (its width
-of every expert when sharded, its experts whole with --enable-expert-parallel), splits that cannot work are
-refused before loading, and both splits give transformers' greedy tokens on 2 gloo ranks (one family and
-split in the default run, the rest under -m slow)."""
+of every expert when sharded, its experts whole with --enable-expert-parallel), a DeepSeek rank its
+attention heads with the latent path whole, splits that cannot work are refused before loading, and both
+splits and the pipeline give transformers' greedy tokens on 2 gloo ranks (one family and split in the
+default run, the rest under -m slow)."""
 
 from __future__ import annotations
 
