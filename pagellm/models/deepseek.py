@@ -25,7 +25,8 @@ latents, does less work per prefill token on a wide model; vLLM switches to it f
 
 The KV cache per token and layer is (kv_lora_rank + qk_rope_head_dim) elements, against num_heads x
 (qk_nope + qk_rope + v_head_dim) for the same model with a K and V row per head: DeepSeek-V3 keeps 576 in
-place of 40,960 (1/71).
+place of 40,960 (1/71). Under tensor parallelism each rank holds that whole latent cache: the latent
+row is every head's, so it is not split (`MLAAttention`).
 
 MLP per layer (`DeepseekDecoderLayer.build_mlp`): the dense gated MLP before `first_k_dense_replace` (and,
 with `moe_layer_freq` f, on layers whose index f does not divide, as DeepSeek's own modelling code builds
@@ -49,12 +50,12 @@ from torch import nn
 
 from pagellm.core.attention import AttentionSpec
 from pagellm.core.errors import ConfigError
-from pagellm.models.base import ModelInit
+from pagellm.models.base import ModelInit, rank_heads
 from pagellm.models.layers.attention import Attention
 from pagellm.models.layers.fused_moe.block import SparseMoeBlock, is_sparse_layer
 from pagellm.models.layers.fused_moe.loading import copy_weights_with_experts
 from pagellm.models.layers.fused_moe.routing import SIGMOID, SOFTMAX, Routing
-from pagellm.models.layers.linear import Linear
+from pagellm.models.layers.linear import Linear, Shard
 from pagellm.models.layers.norm import RMSNorm
 from pagellm.models.layers.rotary import apply_rotary, rope_parameters
 from pagellm.models.llama import LlamaForCausalLM, LlamaMLP, LlamaModel, SpecFn
@@ -178,14 +179,32 @@ class LatentUpProjection(nn.Module):
     """`kv_b_proj`, kept as the checkpoint's [num_heads * (qk_nope + v_head_dim), kv_lora_rank] weight but
     never applied to the cache: each head's first qk_nope rows (W_UK) absorb into its query, its v_head_dim
     rows (W_UV) expand its latent output. A plain parameter, not a `Linear`, since both products read the
-    weight per head (a platform's packed or a quantized layout would hide it)."""
+    weight per head (a platform's packed or a quantized layout would hide it). Under tensor parallelism a
+    rank holds only its `num_heads` heads' rows, from head `first_head` on (None: one rank, every head);
+    both products read nothing else, so the absorbed form needs no per-head copy split apart from it."""
 
-    def __init__(self, num_heads: int, nope: int, v_dim: int, rank: int, dtype: torch.dtype):
+    def __init__(
+        self,
+        num_heads: int,
+        nope: int,
+        v_dim: int,
+        rank: int,
+        dtype: torch.dtype,
+        first_head: int | None = None,
+    ):
         super().__init__()
         self.num_heads, self.nope, self.v_dim, self.rank = num_heads, nope, v_dim, rank
+        self.first_head = first_head
         self.weight = nn.Parameter(
             torch.empty(num_heads * (nope + v_dim), rank, dtype=dtype), requires_grad=False
         )
+
+    def narrow_checkpoint(self, attr: str, tensor: torch.Tensor, part: int | None) -> torch.Tensor:
+        """This rank's heads' rows of the checkpoint's `kv_b_proj.weight` (called by the loader)."""
+        if self.first_head is None:
+            return tensor
+        rows = self.nope + self.v_dim
+        return tensor.narrow(0, self.first_head * rows, self.num_heads * rows)
 
     def _per_head(self) -> torch.Tensor:
         return self.weight.view(self.num_heads, self.nope + self.v_dim, self.rank)
@@ -202,31 +221,48 @@ class LatentUpProjection(nn.Module):
 
 
 class MLAAttention(nn.Module):
+    """Tensor parallel as vLLM splits MLA: the query heads over the ranks (`q_proj` or `q_b_proj` column
+    parallel by heads, `kv_b_proj` by its heads' rows, `o_proj` row parallel), while the latent path is
+    replicated: `q_a_proj` and `q_a_layernorm`, `kv_a_proj_with_mqa` and `kv_a_layernorm` are whole on
+    every rank, which computes and caches the same latent row (MQA's one KV head, not split: each rank
+    holds the whole latent cache for its heads to attend over)."""
+
     def __init__(self, init: ModelInit, layer_idx: int, spec_fn: SpecFn, interleaved: bool):
         super().__init__()
         c = init.hf_config
-        dtype, quant = init.dtype, init.quant_method
-        self.num_heads = c.num_attention_heads
+        dtype, quant, tp = init.dtype, init.quant_method, init.parallel.tp
+        spec = rank_heads(spec_fn(c, dtype, init.block_size, layer_idx), tp)
+        self.num_heads = spec.num_heads  # this rank's
+        split = tp.size > 1
+        first_head = tp.rank * self.num_heads
         self.nope, self.rope, self.rank = c.qk_nope_head_dim, c.qk_rope_head_dim, c.kv_lora_rank
         self.v_dim = c.v_head_dim
         q_size = self.num_heads * (self.nope + self.rope)
+        q_rows = (first_head * (self.nope + self.rope), q_size)
         self.q_lora_rank = c.q_lora_rank
         self.q_in = self.q_lora_rank or q_size  # q's first projection: the low-rank q, or q itself
         bias = bool(getattr(c, "attention_bias", False))
         sizes = [self.q_in, self.rank + self.rope]
-        self.fused_qkv_a_proj = Linear(c.hidden_size, sum(sizes), bias, dtype, quant, sizes)
+        # q_proj's rows split by heads; the latents (q_a_proj's, kv_a_proj_with_mqa's) whole on every rank
+        a_shard = Shard(0, (q_rows, (0, sizes[1]))) if split and self.q_lora_rank is None else None
+        self.fused_qkv_a_proj = Linear(c.hidden_size, sum(sizes), bias, dtype, quant, sizes, a_shard)
         if bias and self.q_lora_rank is None:  # q_proj has no bias: its rows of the fused one stay zero
             self.fused_qkv_a_proj.bias.data[: self.q_in].zero_()
         if self.q_lora_rank is not None:
             self.q_a_layernorm = RMSNorm(self.q_lora_rank, LATENT_NORM_EPS, dtype)
-            self.q_b_proj = Linear(self.q_lora_rank, q_size, False, dtype, quant)
+            b_shard = Shard(0, (q_rows,)) if split else None
+            self.q_b_proj = Linear(self.q_lora_rank, q_size, False, dtype, quant, shard=b_shard)
         else:
             self.q_a_layernorm = self.q_b_proj = None
         self.kv_a_layernorm = RMSNorm(self.rank, LATENT_NORM_EPS, dtype)
-        self.kv_b_proj = LatentUpProjection(self.num_heads, self.nope, self.v_dim, self.rank, dtype)
-        self.o_proj = Linear(self.num_heads * self.v_dim, c.hidden_size, bias, dtype, quant)
+        self.kv_b_proj = LatentUpProjection(
+            self.num_heads, self.nope, self.v_dim, self.rank, dtype, first_head if split else None
+        )
+        o_width = self.num_heads * self.v_dim
+        o_shard = Shard(1, ((first_head * self.v_dim, o_width),)) if split else None
+        self.o_proj = Linear(o_width, c.hidden_size, bias, dtype, quant, shard=o_shard, reduce=tp)
         self.interleaved = interleaved
-        self.attn = Attention(init, spec_fn(c, dtype, init.block_size, layer_idx), layer_idx)
+        self.attn = Attention(init, spec, layer_idx)
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         if self.interleaved:  # pairs (x0, x1), (x2, x3), ... -> halves (x0, x2, ...), (x1, x3, ...)
@@ -280,11 +316,11 @@ class DeepseekModel(LlamaModel):
 
 
 class DeepseekV2ForCausalLM(LlamaForCausalLM):
-    """DeepSeek-V2 (and V2-Lite, without q_lora_rank). One process: the latent projections are not split
-    for tensor parallelism."""
+    """DeepSeek-V2 (and V2-Lite, without q_lora_rank). Tensor parallel by attention heads (`MLAAttention`),
+    the experts by width or whole (--enable-expert-parallel), the shared experts and dense MLPs by width;
+    pipeline parallel by layers, as Llama."""
 
     attention_spec = staticmethod(mla_attention_spec)
-    supports_parallel = False
     float_modules = ("kv_b_proj",)  # a `LatentUpProjection`: a plain weight, read per head
     model_class = DeepseekModel
 

@@ -1,7 +1,8 @@
 """Mixture-of-experts models over 2 ranks: a rank reads and keeps only its part of the experts (its width
-of every expert when sharded, its experts whole with --enable-expert-parallel), splits that cannot work are
-refused before loading, and both splits give transformers' greedy tokens on 2 gloo ranks (one family and
-split in the default run, the rest under -m slow)."""
+of every expert when sharded, its experts whole with --enable-expert-parallel), a DeepSeek rank its
+attention heads with the latent path whole, splits that cannot work are refused before loading, and both
+splits and the pipeline give transformers' greedy tokens on 2 gloo ranks (one family and split in the
+default run, the rest under -m slow)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 import torch
 from parity import assert_greedy_parity, mixed_prompts, tiny_model_and_reference
 from safetensors.torch import load_file
+from test_sharded_loading import load_rank
 from tiny import make_tiny_checkpoint
 
 from pagellm import LLM
@@ -21,6 +23,8 @@ from pagellm.models.base import ModelInit
 from pagellm.models.layers.fused_moe.block import expert_count
 from pagellm.models.layers.fused_moe.layer import FusedMoE
 from pagellm.models.loader import CheckpointSlice, iter_checkpoint_weights, load_model
+
+TP1 = Parallel(tp=Group(size=2, rank=1, ranks=[0, 1]))  # rank 1 of 2
 
 
 @pytest.mark.parametrize("expert_parallel", [False, True], ids=["sharded", "expert-parallel"])
@@ -113,6 +117,39 @@ def test_expert_splits_that_cannot_work_are_refused_before_loading(
     assert info.value.param == param
 
 
+def test_a_deepseek_rank_keeps_its_heads_and_the_whole_latent_path(tmp_path, monkeypatch):
+    """Rank 1 of 2: heads 2-3 of q (q_proj, or q_b_proj after the whole q_a_proj), of kv_b_proj and of
+    o_proj's input; the latent projection and norms whole, one latent KV head of the whole width."""
+    for arch, q_lora in (("deepseek_v2", False), ("deepseek_v3", True)):  # 4 heads of 16 nope + 8 rope
+        path = make_tiny_checkpoint(arch, tmp_path / arch)
+        full = load_file(str(path / "model.safetensors"))
+        model_class = "DeepseekV3ForCausalLM" if q_lora else "DeepseekV2ForCausalLM"
+        model, _ = load_rank(path, TP1, monkeypatch, f"pagellm.models.deepseek:{model_class}")
+        attn = model.model.layers[1].self_attn
+        name = "model.layers.1.self_attn"
+        latent = full[f"{name}.kv_a_proj_with_mqa.weight"]
+        if q_lora:
+            a = torch.cat([full[f"{name}.q_a_proj.weight"], latent])
+            assert torch.equal(attn.q_b_proj.weight, full[f"{name}.q_b_proj.weight"][48:])
+        else:
+            a = torch.cat([full[f"{name}.q_proj.weight"][48:], latent])
+        assert torch.equal(attn.fused_qkv_a_proj.weight, a)
+        v_dim = attn.v_dim
+        up_rows = 2 * (16 + v_dim)  # heads 0-1's W_UK and W_UV rows: rank 0's
+        assert torch.equal(attn.kv_b_proj.weight, full[f"{name}.kv_b_proj.weight"][up_rows:])
+        assert torch.equal(attn.o_proj.weight, full[f"{name}.o_proj.weight"][:, 2 * v_dim :])
+        assert torch.equal(attn.kv_a_layernorm.weight, full[f"{name}.kv_a_layernorm.weight"])
+        spec = attn.attn.spec
+        assert (spec.num_heads, spec.num_kv_heads, spec.head_size, spec.v_size) == (2, 1, 40, 32)
+
+
+def test_deepseek_heads_that_do_not_divide_are_refused(tmp_path):
+    path = make_tiny_checkpoint("deepseek_v3", tmp_path)
+    config = EngineConfig(model=str(path), tensor_parallel_size=3, attention_backend="TORCH_SDPA")
+    with pytest.raises(ConfigError, match="4 attention heads do not divide by it"):
+        resolve_engine(config)
+
+
 SLOW = pytest.mark.slow
 SPLITS = [  # family, tensor-parallel size, pipeline-parallel size, expert parallel
     pytest.param("qwen2_moe-dense-layer", 2, 1, True, id="qwen2_moe-expert-parallel"),
@@ -126,6 +163,14 @@ SPLITS = [  # family, tensor-parallel size, pipeline-parallel size, expert paral
     pytest.param("gpt_oss", 2, 1, False, id="gpt_oss-sharded", marks=SLOW),
     pytest.param("glm4_moe", 2, 1, True, id="glm4_moe-expert-parallel", marks=SLOW),
     pytest.param("glm4_moe", 2, 1, False, id="glm4_moe-sharded", marks=SLOW),
+    # MLA: heads split, the latent KV cache whole on each rank; pipeline: the dense layer 0 on stage 0,
+    # the mixture of experts on stage 1
+    pytest.param("deepseek_v2", 2, 1, True, id="deepseek_v2-expert-parallel", marks=SLOW),
+    pytest.param("deepseek_v2", 2, 1, False, id="deepseek_v2-sharded", marks=SLOW),
+    pytest.param("deepseek_v2", 1, 2, False, id="deepseek_v2-pipeline", marks=SLOW),
+    pytest.param("deepseek_v3", 2, 1, True, id="deepseek_v3-expert-parallel", marks=SLOW),
+    pytest.param("deepseek_v3", 2, 1, False, id="deepseek_v3-sharded", marks=SLOW),
+    pytest.param("deepseek_v3", 1, 2, False, id="deepseek_v3-pipeline", marks=SLOW),
 ]
 
 
@@ -147,9 +192,10 @@ def test_greedy_parity_on_two_ranks(tmp_path, family, tp, pp, expert_parallel):
         enable_expert_parallel=expert_parallel,
     )
     try:
-        experts = next(m for m in llm.engine.runner.model.modules() if isinstance(m, FusedMoE))
-        total = expert_count(AutoConfig.from_pretrained(path))
-        assert experts.num_local_experts == total // (2 if expert_parallel else 1)  # on rank 0 of 2
+        if tp > 1:  # (a pipeline's first stage may hold no experts: DeepSeek's layer 0 is dense)
+            experts = next(m for m in llm.engine.runner.model.modules() if isinstance(m, FusedMoE))
+            total = expert_count(AutoConfig.from_pretrained(path))
+            assert experts.num_local_experts == total // (2 if expert_parallel else 1)  # on rank 0 of 2
         assert_greedy_parity(llm, reference, mixed_prompts(300)[::2])
         assert llm.engine.stats().num_preemptions > 0
     finally:
