@@ -63,7 +63,13 @@ def prompts(vocab: int) -> list[list[int]]:
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(
     "arch",
-    ["llama", *(pytest.param(a, marks=pytest.mark.slow) for a in ("qwen2", "mistral-sliding-window", "qwen3-mixed-windows"))],
+    [
+        "llama",
+        *(
+            pytest.param(a, marks=pytest.mark.slow)
+            for a in ("qwen2", "mistral-sliding-window", "qwen3-mixed-windows")
+        ),
+    ],
 )
 @pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)], ids=["tp2", "pp2"])
 def test_greedy_parity_with_transformers(models, arch, tp, pp):
