@@ -188,7 +188,14 @@ def test_backend_stores_through_the_kernel_only_where_dtypes_match(monkeypatch):
         assert cache.any() == (cache_dtype == torch.bfloat16)
 
 
-@pytest.mark.parametrize("seq_lens", [[3000], [2500, 40], [700] * 3], ids=["one", "two", "three"])
+@pytest.mark.parametrize(
+    "seq_lens",
+    [
+        pytest.param([3000], id="one", marks=pytest.mark.slow),
+        pytest.param([2500, 40], id="two"),
+        pytest.param([700] * 3, id="three", marks=pytest.mark.slow),
+    ],
+)
 @pytest.mark.parametrize("sliding_window", [None, 300])
 def test_long_contexts_split_across_threads(seq_lens, sliding_window, decode_path):
     spec = AttentionSpec(9, 3, 64, torch.bfloat16, block_size=16, sliding_window=sliding_window)

@@ -129,7 +129,14 @@ SPLIT_STEPS = [([140, 7, 70, 20], [1, 1, 1, 1]), ([140, 30, 5, 20], [20, 9, 1, 1
 
 
 @pytest.mark.parametrize("window", [None, 20], ids=["full", "window-20"])
-@pytest.mark.parametrize("heads", [(2, 2), (4, 2), (7, 1)], ids=["group-1", "group-2", "group-7"])
+@pytest.mark.parametrize(
+    "heads",
+    [
+        pytest.param((2, 2), id="group-1", marks=pytest.mark.slow),
+        pytest.param((4, 2), id="group-2", marks=pytest.mark.slow),
+        pytest.param((7, 1), id="group-7"),
+    ],
+)
 @pytest.mark.parametrize("split", [False, True], ids=["one-pass", "split-k"])
 def test_split_k_on_and_off(monkeypatch, split, heads, window):
     """Issue 17: with few programs for the device's SMs (here the interpreter's stand-in count) each tile

@@ -91,6 +91,7 @@ def test_tensor_and_pipeline_together_on_four_ranks(models):
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.slow
 def test_the_server_answers_from_two_ranks(models):
     from openai_asgi import call_app
 
@@ -139,6 +140,7 @@ def test_a_killed_rank_ends_the_engine_with_an_error_naming_it(models):
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.slow
 def test_a_hung_rank_fails_the_engine_within_the_timeout(models):
     path, _ = models["llama"]
     with split_llm(path, pipeline_parallel_size=2, distributed_timeout=3) as llm:
@@ -154,6 +156,7 @@ def test_a_hung_rank_fails_the_engine_within_the_timeout(models):
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.slow
 def test_a_dead_rank_fails_the_async_engines_requests_with_its_name(models):
     import asyncio
 

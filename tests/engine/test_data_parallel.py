@@ -220,6 +220,7 @@ def test_stats_add_up_and_kv_usage_is_weighted_by_capacity():
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.slow
 def test_a_killed_engine_fails_the_streams_naming_its_rank_and_health_says_so(llama):
     llm = AsyncLLM(str(llama), data_parallel_size=2, **SETTINGS)
     app = build_app(llm, ["tiny"], log_requests=False)

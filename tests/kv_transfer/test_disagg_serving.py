@@ -17,6 +17,10 @@ import pytest
 from kvt_harness import BLOCK, DECODE, PROMPTS, prompt_of, run, storage, zmq
 from server_harness import ServerProcess, free_port, metric
 
+# two engines and the proxy take ~50 s to start; tests/kv_transfer/test_kv_connectors.py checks the transfers
+# in the default run
+pytestmark = pytest.mark.slow
+
 TIMEOUT = 60
 SERVE = ["--dtype", "float32", "--num-kv-blocks", "64", "--max-model-len", "128"]
 

@@ -185,7 +185,9 @@ FEATURES = [
 """The per-layer feature cases for a backend whose block size is 32, in order."""
 
 
-@pytest.mark.parametrize("name", ["TORCH_SDPA", "FLEX_ATTENTION", "CPU_ATTN"])
+@pytest.mark.parametrize(
+    "name", ["TORCH_SDPA", pytest.param("FLEX_ATTENTION", marks=pytest.mark.slow), "CPU_ATTN"]
+)
 def test_builtin_cpu_backends_pass_the_feature_cases(name):
     """Every built-in backend that runs on CPU claims windows, soft-cap and sinks, and passes those cases
     (the long-context ones are left to each backend's own tests: minutes here, on one thread); TORCH_SDPA

@@ -125,6 +125,7 @@ def test_a_failed_start_raises_the_engines_error(tmp_path):
         AsyncLLM(str(tmp_path / "missing"), dtype="float32")
 
 
+@pytest.mark.slow
 def test_the_engine_exits_when_its_front_end_dies(tiny_model_dir):
     script = textwrap.dedent(
         f"""

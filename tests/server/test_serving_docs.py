@@ -74,6 +74,7 @@ def test_curl_examples_run_as_written(server):
 
 
 @pytest.mark.skipif(shutil.which("curl") is None, reason="needs curl")
+@pytest.mark.slow
 def test_embedding_curl_examples_run_against_a_pooling_server(pooling_server):
     commands = [c for c in curl_examples() if embeddings(c)]
     assert commands

@@ -16,7 +16,10 @@ from pagellm.core.errors import ConfigError
 MAX_TOKENS = 16
 
 
-@pytest.fixture(scope="module", params=list(ARCHS))
+@pytest.fixture(
+    scope="module",
+    params=["llama", *(pytest.param(a, marks=pytest.mark.slow) for a in ARCHS if a != "llama")],
+)
 def target(request, tmp_path_factory):
     return tiny_model_and_reference(request.param, tmp_path_factory.mktemp(request.param), MAX_TOKENS)
 

@@ -18,7 +18,10 @@ MAX_TOKENS = 16
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 
 
-@pytest.fixture(scope="module", params=list(ARCHS))
+@pytest.fixture(
+    scope="module",
+    params=["llama", *(pytest.param(a, marks=pytest.mark.slow) for a in ARCHS if a != "llama")],
+)
 def model(request, tmp_path_factory):
     return tiny_model_and_reference(request.param, tmp_path_factory.mktemp(request.param), MAX_TOKENS)
 

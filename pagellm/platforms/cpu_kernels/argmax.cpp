@@ -5,8 +5,9 @@
 // 16 lanes of running maxima and their indices. The result equals max(dim=-1).indices: the first index of
 // the largest value, and the first NaN's index where a row has one (NaN propagates in torch's max).
 
-#include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 
 #include <cmath>
 #include <cstdint>

@@ -15,8 +15,10 @@
 // Built with the other CPU kernels (-march=native); where the compiler or CPU has no AMX the functions
 // report it (amx_available() is false) and the caller keeps oneDNN.
 
-#include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 
 #include <algorithm>
 #include <cmath>
