@@ -196,7 +196,7 @@ def test_backend_stores_through_the_kernel_only_where_dtypes_match(monkeypatch):
         pytest.param([700] * 3, id="three", marks=pytest.mark.slow),
     ],
 )
-@pytest.mark.parametrize("sliding_window", [None, 300])
+@pytest.mark.parametrize("sliding_window", [pytest.param(None, marks=pytest.mark.slow), 300])
 def test_long_contexts_split_across_threads(seq_lens, sliding_window, decode_path):
     spec = AttentionSpec(9, 3, 64, torch.bfloat16, block_size=16, sliding_window=sliding_window)
     cases = [(seq_lens, [1] * len(seq_lens)), ([*seq_lens, 40], [1] * len(seq_lens) + [40])]

@@ -119,6 +119,7 @@ def llama(tmp_path_factory):
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.slow
 def test_a_killed_engine_fails_llm_generate_naming_its_rank(llama):
     llm = LLM(str(llama), data_parallel_size=2, dtype="float32", num_kv_blocks=256, max_model_len=512)
     engines = llm.engine.engines

@@ -33,6 +33,7 @@ def run_suite(cwd, *args: str, **env: str) -> subprocess.CompletedProcess:
     return subprocess.run([*COMMAND, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_vendor_backend_passes_on_its_platform(vendor_plugin, tmp_path):
     result = run_suite(tmp_path, PAGELLM_DEVICE="vendor_sim", PAGELLM_ATTENTION_BACKEND="VENDOR_ATTN")
     assert result.returncode == 0, result.stdout + result.stderr
@@ -63,6 +64,7 @@ def pagellm_attention_backends():
 '''
 
 
+@pytest.mark.slow
 def test_wrong_backend_fails(tmp_path):
     """A plugin installed the lightest way (a module and its dist-info on the path) that gets windows wrong."""
     (tmp_path / "wrong_attn.py").write_text(WRONG_PLUGIN)
