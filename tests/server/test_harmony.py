@@ -9,6 +9,7 @@ import functools
 import random
 
 import pytest
+from tool_call_deltas import gather_tool_call_deltas
 
 from pagellm.core.parsers import reads_special_tokens, reads_whole_reply
 from pagellm.plugins.loader import load_plugins
@@ -120,16 +121,6 @@ def _chunkings(text: str, seed: int):
     yield from _random_chunkings(text, seed, 10)
 
 
-def _calls(deltas: list[dict], calls: dict) -> None:
-    """Gather streamed tool-call deltas into {index: [name, arguments]}."""
-    for d in deltas:
-        if "id" in d:
-            assert d["index"] == len(calls) and d["type"] == "function"
-            calls[d["index"]] = [d["function"]["name"], d["function"]["arguments"]]
-        else:
-            calls[d["index"]][1] += d["function"]["arguments"]
-
-
 def test_the_parsers_are_registered_and_read_special_tokens():
     registry = load_plugins()
     assert registry.reasoning_parsers["openai_gptoss"] is GptOssReasoningParser
@@ -160,14 +151,14 @@ def test_streamed_pieces_concatenate_to_the_whole_reply_under_every_chunking(i):
         for j, c in enumerate(chunks):
             piece, deltas = tool_stream.feed(c, final=j == last)
             answer += piece
-            _calls(deltas, got)
+            gather_tool_call_deltas(deltas, got)
         assert (answer, [tuple(c) for c in got.values()]) == (content, calls), chunks
 
         reply, got, thinking, answer = ReplyStream(REASONING, TOOLS, "x"), {}, "", ""
         for j, c in enumerate(chunks):
             r, piece, deltas = reply.feed(c, final=j == last)
             thinking, answer = thinking + r, answer + piece
-            _calls(deltas, got)
+            gather_tool_call_deltas(deltas, got)
         assert (thinking, answer, [tuple(c) for c in got.values()]) == (reasoning, content, calls), chunks
 
 
@@ -217,6 +208,6 @@ def test_no_marker_ever_reaches_the_reasoning_or_the_content():
             for j, c in enumerate(chunks):
                 r, piece, deltas = reply.feed(c, final=j == len(chunks) - 1)
                 thinking, answer = thinking + r, answer + piece
-                _calls(deltas, got)
+                gather_tool_call_deltas(deltas, got)
             streamed = (thinking, answer, [tuple(c) for c in got.values()])
             assert streamed == (reasoning, parsed.content, parsed.calls), chunks

@@ -10,6 +10,7 @@ import random
 import jsonschema
 import pytest
 from openai_asgi import call_app
+from tool_call_deltas import gather_tool_call_deltas
 
 from pagellm import AsyncLLM
 from pagellm.server.app import build_app
@@ -57,12 +58,7 @@ def _streamed(parser, chunks):
     for j, piece in enumerate(chunks):
         text, deltas = stream.feed(piece, final=j == len(chunks) - 1)
         content += text
-        for d in deltas:
-            if "id" in d:
-                assert d["index"] == len(calls) and d["type"] == "function"
-                calls[d["index"]] = [d["function"]["name"], d["function"]["arguments"]]
-            else:
-                calls[d["index"]][1] += d["function"]["arguments"]
+        gather_tool_call_deltas(deltas, calls)
     return content, [tuple(c) for c in calls.values()]
 
 
