@@ -150,7 +150,7 @@ def test_packed_linear_matches_f_linear(matmul_impl, rows, bias, out_features, i
     # both sum bf16 products in float32 (in their own order) and round once: within one bf16 rounding
     torch.testing.assert_close(out.float(), expected, rtol=2**-8, atol=1e-3)
     assert out.dtype == torch.bfloat16 and out.shape == (rows, out_features)
-    assert CpuPlatform.pack_linear(weight.float()) is None  # float32 keeps the reference GEMM
+    assert CpuPlatform.pack_linear(weight.float()) is None  # a small float32 weight keeps F.linear
 
 
 def test_amx_linear_op_is_the_kernel_and_takes_any_leading_shape():
@@ -188,6 +188,23 @@ def test_half_precision_packs_for_onednn():
     assert packed.matmul is cpu._onednn_linear  # the AMX kernel is bfloat16 only
 
 
+@pytest.mark.parametrize("rows", [1, 16, 300])
+def test_large_float32_weights_pack_for_onednn(rows):
+    """float32 weights from FLOAT32_PACK_MIN_ELEMENTS up go through oneDNN's packed GEMM (MKL's sgemm,
+    F.linear's, measured 1.1-4x slower at decode sizes); the sums agree to float32 rounding."""
+    if not cpu.onednn_packs(torch.float32):
+        pytest.skip("no oneDNN")
+    gen = torch.Generator().manual_seed(rows)
+    weight = torch.randn(cpu.FLOAT32_PACK_MIN_ELEMENTS // 256, 256, generator=gen)
+    bias = torch.randn(weight.shape[0], generator=gen)
+    packed = CpuPlatform.pack_linear(weight)
+    assert packed is not None and packed.matmul is cpu._onednn_linear
+    x = torch.randn(rows, 256, generator=gen)
+    expected = torch.nn.functional.linear(x, weight, bias)  # sums of 256 terms of ~1: |y| up to ~50
+    torch.testing.assert_close(packed.matmul(x, packed.weight, bias), expected, rtol=1e-5, atol=1e-4)
+    assert CpuPlatform.pack_linear(weight[:-1]) is None  # one row fewer: below the line
+
+
 def test_packed_linear_compiles(matmul_impl, tmp_path, monkeypatch):
     """Inductor cannot lower a prepacked weight; the packed matmul must stay one opaque op in the graph
     (before, the whole model fell back to eager with a warning whenever its linears were packed)."""
@@ -205,6 +222,26 @@ def test_packed_linear_compiles(matmul_impl, tmp_path, monkeypatch):
         torch.testing.assert_close(compiled(x), layer(x))
 
 
+def test_runner_packs_large_float32_linears_and_keeps_transformers_tokens(tmp_path):
+    """A float32 model whose MLP and lm_head weights pass FLOAT32_PACK_MIN_ELEMENTS: those run packed, the
+    small attention projections keep F.linear, and greedy tokens stay transformers' (MKL's sgemm)."""
+    from parity import Reference, assert_greedy_parity, mixed_prompts
+    from tiny import make_tiny_checkpoint
+
+    from pagellm import LLM
+    from pagellm.models.layers.linear import Linear
+
+    if not cpu.onednn_packs(torch.float32):
+        pytest.skip("no oneDNN")
+    path = make_tiny_checkpoint("llama", tmp_path, intermediate_size=2048, vocab_size=4096)
+    llm = LLM(str(path), dtype="float32", num_kv_blocks=128, enforce_eager=True)
+    model = llm.engine.runner.model
+    packed = {n for n, m in model.named_modules() if isinstance(m, Linear) and m.packed_matmul is not None}
+    assert packed and all(".mlp." in n or n == "lm_head" for n in packed) and "lm_head" in packed
+    assert model.packed_lm_head is not None
+    assert_greedy_parity(llm, Reference(path, 8), mixed_prompts(4096)[:8])
+
+
 def test_runner_packs_linears_and_lm_head_in_half_precision(tmp_path):
     from tiny import make_tiny_checkpoint
 
@@ -212,7 +249,8 @@ def test_runner_packs_linears_and_lm_head_in_half_precision(tmp_path):
 
     for tied in (False, True):
         path = make_tiny_checkpoint("llama", tmp_path / f"tied{tied}", tie_word_embeddings=tied)
-        packs = cpu._amx_kernels() is not None or cpu.onednn_packs(torch.bfloat16)
+        # AMX, oneDNN, or else the panel kernel (tests/platforms/test_cpu_linear.py)
+        packs = cpu.onednn_packs(torch.bfloat16) or cpu._kernels() is not None
         for dtype, packed in (("bfloat16", packs), ("float32", False)):
             _check_packing(LLM(str(path), dtype=dtype, num_kv_blocks=64, enforce_eager=True), packed, tied)
 
@@ -266,10 +304,11 @@ def test_argmax_falls_back_to_torch_without_the_kernels(monkeypatch):
 
 
 def test_a_cpu_where_onednn_cannot_pack_keeps_plain_linears(monkeypatch):
-    """An AVX2-only CPU (AMD Zen 3 here): oneDNN's half-precision reorder raises, so nothing is packed and
-    the model's linears run F.linear instead of failing at load."""
+    """An AVX2-only CPU (AMD Zen 3 here): oneDNN's half-precision reorder raises, so float16 is not packed
+    (and bfloat16 only by the panel kernel, where the kernels build) instead of failing at load."""
     monkeypatch.setattr(cpu, "_amx_kernels", lambda: None)
     monkeypatch.setattr(cpu, "onednn_packs", lambda dtype: False)
+    monkeypatch.setattr(cpu, "_kernels", lambda: None)
     assert CpuPlatform.pack_linear(torch.randn(32, 64).bfloat16()) is None
     assert CpuPlatform.pack_linear(torch.randn(32, 64).half()) is None
 

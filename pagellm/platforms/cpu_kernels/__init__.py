@@ -23,8 +23,8 @@ from pagellm.core.paths import cache_dir
 
 logger = logging.getLogger("pagellm")
 
-SOURCES = ("paged_attention.cpp", "linear_amx.cpp", "argmax.cpp", "fused_moe.cpp")
-HEADERS = ("amx_tiles.h",)
+SOURCES = ("paged_attention.cpp", "linear_amx.cpp", "argmax.cpp", "fused_moe.cpp", "linear_panels.cpp")
+HEADERS = ("amx_tiles.h", "panels.h")
 ENV_SWITCH = "PAGELLM_CPU_KERNELS"
 
 _lock = threading.Lock()

@@ -47,18 +47,10 @@
 #include <string>
 #include <vector>
 
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#include <immintrin.h>
-#define PL_MOE_AVX2 1
-#else
-#define PL_MOE_AVX2 0
-#endif
+#include "panels.h"
 
 namespace {
 
-constexpr int64_t kPanel = 16;     // weight columns per panel (w13: 8 gate + 8 up)
-constexpr int64_t kHalf = 8;       // activation columns per w13 panel
-constexpr int kMaxRows = 6;        // rows per register block: 6 x 2 accumulators + 2 weights + 1 broadcast
 constexpr int64_t kPanelCost = 4;  // a panel's weight read, in rows of compute (for splitting the work)
 constexpr int64_t kBufferFloats = int64_t(1) << 23;  // float32 buffers per chunk of tokens (32 MB)
 // With at least this many chosen experts per thread, threads take whole experts (one parallel region a
@@ -68,43 +60,10 @@ constexpr int64_t kExpertsPerThread = 4;
 
 enum Activation { kSilu, kSwigluOai, kGeluTanh };
 
-// The packed weights' element format (platforms/cpu_moe.py DTYPES).
-enum Format { kF32, kBf16, kI8, kFp8 };
-
-constexpr int64_t format_bytes(Format f) { return f == kF32 ? 4 : f == kBf16 ? 2 : 1; }
-constexpr bool is_quantized(Format f) { return f == kI8 || f == kFp8; }
-
-// An e4m3 panel's sums come out 2^-8 times too small (panel_dot reads each byte as a half with the wrong
-// exponent bias), so its scales are multiplied by this once per panel instead of every weight.
-constexpr float kFp8Unscale = 256.f;
-
 struct ActParams {
   Activation kind;
   float alpha, limit;
 };
-
-inline float bf16_to_float(uint16_t v) {
-  const uint32_t bits = static_cast<uint32_t>(v) << 16;
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
-
-// Round to nearest even, as torch does; NaN stays NaN.
-inline uint16_t float_to_bf16(float f) {
-  uint32_t bits;
-  std::memcpy(&bits, &f, 4);
-  if (std::isnan(f)) return static_cast<uint16_t>((bits >> 16) | 0x40);
-  return static_cast<uint16_t>((bits + 0x7fff + ((bits >> 16) & 1)) >> 16);
-}
-
-// e4m3fn (sign, 4 exponent bits biased by 7, 3 mantissa bits; subnormals below exponent 1) -> its value
-// times 2^-8, as the AVX2 path reads it. NaN (0x7f, 0xff) is not handled: quantized weights never hold it.
-inline float fp8_to_float_unscaled(uint8_t v) {
-  const int e = (v >> 3) & 0xf, m = v & 7;
-  const float mag = e ? std::ldexp(1.f + m / 8.f, e - 7 - 8) : std::ldexp(m / 8.f, -6 - 8);
-  return (v & 0x80) ? -mag : mag;
-}
 
 inline float sigmoid(float x) { return 1.f / (1.f + std::exp(-x)); }
 
@@ -126,60 +85,7 @@ inline float activate(float gate, float up, const ActParams& a) {
   return 0.f;
 }
 
-// ---- the register block: rows x 16 columns over a whole panel --------------------------------------------
-// sums[r][c] = sum_k x[r][k] * panel column c at k, columns in logical order (w13: 8 gate, then 8 up).
-
-#if PL_MOE_AVX2
-template <int kRows, Format kFormat>
-inline void panel_dot(const float* const* x, const void* panel, int64_t k, __m256* lo, __m256* hi) {
-  // With one or two rows the FMA chains, not the loads, would set the pace: two sets of accumulators
-  // (even and odd k) keep four chains in flight.
-  constexpr int kSets = kRows <= 2 ? 2 : 1;
-  __m256 acc_lo[kSets][kRows], acc_hi[kSets][kRows];
-  for (int s = 0; s < kSets; ++s)
-    for (int r = 0; r < kRows; ++r) acc_lo[s][r] = _mm256_setzero_ps(), acc_hi[s][r] = _mm256_setzero_ps();
-  const __m256i high_half = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
-  const __m128i no_bit_14 = _mm_set1_epi16(static_cast<short>(0xbfff));
-  auto step = [&](int64_t i, int s) {
-    __m256 w_lo, w_hi;
-    if constexpr (kFormat == kBf16) {
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(panel) + i * kPanel));
-      w_lo = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
-      w_hi = _mm256_castsi256_ps(_mm256_and_si256(v, high_half));
-    } else if constexpr (kFormat == kI8) {
-      const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const int8_t*>(panel) + i * kPanel));
-      w_lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v));
-      w_hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(v, v)));
-    } else if constexpr (kFormat == kFp8) {
-      // byte b -> 16 bits b << 8, shifted right arithmetically by 1: the sign in bits 15 and 14, the 7
-      // exponent and mantissa bits at 13..7. Clearing bit 14 leaves a half (exponent bias 15, not 7) worth
-      // the e4m3 value times 2^-8, subnormals included, which F16C widens exactly.
-      const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint8_t*>(panel) + i * kPanel));
-      const __m128i zero = _mm_setzero_si128();
-      w_lo = _mm256_cvtph_ps(_mm_and_si128(_mm_srai_epi16(_mm_unpacklo_epi8(zero, v), 1), no_bit_14));
-      w_hi = _mm256_cvtph_ps(_mm_and_si128(_mm_srai_epi16(_mm_unpackhi_epi8(zero, v), 1), no_bit_14));
-    } else {
-      const float* p = static_cast<const float*>(panel) + i * kPanel;
-      w_lo = _mm256_loadu_ps(p);
-      w_hi = _mm256_loadu_ps(p + 8);
-    }
-    for (int r = 0; r < kRows; ++r) {
-      const __m256 b = _mm256_broadcast_ss(x[r] + i);
-      acc_lo[s][r] = _mm256_fmadd_ps(w_lo, b, acc_lo[s][r]);
-      acc_hi[s][r] = _mm256_fmadd_ps(w_hi, b, acc_hi[s][r]);
-    }
-  };
-  int64_t i = 0;
-  if constexpr (kSets == 2) {
-    for (; i + 2 <= k; i += 2) step(i, 0), step(i + 1, 1);
-  }
-  for (; i < k; ++i) step(i, 0);
-  for (int r = 0; r < kRows; ++r) {
-    lo[r] = kSets == 2 ? _mm256_add_ps(acc_lo[0][r], acc_lo[kSets - 1][r]) : acc_lo[0][r];
-    hi[r] = kSets == 2 ? _mm256_add_ps(acc_hi[0][r], acc_hi[kSets - 1][r]) : acc_hi[0][r];
-  }
-}
-
+#if PL_PANEL_AVX2
 // e^x, x clamped to [-87, 88] (beyond, sigmoid is 0 or 1 in float32 anyway); relative error ~1e-7.
 inline __m256 vexp(__m256 x) {
   x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.f)), _mm256_set1_ps(88.f));
@@ -222,75 +128,16 @@ inline __m256 vactivate(__m256 gate, __m256 up, const ActParams& a) {
   }
   return _mm256_setzero_ps();
 }
-
-// 8 floats to bfloat16, rounding to nearest even; NaN stays NaN.
-inline __m128i vto_bf16(__m256 v) {
-  const __m256i bits = _mm256_castps_si256(v);
-  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-  __m256i rounded = _mm256_add_epi32(_mm256_add_epi32(bits, _mm256_set1_epi32(0x7fff)), lsb);
-  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-  rounded = _mm256_blendv_epi8(rounded, _mm256_or_si256(bits, _mm256_set1_epi32(0x400000)), nan);
-  rounded = _mm256_srli_epi32(rounded, 16);
-  return _mm_packus_epi32(_mm256_castsi256_si128(rounded), _mm256_extracti128_si256(rounded, 1));
-}
-#else
-template <int kRows, Format kFormat>
-inline void panel_dot(const float* const* x, const void* panel, int64_t k, float (*sums)[kPanel]) {
-  for (int r = 0; r < kRows; ++r)
-    for (int64_t c = 0; c < kPanel; ++c) sums[r][c] = 0.f;
-  for (int64_t i = 0; i < k; ++i) {
-    float w[kPanel];
-    for (int64_t j = 0; j < kHalf; ++j) {
-      if constexpr (kFormat == kBf16) {
-        const uint16_t* p = static_cast<const uint16_t*>(panel) + i * kPanel;
-        w[j] = bf16_to_float(p[2 * j]), w[kHalf + j] = bf16_to_float(p[2 * j + 1]);
-      } else if constexpr (kFormat == kI8) {
-        const int8_t* p = static_cast<const int8_t*>(panel) + i * kPanel;
-        w[j] = p[j], w[kHalf + j] = p[kHalf + j];
-      } else if constexpr (kFormat == kFp8) {
-        const uint8_t* p = static_cast<const uint8_t*>(panel) + i * kPanel;
-        w[j] = fp8_to_float_unscaled(p[j]), w[kHalf + j] = fp8_to_float_unscaled(p[kHalf + j]);
-      } else {
-        const float* p = static_cast<const float*>(panel) + i * kPanel;
-        w[j] = p[j], w[kHalf + j] = p[kHalf + j];
-      }
-    }
-    for (int r = 0; r < kRows; ++r) {
-      const float xv = x[r][i];
-      for (int64_t c = 0; c < kPanel; ++c) sums[r][c] += w[c] * xv;
-    }
-  }
-}
 #endif
 
 // ---- the two GEMMs' register blocks with their epilogues -------------------------------------------------
 
 // Gate/up of `rows` rows (x: their float32 inputs) against one w13 panel, then bias and activation:
 // act[r][0..8) = activation columns 8p..8p+7 of row r.
-// The column scales of a quantized panel (16 floats: the first 8 columns, then the other 8), with e4m3's
-// 2^8 folded in; 1 for float panels.
-template <Format kFormat>
-inline float column_scale(const float* scale, int64_t c) {
-  if constexpr (!is_quantized(kFormat)) return 1.f;
-  return kFormat == kFp8 ? scale[c] * kFp8Unscale : scale[c];
-}
-
-#if PL_MOE_AVX2
-// sums[r] *= the 8 column scales at `scale` (nothing for float panels).
-template <int kRows, Format kFormat>
-inline void apply_scale(__m256* sums, const float* scale) {
-  if constexpr (is_quantized(kFormat)) {
-    __m256 s = _mm256_loadu_ps(scale);
-    if constexpr (kFormat == kFp8) s = _mm256_mul_ps(s, _mm256_set1_ps(kFp8Unscale));
-    for (int r = 0; r < kRows; ++r) sums[r] = _mm256_mul_ps(sums[r], s);
-  }
-}
-#endif
-
 template <int kRows, Format kFormat>
 void gate_up_block(const float* const* x, const void* panel, int64_t h, const float* scale, const float* bias,
                    const ActParams& a, float* const* act) {
-#if PL_MOE_AVX2
+#if PL_PANEL_AVX2
   __m256 gate[kRows], up[kRows];
   panel_dot<kRows, kFormat>(x, panel, h, gate, up);
   apply_scale<kRows, kFormat>(gate, scale);
@@ -314,7 +161,7 @@ void gate_up_block(const float* const* x, const void* panel, int64_t h, const fl
 template <int kRows, Format kFormat>
 void down_block(const float* const* act, const void* panel, int64_t inter, const float* scale, const float* bias,
                 const float* weight, float* const* y) {
-#if PL_MOE_AVX2
+#if PL_PANEL_AVX2
   __m256 lo[kRows], hi[kRows];
   panel_dot<kRows, kFormat>(act, panel, inter, lo, hi);
   apply_scale<kRows, kFormat>(lo, scale);
@@ -335,19 +182,6 @@ void down_block(const float* const* act, const void* panel, int64_t inter, const
 #endif
 }
 
-// Calls block<rows>(...) for a run-time row count in 1..kMaxRows.
-template <template <int> class Block, typename... Args>
-void dispatch_rows(int rows, Args&&... args) {
-  switch (rows) {
-    case 1: return Block<1>::run(args...);
-    case 2: return Block<2>::run(args...);
-    case 3: return Block<3>::run(args...);
-    case 4: return Block<4>::run(args...);
-    case 5: return Block<5>::run(args...);
-    default: return Block<6>::run(args...);
-  }
-}
-
 template <Format kFormat>
 struct GateUp {
   template <int kRows>
@@ -365,23 +199,6 @@ struct Down {
     static void run(Args&&... args) { down_block<kRows, kFormat>(args...); }
   };
 };
-
-// Runs fn(i) for i in [0, n), the items split into one contiguous run per thread of about equal total
-// cost (cost(i) >= 1), so each thread reads its items' weights in order and none waits for a heavy expert.
-template <typename Cost, typename Fn>
-void parallel_balanced(int64_t n, Cost cost, Fn fn) {
-  if (n == 0) return;
-  std::vector<int64_t> prefix(n + 1, 0);
-  for (int64_t i = 0; i < n; ++i) prefix[i + 1] = prefix[i] + cost(i);
-  const int64_t threads = std::min<int64_t>(at::get_num_threads(), n), total = prefix[n];
-  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const auto first = std::lower_bound(prefix.begin(), prefix.end(), total * t / threads) - prefix.begin();
-      const auto last = std::lower_bound(prefix.begin(), prefix.end(), total * (t + 1) / threads) - prefix.begin();
-      for (int64_t i = first; i < last; ++i) fn(i);
-    }
-  });
-}
 
 // The step's pairs of one chunk of tokens, sorted by expert (stable: token order within an expert).
 struct Routing {
@@ -451,12 +268,13 @@ void run_chunk(const float* x, int64_t h, const Routing& routing, const Experts&
     const uint8_t* panel = w.w13 + (e * p13 + p) * w13_panel;
     const float* scale = w.s13 ? w.s13 + (e * p13 + p) * kPanel : nullptr;
     const float* bias = w.b13 ? w.b13 + (e * p13 + p) * kPanel : nullptr;
-    for (int64_t s0 = routing.start[c]; s0 < end; s0 += kMaxRows) {
-      const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, end - s0));
+    for (int64_t s0 = routing.start[c]; s0 < end;) {
+      const int rows = block_rows(end - s0);
       const float* xr[kMaxRows];
       float* out[kMaxRows];
       for (int r = 0; r < rows; ++r) xr[r] = x + routing.token[s0 + r] * h, out[r] = act + (s0 + r) * act_stride + p * kHalf;
       dispatch_rows<GateUp<kFormat>::template Block>(rows, xr, panel, h, scale, bias, act_params, out);
+      s0 += rows;
     }
   };
   // the down projection, bias and routing weight of expert c's activation rows against its w2 panel p
@@ -465,12 +283,13 @@ void run_chunk(const float* x, int64_t h, const Routing& routing, const Experts&
     const uint8_t* panel = w.w2 + (e * p2 + p) * w2_panel;
     const float* scale = w.s2 ? w.s2 + (e * p2 + p) * kPanel : nullptr;
     const float* bias = w.b2 ? w.b2 + (e * p2 + p) * kPanel : nullptr;
-    for (int64_t s0 = routing.start[c]; s0 < end; s0 += kMaxRows) {
-      const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, end - s0));
+    for (int64_t s0 = routing.start[c]; s0 < end;) {
+      const int rows = block_rows(end - s0);
       const float* ar[kMaxRows];
       float* out[kMaxRows];
       for (int r = 0; r < rows; ++r) ar[r] = act + (s0 + r) * act_stride, out[r] = y + (s0 + r) * y_stride + p * kPanel;
       dispatch_rows<Down<kFormat>::template Block>(rows, ar, panel, inter, scale, bias, routing.weight.data() + s0, out);
+      s0 += rows;
     }
   };
 
@@ -505,7 +324,7 @@ void sum_top_k(const float* y, int64_t y_stride, const Routing& routing, int64_t
       for (int64_t k = 1; k < top_k; ++k) {
         const float* src = y + routing.position[t * top_k + k] * y_stride;
         int64_t i = 0;
-#if PL_MOE_AVX2
+#if PL_PANEL_AVX2
         for (; i + 8 <= h; i += 8) _mm256_storeu_ps(row.data() + i, _mm256_add_ps(_mm256_loadu_ps(row.data() + i), _mm256_loadu_ps(src + i)));
 #endif
         for (; i < h; ++i) row[i] += src[i];
@@ -513,7 +332,7 @@ void sum_top_k(const float* y, int64_t y_stride, const Routing& routing, int64_t
       if constexpr (kOutBf16) {
         uint16_t* dst = static_cast<uint16_t*>(out) + t * h;
         int64_t i = 0;
-#if PL_MOE_AVX2
+#if PL_PANEL_AVX2
         for (; i + 8 <= h; i += 8) _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), vto_bf16(_mm256_loadu_ps(row.data() + i)));
 #endif
         for (; i < h; ++i) dst[i] = float_to_bf16(row[i]);
@@ -591,7 +410,7 @@ at::Tensor cpu_fused_moe(const at::Tensor& hidden, const at::Tensor& topk_weight
   return out;
 }
 
-std::string fused_moe_isa() { return PL_MOE_AVX2 ? "avx2" : "scalar"; }
+std::string fused_moe_isa() { return PL_PANEL_AVX2 ? "avx2" : "scalar"; }
 
 // The schema is defined in Python (platforms/cpu_moe.py) with its fake implementation for torch.compile;
 // this build adds the CPU implementation, so a compiled graph calls it without entering Python.

@@ -1,0 +1,144 @@
+// Dense linear layers on 16-column weight panels (panels.h), for CPUs where neither the AMX kernel nor
+// oneDNN multiplies bfloat16 weights fast: AVX2-only CPUs (AMD Zen 2/3, Intel before Cooper Lake), where
+// oneDNN cannot prepack bfloat16 and F.linear widens the whole weight every call (~20x slower than this at
+// decode batch sizes, measured on an AMD EPYC Zen 3). The weight stays bfloat16 in memory (half of float32's
+// bytes to stream), each panel is widened in registers, products are summed in float32.
+//
+// Layout (packed by platforms/cpu_linear.py): [ceil(N/16), K, 16] panels, as the experts' w2 in
+// fused_moe.cpp. A call, per block of up to kChunkRows rows (their float32 copy fits in L2): the panels are
+// split between threads in contiguous runs, and each panel is multiplied against the block's rows in
+// register blocks of up to kMaxRows rows (from L1 after the first), then bias, then rounding to x's dtype.
+
+// ATen's core and the op registry only, not torch/extension.h: a fraction of the compile time.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "panels.h"
+
+namespace {
+
+constexpr int64_t kChunkRows = 48;  // rows per block: 48 x 4096 float32 inputs are 768 KB
+
+// y[r][0..16) = x[r] . panel (+ bias) for `rows` rows, stored as float32 or bfloat16 (`n` columns valid).
+template <int kRows, Format kFormat, bool kOutBf16>
+void linear_block(const float* const* x, const void* panel, int64_t k, const float* bias, void* const* y, int64_t n) {
+  float sums[kRows][kPanel];
+#if PL_PANEL_AVX2
+  __m256 lo[kRows], hi[kRows];
+  panel_dot<kRows, kFormat>(x, panel, k, lo, hi);
+  const __m256 b_lo = bias ? _mm256_loadu_ps(bias) : _mm256_setzero_ps();
+  const __m256 b_hi = bias ? _mm256_loadu_ps(bias + kHalf) : _mm256_setzero_ps();
+  if (n == kPanel) {
+    for (int r = 0; r < kRows; ++r) {
+      const __m256 a = _mm256_add_ps(lo[r], b_lo), b = _mm256_add_ps(hi[r], b_hi);
+      if constexpr (kOutBf16) {
+        uint16_t* dst = static_cast<uint16_t*>(y[r]);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), vto_bf16(a));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + kHalf), vto_bf16(b));
+      } else {
+        _mm256_storeu_ps(static_cast<float*>(y[r]), a);
+        _mm256_storeu_ps(static_cast<float*>(y[r]) + kHalf, b);
+      }
+    }
+    return;
+  }
+  for (int r = 0; r < kRows; ++r) {
+    _mm256_storeu_ps(sums[r], _mm256_add_ps(lo[r], b_lo));
+    _mm256_storeu_ps(sums[r] + kHalf, _mm256_add_ps(hi[r], b_hi));
+  }
+#else
+  panel_dot<kRows, kFormat>(x, panel, k, sums);
+  for (int r = 0; r < kRows; ++r)
+    for (int64_t c = 0; c < kPanel; ++c) sums[r][c] += bias ? bias[c] : 0.f;
+#endif
+  for (int r = 0; r < kRows; ++r)
+    for (int64_t c = 0; c < n; ++c) {
+      if constexpr (kOutBf16) {
+        static_cast<uint16_t*>(y[r])[c] = float_to_bf16(sums[r][c]);
+      } else {
+        static_cast<float*>(y[r])[c] = sums[r][c];
+      }
+    }
+}
+
+template <Format kFormat, bool kOutBf16>
+struct Linear {
+  template <int kRows>
+  struct Block {
+    template <typename... Args>
+    static void run(Args&&... args) { linear_block<kRows, kFormat, kOutBf16>(args...); }
+  };
+};
+
+template <Format kFormat, bool kOutBf16>
+void run(const at::Tensor& x, const uint8_t* packed, const float* bias, int64_t n, at::Tensor& out) {
+  const int64_t m = x.size(0), k = x.size(1), panels = (n + kPanel - 1) / kPanel;
+  const int64_t panel_bytes = k * kPanel * format_bytes(kFormat), out_elem = kOutBf16 ? 2 : 4;
+  uint8_t* out_base = static_cast<uint8_t*>(out.data_ptr());
+  for (int64_t r0 = 0; r0 < m; r0 += kChunkRows) {
+    const int64_t rows = std::min(kChunkRows, m - r0);
+    const at::Tensor chunk = x.narrow(0, r0, rows).to(at::kFloat).contiguous();
+    const float* xs = chunk.data_ptr<float>();
+    parallel_balanced(
+        panels, [](int64_t) { return int64_t(1); },
+        [&](int64_t p) {
+          const uint8_t* panel = packed + p * panel_bytes;
+          const int64_t cols = std::min(kPanel, n - p * kPanel);
+          float last_bias[kPanel] = {};  // the last panel's, zero-padded: the kernel reads 16
+          const float* b = bias ? bias + p * kPanel : nullptr;
+          if (b && cols < kPanel) std::copy(b, b + cols, last_bias), b = last_bias;
+          for (int64_t s0 = 0; s0 < rows;) {
+            const int block = block_rows(rows - s0);
+            const float* xr[kMaxRows];
+            void* yr[kMaxRows];
+            for (int r = 0; r < block; ++r)
+              xr[r] = xs + (s0 + r) * k, yr[r] = out_base + ((r0 + s0 + r) * n + p * kPanel) * out_elem;
+            dispatch_rows<Linear<kFormat, kOutBf16>::template Block>(block, xr, panel, k, b, yr, cols);
+            s0 += block;
+          }
+        });
+  }
+}
+
+}  // namespace
+
+// x [..., K] (float32 or bfloat16) @ W^T (+ bias) -> [..., N] in x's dtype; W [N, K] packed as the header
+// says (float32 or bfloat16 panels), bias [N] of any float dtype (summed in float32).
+at::Tensor cpu_panel_linear(const at::Tensor& input, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                            int64_t out_features) {
+  TORCH_CHECK(input.dim() >= 1 && (input.scalar_type() == at::kFloat || input.scalar_type() == at::kBFloat16),
+              "cpu_panel_linear: float32 or bfloat16 x [..., K]");
+  const int64_t k = input.size(-1), n = out_features, panels = (n + kPanel - 1) / kPanel;
+  TORCH_CHECK(packed.dim() == 3 && packed.size(0) == panels && packed.size(1) == k && packed.size(2) == kPanel &&
+                  packed.is_contiguous() &&
+                  (packed.scalar_type() == at::kFloat || packed.scalar_type() == at::kBFloat16),
+              "cpu_panel_linear: the weight must be packed by platforms/cpu_linear.py for ", n, " x ", k);
+  at::Tensor bias_f32;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->numel() == n, "cpu_panel_linear: a bias of ", n, " values");
+    bias_f32 = bias->to(at::kFloat).contiguous();
+  }
+  const float* b = bias_f32.defined() ? bias_f32.data_ptr<float>() : nullptr;
+  std::vector<int64_t> shape(input.sizes().begin(), input.sizes().end());
+  shape.back() = n;
+  auto out = at::empty(shape, input.options());
+  const at::Tensor x = input.reshape({-1, k});
+  if (x.size(0) == 0 || n == 0) return out;
+  const auto* w = static_cast<const uint8_t*>(packed.data_ptr());
+  const bool bf16_out = input.scalar_type() == at::kBFloat16;
+  if (packed.scalar_type() == at::kBFloat16) {
+    bf16_out ? run<kBf16, true>(x, w, b, n, out) : run<kBf16, false>(x, w, b, n, out);
+  } else {
+    bf16_out ? run<kF32, true>(x, w, b, n, out) : run<kF32, false>(x, w, b, n, out);
+  }
+  return out;
+}
+
+// The schema is defined in Python (platforms/cpu_linear.py) with its fake implementation for torch.compile.
+TORCH_LIBRARY_IMPL(pagellm, CPU, m) { m.impl("cpu_panel_linear", TORCH_FN(cpu_panel_linear)); }
