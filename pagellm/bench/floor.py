@@ -401,16 +401,19 @@ def measure_machine(
     read_gb_s: float | None = None,
 ) -> Machine:
     """Measure (once per process, dtype, device and thread count) the matmul peak on large square GEMMs
-    in `dtype` and the read bandwidth (a sum over a 1 GiB tensor). Given values are used instead."""
+    in `dtype` (on CPU, for half precisions, or float32's where faster) and the read bandwidth (a sum over a 1 GiB tensor). Given values are used instead."""
     device = torch.device(device)
     threads = torch.get_num_threads()
     name = str(dtype).removeprefix("torch.")
     key = (name, str(device), threads)
     if peak_tflops is None or read_gb_s is None:
         if key not in _MEASURED:
-            _MEASURED[key] = Machine(
-                measure_matmul_peak(dtype, device), measure_read_bandwidth(device), name, str(device), threads
-            )
+            peak = measure_matmul_peak(dtype, device)
+            if device.type == "cpu" and dtype in (torch.bfloat16, torch.float16):
+                # a half-precision model may multiply in float32 where that is faster (CPUs without native
+                # half-precision dot products: pagellm's panel kernel does), so the floor takes the faster
+                peak = max(peak, measure_matmul_peak(torch.float32, device))
+            _MEASURED[key] = Machine(peak, measure_read_bandwidth(device), name, str(device), threads)
         measured = _MEASURED[key]
     peak = peak_tflops * 1e12 if peak_tflops is not None else measured.peak_flops
     bandwidth = read_gb_s * 1e9 if read_gb_s is not None else measured.read_bytes_s

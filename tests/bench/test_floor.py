@@ -134,6 +134,17 @@ def test_measure_machine_is_quick_and_cached(monkeypatch):
     assert (given.peak_flops, given.read_bytes_s, given.measured) == (2e12, 30e9, False)
 
 
+def test_half_precision_floor_on_cpu_uses_float32_where_it_is_faster(monkeypatch):
+    """On a CPU without native bf16 dot products torch's bf16 GEMM is far below float32's, while pagellm's
+    panel kernel multiplies bf16 weights at float32's rate: the floor must not be the slow path's."""
+    rates = {torch.bfloat16: 1e10, torch.float32: 1e11, torch.float16: 3e11}
+    monkeypatch.setattr(fl, "measure_matmul_peak", lambda dtype, device: rates[dtype])
+    monkeypatch.setattr(fl, "measure_read_bandwidth", lambda device: 2e10)
+    monkeypatch.setattr(fl, "_MEASURED", {})
+    assert fl.measure_machine(torch.bfloat16).peak_flops == 1e11
+    assert fl.measure_machine(torch.float16).peak_flops == 3e11  # its own where faster
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2", "opt", "gemma2"])
 def test_loaded_engine_agrees_with_its_config(arch, tmp_path):
     from pagellm import LLM
