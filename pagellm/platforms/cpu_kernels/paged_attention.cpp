@@ -18,8 +18,10 @@
 // before), and attention sinks (one float32 logit per query head that joins the softmax denominator and
 // adds no value: applied when a row's output is normalised, once per row, after all its partitions).
 
-#include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/empty.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -27,7 +29,6 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
-#include <tuple>
 #include <vector>
 
 #if defined(__AVX512F__)
@@ -1150,17 +1151,26 @@ NativeStep& native_step() {
 
 }  // namespace
 
+// Each layer's plan comes as one entry of each list (the schema has no list of tuples).
 void begin_native_step(at::Tensor block_tables, at::Tensor seq_lens, at::Tensor query_start_loc, at::Tensor slots,
-                       const std::vector<std::tuple<at::Tensor, int64_t, double, int64_t, at::Tensor, int64_t, bool, double,
-                                                    c10::optional<at::Tensor>>>& layers) {
+                       at::TensorList kv_caches, at::IntArrayRef kinds, at::ArrayRef<double> scales,
+                       at::IntArrayRef windows, at::TensorList reqs, at::IntArrayRef partitions,
+                       const c10::List<bool>& amx, at::ArrayRef<double> soft_caps,
+                       const c10::List<c10::optional<at::Tensor>>& sinks) {
+  const size_t n = kv_caches.size();
+  TORCH_CHECK(kinds.size() == n && scales.size() == n && windows.size() == n && reqs.size() == n &&
+                  partitions.size() == n && amx.size() == n && soft_caps.size() == n && sinks.size() == n,
+              "begin_native_step: one entry per layer in each list");
   NativeStep step;
   step.block_tables = std::move(block_tables);
   step.seq_lens = std::move(seq_lens);
   step.query_start_loc = std::move(query_start_loc);
   step.slots = std::move(slots);
-  for (const auto& [kv_cache, kind, scale, window, reqs, partition, amx, soft_cap, sinks] : layers) {
+  for (size_t i = 0; i < n; ++i) {
+    const at::Tensor& kv_cache = kv_caches[i];
     TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2, "begin_native_step: a [2, kv_heads, blocks, block_size, head_size] cache");
-    step.layers.push_back({kv_cache, kind, window, partition, scale, reqs, amx, soft_cap, sinks});
+    step.layers.push_back({kv_cache, kinds[i], windows[i], partitions[i], scales[i], reqs[i], amx.get(i), soft_caps[i],
+                           sinks.get(i)});
   }
   step.active = true;
   native_step() = std::move(step);
@@ -1199,17 +1209,28 @@ TORCH_LIBRARY_IMPL(pagellm, CPU, m) {
   m.impl("cpu_attention", TORCH_FN(cpu_attention));
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("amx_available", &amx_available, "whether this build and CPU run the AMX linear");
-  m.def("amx_pack", &amx_pack, "a bf16 weight [N, K] in the AMX linear's tile layout");
-  m.def("amx_linear", &amx_linear, "x @ W^T + bias on AMX tiles, W packed by amx_pack");
-  m.def("amx_pack_int8", &amx_pack_int8, "an int8 weight [N, K] in the AMX linear's tile layout");
-  m.def("amx_linear_w8a8", &amx_linear_w8a8, "x (quantized per row) @ (W * w_scale)^T + bias, W int8");
-  m.def("paged_attention", &paged_attention, "paged attention reading K/V in place through the block table");
-  m.def("argmax_rows", &argmax_rows, "each row's argmax (first on ties, first NaN), as max(dim=-1).indices");
-  m.def("store_kv", &store_kv, "write new keys and values into a heads-first cache at their slots");
-  m.def("isa", &isa, "the vector instruction set this build uses");
-  m.def("fused_moe_isa", &fused_moe_isa, "the vector instruction set the fused-MoE kernel uses");
-  m.def("begin_native_step", &begin_native_step, "the step's tables and each layer's cache and plan, for cpu_attention");
-  m.def("end_native_step", &end_native_step, "cpu_attention calls the Python op again");
+// Python calls the rest as torch.ops.<this build's name>.<op> (cpu_kernels.load binds them). The namespace is
+// the build's name, which carries its cache key, so a second build loaded into the same process defines its
+// own ops instead of failing on this one's. Operators rather than a pybind11 module: <torch/extension.h>
+// alone took ~55 s of the build's compile on a 2-core machine.
+TORCH_LIBRARY(TORCH_EXTENSION_NAME, m) {
+  m.def("amx_available() -> bool", TORCH_FN(amx_available));
+  m.def("amx_pack(Tensor weight) -> Tensor", TORCH_FN(amx_pack));
+  m.def("amx_linear(Tensor x, Tensor packed, Tensor? bias, int n) -> Tensor", TORCH_FN(amx_linear));
+  m.def("amx_pack_int8(Tensor weight) -> Tensor", TORCH_FN(amx_pack_int8));
+  m.def("amx_linear_w8a8(Tensor x, Tensor packed, Tensor w_scale, Tensor? bias, int n) -> Tensor",
+        TORCH_FN(amx_linear_w8a8));
+  m.def("paged_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+        "Tensor seq_lens, Tensor query_start_loc, Tensor reqs, int cache_kind, float scale, int window, "
+        "int partition, bool use_amx, float soft_cap, Tensor? sinks) -> ()",
+        TORCH_FN(paged_attention));
+  m.def("argmax_rows(Tensor logits) -> Tensor", TORCH_FN(argmax_rows));
+  m.def("store_kv(Tensor(a!) kv_cache, Tensor k, Tensor v, Tensor slots) -> ()", TORCH_FN(store_kv));
+  m.def("isa() -> str", TORCH_FN(isa));
+  m.def("fused_moe_isa() -> str", TORCH_FN(fused_moe_isa));
+  m.def("begin_native_step(Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, Tensor slots, "
+        "Tensor[] kv_caches, int[] kinds, float[] scales, int[] windows, Tensor[] reqs, int[] partitions, "
+        "bool[] amx, float[] soft_caps, Tensor?[] sinks) -> ()",
+        TORCH_FN(begin_native_step));
+  m.def("end_native_step() -> ()", TORCH_FN(end_native_step));
 }
