@@ -482,7 +482,7 @@ def pagellm_attention_backends() -> list[type[AttentionBackend]]:
 
 
 # The compiled CPU graph's attention op where the kernels load: native for decode-only steps (see
-# `CpuAttnMetadata.begin_forward`), else it calls pagellm::attention; implemented in paged_attention.cpp.
+# `CpuAttnMetadata.begin_forward`), else it calls pagellm::attention; implemented in cpu_kernels/ops.cpp.
 torch.library.define("pagellm::cpu_attention", "(Tensor q, Tensor k, Tensor v, int layer_idx) -> Tensor")
 
 
