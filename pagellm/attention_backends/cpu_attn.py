@@ -92,7 +92,8 @@ class CpuAttnMetadata(PagedMetadata):
             isinstance(impl, CpuAttnBackend) and impl.kernel is not None for impl in impls
         ):
             return
-        native = []
+        # one list per field, one entry per layer: the op's schema has no list of tuples
+        caches, kinds, scales, windows, reqs, partitions, amx, soft_caps, all_sinks = ([] for _ in range(9))
         for layer, impl, kv_cache in zip(layers, impls, kv_caches, strict=True):
             s = impl.spec
             if kv_cache.dtype != s.dtype:
@@ -100,25 +101,31 @@ class CpuAttnMetadata(PagedMetadata):
             plan = self.plan(s.sliding_window, kv_cache.shape[3], s.dtype, True, kv_cache.shape[1])
             if plan.prefills or plan.kernel_reqs is None:
                 return
-            kind = _CACHE_KINDS[kv_cache.dtype]
-            window = s.sliding_window or 0
             sinks = getattr(layer, "sinks", None) if s.has_sinks else None
-            native.append(
-                (
-                    kv_cache,
-                    kind,
-                    s.softmax_scale,
-                    window,
-                    plan.kernel_reqs,
-                    plan.partition,
-                    impl.use_amx,
-                    s.logits_soft_cap or 0.0,
-                    None if sinks is None else sinks.detach().float().contiguous(),
-                )
-            )
+            caches.append(kv_cache)
+            kinds.append(_CACHE_KINDS[kv_cache.dtype])
+            scales.append(s.softmax_scale)
+            windows.append(s.sliding_window or 0)
+            reqs.append(plan.kernel_reqs)
+            partitions.append(plan.partition)
+            amx.append(impl.use_amx)
+            soft_caps.append(s.logits_soft_cap or 0.0)
+            all_sinks.append(None if sinks is None else sinks.detach().float().contiguous())
         b = self.batch
         kernel.begin_native_step(
-            b.block_tables, b.seq_lens_cpu, b.query_start_loc_cpu, b.slot_mapping, native
+            b.block_tables,
+            b.seq_lens_cpu,
+            b.query_start_loc_cpu,
+            b.slot_mapping,
+            caches,
+            kinds,
+            scales,
+            windows,
+            reqs,
+            partitions,
+            amx,
+            soft_caps,
+            all_sinks,
         )
         self.native = kernel
 
@@ -475,7 +482,7 @@ def pagellm_attention_backends() -> list[type[AttentionBackend]]:
 
 
 # The compiled CPU graph's attention op where the kernels load: native for decode-only steps (see
-# `CpuAttnMetadata.begin_forward`), else it calls pagellm::attention; implemented in paged_attention.cpp.
+# `CpuAttnMetadata.begin_forward`), else it calls pagellm::attention; implemented in cpu_kernels/ops.cpp.
 torch.library.define("pagellm::cpu_attention", "(Tensor q, Tensor k, Tensor v, int layer_idx) -> Tensor")
 
 

@@ -345,7 +345,7 @@ def _amx_linear(
     return cpu_kernels.load().amx_linear(x, weight, bias, out_features)
 
 
-# Defined here, implemented in C++ by the kernels' build (TORCH_LIBRARY_IMPL in paged_attention.cpp), so a
+# Defined here, implemented in C++ by the kernels' build (TORCH_LIBRARY_IMPL in cpu_kernels/ops.cpp), so a
 # compiled graph's call never enters Python (a Python custom op cost ~18 us a call, x120 a decode step).
 torch.library.define(
     "pagellm::amx_linear", "(Tensor x, Tensor weight, Tensor? bias, int out_features) -> Tensor"

@@ -329,14 +329,13 @@ def test_a_killed_builds_leftover_lock_does_not_hang_the_next_start():
     to wait on it forever. Under pagellm's own lock (released by the OS when its holder dies) it is stale."""
     import subprocess
     import sys
-    from pathlib import Path
 
     from pagellm.platforms import cpu_kernels
 
-    module = cpu_kernels.load()
-    if module is None:
+    kernels = cpu_kernels.load()
+    if kernels is None:
         pytest.skip(f"no native kernels here: {cpu_kernels.why_unavailable()}")
-    build_dir = Path(module.__file__).parent
+    build_dir = kernels.library.parent
     (build_dir / "lock").touch()
     code = "from pagellm.platforms import cpu_kernels; assert cpu_kernels.load() is not None"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=240)

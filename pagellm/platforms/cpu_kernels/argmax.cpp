@@ -7,12 +7,13 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
 
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+
+#include "kernels.h"
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -93,7 +94,7 @@ at::Tensor argmax_rows(const at::Tensor& logits) {
               "argmax_rows: float32 or bfloat16 logits");
   TORCH_CHECK(logits.size(1) > 0, "argmax_rows: an empty vocabulary");
   const int64_t rows = logits.size(0), n = logits.size(1), stride = logits.stride(0);
-  auto out = at::empty({rows}, logits.options().dtype(at::kLong));
+  auto out = logits.new_empty({rows}, at::kLong);
   int64_t* dst = out.data_ptr<int64_t>();
   const bool bf16 = logits.scalar_type() == at::kBFloat16;
   const auto* base = static_cast<const uint8_t*>(logits.data_ptr());

@@ -32,12 +32,8 @@
 // AVX2+FMA(+F16C) path, or plain C++ where the compiler may not use them. AVX-512 and AMX CPUs run the
 // AVX2 path, int8 experts included: weight-only, not AMX's int8 tiles (W8A8, as the dense int8 layers run).
 
-// ATen's core and the op registry only, not torch/extension.h (pybind11 and the C++ frontend): this file
-// then compiles in about a quarter of the time.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
-#include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
@@ -47,6 +43,7 @@
 #include <string>
 #include <vector>
 
+#include "kernels.h"
 #include "panels.h"
 
 namespace {
@@ -374,7 +371,7 @@ at::Tensor cpu_fused_moe(const at::Tensor& hidden, const at::Tensor& topk_weight
   TORCH_CHECK(is_quantized(format) == (s13 != nullptr) && is_quantized(format) == (s2 != nullptr),
               "cpu_fused_moe: int8 and float8_e4m3fn weights take both scales, float weights none");
   const ActParams act_params{parse_activation(activation), static_cast<float>(swiglu_alpha), static_cast<float>(swiglu_limit)};
-  auto out = at::empty({tokens, h}, hidden.options());
+  auto out = hidden.new_empty({tokens, h});
   const int64_t top_k = topk_ids.size(1);
   if (tokens == 0 || h == 0) return out;
   if (top_k == 0) return out.zero_();
@@ -411,7 +408,3 @@ at::Tensor cpu_fused_moe(const at::Tensor& hidden, const at::Tensor& topk_weight
 }
 
 std::string fused_moe_isa() { return PL_PANEL_AVX2 ? "avx2" : "scalar"; }
-
-// The schema is defined in Python (platforms/cpu_moe.py) with its fake implementation for torch.compile;
-// this build adds the CPU implementation, so a compiled graph calls it without entering Python.
-TORCH_LIBRARY_IMPL(pagellm, CPU, m) { m.impl("cpu_fused_moe", TORCH_FN(cpu_fused_moe)); }

@@ -17,14 +17,14 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
-#include <ATen/ops/zeros.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
+
+#include "kernels.h"
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AMX_INT8__) && defined(__AVX512F__)
 #define PL_AMX 1  // AMX CPUs all have AVX-512 (and BF16)
@@ -216,7 +216,7 @@ at::Tensor pack_tiles(const at::Tensor& weight, int64_t group) {
   const auto w = weight.contiguous();
   const int64_t n = w.size(0), k = w.size(1), elem = w.element_size(), k_per_tile = 64 / elem;
   const int64_t n_panels = (n + kTileCols - 1) / kTileCols, k_tiles = (k + k_per_tile - 1) / k_per_tile;
-  auto packed = at::zeros({n_panels, k_tiles, kRowsPerTile, 64 / elem}, w.options());
+  auto packed = w.new_zeros({n_panels, k_tiles, kRowsPerTile, 64 / elem});
   const auto* src = static_cast<const uint8_t*>(w.data_ptr());
   auto* dst = static_cast<uint8_t*>(packed.data_ptr());
   at::parallel_for(0, n_panels, 1, [&](int64_t begin, int64_t end) {
@@ -267,13 +267,13 @@ at::Tensor amx_linear(const at::Tensor& input, const at::Tensor& packed, const c
   const at::Tensor& x = input;
   check_packed(x, packed, n, 32, "amx_linear");
   const int64_t m = x.size(0), k = x.size(1), k_tiles = packed.size(1);
-  auto out = at::empty({m, n}, x.options());
+  auto out = x.new_empty({m, n});
   if (m == 0) return out;
   // Rows padded to whole tiles and k to whole tiles, so every tile load is full (the padding is zero).
   const int64_t m_pad = (m + kRowsPerTile - 1) / kRowsPerTile * kRowsPerTile, k_pad = k_tiles * 32;
   at::Tensor xp = x;
   if (m_pad != m || k_pad != k || !x.is_contiguous()) {
-    xp = at::zeros({m_pad, k_pad}, x.options());
+    xp = x.new_zeros({m_pad, k_pad});
     xp.narrow(0, 0, m).narrow(1, 0, k).copy_(x);
   }
   at::Tensor bias_holder;
@@ -300,10 +300,10 @@ at::Tensor amx_linear_w8a8(const at::Tensor& x, const at::Tensor& packed, const 
   check_packed(x, packed, n, 64, "amx_linear_w8a8");
   TORCH_CHECK(w_scale.numel() == n && w_scale.scalar_type() == at::kFloat, "amx_linear_w8a8: float32 scales, one per column");
   const int64_t m = x.size(0), k = x.size(1), k_tiles = packed.size(1);
-  auto out = at::empty({m, n}, x.options());
+  auto out = x.new_empty({m, n});
   if (m == 0) return out;
   const int64_t m_pad = (m + kRowsPerTile - 1) / kRowsPerTile * kRowsPerTile, k_pad = k_tiles * 64;
-  auto xq = at::zeros({m_pad, k_pad}, x.options().dtype(at::kChar));
+  auto xq = x.new_zeros({m_pad, k_pad}, at::kChar);
   std::vector<float> x_scale(m);
   const auto xc = x.contiguous();
   const auto* xs = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());

@@ -9,16 +9,14 @@
 // split between threads in contiguous runs, and each panel is multiplied against the block's rows in
 // register blocks of up to kMaxRows rows (from L1 after the first), then bias, then rounding to x's dtype.
 
-// ATen's core and the op registry only, not torch/extension.h: a fraction of the compile time.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
-#include <torch/library.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <vector>
 
+#include "kernels.h"
 #include "panels.h"
 
 namespace {
@@ -127,7 +125,7 @@ at::Tensor cpu_panel_linear(const at::Tensor& input, const at::Tensor& packed, c
   const float* b = bias_f32.defined() ? bias_f32.data_ptr<float>() : nullptr;
   std::vector<int64_t> shape(input.sizes().begin(), input.sizes().end());
   shape.back() = n;
-  auto out = at::empty(shape, input.options());
+  auto out = input.new_empty(shape);
   const at::Tensor x = input.reshape({-1, k});
   if (x.size(0) == 0 || n == 0) return out;
   const auto* w = static_cast<const uint8_t*>(packed.data_ptr());
@@ -139,6 +137,3 @@ at::Tensor cpu_panel_linear(const at::Tensor& input, const at::Tensor& packed, c
   }
   return out;
 }
-
-// The schema is defined in Python (platforms/cpu_linear.py) with its fake implementation for torch.compile.
-TORCH_LIBRARY_IMPL(pagellm, CPU, m) { m.impl("cpu_panel_linear", TORCH_FN(cpu_panel_linear)); }

@@ -18,17 +18,17 @@
 // before), and attention sinks (one float32 logit per query head that joins the softmax denominator and
 // adds no value: applied when a row's output is normalised, once per row, after all its partitions).
 
-#include <torch/extension.h>
 #include <ATen/Parallel.h>
-#include <torch/library.h>
+#include <ATen/core/Tensor.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
-#include <tuple>
 #include <vector>
+
+#include "kernels.h"
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -41,8 +41,6 @@
 #include <immintrin.h>
 #define PL_AVX2 1
 #endif
-
-bool amx_available();  // linear_amx.cpp: this build and CPU have AMX and the OS granted its state
 
 namespace {
 
@@ -1101,115 +1099,4 @@ std::string isa() {
 #else
   return "scalar";
 #endif
-}
-
-// linear_amx.cpp
-bool amx_available();
-at::Tensor amx_pack(const at::Tensor& weight);
-at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
-                      int64_t n);
-at::Tensor amx_pack_int8(const at::Tensor& weight);
-at::Tensor amx_linear_w8a8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& w_scale,
-                           const c10::optional<at::Tensor>& bias, int64_t n);
-
-// argmax.cpp
-at::Tensor argmax_rows(const at::Tensor& logits);
-
-// fused_moe.cpp (its op, pagellm::cpu_fused_moe, is registered there)
-std::string fused_moe_isa();
-
-// ---- pagellm::cpu_attention: the compiled CPU graph's attention op, without Python ----------------------
-// A decode-only step's attention is the same two calls in every layer (store_kv, paged_attention) with the
-// step's tables; Python's part of it (the custom op's dispatch and the backend's forward) cost ~4 ms of a
-// 75 ms batch-64 decode step. So, per forward, Python hands the step's tables and each layer's cache and
-// plan over once (begin_native_step, from CpuAttnMetadata.begin_forward), and the op runs them here; in
-// any other step (prefill chunks, caches of another dtype), and outside a forward, it calls
-// pagellm::attention, the Python op, through the dispatcher.
-namespace {
-
-struct NativeLayer {
-  at::Tensor kv_cache;  // [2, kv_heads, blocks, block_size, head_size], the compute dtype
-  int64_t kind, window, partition;
-  double scale;
-  at::Tensor reqs;  // int32 decode requests
-  bool amx;
-  double soft_cap;                   // 0: none
-  c10::optional<at::Tensor> sinks;   // float32 [num_heads]
-};
-
-struct NativeStep {
-  bool active = false;
-  at::Tensor block_tables, seq_lens, query_start_loc, slots;
-  std::vector<NativeLayer> layers;
-};
-
-NativeStep& native_step() {
-  static NativeStep step;
-  return step;
-}
-
-}  // namespace
-
-void begin_native_step(at::Tensor block_tables, at::Tensor seq_lens, at::Tensor query_start_loc, at::Tensor slots,
-                       const std::vector<std::tuple<at::Tensor, int64_t, double, int64_t, at::Tensor, int64_t, bool, double,
-                                                    c10::optional<at::Tensor>>>& layers) {
-  NativeStep step;
-  step.block_tables = std::move(block_tables);
-  step.seq_lens = std::move(seq_lens);
-  step.query_start_loc = std::move(query_start_loc);
-  step.slots = std::move(slots);
-  for (const auto& [kv_cache, kind, scale, window, reqs, partition, amx, soft_cap, sinks] : layers) {
-    TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2, "begin_native_step: a [2, kv_heads, blocks, block_size, head_size] cache");
-    step.layers.push_back({kv_cache, kind, window, partition, scale, reqs, amx, soft_cap, sinks});
-  }
-  step.active = true;
-  native_step() = std::move(step);
-}
-
-void end_native_step() { native_step() = NativeStep(); }
-
-at::Tensor cpu_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t layer_idx) {
-  const NativeStep& step = native_step();
-  if (step.active && layer_idx >= 0 && layer_idx < int64_t(step.layers.size())) {
-    const NativeLayer& layer = step.layers[layer_idx];
-    const int64_t num_kv = layer.kv_cache.size(1), d = layer.kv_cache.size(4), tokens = q.size(0);
-    const at::Tensor k3 = k.reshape({tokens, num_kv, d}), v3 = v.reshape({tokens, num_kv, d});
-    const auto rows_contiguous = [d](const at::Tensor& t) { return t.stride(2) == 1 && t.stride(1) == d; };
-    if (k3.scalar_type() == layer.kv_cache.scalar_type() && v3.scalar_type() == layer.kv_cache.scalar_type() &&
-        rows_contiguous(k3) && rows_contiguous(v3)) {
-      store_kv(layer.kv_cache, k3, v3, step.slots);
-      const at::Tensor q3 = q.reshape({tokens, -1, d}).contiguous();
-      at::Tensor out = at::empty(q3.sizes(), q3.options());
-      paged_attention(out, q3, layer.kv_cache[0], layer.kv_cache[1], step.block_tables, step.seq_lens,
-                      step.query_start_loc, layer.reqs, layer.kind, layer.scale, layer.window, layer.partition,
-                      layer.amx, layer.soft_cap, layer.sinks);
-      return out.view({tokens, -1});
-    }
-  }
-  static const auto python_op = c10::Dispatcher::singleton()
-                                    .findSchemaOrThrow("pagellm::attention", "")
-                                    .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t)>();
-  return python_op.call(q, k, v, layer_idx);
-}
-
-// The compiled graph reaches these through the dispatcher; their schemas are defined in Python
-// (platforms/cpu.py, attention_backends/cpu_attn.py), so this build only adds the CPU implementations.
-TORCH_LIBRARY_IMPL(pagellm, CPU, m) {
-  m.impl("amx_linear", TORCH_FN(amx_linear));
-  m.impl("cpu_attention", TORCH_FN(cpu_attention));
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("amx_available", &amx_available, "whether this build and CPU run the AMX linear");
-  m.def("amx_pack", &amx_pack, "a bf16 weight [N, K] in the AMX linear's tile layout");
-  m.def("amx_linear", &amx_linear, "x @ W^T + bias on AMX tiles, W packed by amx_pack");
-  m.def("amx_pack_int8", &amx_pack_int8, "an int8 weight [N, K] in the AMX linear's tile layout");
-  m.def("amx_linear_w8a8", &amx_linear_w8a8, "x (quantized per row) @ (W * w_scale)^T + bias, W int8");
-  m.def("paged_attention", &paged_attention, "paged attention reading K/V in place through the block table");
-  m.def("argmax_rows", &argmax_rows, "each row's argmax (first on ties, first NaN), as max(dim=-1).indices");
-  m.def("store_kv", &store_kv, "write new keys and values into a heads-first cache at their slots");
-  m.def("isa", &isa, "the vector instruction set this build uses");
-  m.def("fused_moe_isa", &fused_moe_isa, "the vector instruction set the fused-MoE kernel uses");
-  m.def("begin_native_step", &begin_native_step, "the step's tables and each layer's cache and plan, for cpu_attention");
-  m.def("end_native_step", &end_native_step, "cpu_attention calls the Python op again");
 }

@@ -1,0 +1,41 @@
+// The kernels' entry points, defined in the source named above each and registered as operators in ops.cpp.
+// Their sources include ATen's Tensor and nothing heavier (no torch/library.h, no ATen/ops/*.h): each
+// header set costs seconds of compile per file, on every user's first start.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <string>
+
+// paged_attention.cpp
+void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,
+                     at::Tensor seq_lens, at::Tensor query_start_loc, at::Tensor reqs, int64_t cache_kind, double scale,
+                     int64_t window, int64_t partition, bool use_amx, double soft_cap,
+                     const c10::optional<at::Tensor>& sinks);
+void store_kv(at::Tensor kv_cache, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slots);
+std::string isa();
+
+// linear_amx.cpp
+bool amx_available();
+at::Tensor amx_pack(const at::Tensor& weight);
+at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                      int64_t n);
+at::Tensor amx_pack_int8(const at::Tensor& weight);
+at::Tensor amx_linear_w8a8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& w_scale,
+                           const c10::optional<at::Tensor>& bias, int64_t n);
+
+// argmax.cpp
+at::Tensor argmax_rows(const at::Tensor& logits);
+
+// fused_moe.cpp
+at::Tensor cpu_fused_moe(const at::Tensor& hidden, const at::Tensor& topk_weights, const at::Tensor& topk_ids,
+                         const at::Tensor& w13, const at::Tensor& w2, const c10::optional<at::Tensor>& w13_bias,
+                         const c10::optional<at::Tensor>& w2_bias, const c10::optional<at::Tensor>& w13_scale,
+                         const c10::optional<at::Tensor>& w2_scale, c10::string_view activation, double swiglu_alpha,
+                         double swiglu_limit);
+std::string fused_moe_isa();
+
+// linear_panels.cpp
+at::Tensor cpu_panel_linear(const at::Tensor& input, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                            int64_t out_features);
