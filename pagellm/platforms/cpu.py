@@ -31,12 +31,6 @@ logger = logging.getLogger("pagellm")
 PACKED_LINEAR_BATCH_HINT = 64
 """Rows oneDNN lays packed weights out for (a hint: every row count works); decode batches are about this."""
 
-FLOAT32_PACK_MIN_ELEMENTS = 1 << 18
-"""float32 weights with fewer elements keep F.linear. Measured on an AVX2 AMD EPYC (2 cores), oneDNN packed
-against F.linear at 1 / 16 / 64 rows: [151936 x 1024] (Model E's lm_head) 1.5x / 4.0x / 1.8x faster,
-[1024 x 1024] 1.1x / 1.8x / 1.2x (0.9x at 512 rows), [49152 x 576] 1.4x / 2.6x / 1.9x; but [64 x 1024]
-(a router) 0.3x / 0.6x / 1.0x: oneDNN's fixed cost per call (~40 us) outweighs a small GEMM."""
-
 DEFAULT_KV_CACHE_SPACE = 4.0
 """GiB of RAM for the KV cache when --kv-cache-space is not given."""
 
@@ -161,26 +155,25 @@ class CpuPlatform(Platform):
         streams the weights at up to 1.35x oneDNN's rate at decode batch sizes and matches it (within 5%)
         at 2048 rows. Otherwise oneDNN with the weight reordered once into its blocked layout: F.linear
         reorders it on every call, which at decode batch sizes costs as much as the GEMM (1.3-1.9x faster
-        at 1-64 rows, same bits). float32 weights of at least `FLOAT32_PACK_MIN_ELEMENTS` too: F.linear's
-        sgemm (MKL) is the slower one there, most of all on CPUs MKL does not tune for (see the constant).
-        bfloat16 where oneDNN cannot pack it (AVX2-only CPUs, `onednn_packs`): pagellm's panel kernel
-        (platforms/cpu_kernels/linear_panels.cpp; F.linear widens the whole weight to float32 every call).
-        None (F.linear) for the rest, or where the kernels cannot be had here."""
-        if weight.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        at 1-64 rows, same bits). Where oneDNN cannot pack bfloat16 (AVX2-only CPUs, `onednn_packs`), and
+        for float32 on AVX2-only CPUs: pagellm's panel kernel (platforms/cpu_kernels/linear_panels.cpp),
+        since there F.linear widens a bfloat16 weight every call (~10x slower at 16 rows) and MKL's float32
+        GEMM, which AVX2-only AMD CPUs get, is 1.1-4x slower at 1-64 rows (docs/backends.md). float32 on
+        AVX-512 CPUs keeps F.linear; so does any dtype where the kernels cannot be had."""
+        kernels = _kernels()
+        if weight.dtype == torch.float32:
+            avx2_only = kernels is not None and kernels.isa() == "avx2"
+            return cpu_linear.pack(weight) if avx2_only else None
+        if weight.dtype not in (torch.bfloat16, torch.float16):
             return None
-        if not torch.backends.mkldnn.is_available():
-            return None
-        if weight.dtype == torch.float32 and weight.numel() < FLOAT32_PACK_MIN_ELEMENTS:
-            return None
-        kernels = _amx_kernels() if weight.dtype == torch.bfloat16 else None
-        if kernels is not None:
+        if _amx_kernels() is not None and weight.dtype == torch.bfloat16:
             return PackedLinear(kernels.amx_pack(weight), _AmxLinear(weight.shape[0]))
-        if not onednn_packs(weight.dtype):
-            if weight.dtype == torch.bfloat16 and _kernels() is not None:
-                return cpu_linear.pack(weight)
-            return None
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACKED_LINEAR_BATCH_HINT)
-        return PackedLinear(packed, _onednn_linear)
+        if onednn_packs(weight.dtype):
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACKED_LINEAR_BATCH_HINT)
+            return PackedLinear(packed, _onednn_linear)
+        if weight.dtype == torch.bfloat16 and kernels is not None:
+            return cpu_linear.pack(weight)
+        return None
 
     @classmethod
     def pack_moe(

@@ -30,7 +30,14 @@ from pagellm.core.paths import cache_dir
 
 logger = logging.getLogger("pagellm")
 
-SOURCES = ("paged_attention.cpp", "linear_amx.cpp", "argmax.cpp", "fused_moe.cpp", "linear_panels.cpp", "ops.cpp")
+SOURCES = (
+    "paged_attention.cpp",
+    "linear_amx.cpp",
+    "argmax.cpp",
+    "fused_moe.cpp",
+    "linear_panels.cpp",
+    "ops.cpp",
+)
 HEADERS = ("kernels.h", "amx_tiles.h", "panels.h")
 ENV_SWITCH = "PAGELLM_CPU_KERNELS"
 OPS = (

@@ -133,10 +133,10 @@ inline __m256 vactivate(__m256 gate, __m256 up, const ActParams& a) {
 // act[r][0..8) = activation columns 8p..8p+7 of row r.
 template <int kRows, Format kFormat>
 void gate_up_block(const float* const* x, const void* panel, int64_t h, const float* scale, const float* bias,
-                   const ActParams& a, float* const* act) {
+                   const ActParams& a, float* const* act, const void* ahead) {
 #if PL_PANEL_AVX2
   __m256 gate[kRows], up[kRows];
-  panel_dot<kRows, kFormat>(x, panel, h, gate, up);
+  panel_dot<kRows, kFormat>(x, panel, h, gate, up, ahead);
   apply_scale<kRows, kFormat>(gate, scale);
   apply_scale<kRows, kFormat>(up, scale + kHalf);
   const __m256 bg = bias ? _mm256_loadu_ps(bias) : _mm256_setzero_ps();
@@ -157,10 +157,10 @@ void gate_up_block(const float* const* x, const void* panel, int64_t h, const fl
 // y[r][0..16) = the weighted output columns 16p..16p+15 of row r.
 template <int kRows, Format kFormat>
 void down_block(const float* const* act, const void* panel, int64_t inter, const float* scale, const float* bias,
-                const float* weight, float* const* y) {
+                const float* weight, float* const* y, const void* ahead) {
 #if PL_PANEL_AVX2
   __m256 lo[kRows], hi[kRows];
-  panel_dot<kRows, kFormat>(act, panel, inter, lo, hi);
+  panel_dot<kRows, kFormat>(act, panel, inter, lo, hi, ahead);
   apply_scale<kRows, kFormat>(lo, scale);
   apply_scale<kRows, kFormat>(hi, scale + kHalf);
   const __m256 b_lo = bias ? _mm256_loadu_ps(bias) : _mm256_setzero_ps();
@@ -265,13 +265,15 @@ void run_chunk(const float* x, int64_t h, const Routing& routing, const Experts&
     const uint8_t* panel = w.w13 + (e * p13 + p) * w13_panel;
     const float* scale = w.s13 ? w.s13 + (e * p13 + p) * kPanel : nullptr;
     const float* bias = w.b13 ? w.b13 + (e * p13 + p) * kPanel : nullptr;
+    // read next: the expert's next w13 panel, after the last its first w2 panel
+    const void* ahead = p + 1 < p13 ? panel + w13_panel : w.w2 + e * p2 * w2_panel;
     for (int64_t s0 = routing.start[c]; s0 < end;) {
       const int rows = block_rows(end - s0);
       const float* xr[kMaxRows];
       float* out[kMaxRows];
       for (int r = 0; r < rows; ++r) xr[r] = x + routing.token[s0 + r] * h, out[r] = act + (s0 + r) * act_stride + p * kHalf;
-      dispatch_rows<GateUp<kFormat>::template Block>(rows, xr, panel, h, scale, bias, act_params, out);
-      s0 += rows;
+      dispatch_rows<GateUp<kFormat>::template Block>(rows, xr, panel, h, scale, bias, act_params, out, ahead);
+      s0 += rows, ahead = nullptr;  // the later row blocks find the panel in cache
     }
   };
   // the down projection, bias and routing weight of expert c's activation rows against its w2 panel p
@@ -280,13 +282,18 @@ void run_chunk(const float* x, int64_t h, const Routing& routing, const Experts&
     const uint8_t* panel = w.w2 + (e * p2 + p) * w2_panel;
     const float* scale = w.s2 ? w.s2 + (e * p2 + p) * kPanel : nullptr;
     const float* bias = w.b2 ? w.b2 + (e * p2 + p) * kPanel : nullptr;
+    // read next: the expert's next w2 panel, after the last the next chosen expert's first w13 panel
+    const void* ahead = p + 1 < p2         ? panel + w2_panel
+                        : c + 1 < chosen ? w.w13 + routing.experts[c + 1] * p13 * w13_panel
+                                         : nullptr;
     for (int64_t s0 = routing.start[c]; s0 < end;) {
       const int rows = block_rows(end - s0);
       const float* ar[kMaxRows];
       float* out[kMaxRows];
       for (int r = 0; r < rows; ++r) ar[r] = act + (s0 + r) * act_stride, out[r] = y + (s0 + r) * y_stride + p * kPanel;
-      dispatch_rows<Down<kFormat>::template Block>(rows, ar, panel, inter, scale, bias, routing.weight.data() + s0, out);
-      s0 += rows;
+      dispatch_rows<Down<kFormat>::template Block>(rows, ar, panel, inter, scale, bias, routing.weight.data() + s0, out,
+                                                   ahead);
+      s0 += rows, ahead = nullptr;
     }
   };
 

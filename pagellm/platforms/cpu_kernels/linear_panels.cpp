@@ -25,11 +25,12 @@ constexpr int64_t kChunkRows = 48;  // rows per block: 48 x 4096 float32 inputs 
 
 // y[r][0..16) = x[r] . panel (+ bias) for `rows` rows, stored as float32 or bfloat16 (`n` columns valid).
 template <int kRows, Format kFormat, bool kOutBf16>
-void linear_block(const float* const* x, const void* panel, int64_t k, const float* bias, void* const* y, int64_t n) {
+void linear_block(const float* const* x, const void* panel, int64_t k, const float* bias, void* const* y, int64_t n,
+                  const void* ahead) {
   float sums[kRows][kPanel];
 #if PL_PANEL_AVX2
   __m256 lo[kRows], hi[kRows];
-  panel_dot<kRows, kFormat>(x, panel, k, lo, hi);
+  panel_dot<kRows, kFormat>(x, panel, k, lo, hi, ahead);
   const __m256 b_lo = bias ? _mm256_loadu_ps(bias) : _mm256_setzero_ps();
   const __m256 b_hi = bias ? _mm256_loadu_ps(bias + kHalf) : _mm256_setzero_ps();
   if (n == kPanel) {
@@ -91,14 +92,15 @@ void run(const at::Tensor& x, const uint8_t* packed, const float* bias, int64_t 
           float last_bias[kPanel] = {};  // the last panel's, zero-padded: the kernel reads 16
           const float* b = bias ? bias + p * kPanel : nullptr;
           if (b && cols < kPanel) std::copy(b, b + cols, last_bias), b = last_bias;
+          const void* ahead = p + 1 < panels ? panel + panel_bytes : nullptr;  // this thread's next, mostly
           for (int64_t s0 = 0; s0 < rows;) {
             const int block = block_rows(rows - s0);
             const float* xr[kMaxRows];
             void* yr[kMaxRows];
             for (int r = 0; r < block; ++r)
               xr[r] = xs + (s0 + r) * k, yr[r] = out_base + ((r0 + s0 + r) * n + p * kPanel) * out_elem;
-            dispatch_rows<Linear<kFormat, kOutBf16>::template Block>(block, xr, panel, k, b, yr, cols);
-            s0 += block;
+            dispatch_rows<Linear<kFormat, kOutBf16>::template Block>(block, xr, panel, k, b, yr, cols, ahead);
+            s0 += block, ahead = nullptr;
           }
         });
   }

@@ -65,9 +65,16 @@ inline float fp8_to_float_unscaled(uint8_t v) {
 // ---- the register block: rows x 16 columns over a whole panel --------------------------------------------
 // sums[r][c] = sum_k x[r][k] * panel column c at k, columns in logical order (w13: 8 gate, then 8 up).
 
+// `ahead`, where not null, is the panel the caller reads next (the same size): its lines are prefetched into
+// L2 one per k step's worth of bytes, so that panel streams in from memory while this one is multiplied.
+// Without it, a panel's first row block waits on memory and its FMAs idle (skinny GEMMs: a decode step's
+// experts and linears multiply each panel by few rows).
+
 #if PL_PANEL_AVX2
 template <int kRows, Format kFormat>
-inline void panel_dot(const float* const* x, const void* panel, int64_t k, __m256* lo, __m256* hi) {
+inline void panel_dot(const float* const* x, const void* panel, int64_t k, __m256* lo, __m256* hi,
+                      const void* ahead = nullptr) {
+  constexpr int64_t kStepsPerLine = 64 / (kPanel * format_bytes(kFormat));
   // With one to three rows the FMA chains, not the loads, would set the pace: two sets of accumulators
   // (even and odd k) keep 4-12 chains in flight (a 4-cycle FMA latency at 2 a cycle wants 8).
   constexpr int kSets = kRows <= 3 ? 2 : 1;
@@ -76,7 +83,9 @@ inline void panel_dot(const float* const* x, const void* panel, int64_t k, __m25
     for (int r = 0; r < kRows; ++r) acc_lo[s][r] = _mm256_setzero_ps(), acc_hi[s][r] = _mm256_setzero_ps();
   const __m256i high_half = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
   const __m128i no_bit_14 = _mm_set1_epi16(static_cast<short>(0xbfff));
+  const char* next = static_cast<const char*>(ahead);
   auto step = [&](int64_t i, int s) {
+    if (next && i % kStepsPerLine == 0) _mm_prefetch(next + i * kPanel * format_bytes(kFormat), _MM_HINT_T1);
     __m256 w_lo, w_hi;
     if constexpr (kFormat == kBf16) {
       const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(panel) + i * kPanel));
@@ -128,7 +137,8 @@ inline __m128i vto_bf16(__m256 v) {
 }
 #else
 template <int kRows, Format kFormat>
-inline void panel_dot(const float* const* x, const void* panel, int64_t k, float (*sums)[kPanel]) {
+inline void panel_dot(const float* const* x, const void* panel, int64_t k, float (*sums)[kPanel],
+                      const void* /*ahead*/ = nullptr) {
   for (int r = 0; r < kRows; ++r)
     for (int64_t c = 0; c < kPanel; ++c) sums[r][c] = 0.f;
   for (int64_t i = 0; i < k; ++i) {
