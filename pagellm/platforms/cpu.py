@@ -163,7 +163,7 @@ class CpuPlatform(Platform):
         kernels = _kernels()
         if weight.dtype == torch.float32:
             avx2_only = kernels is not None and kernels.isa() == "avx2"
-            return cpu_linear.pack(weight) if avx2_only else None
+            return cpu_linear.pack(weight) if avx2_only and cpu_linear.worth_packing(weight) else None
         if weight.dtype not in (torch.bfloat16, torch.float16):
             return None
         if _amx_kernels() is not None and weight.dtype == torch.bfloat16:
@@ -171,7 +171,7 @@ class CpuPlatform(Platform):
         if onednn_packs(weight.dtype):
             packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACKED_LINEAR_BATCH_HINT)
             return PackedLinear(packed, _onednn_linear)
-        if weight.dtype == torch.bfloat16 and kernels is not None:
+        if weight.dtype == torch.bfloat16 and kernels is not None and cpu_linear.worth_packing(weight):
             return cpu_linear.pack(weight)
         return None
 

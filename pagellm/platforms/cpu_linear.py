@@ -33,6 +33,12 @@ class PanelLinear:
         return torch.ops.pagellm.cpu_panel_linear(x, weight, bias, self.out_features)
 
 
+def worth_packing(weight: torch.Tensor) -> bool:
+    """At least one whole panel of outputs: a narrower weight (a router over a few experts) would be padded
+    to 16 rows, more bytes than it has, for a GEMM F.linear does in microseconds."""
+    return weight.shape[0] >= cpu_moe.PANEL
+
+
 def pack(weight: torch.Tensor) -> PackedLinear:
     """A float32 or bfloat16 weight [out, in] in panels [ceil(out/16), in, 16], the same dtype (the caller
     has loaded the kernels: that registers the op's CPU code)."""

@@ -55,6 +55,7 @@ def test_bfloat16_weights_take_it_where_onednn_cannot_pack_them(monkeypatch):
     packed = CpuPlatform.pack_linear(torch.randn(32, 64).bfloat16())
     assert isinstance(packed.matmul, cpu_linear.PanelLinear) and packed.weight.dtype == torch.bfloat16
     assert packed.weight.shape == (2, 64, 16)  # two panels of 16 output columns, k-major
+    assert CpuPlatform.pack_linear(torch.randn(15, 64).bfloat16()) is None  # narrower than a panel
     monkeypatch.setattr(cpu, "_kernels", lambda: None)  # no compiler: F.linear
     assert CpuPlatform.pack_linear(torch.randn(32, 64).bfloat16()) is None
 
