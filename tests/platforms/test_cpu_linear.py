@@ -1,6 +1,6 @@
 """The native panel linear (platforms/cpu_kernels/linear_panels.cpp via platforms/cpu_linear.py): bfloat16
 weights on CPUs where oneDNN cannot pack them, checked against F.linear in float32 on the same values; the
-platform's choice of it; and its op under torch.compile."""
+platform's choice of it. (Its op under torch.compile: test_cpu.py's test_packed_linear_compiles.)"""
 
 from __future__ import annotations
 
@@ -58,18 +58,3 @@ def test_bfloat16_weights_take_it_where_onednn_cannot_pack_them(monkeypatch):
     assert CpuPlatform.pack_linear(torch.randn(15, 64).bfloat16()) is None  # narrower than a panel
     monkeypatch.setattr(cpu, "_kernels", lambda: None)  # no compiler: F.linear
     assert CpuPlatform.pack_linear(torch.randn(32, 64).bfloat16()) is None
-
-
-def test_compiles_as_one_op(tmp_path, monkeypatch):
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
-    gen = torch.Generator().manual_seed(0)
-    weight, bias = torch.randn(40, 32, generator=gen).bfloat16(), torch.randn(40, generator=gen).bfloat16()
-    packed = cpu_linear.pack(weight)
-
-    def layer(x):
-        return torch.relu(packed.matmul(x * 2, packed.weight, bias)) + 1
-
-    compiled = torch.compile(layer, fullgraph=True, dynamic=True)
-    for rows in (3, 17):
-        x = torch.randn(rows, 32, generator=gen).bfloat16()
-        torch.testing.assert_close(compiled(x), layer(x))
