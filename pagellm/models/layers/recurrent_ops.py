@@ -36,13 +36,18 @@ def causal_conv1d_prefill(
 
     new_state is the last K-1 columns of (state ++ x), not of x alone, so a chunk shorter than K-1 tokens still
     hands the next chunk the right inputs."""
-    width = weight.shape[1] - 1
-    inputs = torch.cat([state.float(), x.t().float()], dim=1)  # [D, K-1 + T]
-    y = F.conv1d(inputs.unsqueeze(0), weight.float().unsqueeze(1), _float_or_none(bias), groups=x.shape[1])
-    y = y.squeeze(0).t()  # [T, D]
+    length, width = x.shape[0], weight.shape[1] - 1
+    weight = weight.float()
+    inputs = torch.cat([state.t().float(), x.float()])  # [K-1 + T, D]
+    # One multiply-add per tap over [T, D]: several times faster on CPU than F.conv1d's depthwise path.
+    y = inputs[:length] * weight[:, 0]
+    for tap in range(1, width + 1):
+        y.addcmul_(inputs[tap : tap + length], weight[:, tap])
+    if bias is not None:
+        y += bias.float()
     if activation is not None:
         y = get_activation(activation)(y)
-    new_state = inputs[:, inputs.shape[1] - width :].to(state.dtype).contiguous()
+    new_state = inputs[length:].t().to(state.dtype).contiguous()
     return y.to(x.dtype), new_state
 
 
@@ -57,13 +62,15 @@ def causal_conv1d_decode(
 
     `state` is updated in place (shifted left by one, x appended), because in decode it is the state cache's own
     memory and a step should not copy every sequence's state out and back."""
-    window = torch.cat([state.float(), x.float().unsqueeze(-1)], dim=-1)  # [B, D, K]
-    y = torch.einsum("bdk,dk->bd", window, weight.float())
+    weight = weight.float()
+    y = x.float() * weight[:, -1]
+    for tap in range(weight.shape[1] - 1):
+        y.addcmul_(state[..., tap].float(), weight[:, tap])
     if bias is not None:
-        y = y + bias.float()
+        y += bias.float()
     if activation is not None:
         y = get_activation(activation)(y)
-    state.copy_(window[..., 1:])
+    state.copy_(torch.cat([state[..., 1:], x.unsqueeze(-1).to(state.dtype)], dim=-1))
     return y.to(x.dtype)
 
 
@@ -203,7 +210,3 @@ def _unit_lower_inverse_rows(a: torch.Tensor) -> torch.Tensor:
 def _l2norm(x: torch.Tensor) -> torch.Tensor:
     """x / sqrt(|x|^2 + eps) over the last dim: eps inside the root, as transformers and fla compute it."""
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + L2NORM_EPS)
-
-
-def _float_or_none(t: torch.Tensor | None) -> torch.Tensor | None:
-    return None if t is None else t.float()
