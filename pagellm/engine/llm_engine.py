@@ -74,6 +74,8 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
         concurrency = self.scheduler.kv_cache_manager.max_concurrency(self.max_model_len)
+        if self.runner.state_layers:  # one state slot per running request as well
+            concurrency = min(concurrency, self.runner.max_num_seqs)
         logger.info(
             "pagellm ready in %.1fs: platform %s (%s), backend %s, dtype %s, weights %.2f GiB, KV cache %d blocks "
             "of %d tokens (%.2f GiB), max concurrency %.1f requests of %d tokens",

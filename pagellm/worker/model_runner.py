@@ -254,15 +254,22 @@ class ModelRunner:
                 "speculative decoding is not supported for models with recurrent layers (a rejected draft "
                 "would need the state before it); drop --speculative-config"
             )
+        return config.max_num_seqs
+
+    def _state_slots(self, budget: int) -> int:
+        """State slots for a KV-cache budget: --max-num-seqs, lowered until the states take at most half of
+        the budget (the rest holds KV blocks). Logged with the states' size."""
         per_sequence = sum(layer.state_spec().bytes for layer in self.state_layers)
+        slots = max(1, min(self.max_num_seqs, budget // 2 // per_sequence))
         logger.info(
-            "recurrent state: %d layers, %.2f MiB per sequence, %d slots (--max-num-seqs): %.2f GiB",
+            "recurrent state: %d layers, %.2f MiB per sequence, %d slots (%s): %.2f GiB",
             len(self.state_layers),
             per_sequence / 2**20,
-            config.max_num_seqs,
-            per_sequence * config.max_num_seqs / GiB,
+            slots,
+            "--max-num-seqs" if slots == self.max_num_seqs else "at most half the KV cache budget",
+            per_sequence * slots / GiB,
         )
-        return config.max_num_seqs
+        return slots
 
     def state_bytes(self) -> int:
         """Bytes of every recurrent layer's state slots on this rank (0 for a model without)."""
@@ -293,18 +300,18 @@ class ModelRunner:
         profiled step's peak (or the memory in use, on a platform without a peak counter)."""
         config = self.setup.config
         if config.num_kv_blocks is not None:
+            if self.state_layers:
+                self._state_slots(2 * self.state_bytes())  # as many as --max-num-seqs: logged
             return config.num_kv_blocks
         platform = self.setup.platform
         index = self.device.index or 0
         peak = self._profile_memory(index)
         if peak is None:
             peak = platform.memory_in_use(self.model_bytes, index)
-        budget = platform.kv_cache_bytes(config, self.model_bytes, peak) - self.state_bytes()
-        if budget <= 0:
-            raise ConfigError(
-                f"the recurrent state of {self.max_num_seqs} sequences ({self.state_bytes() / GiB:.2f} GiB) "
-                "takes the whole KV cache budget; lower --max-num-seqs or raise --kv-cache-space"
-            )
+        budget = platform.kv_cache_bytes(config, self.model_bytes, peak)
+        if self.state_layers:  # the states' slots come out of the same budget
+            self.max_num_seqs = self._state_slots(budget)
+            budget -= self.state_bytes()
         step_tokens = config.token_budget
         if not config.enable_chunked_prefill:
             step_tokens = max(step_tokens, self.setup.max_model_len)

@@ -81,3 +81,18 @@ def test_compiled_forward_matches_transformers(model):
     path, reference = model
     llm = LLM(str(path), dtype="float32", max_model_len=MAX_MODEL_LEN, num_kv_blocks=256, enforce_eager=False)
     assert_greedy_parity(llm, reference, mixed_prompts(300, seed=3)[:6])
+
+
+def test_state_slots_take_at_most_half_the_kv_cache_budget(model, caplog):
+    """With a budget (--kv-cache-space) the slots are --max-num-seqs lowered until the states fit in half
+    of it; the scheduler runs no more requests than there are slots."""
+    path, _ = model
+    budget = 2**20  # 1 MiB (kv_cache_space in GiB)
+    with caplog.at_level(logging.INFO, logger="pagellm"):
+        llm = LLM(str(path), dtype="float32", kv_cache_space=budget / 2**30, max_num_seqs=256)
+    runner = llm.engine.runner
+    per_sequence = sum(layer.state_spec().bytes for layer in runner.state_layers)
+    assert runner.max_num_seqs == budget // 2 // per_sequence < 256
+    assert llm.engine.scheduler.max_num_seqs == runner.max_num_seqs
+    assert runner.state_caches[0][0].shape[0] == runner.max_num_seqs
+    assert "at most half the KV cache budget" in caplog.text
