@@ -24,7 +24,17 @@ import torch
 from pagellm.models.deepseek import deepseek_sparse_layer
 from pagellm.models.layers.fused_moe.block import SparseMoeBlock, expert_count, is_sparse_layer
 
-MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss", "deepseek_v2", "deepseek_v3", "glm4_moe")
+MOE_FAMILIES = (
+    "qwen3_moe",
+    "qwen2_moe",
+    "qwen3_next",
+    "qwen3_5_moe_text",
+    "mixtral",
+    "gpt_oss",
+    "deepseek_v2",
+    "deepseek_v3",
+    "glm4_moe",
+)
 """Mixture-of-experts configs `mlp_from_hf_config` knows."""
 FLOAT32_ROUTERS = ("deepseek_v2", "deepseek_v3", "glm4_moe")
 """Families whose router weights are float32 whatever the model's dtype (`deepseek_moe_block`)."""
@@ -77,7 +87,7 @@ def mlp_from_hf_config(hf_config: Any, dtype: torch.dtype) -> tuple[int, int, Ex
     sparse = deepseek_sparse_layer if kind.startswith("deepseek") else is_sparse_layer
     moe_layers = sum(1 for i in range(layers) if sparse(c, i))
     width = c.intermediate_size if kind in ("mixtral", "gpt_oss") else c.moe_intermediate_size
-    if kind == "qwen2_moe":
+    if kind in ("qwen2_moe", "qwen3_next", "qwen3_5_moe_text"):
         shared = 3 * hidden * c.shared_expert_intermediate_size + hidden  # and its gate, hidden -> 1
     else:
         shared = 3 * hidden * (getattr(c, "n_shared_experts", None) or 0) * width

@@ -62,6 +62,10 @@ class ModelShape:
     layer_windows: tuple[int | None, ...] = ()  # per layer: sliding window or None; () = no layer has one
     v_head_size: int | None = None  # V's head size where it differs (MLA: the latent); None: head_size
     experts: Experts | None = None  # the routed experts, apart from linear_*; None: a dense model
+    # a hybrid model's recurrent layers: one sequence's state over all of them (read and written once per
+    # step the sequence runs in), and their FLOPs per token (the delta rule's)
+    state_bytes: int = 0
+    recurrent_flops_per_token: float = 0.0
 
     @property
     def weight_bytes(self) -> int:
@@ -121,10 +125,11 @@ class ModelShape:
         attended = self.attended_range(start + 1, start + num_tokens)
         return Work(
             linear_flops=2.0 * self.linear_params * num_tokens,
-            attention_flops=self.attention_flops(attended),
+            attention_flops=self.attention_flops(attended) + self.recurrent_flops_per_token * num_tokens,
             lm_head_flops=2.0 * self.lm_head_params if samples else 0.0,
             expert_flops=self.expert_flops(num_tokens),
             kv_bytes=self.kv_read_bytes(self.cached_tokens_read(start)),
+            state_bytes=2.0 * self.state_bytes if start > 0 else float(self.state_bytes),
         )
 
     @classmethod
@@ -150,6 +155,8 @@ class ModelShape:
             linear = layers * (4 * hidden * hidden + 2 * hidden * c.ffn_dim)
             linear_bytes = linear * elem
             kv_heads, head_size = heads, hidden // heads
+        elif "linear_attention" in hybrid_layer_types(c):
+            return cls._hybrid(c, dtype, kv_cache_dtype)
         elif hasattr(c, "intermediate_size") and hasattr(c, "num_attention_heads"):
             hidden, layers, heads = c.hidden_size, c.num_hidden_layers, c.num_attention_heads
             if getattr(c, "kv_lora_rank", None):
@@ -180,6 +187,41 @@ class ModelShape:
             layer_windows=windows if any(w is not None for w in windows) else (),
             v_head_size=v_head_size,
             experts=experts,
+        )
+
+    @classmethod
+    def _hybrid(cls, c: Any, dtype: torch.dtype, kv_cache_dtype: torch.dtype | None) -> ModelShape:
+        """Qwen3-Next / Qwen3.5: gated attention layers (q_proj twice as wide, for the gate) and Gated
+        DeltaNet layers, whose state is one sequence's conv window and delta-rule state (float32)."""
+        elem, kv_elem = element_size(dtype), element_size(kv_cache_dtype or dtype)
+        hidden, heads, kv_heads = c.hidden_size, c.num_attention_heads, c.num_key_value_heads
+        head_size = getattr(c, "head_dim", None) or hidden // heads
+        types = hybrid_layer_types(c)
+        full = types.count("full_attention")
+        delta = len(types) - full
+        q, kv = heads * head_size, kv_heads * head_size
+        attention = hidden * (2 * q + 2 * kv) + q * hidden
+        v_heads, dk, dv = c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
+        key_dim, value_dim = c.linear_num_key_heads * dk, v_heads * dv
+        conv_dim = 2 * key_dim + value_dim
+        recurrent = hidden * (conv_dim + value_dim) + hidden * 2 * v_heads + value_dim * hidden
+        mlp, mlp_bytes, experts = mlp_from_hf_config(c, dtype)
+        linear = full * attention + delta * recurrent + mlp
+        lm_head = hidden * c.vocab_size
+        state = delta * (conv_dim * (c.linear_conv_kernel_dim - 1) * elem + v_heads * dk * dv * 4)
+        return cls(
+            num_layers=full,
+            num_heads=heads,
+            num_kv_heads=kv_heads,
+            head_size=head_size,
+            linear_params=linear,
+            lm_head_params=lm_head,
+            linear_bytes=(full * attention + delta * recurrent) * elem + mlp_bytes,
+            lm_head_bytes=lm_head * elem,
+            kv_bytes_per_token=full * 2 * kv_heads * head_size * kv_elem,
+            experts=experts,
+            state_bytes=state,
+            recurrent_flops_per_token=delta * DELTA_RULE_FLOPS * v_heads * dk * dv,
         )
 
     @classmethod
@@ -232,7 +274,32 @@ class ModelShape:
             layer_windows=windows if any(w is not None for w in windows) else (),
             v_head_size=spec.v_head_size,
             experts=experts_of_model(model),
+            state_bytes=sum(layer.state_spec().bytes for layer in runner.state_layers),
+            recurrent_flops_per_token=sum(
+                DELTA_RULE_FLOPS * layer.num_v_heads * layer.head_k_dim * layer.head_v_dim
+                for layer in runner.state_layers
+            ),
         )
+
+
+DELTA_RULE_FLOPS = 7
+"""FLOPs per token, value head and state element of the gated delta rule: the decay (1), k^T S (2), the
+rank-one update (2) and q^T S (2)."""
+
+
+def hybrid_layer_types(c: Any) -> list[str]:
+    """A Qwen3-Next / Qwen3.5 config's layer kinds (`layer_types`, else one full-attention layer in every
+    `full_attention_interval`); [] for other configs."""
+    types = getattr(c, "layer_types", None)
+    if types:
+        return list(types)
+    interval = getattr(c, "full_attention_interval", None)
+    if not interval:
+        return []
+    return [
+        "full_attention" if (i + 1) % interval == 0 else "linear_attention"
+        for i in range(c.num_hidden_layers)
+    ]
 
 
 def _mla_attention(c: Any) -> tuple[int, int, int, int]:
@@ -275,6 +342,7 @@ class Work:
     weight_bytes: float = 0.0
     expert_bytes: float = 0.0
     kv_bytes: float = 0.0
+    state_bytes: float = 0.0  # recurrent state read and written (a fresh sequence's is only written)
     steps: int = 0
 
     @property
@@ -283,7 +351,7 @@ class Work:
 
     @property
     def bytes(self) -> float:
-        return self.weight_bytes + self.expert_bytes + self.kv_bytes
+        return self.weight_bytes + self.expert_bytes + self.kv_bytes + self.state_bytes
 
     def __add__(self, other: Work) -> Work:
         return Work(**{k: v + getattr(other, k) for k, v in asdict(self).items()})
@@ -301,10 +369,12 @@ def request_work(shape: ModelShape, prompt_len: int, output_len: int, cached: in
         first, last = prompt_len, prompt_len + output_len - 2  # decode positions
         work = work + Work(
             linear_flops=2.0 * shape.linear_params * n,
-            attention_flops=shape.attention_flops(shape.attended_range(first + 1, last + 1)),
+            attention_flops=shape.attention_flops(shape.attended_range(first + 1, last + 1))
+            + shape.recurrent_flops_per_token * n,
             lm_head_flops=2.0 * shape.lm_head_params * n,
             expert_flops=shape.expert_flops(n),
             kv_bytes=shape.kv_read_bytes(shape.attended_range(first, last)),
+            state_bytes=2.0 * shape.state_bytes * n,
         )
     return work
 
@@ -500,6 +570,7 @@ class Floor:
             "weight_bytes": w.weight_bytes,
             "expert_bytes": w.expert_bytes,
             "kv_bytes": w.kv_bytes,
+            "state_bytes": w.state_bytes,
             "steps": w.steps,
             **self.machine.as_dict(),
             "compute_s": self.compute_s,
@@ -525,10 +596,13 @@ def format_floor(report: dict[str, Any], label: str = "floor") -> str:
     expert_term = (
         f" + experts {experts / 1e9:.3g} GB (each step's expected picks, uniform routing)" if experts else ""
     )
+    state = report.get("state_bytes", 0.0)
+    state_term = f" + recurrent state {state / 1e9:.3g} GB (read and written)" if state else ""
     line = (
         f"{label}: compute {report['flops'] / 1e12:.3g} TFLOP / {report['peak_tflops']:.2f} TFLOP/s = "
         f"{unit(report['compute_s'])}, memory {report['bytes'] / 1e9:.3g} GB (weights {per_step:.3g} GB x "
-        f"{steps} steps{expert_term} + KV {report['kv_bytes'] / 1e9:.3g} GB) / {report['read_gb_s']:.1f} GB/s = "
+        f"{steps} steps{expert_term} + KV {report['kv_bytes'] / 1e9:.3g} GB{state_term}) / "
+        f"{report['read_gb_s']:.1f} GB/s = "
         f"{unit(report['memory_s'])} -> floor {unit(report['floor_s'])} ({report['bound']}-bound)"
     )
     if "floor_output_tok_s" in report:

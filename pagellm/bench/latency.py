@@ -206,10 +206,11 @@ def _summary(result: dict[str, Any]) -> list[str]:
         experts = (
             f"experts {d['expert_bytes'] / n / 1e6:.0f} MB (expected picks) + " if d["expert_bytes"] else ""
         )
+        state = f" + recurrent state {d['state_bytes'] / n / 1e6:.0f} MB" if d.get("state_bytes") else ""
         lines.append(
             f"decode step floor: {d['floor_step_ms']:.2f} ms (compute {d['compute_s'] / n * 1000:.2f} ms, "
             f"memory {d['memory_s'] / n * 1000:.2f} ms: weights {d['weight_bytes'] / n / 1e6:.0f} MB + "
-            f"{experts}KV {d['kv_bytes'] / n / 1e6:.0f} MB per step; {d['bound']}-bound); mean step "
+            f"{experts}KV {d['kv_bytes'] / n / 1e6:.0f} MB{state} per step; {d['bound']}-bound); mean step "
             f"{result['decode_step_mean_ms']:.1f} ms = {d['fraction_of_floor']:.0%} of the floor "
             f"({result['decode_step_mean_ms'] / d['floor_step_ms']:.1f}x it)"
         )

@@ -2,8 +2,8 @@
 
 Requests are token ids drawn from fixed `numpy.random.RandomState` seeds, so every engine and every run
 sees identical prompts. Model S is the embedded SmolLM2 GGUF; the others (`RANDOM_MODELS`: M, a random Qwen2
-shaped like Qwen2.5-0.5B; E, a random Qwen3-MoE shaped like a small Qwen3-30B-A3B; M-gemma3, a Gemma 3 text
-model of M's size) are random checkpoints built once (seeded) and cached on disk, with a locally built
+shaped like Qwen2.5-0.5B; E, a random Qwen3-MoE shaped like a small Qwen3-30B-A3B; H, a random Qwen3.5 text
+hybrid, three Gated DeltaNet layers to one attention layer; M-gemma3, a Gemma 3 text model of M's size) are random checkpoints built once (seeded) and cached on disk, with a locally built
 tokenizer.
 """
 
@@ -46,6 +46,27 @@ MODEL_E_CONFIG = dict(
     vocab_size=151936,
     tie_word_embeddings=False,
     rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
+    max_position_embeddings=32768,
+    rms_norm_eps=1e-6,
+    bos_token_id=151643,
+    eos_token_id=151643,
+)
+MODEL_H_CONFIG = dict(
+    hidden_size=1024,
+    num_hidden_layers=16,
+    layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"] * 4,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    head_dim=128,
+    linear_num_value_heads=16,
+    linear_num_key_heads=8,
+    linear_key_head_dim=128,
+    linear_value_head_dim=128,
+    linear_conv_kernel_dim=4,
+    intermediate_size=3072,
+    vocab_size=151936,
+    tie_word_embeddings=True,
+    rope_parameters={"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25},
     max_position_embeddings=32768,
     rms_norm_eps=1e-6,
     bos_token_id=151643,
@@ -204,6 +225,7 @@ def copy_prompts(tokenizer, batch_size: int) -> list[list[int]]:
 RANDOM_MODELS = {
     "M": ("Qwen2Config", "MODEL_M_CONFIG"),
     "E": ("Qwen3MoeConfig", "MODEL_E_CONFIG"),
+    "H": ("Qwen3_5TextConfig", "MODEL_H_CONFIG"),
     "M-gemma3": ("Gemma3TextConfig", "MODEL_M_GEMMA3_CONFIG"),
 }
 """Name -> (transformers config class, this module's config dict): looked up when built, so a test may

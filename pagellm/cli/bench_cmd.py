@@ -55,7 +55,8 @@ def _common_options(command: Callable) -> Callable:
         default="S",
         show_default=True,
         help="S (the embedded SmolLM2-135M), M (random Qwen2 shaped like Qwen2.5-0.5B), E (random Qwen3-MoE "
-        "shaped like a small Qwen3-30B-A3B), M-gemma3 (M's sizes in Gemma 3's layout) or a model path.",
+        "shaped like a small Qwen3-30B-A3B), H (random Qwen3.5 text hybrid: Gated DeltaNet and attention), "
+        "M-gemma3 (M's sizes in Gemma 3's layout) or a model path.",
     )(command)
 
 

@@ -74,6 +74,8 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
         concurrency = self.scheduler.kv_cache_manager.max_concurrency(self.max_model_len)
+        if self.runner.state_layers:  # one state slot per running request as well
+            concurrency = min(concurrency, self.runner.max_num_seqs)
         logger.info(
             "pagellm ready in %.1fs: platform %s (%s), backend %s, dtype %s, weights %.2f GiB, KV cache %d blocks "
             "of %d tokens (%.2f GiB), max concurrency %.1f requests of %d tokens",
@@ -91,13 +93,20 @@ class LLMEngine:
         )
 
     def _scheduler(self, config: EngineConfig) -> Scheduler:
+        prefix_caching = config.enable_prefix_caching
+        if prefix_caching and self.runner.state_layers:
+            prefix_caching = False
+            logger.info(
+                "prefix caching off: a hit would need the recurrent layers' state at the end of the cached "
+                "blocks, which is not kept"
+            )
         return Scheduler(
-            max_num_seqs=config.max_num_seqs,
+            max_num_seqs=self.runner.max_num_seqs,
             max_num_batched_tokens=config.token_budget,
             max_model_len=self.setup.max_model_len,
             block_size=config.block_size,
             num_blocks=self.runner.num_blocks,
-            enable_prefix_caching=config.enable_prefix_caching,
+            enable_prefix_caching=prefix_caching,
             enable_chunked_prefill=config.enable_chunked_prefill,
             policy=config.scheduling_policy,
             num_lookahead_tokens=self.runner.num_lookahead_tokens,

@@ -229,7 +229,7 @@ def model_kv_layout(model_class: type, hf_config: Any, spec: AttentionSpec) -> K
             model_class.attention_spec(hf_config, spec.dtype, spec.block_size, i),
             kv_cache_dtype=spec.kv_cache_dtype,
         )
-        for i in range(hf_config.num_hidden_layers)
+        for i in range(model_class.num_attention_layers(hf_config))
     ]
     return group_layers(specs)
 

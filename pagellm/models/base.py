@@ -15,6 +15,7 @@ from pagellm.core.platform import PackedLinear
 from pagellm.distributed import Group
 from pagellm.models.context import ModelInit as ModelInit  # part of this interface; defined below the layers
 from pagellm.models.layers.attention import Attention
+from pagellm.models.layers.recurrent import RecurrentLayer
 
 
 def head_size(hf_config: Any) -> int:
@@ -48,7 +49,8 @@ class CausalLM(nn.Module):
       them to float32 where it computes; a greedy argmax needs no copy)
     - load_weights(weights: iterable of (Hugging Face tensor name, tensor))
     - attention_spec(hf_config, dtype, block_size, layer_idx) -> the spec of attention layer layer_idx
-    Attention layers are `pagellm.models.layers.attention.Attention` with layer_idx 0..L-1.
+    Attention layers are `pagellm.models.layers.attention.Attention` with layer_idx 0..L-1; a hybrid model's
+    recurrent layers are `pagellm.models.layers.recurrent.RecurrentLayer`s with state_idx 0..S-1.
     `ModelInit` is defined in `pagellm.models.context`, below the layers that take it too, and named here.
     """
 
@@ -89,7 +91,8 @@ class CausalLM(nn.Module):
         """The spec the attention backend is selected for: the most demanding layer's (a sliding window, a
         soft-cap, sinks or a latent KV layout, which not every backend has), else the first layer's."""
         specs = [
-            cls.attention_spec(hf_config, dtype, block_size, i) for i in range(hf_config.num_hidden_layers)
+            cls.attention_spec(hf_config, dtype, block_size, i)
+            for i in range(cls.num_attention_layers(hf_config))
         ]
         return max(
             specs,
@@ -101,8 +104,18 @@ class CausalLM(nn.Module):
             ),
         )
 
+    @staticmethod
+    def num_attention_layers(hf_config: Any) -> int:
+        """Attention layers (with a KV cache): every layer, unless a hybrid model's recurrent layers take
+        some places (those models number their attention layers 0..L-1 among themselves)."""
+        return hf_config.num_hidden_layers
+
     def attention_layers(self) -> list[Attention]:
         return sorted((m for m in self.modules() if isinstance(m, Attention)), key=lambda m: m.layer_idx)
+
+    def state_layers(self) -> list[RecurrentLayer]:
+        """The layers with per-sequence recurrent state (core/state.py), by state_idx; none in most models."""
+        return sorted((m for m in self.modules() if isinstance(m, RecurrentLayer)), key=lambda m: m.state_idx)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         raise NotImplementedError

@@ -55,6 +55,24 @@ class LoRABatch:
 
 
 @dataclass
+class StateBatch:
+    """The step's requests' recurrent states (`core/state.py`): each request's slot, where its tokens lie
+    in the flat batch, and whether the step starts it from nothing (its first tokens: the slot holds a
+    finished or preempted request's state, which must not be read)."""
+
+    slots: torch.Tensor  # [B] int64, on the device
+    slot_list: list[int]  # the same, on the host
+    query_start_loc: list[int]  # [B + 1]
+    fresh: list[bool]  # [B]
+    caches: Sequence[tuple[torch.Tensor, ...]]  # by state_idx: the layer's tensors, [slots, *shape] each
+
+    @property
+    def decode_only(self) -> bool:
+        """Every request adds one token to a state it already has (a vectorised update serves them all)."""
+        return not any(self.fresh) and self.query_start_loc[-1] == len(self.slot_list)
+
+
+@dataclass
 class ForwardContext:
     metadata: Any  # what the attention backend's build_metadata returned for this step
     kv_caches: list[torch.Tensor]  # one per attention layer, indexed by Attention.layer_idx
@@ -65,6 +83,9 @@ class ForwardContext:
     # with several KV cache groups: each layer's metadata (its group's block tables and slots), by
     # layer_idx; None: `metadata` serves every layer
     layer_metadata: Sequence[Any] | None = None
+    # a model with recurrent layers: the step's states; None otherwise (and in a memory-profiling step,
+    # where such layers compute from zero states and keep nothing)
+    state: StateBatch | None = None
 
     def metadata_of(self, layer_idx: int) -> Any:
         """The metadata attention layer `layer_idx` runs with."""
@@ -88,13 +109,14 @@ def set_forward_context(
     lora: LoRABatch | None = None,
     rope_lengths: torch.Tensor | None = None,
     layer_metadata: Sequence[Any] | None = None,
+    state: StateBatch | None = None,
 ) -> Iterator[None]:
     """`metadata` for every layer, or, with several KV cache groups, `layer_metadata[layer_idx]` for each
     (then `metadata` is group 0's)."""
     global _context
     previous, _context = (
         _context,
-        ForwardContext(metadata, kv_caches, attention_layers, lora, rope_lengths, layer_metadata),
+        ForwardContext(metadata, kv_caches, attention_layers, lora, rope_lengths, layer_metadata, state),
     )
     # a backend's metadata may prepare native state for the forward (CPU_ATTN's compiled-graph op), over
     # one step's tables for every layer: not with several groups, whose layers read different tables

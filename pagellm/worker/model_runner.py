@@ -30,7 +30,7 @@ from pagellm.core.platform import GiB
 from pagellm.distributed import Parallel
 from pagellm.lora.request import LoRARequest
 from pagellm.models.base import ModelInit
-from pagellm.models.context import LoRABatch, set_forward_context
+from pagellm.models.context import LoRABatch, StateBatch, set_forward_context
 from pagellm.models.layers.fused_moe.layer import FusedMoE
 from pagellm.models.layers.linear import Linear
 from pagellm.models.layers.rotary import request_length_base
@@ -60,6 +60,7 @@ from pagellm.worker.pooler import PoolingState
 from pagellm.worker.runner_kv_connector import RunnerKVConnector
 from pagellm.worker.runner_lora import RunnerLoRA
 from pagellm.worker.runner_spec_decode import RunnerSpecDecode, make_proposer
+from pagellm.worker.state_cache import allocate_states
 from pagellm.worker.step import EngineSetup, SchedulerOutput, StepArrays, StepResult
 
 logger = logging.getLogger("pagellm")
@@ -97,6 +98,8 @@ class ModelRunner:
         )
         self.draft_setup = draft[0] if draft else None
         self.draft_model = self._load(*draft) if draft else None
+        self.state_layers = self.model.state_layers()
+        self.max_num_seqs = self._check_state_layers()
         self.num_blocks = self.parallel.min(self._num_blocks())  # what fits on every rank
         self.kv_caches = allocate_kv_caches(
             setup,
@@ -109,8 +112,10 @@ class ModelRunner:
         )
         self.lora = RunnerLoRA(self.model, config, setup.dtype, self.device) if config.enable_lora else None
         self.forward = self._compile()
+        # a recurrent layer's state slot is its request's row here (core/state.py)
+        self.state_caches = allocate_states(self.state_layers, self.max_num_seqs, self.device)
         self.input_batch = InputBatch(
-            config.max_num_seqs, setup.max_model_len, self.block_size, self.kv_layout.num_groups
+            self.max_num_seqs, setup.max_model_len, self.block_size, self.kv_layout.num_groups
         )
         self.generators: dict[str, torch.Generator | None] = {}
         self.pooling_states: dict[str, PoolingState] = {}  # pooling requests mid-prompt
@@ -238,6 +243,38 @@ class ModelRunner:
         logger.info("model compiled in %.1fs (--enforce-eager turns this off)", time.monotonic() - started)
         return compiled
 
+    def _check_state_layers(self) -> int:
+        """The most sequences at once: --max-num-seqs, which a model with recurrent layers also takes as its
+        number of state slots (logged with their size). Refuses what those models cannot do yet."""
+        config = self.setup.config
+        if not self.state_layers:
+            return config.max_num_seqs
+        if config.speculative is not None:
+            raise ConfigError(
+                "speculative decoding is not supported for models with recurrent layers (a rejected draft "
+                "would need the state before it); drop --speculative-config"
+            )
+        return config.max_num_seqs
+
+    def _state_slots(self, budget: int) -> int:
+        """State slots for a KV-cache budget: --max-num-seqs, lowered until the states take at most half of
+        the budget (the rest holds KV blocks). Logged with the states' size."""
+        per_sequence = sum(layer.state_spec().bytes for layer in self.state_layers)
+        slots = max(1, min(self.max_num_seqs, budget // 2 // per_sequence))
+        logger.info(
+            "recurrent state: %d layers, %.2f MiB per sequence, %d slots (%s): %.2f GiB",
+            len(self.state_layers),
+            per_sequence / 2**20,
+            slots,
+            "--max-num-seqs" if slots == self.max_num_seqs else "at most half the KV cache budget",
+            per_sequence * slots / GiB,
+        )
+        return slots
+
+    def state_bytes(self) -> int:
+        """Bytes of every recurrent layer's state slots on this rank (0 for a model without)."""
+        return sum(layer.state_spec().bytes for layer in self.state_layers) * self.max_num_seqs
+
     def block_bytes(self) -> int:
         """Bytes of one KV block over this rank's KV tensors (one per layer with one KV cache group, one per
         layer of a group with several), the draft model's included."""
@@ -263,6 +300,8 @@ class ModelRunner:
         profiled step's peak (or the memory in use, on a platform without a peak counter)."""
         config = self.setup.config
         if config.num_kv_blocks is not None:
+            if self.state_layers:
+                self._state_slots(2 * self.state_bytes())  # as many as --max-num-seqs: logged
             return config.num_kv_blocks
         platform = self.setup.platform
         index = self.device.index or 0
@@ -270,6 +309,9 @@ class ModelRunner:
         if peak is None:
             peak = platform.memory_in_use(self.model_bytes, index)
         budget = platform.kv_cache_bytes(config, self.model_bytes, peak)
+        if self.state_layers:  # the states' slots come out of the same budget
+            self.max_num_seqs = self._state_slots(budget)
+            budget -= self.state_bytes()
         step_tokens = config.token_budget
         if not config.enable_chunked_prefill:
             step_tokens = max(step_tokens, self.setup.max_model_len)
@@ -374,7 +416,7 @@ class ModelRunner:
             split=self.parallel.world_size > 1,
             speculative=self.spec_decode is not None,
         )
-        if not allowed:
+        if not allowed or self.state_layers:  # a replayed step has no state slots to hand over
             return None
         config = self.setup.config
         return capture_decode_graphs(
@@ -481,6 +523,8 @@ class ModelRunner:
             if request.sampling_params.prompt_logprobs is not None and start < request.num_prompt_tokens:
                 prompt_lp.append((i, request))
         arrays, cu = batch.step_arrays(rows, starts, counts)
+        if self.state_layers:
+            arrays.state_slots = np.asarray(rows, dtype=np.int64)
         if self.rope_length_base is not None:  # the length transformers rotates each token for
             prompt = self.rope_length_base == "prompt"
             base = [r.num_prompt_tokens if prompt else r.num_tokens for r in out.scheduled]
@@ -527,6 +571,16 @@ class ModelRunner:
             layer_metadata = [metadata[g] for g in self.layer_groups]
         input_ids, positions = self._dev(step.input_ids), self._dev(step.positions)
         lengths = self._dev(step.rope_lengths) if step.rope_lengths is not None else None
+        state = None
+        if step.state_slots is not None:
+            qsl = step.query_start_loc.tolist()
+            state = StateBatch(
+                slots=self._dev(step.state_slots),
+                slot_list=step.state_slots.tolist(),
+                query_start_loc=qsl,
+                fresh=[int(n) == b - a for n, a, b in zip(step.seq_lens, qsl, qsl[1:], strict=False)],
+                caches=self.state_caches,
+            )
         with set_forward_context(
             metadata[0],
             self.kv_caches,
@@ -534,6 +588,7 @@ class ModelRunner:
             lora,
             rope_lengths=lengths,
             layer_metadata=layer_metadata,
+            state=state,
         ):
             hidden = self.forward(input_ids, positions)
         return StepInputs(input_ids, positions, attns[0], hidden)

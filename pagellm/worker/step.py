@@ -133,6 +133,8 @@ class StepArrays:
     # [T] int64, for a length-dependent rope only: each token's request length max(prompt, position + 1)
     rope_lengths: np.ndarray | None = None
     more_groups: tuple[tuple[np.ndarray, np.ndarray], ...] = ()
+    # [B] int64, for a model with recurrent layers only: each request's state slot (its batch row)
+    state_slots: np.ndarray | None = None
 
     def kv_groups(self) -> list[tuple[np.ndarray, np.ndarray]]:
         """Every KV cache group's (block_tables, slot_mapping), group 0 first."""

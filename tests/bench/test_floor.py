@@ -159,6 +159,26 @@ def test_loaded_engine_agrees_with_its_config(arch, tmp_path):
     assert 0 <= from_model.weight_bytes - from_config.weight_bytes < 0.05 * from_config.weight_bytes
 
 
+@pytest.mark.parametrize("arch", ["qwen3_5_text", "qwen3_next"])
+def test_hybrid_engine_agrees_with_its_config_and_counts_the_state(arch, tmp_path):
+    """Gated DeltaNet layers: their linears, their state (read and written each step a sequence runs) and
+    the delta rule's FLOPs; only the attention layers have KV."""
+    from pagellm import LLM
+    from pagellm.bench.floor import step_work
+
+    llm = LLM(str(make_tiny_checkpoint(arch, tmp_path)), dtype="float32", kv_cache_space=0.01, max_num_seqs=4)
+    from_model = ModelShape.from_llm(llm)
+    from_config = ModelShape.from_hf_config(llm.engine.setup.hf_config, torch.float32)
+    for field in ("num_layers", "linear_params", "lm_head_params", "kv_bytes_per_token", "state_bytes"):
+        assert getattr(from_model, field) == getattr(from_config, field), field
+    assert from_model.recurrent_flops_per_token == from_config.recurrent_flops_per_token > 0
+    # 3 delta nets: conv window 3 x (2 x 32 + 64) float32, and 4 value heads of 16 x 16 float32 each
+    assert from_model.state_bytes == 3 * (3 * 128 * 4 + 4 * 16 * 16 * 4)
+    decode = step_work(from_model, [(10, 1, True), (20, 1, True)])
+    assert decode.state_bytes == 2 * 2 * from_model.state_bytes  # two sequences, read and written
+    assert step_work(from_model, [(0, 8, True)]).state_bytes == from_model.state_bytes  # written only
+
+
 def test_recorded_steps_match_the_closed_form(tmp_path):
     """One request through the engine: the steps it scheduled add up to the closed form."""
     from pagellm import LLM, SamplingParams

@@ -33,6 +33,9 @@ ARCHS = (
     "deepseek_v2",
     "deepseek_v3",
     "glm4_moe",
+    "qwen3_next",
+    "qwen3_5_text",
+    "qwen3_5_moe_text",
 )
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # ids 0, 1, 2
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
@@ -240,7 +243,43 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
         topk_group=1,
         num_nextn_predict_layers=1,
     ),
+    # Gated DeltaNet in layers 0-2, gated attention in 3 (and 7: 8 layers would repeat the pattern); 2 key
+    # heads feeding 4 value heads, conv kernel 4; a quarter of each attention head rotates
+    "qwen3_next": dict(
+        _LLAMA,
+        num_hidden_layers=4,
+        head_dim=16,
+        full_attention_interval=4,
+        partial_rotary_factor=0.25,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        linear_conv_kernel_dim=4,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+        norm_topk_prob=True,
+    ),
 }
+# Qwen3.5: Qwen3-Next's layer pattern and sizes with the delta nets' projections separate; dense, or with
+# experts in every layer (and a gated shared expert)
+_QWEN3_5 = {
+    k: v
+    for k, v in _DEFAULTS["qwen3_next"].items()
+    if k not in ("full_attention_interval", "partial_rotary_factor", "norm_topk_prob")
+} | dict(
+    layer_types=["linear_attention"] * 3 + ["full_attention"],
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+)
+_DEFAULTS["qwen3_5_text"] = {
+    k: v
+    for k, v in _QWEN3_5.items()
+    if k
+    not in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size")
+}
+_DEFAULTS["qwen3_5_moe_text"] = {k: v for k, v in _QWEN3_5.items() if k != "intermediate_size"}
 _TOKENIZERS = {"gpt_oss": (HARMONY_SPECIAL_TOKENS, HARMONY_CHAT_TEMPLATE)}
 """Architectures whose tokenizer has other special tokens and chat template than ChatML's."""
 
@@ -300,6 +339,9 @@ def tiny_config(arch: str, vocab_size: int, **overrides: Any):
         "deepseek_v2": transformers.DeepseekV2Config,
         "deepseek_v3": transformers.DeepseekV3Config,
         "glm4_moe": transformers.Glm4MoeConfig,
+        "qwen3_next": transformers.Qwen3NextConfig,
+        "qwen3_5_text": transformers.Qwen3_5TextConfig,
+        "qwen3_5_moe_text": transformers.Qwen3_5MoeTextConfig,
     }[arch]
     fields = dict(
         _DEFAULTS[arch], vocab_size=vocab_size, bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID

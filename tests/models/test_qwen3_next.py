@@ -1,0 +1,98 @@
+"""Qwen3-Next and Qwen3.5 (Gated DeltaNet layers with a recurrent state per sequence, gated attention, MoE with a gated
+shared expert) against transformers in float32: a batch mixing short and long prompts under chunked prefill
+that cuts the states mid-sequence and preemption that drops them; the state cache's start-up choices."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+from parity import Reference, assert_greedy_parity, mixed_prompts, small_kv_cache
+from tiny import make_tiny_checkpoint
+
+from pagellm import LLM
+from pagellm.core.errors import ConfigError
+
+MAX_TOKENS = 16
+MAX_MODEL_LEN, TOKEN_BUDGET = 400, 48
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    path = make_tiny_checkpoint("qwen3_next", tmp_path_factory.mktemp("qwen3_next"))
+    return path, Reference(path, MAX_TOKENS)
+
+
+def test_matches_transformers_under_chunking_and_preemption(model, caplog):
+    path, reference = model
+    with caplog.at_level(logging.INFO, logger="pagellm"):
+        llm = LLM(
+            str(path),
+            dtype="float32",
+            max_model_len=MAX_MODEL_LEN,
+            num_kv_blocks=small_kv_cache(path, MAX_MODEL_LEN, TOKEN_BUDGET),
+            max_num_batched_tokens=TOKEN_BUDGET,  # prompts of up to 330 tokens: 7 chunks
+            max_num_seqs=8,
+        )
+    assert "recurrent state: 3 layers" in caplog.text and "prefix caching off" in caplog.text
+    prompts = mixed_prompts(300, seed=1)
+    assert_greedy_parity(llm, reference, prompts)
+    stats = llm.engine.stats()
+    assert stats.num_preemptions > 0 and stats.prefix_cache_hits == 0
+
+
+def test_one_request_at_a_time_and_the_decode_path(model):
+    """Whole prompts in one step, then decode steps that update every state at once (the vectorised path)."""
+    path, reference = model
+    llm = LLM(str(path), dtype="float32", max_model_len=MAX_MODEL_LEN, num_kv_blocks=256, max_num_seqs=4)
+    assert_greedy_parity(llm, reference, mixed_prompts(300, seed=2)[:6])
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5_text", "qwen3_5_moe_text"])
+def test_qwen3_5_matches_transformers(arch, tmp_path):
+    """Qwen3.5 (dense, and with experts): the delta nets' projections come separate in the checkpoint."""
+    path = make_tiny_checkpoint(arch, tmp_path)
+    reference = Reference(path, MAX_TOKENS)
+    llm = LLM(
+        str(path),
+        dtype="float32",
+        max_model_len=MAX_MODEL_LEN,
+        num_kv_blocks=256,
+        max_num_batched_tokens=TOKEN_BUDGET,
+        max_num_seqs=4,
+    )
+    assert_greedy_parity(llm, reference, mixed_prompts(300, seed=4)[:8])
+
+
+def test_speculative_decoding_is_refused(model):
+    path, _ = model
+    with pytest.raises(ConfigError, match="recurrent layers"):
+        LLM(
+            str(path),
+            dtype="float32",
+            num_kv_blocks=64,
+            speculative_config={"method": "ngram", "num_speculative_tokens": 2},
+        )
+
+
+@pytest.mark.slow
+def test_compiled_forward_matches_transformers(model):
+    """torch.compile sees the projections and norms; the conv and delta rule stay one opaque op."""
+    path, reference = model
+    llm = LLM(str(path), dtype="float32", max_model_len=MAX_MODEL_LEN, num_kv_blocks=256, enforce_eager=False)
+    assert_greedy_parity(llm, reference, mixed_prompts(300, seed=3)[:6])
+
+
+def test_state_slots_take_at_most_half_the_kv_cache_budget(model, caplog):
+    """With a budget (--kv-cache-space) the slots are --max-num-seqs lowered until the states fit in half
+    of it; the scheduler runs no more requests than there are slots."""
+    path, _ = model
+    budget = 2**20  # 1 MiB (kv_cache_space in GiB)
+    with caplog.at_level(logging.INFO, logger="pagellm"):
+        llm = LLM(str(path), dtype="float32", kv_cache_space=budget / 2**30, max_num_seqs=256)
+    runner = llm.engine.runner
+    per_sequence = sum(layer.state_spec().bytes for layer in runner.state_layers)
+    assert runner.max_num_seqs == budget // 2 // per_sequence < 256
+    assert llm.engine.scheduler.max_num_seqs == runner.max_num_seqs
+    assert runner.state_caches[0][0].shape[0] == runner.max_num_seqs
+    assert "at most half the KV cache budget" in caplog.text
