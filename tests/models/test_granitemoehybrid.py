@@ -53,14 +53,13 @@ def test_every_mixed_prompt_under_chunking_and_preemption(model):
     assert_greedy_parity(_chunked_llm(path), reference, mixed_prompts(300, seed=2))
 
 
-@pytest.mark.slow
 def test_dense_with_rotary_matches_transformers(tmp_path):
     """Granite 4.0-H micro's kind: the shared MLP alone, and rope in the attention layer; whole prompts in
     one step, then decode steps that update every state at once."""
     path = make_tiny_checkpoint("granitemoehybrid_dense", tmp_path)
     reference = Reference(path, MAX_TOKENS)
     llm = LLM(str(path), dtype="float32", max_model_len=MAX_MODEL_LEN, num_kv_blocks=256, max_num_seqs=4)
-    assert_greedy_parity(llm, reference, mixed_prompts(300, seed=3)[:8])
+    assert_greedy_parity(llm, reference, mixed_prompts(300, seed=3)[:6])
 
 
 @pytest.mark.slow
