@@ -121,3 +121,15 @@ def test_decode_refuses_a_state_that_is_not_float32():
     x, dt, b, c, A, D, dt_bias = _inputs(7, 1)
     with pytest.raises(ValueError, match="float32"):
         selective_state_update(x, dt, A, b, c, D, dt_bias, torch.zeros(1, H, P, N, dtype=torch.bfloat16))
+
+
+def test_bfloat16_inputs_come_close_to_the_float32_reference():
+    """bfloat16 activations are computed in float32 (the state stays float32) and come back in bfloat16."""
+    x, dt, b, c, A, D, dt_bias = _inputs(8, 40)
+    state = torch.randn(H, P, N)
+    y, final = ssd_chunk_scan(*(t.bfloat16() for t in (x, dt, A, b, c, D, dt_bias)), state, CHUNK)
+    rounded = (t.bfloat16().float() for t in (x, dt, A, b, c, D, dt_bias))
+    ref_y, ref_final = ssd_chunk_scan(*rounded, state, CHUNK)
+    assert y.dtype == torch.bfloat16 and final.dtype == torch.float32
+    torch.testing.assert_close(y.float(), ref_y, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(final, ref_final, **TOL)
