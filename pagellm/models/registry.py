@@ -17,6 +17,7 @@ def pagellm_models() -> dict[str, str]:
         "Qwen3NextForCausalLM": "pagellm.models.qwen3_next:Qwen3NextForCausalLM",
         "Qwen3_5ForCausalLM": "pagellm.models.qwen3_next:Qwen3_5ForCausalLM",
         "Qwen3_5MoeForCausalLM": "pagellm.models.qwen3_next:Qwen3_5ForCausalLM",
+        "GraniteMoeHybridForCausalLM": "pagellm.models.granitemoehybrid:GraniteMoeHybridForCausalLM",
         "MixtralForCausalLM": "pagellm.models.mixtral:MixtralForCausalLM",
         "GptOssForCausalLM": "pagellm.models.gpt_oss:GptOssForCausalLM",
         "Phi3ForCausalLM": "pagellm.models.phi3:Phi3ForCausalLM",

@@ -36,6 +36,8 @@ ARCHS = (
     "qwen3_next",
     "qwen3_5_text",
     "qwen3_5_moe_text",
+    "granitemoehybrid",
+    "granitemoehybrid_dense",
 )
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # ids 0, 1, 2
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
@@ -280,6 +282,33 @@ _DEFAULTS["qwen3_5_text"] = {
     not in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size")
 }
 _DEFAULTS["qwen3_5_moe_text"] = {k: v for k, v in _QWEN3_5.items() if k != "intermediate_size"}
+# Granite 4.0-H's shape: Mamba-2 in layers 0, 1 and 3, attention without rotary in 2; 4 heads of 16 in 2 groups
+# (B and C per group), chunks of 16 tokens so that prompts cross them; 4 experts beside the shared MLP
+_DEFAULTS["granitemoehybrid"] = dict(
+    _LLAMA,
+    num_hidden_layers=4,
+    layer_types=["mamba", "mamba", "attention", "mamba"],
+    intermediate_size=32,
+    shared_intermediate_size=48,
+    num_local_experts=4,
+    num_experts_per_tok=2,
+    mamba_n_heads=4,
+    mamba_d_head=16,
+    mamba_n_groups=2,
+    mamba_d_state=16,
+    mamba_d_conv=4,
+    mamba_expand=1,
+    mamba_chunk_size=16,
+    position_embedding_type=None,
+    embedding_multiplier=12.0,
+    residual_multiplier=0.22,
+    attention_multiplier=0.2,
+    logits_scaling=8.0,
+)
+# Granite 4.0-H micro's kind: the shared MLP only, and rotary in the attention layer
+_DEFAULTS["granitemoehybrid_dense"] = dict(
+    _DEFAULTS["granitemoehybrid"], num_local_experts=0, position_embedding_type="rope"
+)
 _TOKENIZERS = {"gpt_oss": (HARMONY_SPECIAL_TOKENS, HARMONY_CHAT_TEMPLATE)}
 """Architectures whose tokenizer has other special tokens and chat template than ChatML's."""
 
@@ -342,6 +371,8 @@ def tiny_config(arch: str, vocab_size: int, **overrides: Any):
         "qwen3_next": transformers.Qwen3NextConfig,
         "qwen3_5_text": transformers.Qwen3_5TextConfig,
         "qwen3_5_moe_text": transformers.Qwen3_5MoeTextConfig,
+        "granitemoehybrid": transformers.GraniteMoeHybridConfig,
+        "granitemoehybrid_dense": transformers.GraniteMoeHybridConfig,
     }[arch]
     fields = dict(
         _DEFAULTS[arch], vocab_size=vocab_size, bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID
