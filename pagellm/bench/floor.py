@@ -275,10 +275,7 @@ class ModelShape:
             v_head_size=spec.v_head_size,
             experts=experts_of_model(model),
             state_bytes=sum(layer.state_spec().bytes for layer in runner.state_layers),
-            recurrent_flops_per_token=sum(
-                DELTA_RULE_FLOPS * layer.num_v_heads * layer.head_k_dim * layer.head_v_dim
-                for layer in runner.state_layers
-            ),
+            recurrent_flops_per_token=sum(layer.recurrent_flops_per_token() for layer in runner.state_layers),
         )
 
 

@@ -88,6 +88,10 @@ class GatedDeltaNet(RecurrentLayer):
         self.norm = GatedRMSNorm(self.head_v_dim, c.rms_norm_eps, init.dtype)
         self.out_proj = Linear(self.value_dim, c.hidden_size, False, init.dtype)
 
+    def recurrent_flops_per_token(self) -> float:
+        """Per value head and state element: the decay (1), k^T S (2), the rank-one update (2), q^T S (2)."""
+        return 7.0 * self.num_v_heads * self.head_k_dim * self.head_v_dim
+
     def _project(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """(q, k, v side by side [T, conv_dim], z, b, a) in plain head order."""
         tokens = h.shape[0]

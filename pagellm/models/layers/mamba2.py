@@ -84,6 +84,10 @@ class Mamba2Mixer(RecurrentLayer):
             (self.dtype, torch.float32),
         )
 
+    def recurrent_flops_per_token(self) -> float:
+        """Per head and state element: the decay (1), the dt B x update (2), C h (2)."""
+        return 5.0 * self.num_heads * self.head_dim * self.d_state
+
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         gate, xbc, dt = self.in_proj(h).split([self.intermediate_size, self.conv_dim, self.num_heads], dim=-1)
         y = torch.ops.pagellm.mamba2(

@@ -18,3 +18,8 @@ class RecurrentLayer(nn.Module):
 
     def state_spec(self) -> StateSpec:
         raise NotImplementedError
+
+    def recurrent_flops_per_token(self) -> float:
+        """FLOPs one token spends in the recurrence (reading and updating the state; the projections are
+        linears, counted apart), for the benchmarks' floor."""
+        raise NotImplementedError
