@@ -32,7 +32,8 @@ def models(tmp_path_factory):
 @pytest.mark.parametrize(
     "arch,tp,pp",
     [
-        pytest.param("gemma3_text", 2, 1, id="tp2-gemma3_text"),
+        # the default run's tensor parallelism: tests/distributed/test_tensor_parallel.py (llama)
+        pytest.param("gemma3_text", 2, 1, id="tp2-gemma3_text", marks=pytest.mark.slow),
         pytest.param("gemma3_text", 1, 2, id="pp2-gemma3_text", marks=pytest.mark.slow),
         pytest.param("gemma2", 2, 1, id="tp2-gemma2", marks=pytest.mark.slow),
         pytest.param("gemma2", 1, 2, id="pp2-gemma2", marks=pytest.mark.slow),

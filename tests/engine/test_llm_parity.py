@@ -96,7 +96,11 @@ def checkpoints(tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("backend", ["TORCH_SDPA", "CPU_ATTN", "FLEX_ATTENTION"])
+# FLEX_ATTENTION (the slowest here, never the one selected on CPU) under -m slow; tests/attention_backends
+# checks it against the reference
+@pytest.mark.parametrize(
+    "backend", ["TORCH_SDPA", "CPU_ATTN", pytest.param("FLEX_ATTENTION", marks=pytest.mark.slow)]
+)
 @pytest.mark.parametrize(
     "arch",
     [

@@ -64,7 +64,8 @@ def llama(tmp_path_factory):
     return tiny_model_and_reference("llama", tmp_path_factory.mktemp("llama"), MAX_TOKENS)
 
 
-@pytest.mark.parametrize("backend", ["TORCH_SDPA", "FLEX_ATTENTION"])  # CPU_ATTN: the tests above
+# CPU_ATTN: the tests above; FLEX_ATTENTION (never selected on CPU) under -m slow
+@pytest.mark.parametrize("backend", ["TORCH_SDPA", pytest.param("FLEX_ATTENTION", marks=pytest.mark.slow)])
 def test_the_draft_runs_on_every_cpu_backend(llama, tmp_path, backend):
     path, reference = llama
     llm = engine(path, path, k=3, attention_backend=backend)
