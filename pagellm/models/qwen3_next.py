@@ -18,8 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagellm.core.attention import AttentionSpec
-from pagellm.models.base import CausalLM, ModelInit, head_size
+from pagellm.models.base import CausalLM, ModelInit
 from pagellm.models.layers.attention import Attention
 from pagellm.models.layers.embedding import Embedding
 from pagellm.models.layers.fused_moe.block import SparseMoeBlock, expert_count, is_sparse_layer
@@ -29,7 +28,7 @@ from pagellm.models.layers.gated_delta_net import GatedDeltaNet
 from pagellm.models.layers.linear import Linear
 from pagellm.models.layers.norm import GemmaRMSNorm
 from pagellm.models.layers.rotary import RotaryEmbedding, apply_rotary
-from pagellm.models.llama import STACKED, LlamaMLP
+from pagellm.models.llama import STACKED, LlamaMLP, attention_spec
 from pagellm.models.qwen3_moe import softmax_routing
 
 FULL_ATTENTION = "full_attention"
@@ -156,15 +155,7 @@ class Qwen3NextForCausalLM(CausalLM):
     def num_attention_layers(hf_config: Any) -> int:
         return layer_types(hf_config).count(FULL_ATTENTION)
 
-    @staticmethod
-    def attention_spec(hf_config: Any, dtype: torch.dtype, block_size: int, layer_idx: int) -> AttentionSpec:
-        return AttentionSpec(
-            num_heads=hf_config.num_attention_heads,
-            num_kv_heads=hf_config.num_key_value_heads,
-            head_size=head_size(hf_config),
-            dtype=dtype,
-            block_size=block_size,
-        )
+    attention_spec = staticmethod(attention_spec)  # Llama's: no sliding window in these configs
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)
