@@ -10,11 +10,20 @@ per projection, `blk.N.ffn_gate_exps` / `ffn_up_exps` [E, I, H] and `ffn_down_ex
 They come out one expert at a time under the per-expert names `FusedMoE` reads
 (`<mlp>.experts.{e}.gate_proj.weight`), each dequantized on its own, so at most one expert's float copy is
 held; experts are always dequantized, also under `--quantization gguf`.
+
+Reading is the slow part of a start: gguf's `GGUFReader` slices its numpy memmap once per metadata string
+(~100k for a 49k-token vocabulary), and each memmap slice costs microseconds in numpy's subclass hooks: 5.4 s
+for SmolLM2's file, against 1.9 s on a plain-ndarray view of the same mapping (`_PlainGGUFReader`).
+transformers builds its own reader for the config and again for the tokenizer, so both calls run with the
+plain reader in place (`_plain_gguf_reader`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -30,22 +39,22 @@ def load_gguf(path: str | os.PathLike) -> tuple[Any, Any, Iterator[tuple[str, to
     """(HF config, tokenizer, lazy iterator of (HF tensor name, float32 tensor)) for a .gguf file.
 
     The config's `architectures` is filled from its model type (GGUF files do not name the class)."""
-    from gguf import GGUFReader
     from transformers import AutoConfig, AutoTokenizer
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"GGUF file {path} does not exist")
-    try:
-        config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
-    except ValueError as exc:
-        raise ConfigError(f"transformers cannot read the GGUF file {path}: {exc}") from exc
-    reader = GGUFReader(str(path))
+    with _plain_gguf_reader():
+        try:
+            config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+        except ValueError as exc:
+            raise ConfigError(f"transformers cannot read the GGUF file {path}: {exc}") from exc
+        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    reader = _open(path)
     config = fill_gguf_config(config, reader)
     if not getattr(config, "architectures", None):
         config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type, config.model_type)]
-    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     return config, tokenizer, _weights(reader, config, raw_linear=False)
 
 
@@ -56,9 +65,50 @@ def iter_gguf_weights(
 
     raw_linear: decoder linear weights come as `<prefix>.qweight` (their raw GGUF bytes, uint8 [out, bytes])
     plus `<prefix>.qweight_type` (the GGML type), for the `gguf` quantization method that keeps them packed."""
-    from gguf import GGUFReader
+    return _weights(_open(path), hf_config, raw_linear)
 
-    return _weights(GGUFReader(str(path)), hf_config, raw_linear)
+
+def _open(path: str | os.PathLike) -> Any:
+    """A reader of the file on a plain-ndarray view of its memmap (see the module docstring)."""
+    return _plain_reader_class()(str(path))
+
+
+@functools.cache
+def _plain_reader_class() -> type:
+    """GGUFReader whose buffer is a plain ndarray: the same bytes and fields, without memmap's slice hooks."""
+    import gguf
+    import numpy
+
+    class PlainGGUFReader(gguf.GGUFReader):
+        @property
+        def data(self) -> numpy.ndarray:
+            return self._plain_data
+
+        @data.setter
+        def data(self, mapped: numpy.ndarray) -> None:
+            # The view keeps the memmap (its base) and so the mapping alive.
+            self._plain_data = mapped.view(numpy.ndarray)
+
+    return PlainGGUFReader
+
+
+_READER_SWAP = threading.Lock()
+
+
+@contextlib.contextmanager
+def _plain_gguf_reader() -> Iterator[None]:
+    """transformers' GGUF loaders, which import `gguf.GGUFReader` when called, get the plain reader meanwhile.
+
+    The lock keeps two loads in threads from restoring each other's swap out of order."""
+    import gguf
+
+    with _READER_SWAP:
+        original = gguf.GGUFReader
+        gguf.GGUFReader = _plain_reader_class()
+        try:
+            yield
+        finally:
+            gguf.GGUFReader = original
 
 
 def _weights(reader: Any, hf_config, raw_linear: bool) -> Iterator[tuple[str, torch.Tensor]]:

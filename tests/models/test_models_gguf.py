@@ -175,3 +175,32 @@ def test_smollm2_gguf_matches_transformers():
         expected = reference.eval()(torch.tensor([ids])).logits[0]
     got = PagedRunner(model, num_seqs=1).step({0: ids})[0]
     torch.testing.assert_close(got, expected, atol=1e-3, rtol=0)
+
+
+def test_the_plain_reader_reads_what_gguf_reads_and_transformers_gets_it_only_while_loading(tmp_path):
+    """load_gguf parses with a plain-ndarray reader (3x faster on a real vocabulary); same fields, same tensors."""
+    import gguf
+    import numpy as np
+
+    from pagellm.models.gguf_checkpoint import _open, _plain_gguf_reader
+
+    path = tmp_path / "t.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_array("tokenizer.ggml.tokens", [f"tok{i}" for i in range(300)])
+    writer.add_uint32("llama.block_count", 2)
+    writer.add_tensor("blk.0.attn_q.weight", np.arange(64, dtype=np.float32).reshape(8, 8))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+    plain, original = _open(path), gguf.GGUFReader(str(path))
+    assert type(plain.data) is np.ndarray and isinstance(original.data, np.memmap)
+    assert plain.fields.keys() == original.fields.keys()
+    for key, field in original.fields.items():
+        assert [p.tolist() for p in plain.fields[key].parts] == [p.tolist() for p in field.parts], key
+    assert [t.name for t in plain.tensors] == [t.name for t in original.tensors]
+    assert np.array_equal(plain.tensors[0].data, original.tensors[0].data)
+    with _plain_gguf_reader():
+        assert gguf.GGUFReader is type(plain)
+    assert gguf.GGUFReader is type(original)
