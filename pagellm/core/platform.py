@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
+from pagellm.core.state import RecurrentKernels
+
 if TYPE_CHECKING:
     from pagellm.core.config import EngineConfig
     from pagellm.core.moe import PackedMoE
@@ -181,6 +183,13 @@ class Platform:
         (int8 or float8_e4m3fn `w13`/`w2`) come with their per-row scales; a platform whose kernel does
         not read them returns None."""
         return None
+
+    @classmethod
+    def recurrent_kernels(cls) -> RecurrentKernels:
+        """This device's kernels for the recurrent layers of hybrid models (Gated DeltaNet, Mamba-2); the
+        fields left None run the plain-torch references. Asked once per model runner of a model that has
+        such layers."""
+        return RecurrentKernels()
 
     @classmethod
     def argmax(cls, logits: torch.Tensor) -> torch.Tensor:

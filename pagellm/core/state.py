@@ -12,7 +12,8 @@ preempted request's state is dropped with its row and recomputed from its first 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -31,3 +32,36 @@ class StateSpec:
             math.prod(shape) * torch.empty((), dtype=dtype).element_size()
             for shape, dtype in zip(self.shapes, self.dtypes, strict=True)
         )
+
+
+@dataclass(frozen=True)
+class RecurrentKernels:
+    """A platform's kernels for recurrent layers (`Platform.recurrent_kernels`); a field left None runs the
+    plain-torch reference in `pagellm.models.layers.recurrent_ops` / `mamba_ops`, whose docstrings define
+    the math and the layouts each kernel must match up to rounding.
+
+    Decode kernels take the whole state cache and the step's slots and update the slots' states in place,
+    so that a fast path reads and writes each state once instead of gathering the states into a batch and
+    scattering them back (what the reference does, with `index_select` and `index_copy_`):
+
+    - `conv1d_update(x [B, D], weight [D, K], bias [D] | None, conv_states [S, D, K-1], slots [B] int64,
+      activation: str | None) -> y [B, D]`;
+    - `gated_delta_rule_update(q [B, H, Dk], k [B, H, Dk], v [B, H, Dv], g [B, H], beta [B, H],
+      states [S, H, Dk, Dv] float32, slots [B]) -> o [B, H, Dv]`;
+    - `selective_state_update(x [B, H, P], dt [B, H], A [H], B [B, G, N], C [B, G, N], D [H], dt_bias [H],
+      states [S, H, P, N] float32, slots [B]) -> y [B, H, P]`.
+
+    Prefill kernels have their reference's signature, one sequence (or prefill chunk) at a time:
+    `causal_conv1d_prefill`, `chunk_gated_delta_rule`, `ssd_chunk_scan`."""
+
+    conv1d_update: Callable[..., torch.Tensor] | None = None
+    gated_delta_rule_update: Callable[..., torch.Tensor] | None = None
+    selective_state_update: Callable[..., torch.Tensor] | None = None
+    causal_conv1d_prefill: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
+    chunk_gated_delta_rule: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
+    ssd_chunk_scan: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
+
+    def describe(self) -> str:
+        """Which kernels replace the reference, for the start-up log."""
+        names = [f.name for f in fields(self) if getattr(self, f.name) is not None]
+        return ", ".join(names) if names else "none (plain torch)"

@@ -16,6 +16,7 @@ import torch
 
 from pagellm.core.attention import AttentionBackend
 from pagellm.core.quant import QuantMethod
+from pagellm.core.state import RecurrentKernels
 from pagellm.distributed import Parallel
 
 
@@ -65,6 +66,7 @@ class StateBatch:
     query_start_loc: list[int]  # [B + 1]
     fresh: list[bool]  # [B]
     caches: Sequence[tuple[torch.Tensor, ...]]  # by state_idx: the layer's tensors, [slots, *shape] each
+    kernels: RecurrentKernels = RecurrentKernels()  # the platform's; None fields run the references
 
     @property
     def decode_only(self) -> bool:

@@ -114,6 +114,9 @@ class ModelRunner:
         self.forward = self._compile()
         # a recurrent layer's state slot is its request's row here (core/state.py)
         self.state_caches = allocate_states(self.state_layers, self.max_num_seqs, self.device)
+        self.recurrent_kernels = setup.platform.recurrent_kernels()
+        if self.state_layers:
+            logger.info("recurrent layers' kernels: %s", self.recurrent_kernels.describe())
         self.input_batch = InputBatch(
             self.max_num_seqs, setup.max_model_len, self.block_size, self.kv_layout.num_groups
         )
@@ -580,6 +583,7 @@ class ModelRunner:
                 query_start_loc=qsl,
                 fresh=[int(n) == b - a for n, a, b in zip(step.seq_lens, qsl, qsl[1:], strict=False)],
                 caches=self.state_caches,
+                kernels=self.recurrent_kernels,
             )
         with set_forward_context(
             metadata[0],

@@ -96,3 +96,29 @@ def test_state_slots_take_at_most_half_the_kv_cache_budget(model, caplog):
     assert llm.engine.scheduler.max_num_seqs == runner.max_num_seqs
     assert runner.state_caches[0][0].shape[0] == runner.max_num_seqs
     assert "at most half the KV cache budget" in caplog.text
+
+
+def test_the_platforms_recurrent_kernels_run_in_place_of_the_references(model, monkeypatch, caplog):
+    """`Platform.recurrent_kernels`: the fields a platform fills are what the layers call, decode and prefill."""
+    from pagellm.core.state import RecurrentKernels
+    from pagellm.models.layers.recurrent_kernels import REFERENCE
+    from pagellm.platforms.cpu import CpuPlatform
+
+    calls: list[str] = []
+
+    def counted(name):
+        def kernel(*args, **kwargs):
+            calls.append(name)
+            return getattr(REFERENCE, name)(*args, **kwargs)
+
+        return kernel
+
+    names = ("conv1d_update", "gated_delta_rule_update", "chunk_gated_delta_rule")
+    kernels = RecurrentKernels(**{name: counted(name) for name in names})
+    monkeypatch.setattr(CpuPlatform, "recurrent_kernels", classmethod(lambda cls: kernels))
+    path, reference = model
+    with caplog.at_level(logging.INFO, logger="pagellm"):
+        llm = LLM(str(path), dtype="float32", max_model_len=MAX_MODEL_LEN, num_kv_blocks=256, max_num_seqs=4)
+    assert "recurrent layers' kernels: " + ", ".join(names) in caplog.text
+    assert_greedy_parity(llm, reference, mixed_prompts(300, seed=3)[:3])
+    assert set(calls) == set(names)

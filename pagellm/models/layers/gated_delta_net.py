@@ -22,11 +22,10 @@ from pagellm.core.state import StateSpec
 from pagellm.models.context import ModelInit, get_forward_context
 from pagellm.models.layers.linear import Linear
 from pagellm.models.layers.recurrent import RecurrentLayer
+from pagellm.models.layers.recurrent_kernels import complete
 from pagellm.models.layers.recurrent_ops import (
-    causal_conv1d_decode,
     causal_conv1d_prefill,
     chunk_gated_delta_rule,
-    recurrent_gated_delta_rule,
 )
 
 
@@ -168,15 +167,11 @@ def _gated_delta_net(
         x, _ = causal_conv1d_prefill(mixed, conv_weight, None, conv_state, "silu")
         zeros = torch.zeros(num_v_heads, head_k_dim, head_v_dim, dtype=torch.float32, device=mixed.device)
         return chunk_gated_delta_rule(*split_heads(x), g, beta, zeros)[0]
+    kernels = complete(state.kernels)
     conv_states, delta_states = state.caches[state_idx]
     if state.decode_only:  # one token per request: every request's update at once
-        conv = conv_states.index_select(0, state.slots)
-        x = causal_conv1d_decode(mixed, conv_weight, None, conv, "silu")
-        conv_states.index_copy_(0, state.slots, conv)
-        delta = delta_states.index_select(0, state.slots)
-        out = recurrent_gated_delta_rule(*split_heads(x), g, beta, delta)
-        delta_states.index_copy_(0, state.slots, delta)
-        return out
+        x = kernels.conv1d_update(mixed, conv_weight, None, conv_states, state.slots, "silu")
+        return kernels.gated_delta_rule_update(*split_heads(x), g, beta, delta_states, state.slots)
     out = mixed.new_empty(tokens, num_v_heads, head_v_dim)
     qsl = state.query_start_loc
     for i, slot in enumerate(state.slot_list):
@@ -184,10 +179,10 @@ def _gated_delta_net(
         if state.fresh[i]:
             conv_states[slot].zero_()
             delta_states[slot].zero_()
-        x, conv_states[slot] = causal_conv1d_prefill(
+        x, conv_states[slot] = kernels.causal_conv1d_prefill(
             mixed[rows], conv_weight, None, conv_states[slot], "silu"
         )
-        out[rows], delta_states[slot] = chunk_gated_delta_rule(
+        out[rows], delta_states[slot] = kernels.chunk_gated_delta_rule(
             *split_heads(x), g[rows], beta[rows], delta_states[slot]
         )
     return out

@@ -18,9 +18,10 @@ from torch import nn
 from pagellm.core.state import StateSpec
 from pagellm.models.context import ModelInit, get_forward_context
 from pagellm.models.layers.linear import Linear
-from pagellm.models.layers.mamba_ops import selective_state_update, ssd_chunk_scan
+from pagellm.models.layers.mamba_ops import ssd_chunk_scan
 from pagellm.models.layers.recurrent import RecurrentLayer
-from pagellm.models.layers.recurrent_ops import causal_conv1d_decode, causal_conv1d_prefill
+from pagellm.models.layers.recurrent_kernels import complete
+from pagellm.models.layers.recurrent_ops import causal_conv1d_prefill
 
 
 class GroupedGatedRMSNorm(nn.Module):
@@ -141,25 +142,19 @@ def _mamba2(
         groups = (n_groups, d_state)
         return x.unflatten(-1, (num_heads, head_dim)), b.unflatten(-1, groups), c.unflatten(-1, groups)
 
-    def scan(x: torch.Tensor, dt: torch.Tensor, ssm_state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        x, b, c = split(x)
-        return ssd_chunk_scan(x, dt, A, b, c, D, dt_bias, ssm_state, chunk_size, dt_limit)
-
     state = get_forward_context().state
     if state is None:  # memory profiling: one sequence from nothing
         conv_state = xbc.new_zeros(xbc.shape[1], conv_weight.shape[1] - 1)
         x, _ = causal_conv1d_prefill(xbc, conv_weight, conv_bias, conv_state, activation)
         zeros = torch.zeros(num_heads, head_dim, d_state, dtype=torch.float32, device=xbc.device)
-        return scan(x, dt, zeros)[0].flatten(1)
+        x, b, c = split(x)
+        return ssd_chunk_scan(x, dt, A, b, c, D, dt_bias, zeros, chunk_size, dt_limit)[0].flatten(1)
+    kernels = complete(state.kernels)
     conv_states, ssm_states = state.caches[state_idx]
     if state.decode_only:  # one token per request: every request's update at once
-        conv = conv_states.index_select(0, state.slots)
-        x, b, c = split(causal_conv1d_decode(xbc, conv_weight, conv_bias, conv, activation))
-        conv_states.index_copy_(0, state.slots, conv)
-        ssm = ssm_states.index_select(0, state.slots)
-        y = selective_state_update(x, dt, A, b, c, D, dt_bias, ssm)
-        ssm_states.index_copy_(0, state.slots, ssm)
-        return y.flatten(1)
+        conv = kernels.conv1d_update(xbc, conv_weight, conv_bias, conv_states, state.slots, activation)
+        x, b, c = split(conv)
+        return kernels.selective_state_update(x, dt, A, b, c, D, dt_bias, ssm_states, state.slots).flatten(1)
     y = xbc.new_empty(tokens, num_heads, head_dim)
     qsl = state.query_start_loc
     for i, slot in enumerate(state.slot_list):
@@ -167,10 +162,13 @@ def _mamba2(
         if state.fresh[i]:
             conv_states[slot].zero_()
             ssm_states[slot].zero_()
-        x, conv_states[slot] = causal_conv1d_prefill(
+        x, conv_states[slot] = kernels.causal_conv1d_prefill(
             xbc[rows], conv_weight, conv_bias, conv_states[slot], activation
         )
-        y[rows], ssm_states[slot] = scan(x, dt[rows], ssm_states[slot])
+        x, b, c = split(x)
+        y[rows], ssm_states[slot] = kernels.ssd_chunk_scan(
+            x, dt[rows], A, b, c, D, dt_bias, ssm_states[slot], chunk_size, dt_limit
+        )
     return y.flatten(1)
 
 
