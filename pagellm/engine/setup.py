@@ -113,9 +113,25 @@ def _gguf_source(path: str) -> ModelSource:
 
 
 def load_hf_config(source: ModelSource) -> Any:
+    """The checkpoint's config as the engine sizes and runs the decoder with it: a multimodal checkpoint's
+    `text_config` (see `decoder_config`), any other checkpoint's config as it is."""
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(source.directory)
+    return decoder_config(AutoConfig.from_pretrained(source.directory))
+
+
+def decoder_config(hf_config: Any) -> Any:
+    """A multimodal checkpoint's decoder config (`get_text_config`) carrying the fields that only its top
+    level states: the architecture the model class is registered under, the weights' dtype and their
+    quantization. Everything from the KV layout to the sampler's vocabulary reads the decoder's fields."""
+    text = hf_config.get_text_config(decoder=True)
+    if text is hf_config:
+        return hf_config
+    text.architectures = list(getattr(hf_config, "architectures", None) or [])
+    for key in ("dtype", "quantization_config"):
+        if getattr(text, key, None) is None and getattr(hf_config, key, None) is not None:
+            setattr(text, key, getattr(hf_config, key))
+    return text
 
 
 def resolve_dtype(requested: str, hf_config: Any, platform: type[Platform], gguf: bool) -> torch.dtype:

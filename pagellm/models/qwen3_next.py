@@ -180,3 +180,15 @@ class Qwen3_5ForCausalLM(Qwen3NextForCausalLM):
 
     grouped_projections = False
     renormalize_top_k = True  # always, with no config field to say so
+
+
+class Qwen3_5TextOfMultimodal(Qwen3_5ForCausalLM):
+    """The text model of a Qwen3.5 multimodal checkpoint (`Qwen3_5ForConditionalGeneration`, the MoE one
+    too: how Qwen3.5 ships), for text-only use: the engine runs its `text_config` (engine/setup.py), the
+    decoder's weights come under `model.language_model.`, and the vision tower's (`model.visual.`) are not
+    read."""
+
+    def _adapt(self, name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor] | None:
+        if name.startswith("model.visual."):
+            return None
+        return super()._adapt(name.replace("model.language_model.", "model.", 1), tensor)

@@ -17,6 +17,8 @@ def pagellm_models() -> dict[str, str]:
         "Qwen3NextForCausalLM": "pagellm.models.qwen3_next:Qwen3NextForCausalLM",
         "Qwen3_5ForCausalLM": "pagellm.models.qwen3_next:Qwen3_5ForCausalLM",
         "Qwen3_5MoeForCausalLM": "pagellm.models.qwen3_next:Qwen3_5ForCausalLM",
+        "Qwen3_5ForConditionalGeneration": "pagellm.models.qwen3_next:Qwen3_5TextOfMultimodal",
+        "Qwen3_5MoeForConditionalGeneration": "pagellm.models.qwen3_next:Qwen3_5TextOfMultimodal",
         "GraniteMoeHybridForCausalLM": "pagellm.models.granitemoehybrid:GraniteMoeHybridForCausalLM",
         "MixtralForCausalLM": "pagellm.models.mixtral:MixtralForCausalLM",
         "GptOssForCausalLM": "pagellm.models.gpt_oss:GptOssForCausalLM",

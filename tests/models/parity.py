@@ -130,12 +130,21 @@ def mixed_prompts(vocab: int, seed: int = 0, shared_prefix: int = 0) -> list[lis
 class Reference:
     """transformers greedy generate on the same weights, in float32, one prompt at a time (cached), on the
     session's device (`pytest --device`), where the engine under test runs. `gguf_file`: the model is that
-    file in `model_dir`, read by transformers' GGUF loader."""
+    file in `model_dir`, read by transformers' GGUF loader. `auto_class`: the transformers auto class that
+    loads the checkpoint as its authors run it (AutoModelForImageTextToText for a multimodal one)."""
 
-    def __init__(self, model_dir: Path, max_tokens: int, gguf_file: str | None = None):
-        from transformers import AutoModelForCausalLM
+    def __init__(
+        self,
+        model_dir: Path,
+        max_tokens: int,
+        gguf_file: str | None = None,
+        auto_class: str = "AutoModelForCausalLM",
+    ):
+        import transformers
 
-        model = AutoModelForCausalLM.from_pretrained(model_dir, gguf_file=gguf_file, dtype=torch.float32)
+        model = getattr(transformers, auto_class).from_pretrained(
+            model_dir, gguf_file=gguf_file, dtype=torch.float32
+        )
         self.model = model.to(session_device()).eval()
         self.max_tokens = max_tokens
         self.cache: dict[tuple[int, ...], list[int]] = {}

@@ -122,3 +122,51 @@ def test_the_platforms_recurrent_kernels_run_in_place_of_the_references(model, m
     assert "recurrent layers' kernels: " + ", ".join(names) in caplog.text
     assert_greedy_parity(llm, reference, mixed_prompts(300, seed=3)[:3])
     assert set(calls) == set(names)
+
+
+@pytest.mark.parametrize(
+    ("arch", "config_class", "model_class"),
+    [
+        ("qwen3_5_text", "Qwen3_5Config", "Qwen3_5ForConditionalGeneration"),
+        pytest.param(
+            "qwen3_5_moe_text",
+            "Qwen3_5MoeConfig",
+            "Qwen3_5MoeForConditionalGeneration",
+            marks=pytest.mark.slow,
+        ),
+    ],
+)
+def test_a_multimodal_checkpoints_text_model_runs_text_only(arch, config_class, model_class, tmp_path):
+    """How Qwen3.5 ships: `*ForConditionalGeneration` with the decoder under `model.language_model.` and a
+    vision tower beside it; the engine runs the decoder (its `text_config`) against transformers' own class."""
+    import torch
+    import transformers
+    from tiny import make_tokenizer, tiny_config
+
+    tokenizer = make_tokenizer(384)
+    text = tiny_config(arch, vocab_size=len(tokenizer))
+    vision = dict(
+        depth=1,
+        hidden_size=32,
+        num_heads=2,
+        intermediate_size=64,
+        out_hidden_size=text.hidden_size,
+        patch_size=14,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+    )
+    config = getattr(transformers, config_class)(text_config=text.to_dict(), vision_config=vision)
+    torch.manual_seed(0)
+    getattr(transformers, model_class)(config).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    reference = Reference(tmp_path, MAX_TOKENS, auto_class="AutoModelForImageTextToText")
+    assert type(reference.model).__name__ == model_class
+    llm = LLM(
+        str(tmp_path),
+        dtype="float32",
+        max_model_len=MAX_MODEL_LEN,
+        num_kv_blocks=256,
+        max_num_batched_tokens=TOKEN_BUDGET,
+        max_num_seqs=4,
+    )
+    assert_greedy_parity(llm, reference, mixed_prompts(60, seed=5)[:3])
