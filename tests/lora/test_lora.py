@@ -129,3 +129,26 @@ def test_unsupported_adapters_are_refused(base, tmp_path):
     with pytest.raises(ConfigError, match="LoRA is off"):
         generate(engine(base, enable_lora=False), [[5, 6, 7]], [LoRARequest("x", 3, str(big))])
     assert not llm.engine.has_unfinished_requests()
+
+
+@pytest.mark.slow
+def test_a_hybrid_models_attention_and_mlp_take_adapters_and_its_recurrent_layers_refuse_them(tmp_path):
+    """Qwen3.5: an adapter on the attention layers (whose q_proj carries the output gate too) and the MLPs
+    equals peft's merge; one on the Gated DeltaNet projections is refused, naming the module."""
+    base = make_tiny_checkpoint("qwen3_5_text", tmp_path)
+    adapter, merged = make_adapter(base, tmp_path, 4, seed=4)
+    llm = engine(base, max_num_seqs=4)
+    lora = LoRARequest("a", 1, str(adapter))
+
+    class WithAdapter:
+        def __init__(self, llm):
+            self.engine = llm.engine
+
+        def generate(self, prompts, params, use_tqdm=False):
+            return llm.generate(prompts, params, use_tqdm=use_tqdm, lora_request=lora)
+
+    assert_greedy_parity(WithAdapter(llm), Reference(merged, MAX_TOKENS), mixed_prompts(300)[:4])
+    recurrent = make_adapter(base, tmp_path / "delta", 4, seed=5, targets=["in_proj_qkv", "out_proj"])[0]
+    with pytest.raises(ConfigError, match="linear_attn.in_proj_qkv"):
+        generate(llm, [[5, 6, 7]], [LoRARequest("delta", 2, str(recurrent))])
+    assert not llm.engine.has_unfinished_requests()
