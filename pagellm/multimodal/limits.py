@@ -32,7 +32,8 @@ class MediaLimits:
       an HTTP body is counted as it streams in and the fetch stops once it is passed.
     - `max_image_pixels`: width x height at most, read from the image's header before any pixel is decoded
       (the decompression-bomb guard: a few KiB of PNG can declare gigabytes of pixels).
-    - `fetch_timeout_s`: the whole HTTP fetch, redirects included, is given up after about this long.
+    - `fetch_timeout_s`: the whole HTTP fetch, redirects included, is given up after this long (checked
+      between reads; one read waits at most the time left when its hop began).
     - `allowed_domains`: the host names (exact, case-insensitive) an http(s) URL and each of its redirects
       may name; None allows any host whose addresses are all public (not loopback, private, link-local or
       reserved), and the connection then goes to the address that was checked.

@@ -27,6 +27,7 @@ def load_image(source: str | Image.Image, limits: MediaLimits, *, field_hint: st
 
     Blocks on the network and the decoder: in a server, use `load_image_async`."""
     if isinstance(source, Image.Image):
+        source.load()  # an image from Image.open is decoded lazily
         return source if source.mode == "RGB" else source.convert("RGB")
     if not isinstance(source, str):
         raise MediaError(field_hint, f"an image is a URL, a path or a PIL image, not {type(source).__name__}")

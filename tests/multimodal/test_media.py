@@ -81,6 +81,13 @@ def test_alpha_and_palette_images_come_back_rgb():
     assert load_image(rgb, MediaLimits()) is rgb
 
 
+def test_a_lazily_opened_pil_image_comes_back_loaded():
+    buffer = io.BytesIO(PNG)
+    image = load_image(Image.open(buffer), MediaLimits())
+    buffer.close()
+    assert image.tobytes() == gradient().tobytes()
+
+
 @pytest.mark.parametrize(
     "data, words",
     [
@@ -309,6 +316,10 @@ def test_a_redirect_to_a_file_url_is_not_followed(server, base, tmp_path):
     (tmp_path / "a.png").write_bytes(PNG)
     limits = MediaLimits(allowed_domains={"127.0.0.1"}, allowed_local_media_path=str(tmp_path))
     refused(f"{base}/redirect?to=file://{tmp_path}/a.png", limits, "is not http(s)")
+
+
+def test_a_redirect_to_an_invalid_url_is_a_media_error(base):
+    refused(f"{base}/redirect?to=http://%5B::1", LOCAL, "failed")
 
 
 def test_a_redirect_within_the_allow_list_is_followed(server, base):
