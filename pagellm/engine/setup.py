@@ -115,9 +115,14 @@ def _gguf_source(path: str) -> ModelSource:
 def load_hf_config(source: ModelSource) -> Any:
     """The checkpoint's config as the engine sizes and runs the decoder with it: a multimodal checkpoint's
     `text_config` (see `decoder_config`), any other checkpoint's config as it is."""
+    return decoder_config(load_model_config(source))
+
+
+def load_model_config(source: ModelSource) -> Any:
+    """The checkpoint's whole config (a multimodal one's with its vision_config)."""
     from transformers import AutoConfig
 
-    return decoder_config(AutoConfig.from_pretrained(source.directory))
+    return AutoConfig.from_pretrained(source.directory)
 
 
 def decoder_config(hf_config: Any) -> Any:
@@ -183,7 +188,8 @@ def resolve_engine(config: EngineConfig) -> EngineSetup:
     tokenizer = resolve_tokenizer(config)
     if tokenizer is not None:
         config.tokenizer = tokenizer  # a local directory from here on: everything after start-up reads it
-    hf_config = load_hf_config(source)
+    model_config = load_model_config(source)
+    hf_config = decoder_config(model_config)
     model_class_path = resolve_model_class(hf_config, registry.models)
     check_parallel(config, hf_config, import_model_class(model_class_path))
     dtype = resolve_dtype(config.dtype, hf_config, platform, gguf=source.gguf_original is not None)
@@ -225,6 +231,7 @@ def resolve_engine(config: EngineConfig) -> EngineSetup:
         platform=platform,
         source=source,
         hf_config=hf_config,
+        model_config=model_config,
         model_class_path=model_class_path,
         dtype=dtype,
         max_model_len=max_model_len,

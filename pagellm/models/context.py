@@ -32,6 +32,8 @@ class ModelInit:
     kv_cache_dtype: torch.dtype | None = None  # None: the model's dtype
     parallel: Parallel = field(default_factory=Parallel)  # this rank's tensor/pipeline-parallel place
     expert_parallel: bool = False  # MoE layers split their experts over the tensor-parallel ranks
+    # the checkpoint's whole config, for a multimodal model (its vision_config); hf_config is its decoder's
+    model_config: Any = None
 
 
 @dataclass
@@ -75,6 +77,15 @@ class StateBatch:
 
 
 @dataclass
+class ImageBatch:
+    """The step's rows that are image placeholders and what replaces their token embeddings: `embeds[i]`
+    goes to flat row `rows[i]` (the vision encoder's output, worker/encoder_cache.py)."""
+
+    rows: torch.Tensor  # [N] int64
+    embeds: torch.Tensor  # [N, hidden] in the model's dtype
+
+
+@dataclass
 class ForwardContext:
     metadata: Any  # what the attention backend's build_metadata returned for this step
     kv_caches: list[torch.Tensor]  # one per attention layer, indexed by Attention.layer_idx
@@ -88,6 +99,8 @@ class ForwardContext:
     # a model with recurrent layers: the step's states; None otherwise (and in a memory-profiling step,
     # where such layers compute from zero states and keep nothing)
     state: StateBatch | None = None
+    # a multimodal model's step with image placeholder rows; None otherwise
+    images: ImageBatch | None = None
 
     def metadata_of(self, layer_idx: int) -> Any:
         """The metadata attention layer `layer_idx` runs with."""
@@ -112,13 +125,16 @@ def set_forward_context(
     rope_lengths: torch.Tensor | None = None,
     layer_metadata: Sequence[Any] | None = None,
     state: StateBatch | None = None,
+    images: ImageBatch | None = None,
 ) -> Iterator[None]:
     """`metadata` for every layer, or, with several KV cache groups, `layer_metadata[layer_idx]` for each
     (then `metadata` is group 0's)."""
     global _context
     previous, _context = (
         _context,
-        ForwardContext(metadata, kv_caches, attention_layers, lora, rope_lengths, layer_metadata, state),
+        ForwardContext(
+            metadata, kv_caches, attention_layers, lora, rope_lengths, layer_metadata, state, images
+        ),
     )
     # a backend's metadata may prepare native state for the forward (CPU_ATTN's compiled-graph op), over
     # one step's tables for every layer: not with several groups, whose layers read different tables

@@ -167,6 +167,7 @@ class ModelRunner:
             setup.spec.kv_cache_dtype,
             self.parallel,
             setup.config.enable_expert_parallel,
+            setup.model_config,
         )
         torch.set_default_dtype(setup.dtype)
         try:

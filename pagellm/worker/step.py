@@ -46,7 +46,7 @@ class EngineSetup:
     registry: Registry
     platform: type[Platform]
     source: ModelSource
-    hf_config: Any  # transformers.PretrainedConfig
+    hf_config: Any  # transformers.PretrainedConfig of the decoder (a multimodal checkpoint's text_config)
     model_class_path: str  # "module:Class" of the model, as registered for its architecture
     dtype: torch.dtype
     max_model_len: int
@@ -57,6 +57,7 @@ class EngineSetup:
     reasoning_parser: type | None = None  # --reasoning-parser's class (from the registry)
     # the layers' KV cache groups (core/kv_cache_spec.py); None: one group of every layer, with `spec`'s
     kv_layout: KVCacheLayout | None = None
+    model_config: Any = None  # the checkpoint's whole config where it is not hf_config (multimodal)
 
     @property
     def backend(self) -> type[AttentionBackend]:

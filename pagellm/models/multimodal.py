@@ -1,0 +1,85 @@
+"""What a model that takes images adds to `CausalLM` (`SupportsImages`), and the op that puts the vision
+encoder's output in place of the image placeholders' token embeddings.
+
+The engine's side: the processor runs the checkpoint's own Hugging Face processor over the prompt and its
+images (so resizing, normalisation and the expansion of each image's placeholder to its token count are the
+model authors'), then asks the model class where each image's tokens are and which of the processor's
+tensors belong to it (`image_inputs`). The model runner encodes an image (`encode_images`) in the step
+whose prefill chunk first covers its tokens and hands the rows of the step's embeddings it replaces to the
+forward in the context (`ImageBatch`); the decoder calls `merge_image_embeddings` after its token
+embedding."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+import torch
+
+from pagellm.models.context import get_forward_context
+
+
+class SupportsImages:
+    """A `CausalLM` whose prompts may hold images. `image_token_id` is the placeholder the processor
+    repeats once per image token."""
+
+    supports_images: ClassVar[bool] = True
+
+    @classmethod
+    def image_token_id(cls, model_config: Any) -> int:
+        return int(model_config.image_token_id)
+
+    @classmethod
+    def image_inputs(
+        cls, model_config: Any, processed: Mapping[str, torch.Tensor], prompt_token_ids: list[int]
+    ) -> list[tuple[int, int, dict[str, torch.Tensor]]]:
+        """(offset, length, data) of each image, in prompt order: its placeholder tokens are positions
+        [offset, offset + length) of `prompt_token_ids` (the processor's `input_ids`), and `data` holds the
+        processor's tensors for that image alone, which `encode_images` reads. This default suits
+        processors whose `pixel_values` hold one [C, H, W] image per row and expand each image to one run of
+        placeholders (LLaVA, Gemma 3)."""
+        runs = placeholder_runs(prompt_token_ids, cls.image_token_id(model_config))
+        pixels = processed["pixel_values"]
+        if len(runs) != pixels.shape[0]:
+            raise ValueError(f"the prompt has {len(runs)} image placeholders for {pixels.shape[0]} images")
+        return [
+            (offset, length, {"pixel_values": pixels[i : i + 1]}) for i, (offset, length) in enumerate(runs)
+        ]
+
+    def encode_images(self, images: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
+        """Each image's embeddings [length, hidden] in the model's dtype, in the order given."""
+        raise NotImplementedError
+
+
+def placeholder_runs(token_ids: list[int], placeholder: int) -> list[tuple[int, int]]:
+    """(start, length) of each maximal run of `placeholder` in `token_ids`."""
+    runs: list[tuple[int, int]] = []
+    for i, token in enumerate(token_ids):
+        if token != placeholder:
+            continue
+        if runs and runs[-1][0] + runs[-1][1] == i:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((i, 1))
+    return runs
+
+
+def merge_image_embeddings(h: torch.Tensor) -> torch.Tensor:
+    """The step's token embeddings with the image placeholders' rows replaced by the images' embeddings."""
+    return torch.ops.pagellm.merge_image_embeddings(h)
+
+
+@torch.library.custom_op("pagellm::merge_image_embeddings", mutates_args=())
+def _merge_image_embeddings(h: torch.Tensor) -> torch.Tensor:
+    """Opaque to torch.compile (like `pagellm::attention`): it reads the step's `ImageBatch` from the
+    forward context, which a traced graph would otherwise freeze."""
+    images = get_forward_context().images
+    out = h.clone()
+    if images is not None:
+        out.index_copy_(0, images.rows, images.embeds.to(h.dtype))
+    return out
+
+
+@_merge_image_embeddings.register_fake
+def _(h):
+    return torch.empty_like(h)
