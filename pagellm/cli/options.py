@@ -31,6 +31,14 @@ def _option_for(f: dataclasses.Field) -> Callable:
             show_envvar=bool(meta.get("envvar")),
             help=f"{meta['help']} [default: {f.default}]",
         )
+    if type_name == "list[str]":
+        return click.option(
+            flag,
+            f.name,
+            multiple=True,
+            callback=lambda ctx, param, value: list(value) or None,
+            help=f"{meta['help']} [default: {f.default}]",
+        )
     if meta.get("json"):
         kind: Any = click.STRING
     else:

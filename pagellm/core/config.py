@@ -12,10 +12,18 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from pagellm.core.dtypes import DTYPES, KV_CACHE_DTYPES
+from pagellm.core.errors import ConfigError
 from pagellm.core.json_setting import json_setting
 
 if TYPE_CHECKING:
     from pagellm.core.kv_connector import KVTransferConfig
+
+
+@dataclass
+class _MediaLimits:
+    """The keys `limit_mm_per_prompt` takes."""
+
+    image: int = 1
 
 
 def _opt(default: Any, help: str, **extra: Any) -> Any:
@@ -109,6 +117,19 @@ class EngineConfig:
         'or "zmq", "kv_role": "kv_producer" | "kv_consumer" | "kv_both", ...}\' (docs/serving.md).',
         json=True,
     )
+    limit_mm_per_prompt: dict[str, Any] | str | None = _opt(
+        None,
+        "Most media items one prompt may carry, as JSON, e.g. '{\"image\": 4}' (default: 1 image for a model "
+        "that takes images).",
+        json=True,
+    )
+    allowed_local_media_path: str | None = _opt(
+        None,
+        "Folder whose files image URLs may name (file:// or a path); local files are refused without it.",
+    )
+    allowed_media_domains: list[str] | None = _opt(
+        None, "A host that http(s) image URLs may name (repeatable; default: any public host)."
+    )
     enable_lora: bool = _opt(False, "Serve LoRA adapters (PEFT format) chosen per request.")
     max_loras: int = _opt(1, "LoRA adapters one step may use (device slots).")
     max_lora_rank: int = _opt(16, "Largest LoRA rank accepted.")
@@ -135,6 +156,15 @@ class EngineConfig:
         "sentence-transformers config (modules.json), else LAST, normalized.",
         json=True,
     )
+
+    @property
+    def image_limit(self) -> int:
+        """`limit_mm_per_prompt`'s images per prompt (checked: a ConfigError for a bad value)."""
+        limits = json_setting(self.limit_mm_per_prompt, "limit_mm_per_prompt", _MediaLimits, '{"image": 4}')
+        value = (limits or {}).get("image", 1)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ConfigError(f"limit_mm_per_prompt.image: must be an integer >= 0, not {value!r}")
+        return value
 
     @property
     def speculative(self) -> SpeculativeConfig | None:

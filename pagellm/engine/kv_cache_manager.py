@@ -34,11 +34,12 @@ from collections.abc import Hashable, Sequence
 from pagellm.core.kv_cache_spec import blocks_per_request, window_blocks
 from pagellm.engine.block_pool import BlockPool, KVBlock
 from pagellm.engine.request import Request
+from pagellm.multimodal.inputs import block_image_keys
 
 
-def hash_block_tokens(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
-    """Chained hash of one full block."""
-    return hash((parent_hash, token_ids))
+def hash_block_tokens(parent_hash: int | None, token_ids: tuple[int, ...], *extra: Hashable) -> int:
+    """Chained hash of one full block; `extra`: what else its KV depends on (the images it overlaps)."""
+    return hash((parent_hash, token_ids, *extra))
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -306,7 +307,12 @@ class KVCacheManager:
 
     def _block_key(self, request: Request, i: int) -> tuple:
         parent = request.block_hashes[i - 1] if i else request.cache_salt
-        tokens = tuple(request.all_token_ids[i * self.block_size : (i + 1) * self.block_size])
+        start, end = i * self.block_size, (i + 1) * self.block_size
+        tokens = tuple(request.all_token_ids[start:end])
+        if request.images:  # placeholder tokens are the same for every image: key them by content
+            images = block_image_keys(request.images, start, end)
+            if images:
+                return parent, tokens, images
         return parent, tokens
 
     def _update_block_hashes(self, request: Request, num_blocks: int) -> None:

@@ -14,6 +14,9 @@ from pagellm.engine.data_parallel import DataParallelClient, check_data_parallel
 from pagellm.engine.llm_engine import LLMEngine
 from pagellm.engine.outputs import PoolingRequestOutput, RequestOutput
 from pagellm.lora.request import LoRARequest
+from pagellm.multimodal import load_image
+from pagellm.multimodal.chat import has_images, split_images
+from pagellm.multimodal.limits import media_limits
 from pagellm.sampling.params import BeamSearchParams, SamplingParams
 
 Prompt = str | dict[str, Any]
@@ -30,6 +33,7 @@ class LLM:
     def __init__(self, model: str | None = None, **kwargs: Any):
         config = EngineConfig.from_kwargs(model=model, **kwargs)
         check_data_parallel(config)
+        self.media_limits = media_limits(config)  # where LLM.chat's image URLs may come from
         self.engine: LLMEngine | DataParallelClient = (
             DataParallelClient(config) if config.data_parallel_size > 1 else LLMEngine(config)
         )
@@ -55,7 +59,9 @@ class LLM:
         priority: Sequence[int] | None = None,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt (a string, or {"prompt_token_ids": [...]}); outputs in prompt order.
+        """Generate for every prompt (a string, {"prompt_token_ids": [...]}, or {"prompt": text,
+        "multi_modal_data": {"image": PIL image or a list}} for a model that takes images: the text holds
+        the model's image placeholder where each image goes); outputs in prompt order.
         `lora_request`: one adapter for all prompts, or one (or None) per prompt.
 
         Every prompt (and adapter) is validated before any runs, so one bad prompt fails the call with
@@ -163,11 +169,27 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them, using the tokenizer's chat template."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [
-            {"prompt_token_ids": self.apply_chat_template(c, chat_template, add_generation_prompt)}
-            for c in conversations
-        ]
+        prompts = [self._chat_prompt(c, chat_template, add_generation_prompt) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
+
+    def _chat_prompt(
+        self, conversation: list[Message], chat_template: str | None, add_generation_prompt: bool
+    ):
+        """The engine's prompt for a conversation: its token ids, or, with image parts (`image_url` with a
+        data:, http(s): or allowed local URL; `image_pil` with a PIL image), the rendered text and the
+        images, which the engine's processor expands to the images' tokens."""
+        if not has_images(conversation):
+            return {
+                "prompt_token_ids": self.apply_chat_template(
+                    conversation, chat_template, add_generation_prompt
+                )
+            }
+        messages, sources = split_images(conversation)
+        text = self.engine.tokenizer.apply_chat_template(
+            messages, chat_template=chat_template, add_generation_prompt=add_generation_prompt, tokenize=False
+        )
+        images = [load_image(s.source, self.media_limits, field_hint=s.field) for s in sources]
+        return {"prompt": text, "multi_modal_data": {"image": images}, "add_special_tokens": False}
 
     def apply_chat_template(
         self,

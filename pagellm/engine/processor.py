@@ -10,15 +10,18 @@ matcher when the output is constrained.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from pagellm.core.config import EngineConfig
 from pagellm.core.errors import ConfigError
 from pagellm.core.pooling import Pooler, PoolerConfig, PoolingParams, resolve_pooler
+from pagellm.engine.images import PromptImages
 from pagellm.engine.request import Request
 from pagellm.lora.request import LoRARequest
 from pagellm.models.layers.rotary import rope_salt_function
+from pagellm.models.loader import import_model_class
+from pagellm.multimodal.inputs import ImageInput
 from pagellm.sampling.params import SamplingParams
 from pagellm.structured_output import grammar
 from pagellm.worker.step import EngineSetup
@@ -38,6 +41,7 @@ class ProcessedPrompt:
     prompt_token_ids: list[int]
     params: SamplingParams | PoolingParams  # pooling: resolved (pooling_type, normalize filled in)
     kv_transfer_params: dict[str, Any] | None = None  # for the KV connector (n = 1 only)
+    images: list[ImageInput] = field(default_factory=list)  # in prompt order
 
 
 def make_pooler(setup: EngineSetup) -> Pooler | None:
@@ -75,6 +79,12 @@ class Processor:
         parser = setup.reasoning_parser
         # a grammar applies after these tokens: the end of the reasoning, when a reasoning parser is set
         self._reasoning_end = tokenizer.encode(parser.end_tag, add_special_tokens=False) if parser else []
+        model_class = import_model_class(setup.model_class_path)
+        self.images: PromptImages | None = None  # a model that takes images
+        if getattr(model_class, "supports_images", False):
+            model_config = setup.model_config if setup.model_config is not None else setup.hf_config
+            limit = setup.config.image_limit
+            self.images = PromptImages(model_class, model_config, setup.source.directory, limit)
 
     def process(
         self,
@@ -84,8 +94,12 @@ class Processor:
     ) -> ProcessedPrompt:
         """Tokenize and validate; ConfigError (nothing queued) for invalid input. `kv_transfer_params` may
         also come in the prompt dict (how AsyncLLM's callers pass it); a pooling request takes none."""
-        text, prompt_token_ids = self.tokenize(prompt)
+        text, prompt_token_ids, images = self.read_prompt(prompt)
         if isinstance(params, PoolingParams):
+            if images:
+                raise ConfigError(
+                    "embeddings of prompts with images are not supported", param="multi_modal_data"
+                )
             return ProcessedPrompt(text, prompt_token_ids, self.validate(prompt_token_ids, params))
         self.validate(prompt_token_ids, params)
         if kv_transfer_params is None and isinstance(prompt, dict):
@@ -95,9 +109,38 @@ class Processor:
                 "kv_transfer_params must be a JSON object, on a request with n = 1",
                 param="kv_transfer_params",
             )
-        return ProcessedPrompt(text, prompt_token_ids, params, kv_transfer_params)
+        return ProcessedPrompt(text, prompt_token_ids, params, kv_transfer_params, images)
 
     def tokenize(self, prompt: str | dict | list[int]) -> tuple[str | None, list[int]]:
+        """(the prompt's text if it came as text, its token ids: image placeholders expanded)."""
+        return self.read_prompt(prompt)[:2]
+
+    def read_prompt(self, prompt: str | dict | list[int]) -> tuple[str | None, list[int], list[ImageInput]]:
+        """`tokenize`, and the prompt's images (`{"prompt": text, "multi_modal_data": {"image": ...}}`, with
+        `"add_special_tokens": False` for a chat template's output)."""
+        if isinstance(prompt, dict) and prompt.get("multi_modal_data"):
+            return self._read_images(prompt)
+        return (*self._tokenize(prompt), [])
+
+    def _read_images(self, prompt: dict) -> tuple[str | None, list[int], list[ImageInput]]:
+        data = prompt["multi_modal_data"]
+        if self.images is None:
+            raise ConfigError("this model takes no images; send text only", param="multi_modal_data")
+        if not isinstance(data, dict) or set(data) - {"image"}:
+            raise ConfigError(
+                'multi_modal_data: expected {"image": image or [images]}', param="multi_modal_data"
+            )
+        text = prompt.get("prompt")
+        if not isinstance(text, str):
+            raise ConfigError(
+                "a prompt with images must be text (its image placeholders are expanded to the images' tokens)",
+                param="prompt",
+            )
+        images = data["image"] if isinstance(data["image"], (list, tuple)) else [data["image"]]
+        token_ids, inputs = self.images.process(text, images, bool(prompt.get("add_special_tokens", True)))
+        return text, token_ids, inputs
+
+    def _tokenize(self, prompt: str | dict | list[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
@@ -213,6 +256,7 @@ class Processor:
                     priority,
                     lora_request,
                     kv_transfer_params=processed.kv_transfer_params,
+                    images=processed.images,
                 )
             )
         for child in children:

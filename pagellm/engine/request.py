@@ -51,6 +51,7 @@ class Request:
         lora_request: Any = None,
         pooling_params: Any = None,
         kv_transfer_params: dict[str, Any] | None = None,
+        images: list[Any] | None = None,
     ):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -75,6 +76,8 @@ class Request:
         self.rope_salt: tuple | None = None
         # disaggregated prefill/decode: what the client sent for the KV connector, and what goes back to it
         self.kv_transfer_params = kv_transfer_params
+        # multimodal.inputs.ImageInput of each image in its prompt, in prompt order (a multimodal model's)
+        self.images: list[Any] = images or []
         self.kv_transfer_output: dict[str, Any] | None = None
         self.kv_loaded = False  # its KV connector load ended since it was last admitted: do not load again
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from typing import Any
 
 from pagellm.core.errors import ConfigError, PagellmError
 
@@ -78,3 +79,11 @@ class MediaLimits:
 def normalise_host(host: str) -> str:
     """A host as URLs are compared against the allow-list: lower case, no trailing dot, IPv6 unbracketed."""
     return host.strip().lower().rstrip(".").removeprefix("[").removesuffix("]")
+
+
+def media_limits(config: Any) -> MediaLimits:
+    """The limits an engine's settings give (`--allowed-local-media-path`, `--allowed-media-domains`)."""
+    return MediaLimits(
+        allowed_domains=config.allowed_media_domains,
+        allowed_local_media_path=config.allowed_local_media_path,
+    )

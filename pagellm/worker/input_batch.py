@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from pagellm.core.transfer import to_device
-from pagellm.models.context import LoRABatch
+from pagellm.models.context import ImageBatch, LoRABatch
 from pagellm.worker.step import ScheduledRequest, StepArrays
 
 
@@ -32,6 +32,7 @@ class PreparedStep:
     prompt_logprobs: list[tuple[int, ScheduledRequest]]  # (index, request): logprobs of prompt tokens
     pooling: list[tuple[int, ScheduledRequest]]  # (index, request): pooled, never sampled
     lora: LoRABatch | None = None  # the step's adapter rows and slots on the device (driver only)
+    images: ImageBatch | None = None  # the step's image placeholder rows and their embeddings
 
 
 class InputBatch:

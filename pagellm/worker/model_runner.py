@@ -30,7 +30,7 @@ from pagellm.core.platform import GiB
 from pagellm.distributed import Parallel
 from pagellm.lora.request import LoRARequest
 from pagellm.models.base import ModelInit
-from pagellm.models.context import LoRABatch, StateBatch, set_forward_context
+from pagellm.models.context import ImageBatch, LoRABatch, StateBatch, set_forward_context
 from pagellm.models.layers.fused_moe.layer import FusedMoE
 from pagellm.models.layers.linear import Linear
 from pagellm.models.layers.rotary import request_length_base
@@ -45,6 +45,7 @@ from pagellm.sampling.sampler import (
 )
 from pagellm.spec_decode.proposer import StepInputs
 from pagellm.worker.cuda_graphs import DecodeGraphs, capture_decode_graphs, decode_graphs_allowed
+from pagellm.worker.encoder_cache import EncoderCache
 from pagellm.worker.input_batch import InputBatch, PreparedStep, host_to_device
 from pagellm.worker.kv_cache import (
     allocate_kv_caches,
@@ -114,6 +115,10 @@ class ModelRunner:
         self.forward = self._compile()
         # a recurrent layer's state slot is its request's row here (core/state.py)
         self.state_caches = allocate_states(self.state_layers, self.max_num_seqs, self.device)
+        # a model that takes images: its encoder's outputs between the steps of a prefill
+        self.encoder_cache = (
+            EncoderCache(self.model, self.device) if getattr(self.model, "supports_images", False) else None
+        )
         self.recurrent_kernels = setup.platform.recurrent_kernels()
         if self.state_layers:
             logger.info("recurrent layers' kernels: %s", self.recurrent_kernels.describe())
@@ -462,16 +467,22 @@ class ModelRunner:
     def release_preempted(self, request_ids: Iterable[str]) -> None:
         """Drop the step state of preempted requests (their batch row, a pooling request's partial pool: it
         pools its prompt again); their seeded generator stays, for when they run again."""
+        request_ids = list(request_ids)
         for request_id in request_ids:
             self.input_batch.remove(request_id)
             self.pooling_states.pop(request_id, None)
+        if self.encoder_cache is not None:
+            self.encoder_cache.release(request_ids)
 
     def release_finished(self, request_ids: Iterable[str]) -> None:
         """Drop everything of finished or aborted requests, their seeded generator included."""
+        request_ids = list(request_ids)
         for request_id in request_ids:
             self.input_batch.remove(request_id)
             self.generators.pop(request_id, None)
             self.pooling_states.pop(request_id, None)
+        if self.encoder_cache is not None:
+            self.encoder_cache.release(request_ids)
 
     # -- a step -------------------------------------------------------------------------------------------
 
@@ -534,7 +545,8 @@ class ModelRunner:
             base = [r.num_prompt_tokens if prompt else r.num_tokens for r in out.scheduled]
             arrays.rope_lengths = np.maximum(np.repeat(base, counts), arrays.positions + 1)
         lora = self.lora.batch(out.scheduled, cu) if self.lora is not None else None
-        return PreparedStep(arrays, cu, starts, sampling, prompt_lp, pooling, lora)
+        images = self.encoder_cache.step_images(out.scheduled, starts, cu) if self.encoder_cache else None
+        return PreparedStep(arrays, cu, starts, sampling, prompt_lp, pooling, lora, images)
 
     def _run_model(self, step: PreparedStep) -> torch.Tensor:
         """The final hidden states of the step's rows. The other ranks get the same inputs and run the same
@@ -544,13 +556,15 @@ class ModelRunner:
             self.parallel.broadcast(("forward", step.arrays))
         hidden = self.graphs.run(step.arrays) if self.graphs is not None else None
         if hidden is None:
-            inputs = self._forward(step.arrays, step.lora)
+            inputs = self._forward(step.arrays, step.lora, step.images)
             hidden = inputs.hidden
             if self.spec_decode is not None:
                 self.spec_decode.observe(inputs)
         return hidden
 
-    def _forward(self, step: StepArrays, lora: LoRABatch | None = None) -> StepInputs:
+    def _forward(
+        self, step: StepArrays, lora: LoRABatch | None = None, images: ImageBatch | None = None
+    ) -> StepInputs:
         """Run the model on one step's arrays (on the device: input ids, positions, the attention batch of
         each KV cache group) under the backend's metadata, each layer its group's; returns them (group 0's
         attention batch, which a draft model reads) with the final hidden states."""
@@ -594,6 +608,7 @@ class ModelRunner:
             rope_lengths=lengths,
             layer_metadata=layer_metadata,
             state=state,
+            images=images,
         ):
             hidden = self.forward(input_ids, positions)
         return StepInputs(input_ids, positions, attns[0], hidden)
