@@ -8,6 +8,8 @@ fixture), with tiny shapes; where one is, the same tests run compiled on it. Big
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -23,8 +25,9 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
 """Relative, and absolute per unit of the largest magnitude: both sides compute in float32 and round the
 output once, in a different order."""
-LAYOUTS = ("contiguous", "strided", "head_major")
-"""How the state cache lies: [S, ...] contiguous; every other slot of a bigger buffer; heads outermost."""
+DECODE_CASES = [("contiguous", torch.bfloat16), ("strided", torch.float32), ("head_major", torch.bfloat16)]
+"""How the state cache lies ([S, ...] contiguous; every other slot of a bigger buffer; heads outermost), each
+once, with both input dtypes between them (the interpreter's time per case is what limits the pairs)."""
 
 
 @pytest.fixture(autouse=True)
@@ -76,8 +79,7 @@ def check_decode(name: str, args: tuple, cache: torch.Tensor, dtype: torch.dtype
     assert torch.equal(cache[untouched], before[untouched])
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("layout", "dtype"), DECODE_CASES)
 def test_conv1d_update(layout, dtype):
     """Bias and silu (Mamba-2), or neither (the strided case; Gated DeltaNet has silu and no bias)."""
     g = torch.Generator().manual_seed(0)
@@ -94,8 +96,7 @@ def test_conv1d_update_refuses_other_activations():
         TRITON_KERNELS.conv1d_update(x, weight, None, cache, SLOTS, "gelu")
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("layout", "dtype"), DECODE_CASES)
 def test_gated_delta_rule_update(layout, dtype):
     """Dk 16 and Dv 24 (a value block partly filled); q and k of the key heads repeated as the layer does."""
     g = torch.Generator().manual_seed(1)
@@ -109,8 +110,7 @@ def test_gated_delta_rule_update(layout, dtype):
     check_decode("gated_delta_rule_update", (q, k, v, decay, beta), cache, dtype)
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("layout", "dtype"), DECODE_CASES)
 def test_selective_state_update(layout, dtype):
     """Four heads in two groups of B and C; P 24 and N 16."""
     g = torch.Generator().manual_seed(2)
@@ -239,3 +239,32 @@ def test_jitted_once_per_mode(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     compiled = triton_recurrent._kernels()
     assert compiled is not interpreted and compiled is triton_recurrent._kernels()
+
+
+@pytest.mark.slow  # the interpreter runs every layer's conv and scan: about a minute
+@pytest.mark.parametrize("arch", ["qwen3_next", "granitemoehybrid"])
+def test_models_match_transformers_with_the_kernels(arch, tmp_path, monkeypatch, caplog):
+    """The layers' calls (split views, the state cache's slots) reach the kernels as the references take them:
+    greedy parity under chunked prefill with the Triton kernels in place of the references."""
+    from parity import Reference, assert_greedy_parity, mixed_prompts
+    from tiny import make_tiny_checkpoint
+
+    from pagellm import LLM
+    from pagellm.platforms.cpu import CpuPlatform
+
+    if DEVICE != "cpu":
+        pytest.skip("the engine runs on the session's device; this checks the kernels on CPU tensors")
+    monkeypatch.setattr(CpuPlatform, "recurrent_kernels", classmethod(lambda cls: TRITON_KERNELS))
+    path = make_tiny_checkpoint(arch, tmp_path)
+    reference = Reference(path, 8)
+    with caplog.at_level(logging.INFO, logger="pagellm"):
+        llm = LLM(
+            str(path),
+            dtype="float32",
+            max_model_len=200,
+            num_kv_blocks=128,
+            max_num_batched_tokens=32,
+            max_num_seqs=4,
+        )
+    assert "recurrent layers' kernels: " + TRITON_KERNELS.describe() in caplog.text
+    assert_greedy_parity(llm, reference, [p for p in mixed_prompts(150, seed=1) if len(p) <= 80][:4])
