@@ -13,7 +13,9 @@ import torch
 from pagellm.core.dtypes import DTYPES, dtype_name
 from pagellm.core.errors import ConfigError
 from pagellm.core.platform import TRITON, GiB, Platform
+from pagellm.core.state import RecurrentKernels
 from pagellm.platforms.triton_moe import pack_triton_moe, triton_moe_runs
+from pagellm.platforms.triton_recurrent import TRITON_RECURRENT_KERNELS
 
 if TYPE_CHECKING:
     from pagellm.core.config import EngineConfig
@@ -172,6 +174,14 @@ class TorchRuntimePlatform(AcceleratorPlatform):
         if cls.runtime != "cuda" or TRITON not in cls.capabilities or not triton_moe_runs(w13):
             return None
         return pack_triton_moe(w13, w2, w13_bias, w2_bias, activation)
+
+    @classmethod
+    def recurrent_kernels(cls) -> RecurrentKernels:
+        """The Triton conv, delta-rule and SSM kernels (`triton_recurrent`) on CUDA and ROCm where triton is
+        installed; the plain-torch references elsewhere (XPU: untried)."""
+        if cls.runtime != "cuda" or TRITON not in cls.capabilities:
+            return RecurrentKernels()
+        return TRITON_RECURRENT_KERNELS
 
     @classmethod
     def describe(cls) -> dict[str, str]:
