@@ -164,6 +164,11 @@ class AsyncLLM:
         return self.facts.max_model_len
 
     @property
+    def takes_images(self) -> bool:
+        """Whether the model's prompts may hold images."""
+        return self.facts.takes_images
+
+    @property
     def kv_cache_tokens(self) -> int:
         """Tokens the KV cache holds at once, all requests together."""
         return self.facts.kv_cache_tokens

@@ -48,6 +48,7 @@ class EngineFacts:
     tokenizer_path: str
     scheduler_stats: SchedulerStats
     eos_token_ids: frozenset[int] = frozenset()  # the model's EOS tokens (beam search ends beams on them)
+    takes_images: bool = False  # the model's prompts may hold images
 
     @classmethod
     def of(cls, engine: Any) -> EngineFacts:
@@ -58,6 +59,7 @@ class EngineFacts:
             tokenizer_path=engine.setup.config.tokenizer or engine.setup.source.directory,
             scheduler_stats=engine.stats(),
             eos_token_ids=frozenset(engine.eos_token_ids),
+            takes_images=engine.processor.images is not None,
         )
 
 

@@ -25,10 +25,14 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 from starlette.background import BackgroundTask
 
+from pagellm.core.errors import ConfigError
 from pagellm.core.pooling import PoolingParams
 from pagellm.engine.async_llm import AsyncLLM, RequestStream
 from pagellm.engine.outputs import Logprob, RequestOutput
 from pagellm.lora.request import LoRARequest
+from pagellm.multimodal import MediaError, load_image_async
+from pagellm.multimodal.chat import split_images
+from pagellm.multimodal.limits import media_limits
 from pagellm.sampling.params import SamplingParams
 from pagellm.server import errors
 from pagellm.server.limits import DEFAULT_MAX_N
@@ -78,6 +82,7 @@ class ServingBase:
         self.log_requests = log_requests
         self.max_n = max_n
         self.tokenizer = llm.tokenizer
+        self.media_limits = media_limits(llm.config)  # where image URLs may come from
 
     # -- prompts ----------------------------------------------------------------------------------------
 
@@ -137,6 +142,70 @@ class ServingBase:
             ) from exc
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
+    async def chat_images(self, messages: list[ChatMessage]) -> list[Any]:
+        """The images of a conversation's `image_url` parts, fetched and decoded off the event loop, in the
+        order the chat template writes their placeholders; 400 naming the part for a model that takes no
+        images, one image too many, or one that cannot be read."""
+        sources = []
+        for i, message in enumerate(messages):
+            if not isinstance(message.content, list):
+                continue
+            for j, part in enumerate(message.content):
+                if isinstance(part, dict) and part.get("type") == "image_url":
+                    url = part.get("image_url")
+                    url = url.get("url") if isinstance(url, dict) else url
+                    sources.append((url, f"messages[{i}].content[{j}]"))
+        if not sources:
+            return []
+        if not self.llm.takes_images:
+            raise errors.bad_request("this model takes no images; send text only", sources[0][1])
+        limit = self.llm.config.image_limit
+        if len(sources) > limit:
+            raise errors.bad_request(
+                f"{len(sources)} images; this server takes at most {limit} per prompt (--limit-mm-per-prompt)",
+                sources[limit][1],
+            )
+        for url, field in sources:
+            if not isinstance(url, str) or not url:
+                raise errors.bad_request("image_url needs a url", field)
+        try:
+            return list(
+                await asyncio.gather(
+                    *(load_image_async(url, self.media_limits, field_hint=field) for url, field in sources)
+                )
+            )
+        except MediaError as exc:
+            raise errors.bad_request(str(exc), exc.field_hint) from exc
+
+    def chat_prompt_text(
+        self,
+        messages: list[ChatMessage],
+        template: str | None,
+        add_generation_prompt: bool,
+        tools: list[dict] | None = None,
+    ) -> tuple[str, list[int]]:
+        """A conversation with images rendered by the chat template as text, each image as the model's
+        placeholder, and that text's token ids (before the engine expands the placeholders to the images'
+        tokens); 400 naming `messages` when it fails. Run it in a thread."""
+        template = template or self.chat_template
+        try:
+            conversation, _ = split_images([message_dict(m, keep_images=True) for m in messages])
+        except ConfigError as exc:  # a part that is neither text nor an image
+            raise errors.bad_request(str(exc), exc.param) from exc
+        try:
+            text = self.tokenizer.apply_chat_template(
+                conversation,
+                chat_template=template,
+                add_generation_prompt=add_generation_prompt,
+                tokenize=False,
+                tools=tools,
+            )
+        except Exception as exc:
+            raise errors.bad_request(
+                f"the chat template could not render these messages: {exc}", "messages"
+            ) from exc
+        return text, self.tokenizer.encode(text, add_special_tokens=False)
+
     # -- checks -----------------------------------------------------------------------------------------
 
     def sampling_params(
@@ -193,11 +262,12 @@ class ServingBase:
         lora_request: LoRARequest | None = None,
         kv_transfer_params: dict[str, Any] | None = None,
         log_each: bool = True,
+        images: list[Any] | None = None,
     ) -> list[RequestStream]:
         """Add one engine request per prompt (`request_id`, or `request_id-i` of several); on any prompt the
         engine refuses, abort those added and answer 400 naming `refused_param`'s field. With `log_each`
         (and --log-requests) each is logged. `kv_transfer_params` go to the engine's KV connector with the
-        (one) prompt."""
+        (one) prompt, as do `images` (the prompt is then a chat template's text with their placeholders)."""
         if kv_transfer_params is not None and len(prompts) > 1:
             raise errors.bad_request(
                 "kv_transfer_params go with one prompt, not several", "kv_transfer_params"
@@ -207,6 +277,12 @@ class ServingBase:
             for i, (text, ids) in enumerate(prompts):
                 rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
                 prompt: dict[str, Any] = {"prompt": text, "prompt_token_ids": ids}
+                if images:
+                    prompt = {
+                        "prompt": text,
+                        "multi_modal_data": {"image": images},
+                        "add_special_tokens": False,
+                    }
                 if kv_transfer_params is not None:
                     prompt["kv_transfer_params"] = kv_transfer_params
                 streams.append(await self.llm.add_request(prompt, params, rid, priority, lora_request))
@@ -398,11 +474,12 @@ def top_logprobs(entry: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]
     return ranked[:k]
 
 
-def message_dict(message: ChatMessage) -> dict[str, Any]:
-    """A chat message as chat templates read it: text parts joined (400 for other parts), reasoning as
-    `reasoning_content` and `thinking`, tool-call arguments as objects."""
+def message_dict(message: ChatMessage, keep_images: bool = False) -> dict[str, Any]:
+    """A chat message as chat templates read it: text parts joined (400 for other parts; with
+    `keep_images`, the parts are kept for `split_images`), reasoning as `reasoning_content` and `thinking`,
+    tool-call arguments as objects."""
     content = message.content
-    if isinstance(content, list):
+    if isinstance(content, list) and not keep_images:
         texts = []
         for part in content:
             if part.get("type") != "text":

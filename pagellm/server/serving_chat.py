@@ -108,18 +108,36 @@ class ServingChat(ServingBase):
             # the parsers read the markers (special tokens) and leave them out of what they return
             params.skip_special_tokens = False
         tools = [t.model_dump(exclude_none=True) for t in request.tools] if request.tools else None
-        ids = await asyncio.to_thread(
-            self.chat_prompt_ids,
-            request.messages,
-            request.chat_template,
-            request.add_generation_prompt,
-            tools,
-        )
-        prompts: Prompts = [(None, ids)]
+        images = await self.chat_images(request.messages)
+        if images:
+            text, ids = await asyncio.to_thread(
+                self.chat_prompt_text,
+                request.messages,
+                request.chat_template,
+                request.add_generation_prompt,
+                tools,
+            )
+            prompts: Prompts = [(text, ids)]
+        else:
+            ids = await asyncio.to_thread(
+                self.chat_prompt_ids,
+                request.messages,
+                request.chat_template,
+                request.add_generation_prompt,
+                tools,
+            )
+            prompts = [(None, ids)]
         self.check_cost(prompts, params)
         lora = self.served.lora(model)
         streams = await self.add_requests(
-            request_id, prompts, params, request.priority, "messages", lora, request.kv_transfer_params
+            request_id,
+            prompts,
+            params,
+            request.priority,
+            "messages",
+            lora,
+            request.kv_transfer_params,
+            images=images,
         )
         return model, tool_parser, ids, streams
 
