@@ -65,9 +65,37 @@ class ToolResultBlock(_Body):
     _valid_content = field_validator("content")(valid_unicode)
 
 
-_BLOCK_TYPES = ("text", "thinking", "tool_use", "tool_result")
+class ImageSource(_Body):
+    """An image block's source: base64 data with its media type, or a URL (read under the server's media
+    limits, as a chat request's image_url)."""
+
+    type: Literal["base64", "url"]
+    media_type: str | None = None
+    data: str | None = None
+    url: str | None = None
+
+    @model_validator(mode="after")
+    def _complete(self) -> ImageSource:
+        if self.type == "base64" and not (self.media_type and self.data):
+            raise ValueError("a base64 image source needs media_type and data")
+        if self.type == "url" and not self.url:
+            raise ValueError("a url image source needs its url")
+        return self
+
+    @property
+    def as_url(self) -> str:
+        """The image as a chat request's image_url names it."""
+        return self.url if self.type == "url" else f"data:{self.media_type};base64,{self.data}"
+
+
+class ImageBlock(_Body):
+    type: Literal["image"]
+    source: ImageSource
+
+
+_BLOCK_TYPES = ("text", "image", "thinking", "tool_use", "tool_result")
 ContentBlock = Annotated[
-    TextBlock | ThinkingBlock | ToolUseBlock | ToolResultBlock, Field(discriminator="type")
+    TextBlock | ImageBlock | ThinkingBlock | ToolUseBlock | ToolResultBlock, Field(discriminator="type")
 ]
 
 
@@ -80,7 +108,7 @@ class AnthropicMessage(_Body):
     @field_validator("content", mode="before")
     @classmethod
     def _known_blocks(cls, content: Any) -> Any:
-        """Say plainly which blocks this server reads (an image or a document it cannot)."""
+        """Say plainly which blocks this server reads (a document it cannot)."""
         for block in content if isinstance(content, list) else []:
             kind = block.get("type") if isinstance(block, dict) else None
             if kind not in _BLOCK_TYPES:
@@ -222,7 +250,9 @@ class ServingMessages(ServingChat):
             model=model,
             stop_reason=stop_reason,
             stop_sequence=stop_sequence,
-            usage=AnthropicUsage(input_tokens=len(ids), output_tokens=len(sample.token_ids)),
+            usage=AnthropicUsage(
+                input_tokens=len(output.prompt_token_ids), output_tokens=len(sample.token_ids)
+            ),
         )
 
     async def count_tokens(self, request: CountTokensRequest) -> CountTokensResponse:
@@ -344,12 +374,19 @@ def _openai_turns(message: AnthropicMessage, i: int) -> list[dict[str, Any]]:
         return [{"role": message.role, "content": message.content}]
     turns: list[dict[str, Any]] = []
     texts: list[str] = []
+    images: list[dict[str, Any]] = []  # a user turn's content parts, once it has an image
     thinking: list[str] = []
     calls: list[dict[str, Any]] = []
     for j, block in enumerate(message.content):
         where = f"messages.{i}.content.{j}"
         if block.type == "text":
             texts.append(block.text)
+            if images:
+                images.append({"type": "text", "text": block.text})
+        elif message.role == "user" and block.type == "image":
+            if not images:
+                images = [{"type": "text", "text": text} for text in texts]
+            images.append({"type": "image_url", "image_url": {"url": block.source.as_url}})
         elif message.role == "assistant" and block.type == "thinking":
             thinking.append(block.thinking)
         elif message.role == "assistant" and block.type == "tool_use":
@@ -361,7 +398,10 @@ def _openai_turns(message: AnthropicMessage, i: int) -> list[dict[str, Any]]:
                 }
             )
         elif message.role == "user" and block.type == "tool_result":
-            if texts:
+            if images:
+                turns.append({"role": "user", "content": images})
+                texts, images = [], []
+            elif texts:
                 turns.append({"role": "user", "content": "\n".join(texts)})
                 texts = []
             turns.append({"role": "tool", "tool_call_id": block.tool_use_id, "content": _text(block.content)})
@@ -376,7 +416,9 @@ def _openai_turns(message: AnthropicMessage, i: int) -> list[dict[str, Any]]:
         if thinking:
             turn["reasoning_content"] = "\n".join(thinking)
         return [turn]
-    if texts or not turns:
+    if images:
+        turns.append({"role": "user", "content": images})
+    elif texts or not turns:
         turns.append({"role": "user", "content": "\n".join(texts)})
     return turns
 
