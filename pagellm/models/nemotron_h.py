@@ -35,20 +35,15 @@ QKV_STACKED = tuple(entry for entry in STACKED if entry[0] == "qkv_proj")
 MAMBA, ATTENTION, MLP = "linear_attention", "full_attention", "mlp"
 
 
+MAMBA_FIELDS = (
+    "mamba_num_heads mamba_head_dim n_groups ssm_state_size conv_kernel chunk_size use_conv_bias use_bias "
+    "mamba_hidden_act layer_norm_epsilon"
+)
+"""Nemotron-H's names of `Mamba2Shape`'s fields (`use_bias`: the projections')."""
+
+
 def nemotron_h_mamba_shape(c: Any) -> Mamba2Shape:
-    return Mamba2Shape(
-        num_heads=c.mamba_num_heads,
-        head_dim=c.mamba_head_dim,
-        n_groups=c.n_groups,
-        d_state=c.ssm_state_size,
-        conv_kernel=c.conv_kernel,
-        chunk_size=c.chunk_size,
-        conv_bias=bool(c.use_conv_bias),
-        proj_bias=bool(c.use_bias),
-        activation=c.mamba_hidden_act,
-        eps=c.layer_norm_epsilon,
-        dt_limit=(float(c.time_step_min), float("inf")),
-    )
+    return Mamba2Shape.from_config(c, MAMBA_FIELDS, (c.time_step_min, float("inf")))
 
 
 class NemotronHAttention(LlamaAttention):

@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 
 import pytest
-from parity import Reference, assert_greedy_parity, mixed_prompts, small_kv_cache
+from parity import Reference, assert_greedy_parity, chunked_llm, mixed_prompts
 from tiny import make_tiny_checkpoint
 
 from pagellm import LLM
@@ -27,21 +27,10 @@ def model(request, tmp_path_factory):
     return request.param, make_tiny_checkpoint(request.param, tmp_path_factory.mktemp(request.param))
 
 
-def _chunked_llm(path, max_model_len: int = MAX_MODEL_LEN, spare: int = 2) -> LLM:
-    return LLM(
-        str(path),
-        dtype="float32",
-        max_model_len=max_model_len,
-        num_kv_blocks=small_kv_cache(path, max_model_len, TOKEN_BUDGET, spare),
-        max_num_batched_tokens=TOKEN_BUDGET,
-        max_num_seqs=8,
-    )
-
-
 def test_matches_transformers_under_chunking_and_preemption(model, caplog):
     arch, path = model
     with caplog.at_level(logging.INFO, logger="pagellm"):
-        llm = _chunked_llm(path)
+        llm = chunked_llm(path, MAX_MODEL_LEN, TOKEN_BUDGET, spare=2)
     assert f"recurrent state: {MAMBA_LAYERS[arch]} layers" in caplog.text
     prompts = [p for p in mixed_prompts(300, seed=1) if len(p) in LENGTHS]
     assert_greedy_parity(llm, Reference(path, MAX_TOKENS), prompts)
@@ -53,7 +42,7 @@ def test_matches_transformers_under_chunking_and_preemption(model, caplog):
 def test_every_mixed_prompt_under_chunking_and_preemption(model):
     _, path = model
     reference = Reference(path, SLOW_MAX_TOKENS)
-    assert_greedy_parity(_chunked_llm(path, 400, 15), reference, mixed_prompts(300, seed=2))
+    assert_greedy_parity(chunked_llm(path, 400, TOKEN_BUDGET), reference, mixed_prompts(300, seed=2))
 
 
 @pytest.mark.slow

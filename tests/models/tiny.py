@@ -312,30 +312,21 @@ _DEFAULTS["granitemoehybrid_dense"] = dict(
     _DEFAULTS["granitemoehybrid"], num_local_experts=0, position_embedding_type="rope"
 )
 # Bamba: Mamba-2 in layers 0 and 2, attention (half of each head rotating) in 1, Granite 4.0-H's Mamba shape
-_DEFAULTS["bamba"] = dict(
-    _LLAMA,
-    num_hidden_layers=3,
-    attn_layer_indices=[1],
-    **{k: v for k, v in _DEFAULTS["granitemoehybrid"].items() if k.startswith("mamba_")},
-)
-# Nemotron-H: Mamba-2, MLP (squared ReLU), attention, Mamba-2; the same Mamba shape under Nemotron-H's names.
-# dt drawn from [0.001, 1] (transformers' default tops out at 0.1), and the Mamba output projections at the
-# spread of the others (not rescaled), so that the states weigh on the tokens
+_MAMBA = {k: v for k, v in _DEFAULTS["granitemoehybrid"].items() if k.startswith("mamba_")}
+_DEFAULTS["bamba"] = dict(_LLAMA, num_hidden_layers=3, attn_layer_indices=[1], **_MAMBA)
+# Nemotron-H: Mamba-2, MLP (squared ReLU), attention, Mamba-2 with head_dim 16 and the same Mamba shape (its
+# config reads Granite's names for groups, conv and chunks as legacy ones). dt drawn from [0.001, 1]
+# (transformers' default tops out at 0.1), and the Mamba output projections at the spread of the others (not
+# rescaled), so that the states weigh on the tokens
 _DEFAULTS["nemotron_h"] = dict(
-    _SIZES,
+    _LLAMA,
     num_hidden_layers=4,
     hybrid_override_pattern="M-*M",
-    num_key_value_heads=2,
     head_dim=16,
-    intermediate_size=128,
-    layer_norm_epsilon=1e-6,
-    initializer_range=0.15,
-    mamba_num_heads=4,
-    mamba_head_dim=16,
-    n_groups=2,
-    ssm_state_size=16,
-    conv_kernel=4,
-    chunk_size=16,
+    mamba_num_heads=_MAMBA["mamba_n_heads"],
+    mamba_head_dim=_MAMBA["mamba_d_head"],
+    ssm_state_size=_MAMBA["mamba_d_state"],
+    **{k: _MAMBA[k] for k in ("mamba_n_groups", "mamba_d_conv", "mamba_chunk_size")},
     time_step_max=1.0,
     rescale_prenorm_residual=False,
 )

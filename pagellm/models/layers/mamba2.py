@@ -60,24 +60,24 @@ class Mamba2Shape:
     """dt's clamp after the softplus, in prefill only (mamba_ops.ssd_chunk_scan)."""
 
     @classmethod
+    def from_config(cls, c: Any, names: str, dt_limit: tuple[float, float]) -> Mamba2Shape:
+        """The shape from config `c` whose fields for num_heads .. eps, in this class's order, are `names`
+        (space-separated)."""
+        values = (getattr(c, name) for name in names.split())
+        return cls(*values, dt_limit=(float(dt_limit[0]), float(dt_limit[1])))
+
+    @classmethod
     def from_mamba_fields(cls, c: Any) -> Mamba2Shape:
-        """Granite 4.0-H's and Bamba's config fields (`mamba_n_heads`, `mamba_d_head`, `mamba_n_groups`,
-        `mamba_d_state`, `mamba_d_conv`, `mamba_chunk_size`, `mamba_conv_bias`, `mamba_proj_bias`,
-        `time_step_limit`; the activation `hidden_act`, the gated norm's eps `rms_norm_eps`)."""
+        """Granite 4.0-H's and Bamba's config fields, dt clamped to `time_step_limit`."""
         limit = getattr(c, "time_step_limit", None) or (0.0, float("inf"))
-        return cls(
-            num_heads=c.mamba_n_heads,
-            head_dim=c.mamba_d_head,
-            n_groups=c.mamba_n_groups,
-            d_state=c.mamba_d_state,
-            conv_kernel=c.mamba_d_conv,
-            chunk_size=c.mamba_chunk_size,
-            conv_bias=bool(c.mamba_conv_bias),
-            proj_bias=bool(c.mamba_proj_bias),
-            activation=c.hidden_act,
-            eps=c.rms_norm_eps,
-            dt_limit=(float(limit[0]), float(limit[1])),
-        )
+        return cls.from_config(c, MAMBA_FIELDS, limit)
+
+
+MAMBA_FIELDS = (
+    "mamba_n_heads mamba_d_head mamba_n_groups mamba_d_state mamba_d_conv mamba_chunk_size mamba_conv_bias "
+    "mamba_proj_bias hidden_act rms_norm_eps"
+)
+"""Granite 4.0-H's and Bamba's names of `Mamba2Shape`'s fields (the activation is `hidden_act`)."""
 
 
 class Mamba2Mixer(RecurrentLayer):
