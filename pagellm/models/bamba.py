@@ -1,7 +1,6 @@
-"""Bamba (`BambaForCausalLM`: ibm-ai-platform/Bamba-9B): Granite 4.0-H's structure (granitemoehybrid.py)
-under other names, from which IBM built Granite 4.0-H. Mamba-2 layers with attention layers at
-`attn_layer_indices` (transformers' `layers_block_type` says which), a SwiGLU MLP in every layer, and none of
-Granite's scalars or routed experts. Attention is Llama's (1 / sqrt(head_dim) scale) with rotary on half of
+"""Bamba (`BambaForCausalLM`: ibm-ai-platform/Bamba-9B-v2): Granite 4.0-H's structure (granitemoehybrid.py)
+under other names: Mamba-2 layers with attention layers at `attn_layer_indices` (transformers'
+`layers_block_type` says which), a SwiGLU MLP in every layer, and none of Granite's scalars or routed experts. Attention is Llama's (1 / sqrt(head_dim) scale) with rotary on half of
 each head (transformers' Bamba config fixes `partial_rotary_factor` 0.5).
 
 Checkpoint names onto Granite's modules: `feed_forward` is the shared MLP, `pre_ff_layernorm` the

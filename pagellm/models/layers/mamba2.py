@@ -1,4 +1,5 @@
-"""Mamba-2 (the state-space layers of Granite 4.0-H, Bamba and Nemotron-H): a selective state-space scan with a state per sequence.
+"""Mamba-2 (the state-space layers of Granite 4.0-H, Bamba and Nemotron-H): a selective state-space scan with a
+state per sequence; each family names the layer's sizes in its config its own way (`Mamba2Shape`).
 
 Per token: `in_proj` gives the output gate z, the scan's inputs x, B and C side by side (xBC), and dt per head;
 xBC passes through a causal depthwise conv (kernel K, with bias, SiLU); the scan (mamba_ops.py has the math)
