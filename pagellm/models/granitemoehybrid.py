@@ -10,11 +10,15 @@ it. Granite's scalars as in granite.py: embeddings times `embedding_multiplier`,
 attention layers rotate q and k only with `position_embedding_type` "rope" (Granite 4.0-H has none). Attention
 layers are numbered among themselves for the KV cache (`num_attention_layers`), Mamba layers likewise for
 their states.
+
+Bamba (bamba.py) is this structure with other names, no scalars and no experts: the classes here build from
+a `HybridFields` that each family reads from its config.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -27,10 +31,10 @@ from pagellm.models.layers.fused_moe.block import SparseMoeBlock, expert_count
 from pagellm.models.layers.fused_moe.loading import copy_weights_with_experts
 from pagellm.models.layers.fused_moe.routing import SOFTMAX_AFTER_TOPK, Routing
 from pagellm.models.layers.linear import Linear
-from pagellm.models.layers.mamba2 import Mamba2Mixer
+from pagellm.models.layers.mamba2 import Mamba2Mixer, Mamba2Shape
 from pagellm.models.layers.norm import RMSNorm
 from pagellm.models.layers.rotary import RotaryEmbedding
-from pagellm.models.llama import STACKED, LlamaAttention, LlamaMLP
+from pagellm.models.llama import STACKED, LlamaAttention, LlamaMLP, SpecFn
 
 MAMBA_TYPES = ("mamba", "linear_attention")
 """`layer_types` entries of a Mamba layer: the released configs' name, and transformers' for it."""
@@ -39,6 +43,28 @@ MAMBA_TYPES = ("mamba", "linear_attention")
 def is_mamba_layer(hf_config: Any) -> list[bool]:
     """For each layer, whether it is a Mamba layer (else an attention layer)."""
     return [kind in MAMBA_TYPES for kind in hf_config.layer_types]
+
+
+@dataclass(frozen=True)
+class HybridFields:
+    """What the layers below read from a family's config (routed experts: `expert_count`, 0 for none)."""
+
+    mlp_size: int
+    """Width of the MLP every layer has (Granite's shared MLP)."""
+    rotary: bool
+    embedding_multiplier: float
+    residual_multiplier: float
+    logits_scaling: float
+
+
+def granite_hybrid_fields(c: Any) -> HybridFields:
+    return HybridFields(
+        mlp_size=c.shared_intermediate_size,
+        rotary=c.position_embedding_type == "rope",
+        embedding_multiplier=float(c.embedding_multiplier),
+        residual_multiplier=float(c.residual_multiplier),
+        logits_scaling=float(c.logits_scaling),
+    )
 
 
 def granite_hybrid_attention_spec(
@@ -55,25 +81,23 @@ def granite_hybrid_attention_spec(
 
 
 class GraniteMoeHybridDecoderLayer(nn.Module):
-    def __init__(self, init: ModelInit, mamba: bool, kind_idx: int):
+    def __init__(self, init: ModelInit, mamba: bool, kind_idx: int, fields: HybridFields, spec_fn: SpecFn):
         super().__init__()
         c = init.hf_config
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, init.dtype)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, init.dtype)
         if mamba:
-            self.mamba = Mamba2Mixer(init, kind_idx)
+            self.mamba = Mamba2Mixer(init, kind_idx, Mamba2Shape.from_mamba_fields(c))
         else:
-            self.self_attn = LlamaAttention(
-                init, kind_idx, c.attention_bias, False, granite_hybrid_attention_spec
-            )
+            self.self_attn = LlamaAttention(init, kind_idx, c.attention_bias, False, spec_fn)
         self.is_mamba = mamba
-        self.shared_mlp = LlamaMLP(init, c.shared_intermediate_size)
+        self.shared_mlp = LlamaMLP(init, fields.mlp_size)
         self.block_sparse_moe = (
             SparseMoeBlock(init, Routing(c.num_experts_per_tok, SOFTMAX_AFTER_TOPK), c.intermediate_size)
             if expert_count(c)
             else None
         )
-        self.residual_multiplier = float(c.residual_multiplier)
+        self.residual_multiplier = fields.residual_multiplier
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None) -> torch.Tensor:
         x = self.input_layernorm(h)
@@ -87,16 +111,16 @@ class GraniteMoeHybridDecoderLayer(nn.Module):
 
 
 class GraniteMoeHybridModel(nn.Module):
-    def __init__(self, init: ModelInit):
+    def __init__(self, init: ModelInit, fields: HybridFields, spec_fn: SpecFn):
         super().__init__()
         c = init.hf_config
         self.embed_tokens = Embedding(c.vocab_size, c.hidden_size, init.dtype, init.parallel.tp)
-        self.embedding_multiplier = float(c.embedding_multiplier)
-        self.rotary_emb = RotaryEmbedding(c) if c.position_embedding_type == "rope" else None
+        self.embedding_multiplier = fields.embedding_multiplier
+        self.rotary_emb = RotaryEmbedding(c) if fields.rotary else None
         counts = {True: 0, False: 0}
         layers = []
         for mamba in is_mamba_layer(c):
-            layers.append(GraniteMoeHybridDecoderLayer(init, mamba, counts[mamba]))
+            layers.append(GraniteMoeHybridDecoderLayer(init, mamba, counts[mamba], fields, spec_fn))
             counts[mamba] += 1
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, init.dtype)
@@ -111,16 +135,18 @@ class GraniteMoeHybridModel(nn.Module):
 
 class GraniteMoeHybridForCausalLM(CausalLM):
     attention_spec = staticmethod(granite_hybrid_attention_spec)
+    fields = staticmethod(granite_hybrid_fields)
 
     def __init__(self, init: ModelInit):
         super().__init__()
         c = init.hf_config
-        self.model = GraniteMoeHybridModel(init)
+        fields = self.fields(c)
+        self.model = GraniteMoeHybridModel(init, fields, self.attention_spec)
         self.tied = bool(getattr(c, "tie_word_embeddings", False))
         self.lm_head = (
             self.model.embed_tokens if self.tied else Linear(c.hidden_size, c.vocab_size, False, init.dtype)
         )
-        self.logits_scaling = float(c.logits_scaling)
+        self.logits_scaling = fields.logits_scaling
 
     @staticmethod
     def num_attention_layers(hf_config: Any) -> int:

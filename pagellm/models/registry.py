@@ -20,6 +20,8 @@ def pagellm_models() -> dict[str, str]:
         "Qwen3_5ForConditionalGeneration": "pagellm.models.qwen3_next:Qwen3_5TextOfMultimodal",
         "Qwen3_5MoeForConditionalGeneration": "pagellm.models.qwen3_next:Qwen3_5TextOfMultimodal",
         "GraniteMoeHybridForCausalLM": "pagellm.models.granitemoehybrid:GraniteMoeHybridForCausalLM",
+        "BambaForCausalLM": "pagellm.models.bamba:BambaForCausalLM",
+        "NemotronHForCausalLM": "pagellm.models.nemotron_h:NemotronHForCausalLM",
         "MixtralForCausalLM": "pagellm.models.mixtral:MixtralForCausalLM",
         "GptOssForCausalLM": "pagellm.models.gpt_oss:GptOssForCausalLM",
         "Phi3ForCausalLM": "pagellm.models.phi3:Phi3ForCausalLM",

@@ -119,6 +119,19 @@ def small_kv_cache(path: Path, max_model_len: int, token_budget: int, spare: int
     return blocks_per_request(windows, setup.spec.block_size, max_model_len, token_budget) + spare
 
 
+def chunked_llm(path: Path, max_model_len: int, token_budget: int, spare: int = 15) -> LLM:
+    """A float32 engine of up to 8 sequences that prefills in steps of `token_budget` tokens over a
+    `small_kv_cache`, so that long prompts go in chunks and a batch of them preempts."""
+    return LLM(
+        str(path),
+        dtype="float32",
+        max_model_len=max_model_len,
+        num_kv_blocks=small_kv_cache(path, max_model_len, token_budget, spare),
+        max_num_batched_tokens=token_budget,
+        max_num_seqs=8,
+    )
+
+
 def mixed_prompts(vocab: int, seed: int = 0, shared_prefix: int = 0) -> list[list[int]]:
     """16+ prompts from 1 to 330 tokens, including exact multiples of the block size (16)."""
     rng = random.Random(seed)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 
 import pytest
-from parity import Reference, assert_greedy_parity, mixed_prompts, small_kv_cache
+from parity import Reference, assert_greedy_parity, chunked_llm, mixed_prompts
 from tiny import make_tiny_checkpoint
 
 from pagellm import LLM
@@ -25,21 +25,10 @@ def model(tmp_path_factory):
     return path, Reference(path, MAX_TOKENS)
 
 
-def _chunked_llm(path) -> LLM:
-    return LLM(
-        str(path),
-        dtype="float32",
-        max_model_len=MAX_MODEL_LEN,
-        num_kv_blocks=small_kv_cache(path, MAX_MODEL_LEN, TOKEN_BUDGET),
-        max_num_batched_tokens=TOKEN_BUDGET,
-        max_num_seqs=8,
-    )
-
-
 def test_matches_transformers_under_chunking_and_preemption(model, caplog):
     path, reference = model
     with caplog.at_level(logging.INFO, logger="pagellm"):
-        llm = _chunked_llm(path)
+        llm = chunked_llm(path, MAX_MODEL_LEN, TOKEN_BUDGET)
     assert "recurrent state: 3 layers" in caplog.text and "prefix caching off" in caplog.text
     prompts = [p for p in mixed_prompts(300, seed=1) if len(p) in LENGTHS]
     assert_greedy_parity(llm, reference, prompts)
@@ -50,7 +39,9 @@ def test_matches_transformers_under_chunking_and_preemption(model, caplog):
 @pytest.mark.slow
 def test_every_mixed_prompt_under_chunking_and_preemption(model):
     path, reference = model
-    assert_greedy_parity(_chunked_llm(path), reference, mixed_prompts(300, seed=2))
+    assert_greedy_parity(
+        chunked_llm(path, MAX_MODEL_LEN, TOKEN_BUDGET), reference, mixed_prompts(300, seed=2)
+    )
 
 
 def test_dense_with_rotary_matches_transformers(tmp_path):

@@ -38,6 +38,8 @@ ARCHS = (
     "qwen3_5_moe_text",
     "granitemoehybrid",
     "granitemoehybrid_dense",
+    "bamba",
+    "nemotron_h",
 )
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # ids 0, 1, 2
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
@@ -309,6 +311,25 @@ _DEFAULTS["granitemoehybrid"] = dict(
 _DEFAULTS["granitemoehybrid_dense"] = dict(
     _DEFAULTS["granitemoehybrid"], num_local_experts=0, position_embedding_type="rope"
 )
+# Bamba: Mamba-2 in layers 0 and 2, attention (half of each head rotating) in 1, Granite 4.0-H's Mamba shape
+_MAMBA = {k: v for k, v in _DEFAULTS["granitemoehybrid"].items() if k.startswith("mamba_")}
+_DEFAULTS["bamba"] = dict(_LLAMA, num_hidden_layers=3, attn_layer_indices=[1], **_MAMBA)
+# Nemotron-H: Mamba-2, MLP (squared ReLU), attention, Mamba-2 with head_dim 16 and the same Mamba shape (its
+# config reads Granite's names for groups, conv and chunks as legacy ones). dt drawn from [0.001, 1]
+# (transformers' default tops out at 0.1), and the Mamba output projections at the spread of the others (not
+# rescaled), so that the states weigh on the tokens
+_DEFAULTS["nemotron_h"] = dict(
+    _LLAMA,
+    num_hidden_layers=4,
+    hybrid_override_pattern="M-*M",
+    head_dim=16,
+    mamba_num_heads=_MAMBA["mamba_n_heads"],
+    mamba_head_dim=_MAMBA["mamba_d_head"],
+    ssm_state_size=_MAMBA["mamba_d_state"],
+    **{k: _MAMBA[k] for k in ("mamba_n_groups", "mamba_d_conv", "mamba_chunk_size")},
+    time_step_max=1.0,
+    rescale_prenorm_residual=False,
+)
 _TOKENIZERS = {"gpt_oss": (HARMONY_SPECIAL_TOKENS, HARMONY_CHAT_TEMPLATE)}
 """Architectures whose tokenizer has other special tokens and chat template than ChatML's."""
 
@@ -373,6 +394,8 @@ def tiny_config(arch: str, vocab_size: int, **overrides: Any):
         "qwen3_5_moe_text": transformers.Qwen3_5MoeTextConfig,
         "granitemoehybrid": transformers.GraniteMoeHybridConfig,
         "granitemoehybrid_dense": transformers.GraniteMoeHybridConfig,
+        "bamba": transformers.BambaConfig,
+        "nemotron_h": transformers.NemotronHConfig,
     }[arch]
     fields = dict(
         _DEFAULTS[arch], vocab_size=vocab_size, bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID

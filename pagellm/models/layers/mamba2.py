@@ -1,4 +1,5 @@
-"""Mamba-2 (the state-space layers of Granite 4.0-H): a selective state-space scan with a state per sequence.
+"""Mamba-2 (the state-space layers of Granite 4.0-H, Bamba and Nemotron-H): a selective state-space scan with a
+state per sequence; each family names the layer's sizes in its config its own way (`Mamba2Shape`).
 
 Per token: `in_proj` gives the output gate z, the scan's inputs x, B and C side by side (xBC), and dt per head;
 xBC passes through a causal depthwise conv (kernel K, with bias, SiLU); the scan (mamba_ops.py has the math)
@@ -10,6 +11,9 @@ The step's conv and scan run in one opaque op, `pagellm::mamba2`, which reads th
 context and writes them back, as `pagellm::gated_delta_net` does (gated_delta_net.py)."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -39,28 +43,62 @@ class GroupedGatedRMSNorm(nn.Module):
         return self.weight * h.to(y.dtype)
 
 
-class Mamba2Mixer(RecurrentLayer):
-    """One Mamba-2 layer, with the checkpoint names of transformers' GraniteMoeHybridMambaLayer (in_proj,
-    conv1d, dt_bias, A_log, D, norm, out_proj) and its config fields (`mamba_n_heads`, `mamba_d_head`,
-    `mamba_n_groups`, `mamba_d_state`, `mamba_d_conv`, `mamba_expand`, `mamba_chunk_size`, `mamba_conv_bias`,
-    `mamba_proj_bias`, `time_step_limit`)."""
+@dataclass(frozen=True)
+class Mamba2Shape:
+    """A Mamba-2 layer's sizes and options, which each family's config names its own way."""
 
-    def __init__(self, init: ModelInit, state_idx: int):
-        super().__init__(state_idx)
-        c = init.hf_config
-        self.num_heads, self.head_dim = c.mamba_n_heads, c.mamba_d_head
-        self.n_groups, self.d_state = c.mamba_n_groups, c.mamba_d_state
-        self.intermediate_size = int(c.mamba_expand * c.hidden_size)
-        self.conv_dim = self.intermediate_size + 2 * self.n_groups * self.d_state
-        self.kernel_size = c.mamba_d_conv
-        self.chunk_size = c.mamba_chunk_size
-        self.activation = c.hidden_act
+    num_heads: int
+    head_dim: int
+    n_groups: int
+    d_state: int
+    conv_kernel: int
+    chunk_size: int
+    conv_bias: bool
+    proj_bias: bool
+    activation: str
+    eps: float
+    dt_limit: tuple[float, float]
+    """dt's clamp after the softplus, in prefill only (mamba_ops.ssd_chunk_scan)."""
+
+    @classmethod
+    def from_config(cls, c: Any, names: str, dt_limit: tuple[float, float]) -> Mamba2Shape:
+        """The shape from config `c` whose fields for num_heads .. eps, in this class's order, are `names`
+        (space-separated)."""
+        values = (getattr(c, name) for name in names.split())
+        return cls(*values, dt_limit=(float(dt_limit[0]), float(dt_limit[1])))
+
+    @classmethod
+    def from_mamba_fields(cls, c: Any) -> Mamba2Shape:
+        """Granite 4.0-H's and Bamba's config fields, dt clamped to `time_step_limit`."""
         limit = getattr(c, "time_step_limit", None) or (0.0, float("inf"))
-        self.dt_min, self.dt_max = float(limit[0]), float(limit[1])
+        return cls.from_config(c, MAMBA_FIELDS, limit)
+
+
+MAMBA_FIELDS = (
+    "mamba_n_heads mamba_d_head mamba_n_groups mamba_d_state mamba_d_conv mamba_chunk_size mamba_conv_bias "
+    "mamba_proj_bias hidden_act rms_norm_eps"
+)
+"""Granite 4.0-H's and Bamba's names of `Mamba2Shape`'s fields (the activation is `hidden_act`)."""
+
+
+class Mamba2Mixer(RecurrentLayer):
+    """One Mamba-2 layer, with the checkpoint names of transformers' Mamba-2 mixers (in_proj, conv1d,
+    dt_bias, A_log, D, norm, out_proj); its inner width is heads x head_dim."""
+
+    def __init__(self, init: ModelInit, state_idx: int, shape: Mamba2Shape):
+        super().__init__(state_idx)
+        hidden = init.hf_config.hidden_size
+        self.num_heads, self.head_dim = shape.num_heads, shape.head_dim
+        self.n_groups, self.d_state = shape.n_groups, shape.d_state
+        self.intermediate_size = self.num_heads * self.head_dim
+        self.conv_dim = self.intermediate_size + 2 * self.n_groups * self.d_state
+        self.kernel_size = shape.conv_kernel
+        self.chunk_size = shape.chunk_size
+        self.activation = shape.activation
+        self.dt_min, self.dt_max = shape.dt_limit
         self.dtype = init.dtype
-        bias = bool(c.mamba_proj_bias)
         self.in_proj = Linear(
-            c.hidden_size, self.intermediate_size + self.conv_dim + self.num_heads, bias, init.dtype
+            hidden, self.intermediate_size + self.conv_dim + self.num_heads, shape.proj_bias, init.dtype
         )
         # nn.Conv1d's depthwise weight [conv_dim, 1, K] (and bias), as the checkpoint keeps them
         self.conv1d = nn.Module()
@@ -69,14 +107,14 @@ class Mamba2Mixer(RecurrentLayer):
         )
         self.conv1d.bias = (
             nn.Parameter(torch.empty(self.conv_dim, dtype=init.dtype), requires_grad=False)
-            if c.mamba_conv_bias
+            if shape.conv_bias
             else None
         )
         self.dt_bias = nn.Parameter(torch.empty(self.num_heads, dtype=init.dtype), requires_grad=False)
         self.A_log = nn.Parameter(torch.empty(self.num_heads, dtype=init.dtype), requires_grad=False)
         self.D = nn.Parameter(torch.empty(self.num_heads, dtype=init.dtype), requires_grad=False)
-        self.norm = GroupedGatedRMSNorm(self.intermediate_size, self.n_groups, c.rms_norm_eps, init.dtype)
-        self.out_proj = Linear(self.intermediate_size, c.hidden_size, bias, init.dtype)
+        self.norm = GroupedGatedRMSNorm(self.intermediate_size, self.n_groups, shape.eps, init.dtype)
+        self.out_proj = Linear(self.intermediate_size, hidden, shape.proj_bias, init.dtype)
 
     def state_spec(self) -> StateSpec:
         """The conv window in the model's dtype; the SSM state in float32, as it is computed."""
