@@ -101,6 +101,7 @@ class LlavaForConditionalGeneration(SupportsImages, LlamaForCausalLM):
         super().__init__(dataclasses.replace(init, hf_config=text))
         vision = c.vision_config
         self.feature_states = hidden_state_indices(c.vision_feature_layer, vision.num_hidden_layers)
+        # the first row whatever the tower, as transformers does: SigLIP's first patch (it has no class row)
         self.drop_first_row = c.vision_feature_select_strategy == "default"
         self.vision_tower = VisionTransformer(vision, init.dtype, max(self.feature_states) + 1)
         self.multi_modal_projector = LlavaMultiModalProjector(

@@ -18,7 +18,7 @@ import transformers
 from models_harness import PagedRunner, load_pagellm
 from safetensors.torch import load_file, save_file
 from session_device import session_device
-from tiny import _randomise_vectors, tiny_config
+from tiny import randomise_vectors, tiny_config
 
 from pagellm.core.errors import ConfigError
 from pagellm.engine.setup import check_parallel
@@ -62,7 +62,7 @@ def make_llava(path: Path, tower: str, feature_layer, strategy: str, text: str =
     )
     torch.manual_seed(0)
     model = transformers.LlavaForConditionalGeneration(config)
-    _randomise_vectors(model)
+    randomise_vectors(model)
     model.save_pretrained(path)
     return model.to(session_device()).eval()
 
