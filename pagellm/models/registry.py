@@ -35,4 +35,5 @@ def pagellm_models() -> dict[str, str]:
         "DeepseekV2ForCausalLM": "pagellm.models.deepseek:DeepseekV2ForCausalLM",
         "DeepseekV3ForCausalLM": "pagellm.models.deepseek:DeepseekV3ForCausalLM",
         "Glm4MoeForCausalLM": "pagellm.models.glm4_moe:Glm4MoeForCausalLM",
+        "LlavaForConditionalGeneration": "pagellm.models.llava:LlavaForConditionalGeneration",
     }

@@ -11,8 +11,9 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from pagellm.attention_backends.torch_sdpa import TorchSDPABackend
 from pagellm.core.attention import AttentionBatch
+from pagellm.engine.setup import decoder_config
 from pagellm.models.base import CausalLM, ModelInit
-from pagellm.models.context import set_forward_context
+from pagellm.models.context import ImageBatch, set_forward_context
 from pagellm.models.loader import iter_checkpoint_weights, load_model, resolve_model_class
 from pagellm.models.registry import pagellm_models
 
@@ -26,9 +27,17 @@ def load_pagellm(
     device: torch.device | str | None = None,
     **init_kwargs,
 ) -> CausalLM:
-    """The model on `device`, by default the session's."""
+    """The model on `device`, by default the session's; a multimodal checkpoint's with its decoder's config
+    as `hf_config` and the whole one as `model_config`, as the engine builds it."""
     config = AutoConfig.from_pretrained(model_dir)
-    init = ModelInit(config, dtype, TorchSDPABackend, block_size=BLOCK_SIZE, **init_kwargs)
+    init = ModelInit(
+        decoder_config(config),
+        dtype,
+        TorchSDPABackend,
+        block_size=BLOCK_SIZE,
+        model_config=config,
+        **init_kwargs,
+    )
     weights = iter_checkpoint_weights(model_dir)
     return load_model(
         resolve_model_class(config, pagellm_models()), init, weights, device or session_device()
@@ -65,8 +74,9 @@ class PagedRunner:
         self.lens = [0] * num_seqs
 
     @torch.no_grad()
-    def step(self, chunks: dict[int, list[int]]) -> dict[int, torch.Tensor]:
-        """Run new tokens of several sequences in one flat batch; returns each one's logits [len, vocab]."""
+    def step(self, chunks: dict[int, list[int]], images: ImageBatch | None = None) -> dict[int, torch.Tensor]:
+        """Run new tokens of several sequences in one flat batch; returns each one's logits [len, vocab].
+        `images`: the embeddings that replace image placeholder rows of the flat batch."""
         seqs = sorted(chunks)
         ids, positions, slots, starts, seq_lens = [], [], [], [0], []
         for s in seqs:
@@ -89,7 +99,7 @@ class PagedRunner:
             max_query_len=max(len(chunks[s]) for s in seqs),
             max_seq_len=max(seq_lens),
         )
-        with set_forward_context(TorchSDPABackend.build_metadata(batch), self.caches):
+        with set_forward_context(TorchSDPABackend.build_metadata(batch), self.caches, images=images):
             hidden = self.model(torch.tensor(ids, **on), torch.tensor(positions, **on))
         logits = self.model.compute_logits(hidden)
         return {s: logits[starts[i] : starts[i + 1]] for i, s in enumerate(seqs)}

@@ -427,7 +427,7 @@ def make_tiny_checkpoint(
     config = tiny_config(arch, **overrides)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)
-    _randomise_vectors(model)
+    randomise_vectors(model)
     model.to(dtype)
     model.config.dtype = dtype
     save = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
@@ -436,7 +436,7 @@ def make_tiny_checkpoint(
     return out
 
 
-def _randomise_vectors(model: torch.nn.Module) -> None:
+def randomise_vectors(model: torch.nn.Module) -> None:
     """transformers initialises norm weights to 1 and biases to 0 (stacked experts' biases too, GPT-OSS's
     `gate_up_proj_bias` [E, 2I], and the routers' `e_score_correction_bias` buffer of DeepSeek-V3 and
     GLM-4.5); spread them so their loading is tested."""

@@ -18,6 +18,7 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "gelu": F.gelu,
     "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
     "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),  # CLIP's
 }
 
 
