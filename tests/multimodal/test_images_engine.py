@@ -61,14 +61,15 @@ PROMPTS = [
 
 
 def test_images_match_transformers_batched_chunked_and_preempted(llava, reference):
-    """A 12-token budget cuts every 16-token image across steps; 10 KV blocks of 16 force preemptions."""
+    """A 12-token budget cuts every 16-token image across steps; 6 KV blocks of 16 force preemptions."""
     llm = LLM(
         str(llava),
         dtype="float32",
-        max_model_len=96,
-        num_kv_blocks=10,
+        max_model_len=80,
+        num_kv_blocks=6,
         block_size=16,
         max_num_batched_tokens=12,
+        max_num_seqs=4,
         limit_mm_per_prompt='{"image": 2}',
     )
     assert run(llm, PROMPTS) == [reference(t, p) for t, p in PROMPTS]
