@@ -13,6 +13,8 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 from pagellm.core.errors import ConfigError
 from pagellm.multimodal import MediaError, MediaLimits, content_hash, load_image
 from pagellm.multimodal.inputs import ImageInput
@@ -72,6 +74,14 @@ class PromptImages:
             for (offset, length, data), image in zip(placed, loaded, strict=True)
         ]
         return token_ids, inputs
+
+    def mrope(self, token_ids: list[int], images: list[ImageInput]) -> tuple[Any, int] | None:
+        """A multimodal rope's prompt positions and decode delta (`SupportsImages.mrope_positions`); None
+        for a model with a plain rope."""
+        if not self.model_class.uses_mrope:
+            return None
+        positions, delta = self.model_class.mrope_positions(self.model_config, token_ids, images)
+        return np.asarray(positions, dtype=np.int64), int(delta)
 
     @staticmethod
     def _image(image: Any, index: int) -> Any:

@@ -259,8 +259,11 @@ class Processor:
                     images=processed.images,
                 )
             )
+        mrope = self.images.mrope(processed.prompt_token_ids, processed.images) if self.images else None
         for child in children:
             child.rope_salt_of, child.rope_salt = salt_of, rope_salt
+            if mrope is not None:
+                child.mrope_positions, child.mrope_delta = mrope
         if params.structured_outputs is not None:
             for child in children:
                 child.grammar = self._grammars().request_grammar(

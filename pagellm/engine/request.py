@@ -78,6 +78,9 @@ class Request:
         self.kv_transfer_params = kv_transfer_params
         # multimodal.inputs.ImageInput of each image in its prompt, in prompt order (a multimodal model's)
         self.images: list[Any] = images or []
+        # a multimodal rope's (Qwen-VL) prompt positions [3, P] and the delta of later positions; None else
+        self.mrope_positions: Any = None
+        self.mrope_delta = 0
         self.kv_transfer_output: dict[str, Any] | None = None
         self.kv_loaded = False  # its KV connector load ended since it was last admitted: do not load again
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time

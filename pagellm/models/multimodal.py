@@ -46,6 +46,19 @@ class SupportsImages:
             (offset, length, {"pixel_values": pixels[i : i + 1]}) for i, (offset, length) in enumerate(runs)
         ]
 
+    uses_mrope: ClassVar[bool] = False
+    """Whether the decoder's rope takes three positions per token (Qwen-VL's multimodal rope): the runner
+    then hands the forward [3, T] positions from `mrope_positions` instead of [T]."""
+
+    @classmethod
+    def mrope_positions(
+        cls, model_config: Any, prompt_token_ids: list[int], images: list[Any]
+    ) -> tuple[torch.Tensor, int]:
+        """With `uses_mrope`: the prompt's positions [3, P] int64 (the images' `ImageInput`s say where each
+        image is and its grid), and the delta that every later token's position p becomes p + delta on
+        all three axes (generated tokens are text)."""
+        raise NotImplementedError
+
     def encode_images(self, images: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
         """Each image's embeddings [length, hidden] in the model's dtype, in the order given."""
         raise NotImplementedError

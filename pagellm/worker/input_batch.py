@@ -118,3 +118,22 @@ def host_to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
     """A host array on the device, through page-locked memory where the device has it (so the host does not
     wait, and the array may change right after); on the CPU the array's own memory."""
     return to_device(torch.from_numpy(np.ascontiguousarray(array)), device)
+
+
+def mrope_positions(
+    scheduled: Sequence[ScheduledRequest], positions: np.ndarray, cu: np.ndarray
+) -> np.ndarray:
+    """[3, T] positions of a step for a multimodal rope: a prompt token's from its request's
+    `mrope_positions` ([3, P]), any later token's p + `mrope_delta` on all three axes (a request without
+    them, text only, has its plain positions on all three)."""
+    out = np.repeat(positions[None, :], 3, axis=0)
+    for i, request in enumerate(scheduled):
+        table = getattr(request, "mrope_positions", None)
+        if table is None:
+            continue
+        block = out[:, int(cu[i]) : int(cu[i + 1])]  # a view: written in place
+        p = positions[int(cu[i]) : int(cu[i + 1])]
+        in_prompt = p < table.shape[1]
+        block[:] = p + request.mrope_delta
+        block[:, in_prompt] = table[:, p[in_prompt]]
+    return out

@@ -46,7 +46,7 @@ from pagellm.sampling.sampler import (
 from pagellm.spec_decode.proposer import StepInputs
 from pagellm.worker.cuda_graphs import DecodeGraphs, capture_decode_graphs, decode_graphs_allowed
 from pagellm.worker.encoder_cache import EncoderCache
-from pagellm.worker.input_batch import InputBatch, PreparedStep, host_to_device
+from pagellm.worker.input_batch import InputBatch, PreparedStep, host_to_device, mrope_positions
 from pagellm.worker.kv_cache import (
     allocate_kv_caches,
     blocks_in_budget,
@@ -119,6 +119,7 @@ class ModelRunner:
         self.encoder_cache = (
             EncoderCache(self.model, self.device) if getattr(self.model, "supports_images", False) else None
         )
+        self.uses_mrope = bool(getattr(self.model, "uses_mrope", False))
         self.recurrent_kernels = setup.platform.recurrent_kernels()
         if self.state_layers:
             logger.info("recurrent layers' kernels: %s", self.recurrent_kernels.describe())
@@ -425,7 +426,8 @@ class ModelRunner:
             split=self.parallel.world_size > 1,
             speculative=self.spec_decode is not None,
         )
-        if not allowed or self.state_layers:  # a replayed step has no state slots to hand over
+        # a replayed step has no state slots or three-axis positions to hand over
+        if not allowed or self.state_layers or self.uses_mrope:
             return None
         config = self.setup.config
         return capture_decode_graphs(
@@ -540,6 +542,8 @@ class ModelRunner:
         arrays, cu = batch.step_arrays(rows, starts, counts)
         if self.state_layers:
             arrays.state_slots = np.asarray(rows, dtype=np.int64)
+        if self.uses_mrope:
+            arrays.mrope_positions = mrope_positions(out.scheduled, arrays.positions, cu)
         if self.rope_length_base is not None:  # the length transformers rotates each token for
             prompt = self.rope_length_base == "prompt"
             base = [r.num_prompt_tokens if prompt else r.num_tokens for r in out.scheduled]
@@ -588,6 +592,8 @@ class ModelRunner:
         if self.layer_groups is not None:
             layer_metadata = [metadata[g] for g in self.layer_groups]
         input_ids, positions = self._dev(step.input_ids), self._dev(step.positions)
+        if step.mrope_positions is not None:
+            positions = self._dev(step.mrope_positions)
         lengths = self._dev(step.rope_lengths) if step.rope_lengths is not None else None
         state = None
         if step.state_slots is not None:

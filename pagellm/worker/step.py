@@ -136,6 +136,9 @@ class StepArrays:
     more_groups: tuple[tuple[np.ndarray, np.ndarray], ...] = ()
     # [B] int64, for a model with recurrent layers only: each request's state slot (its batch row)
     state_slots: np.ndarray | None = None
+    # [3, T] int64, for a multimodal rope only (Qwen-VL): each token's (temporal, height, width) position,
+    # which the model reads in place of `positions`
+    mrope_positions: np.ndarray | None = None
 
     def kv_groups(self) -> list[tuple[np.ndarray, np.ndarray]]:
         """Every KV cache group's (block_tables, slot_mapping), group 0 first."""

@@ -143,3 +143,21 @@ def tiny_text_model(tmp_path_factory):
     from tiny import make_tiny_checkpoint
 
     return make_tiny_checkpoint("llama", tmp_path_factory.mktemp("text"))
+
+
+def test_a_steps_three_axis_positions_come_from_the_prompts_table_then_the_delta():
+    """Qwen-VL's rope: prompt tokens take their [3, P] table's columns, later tokens p + delta on every axis,
+    a request without a table its plain positions, whatever the chunk."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from pagellm.worker.input_batch import mrope_positions
+
+    table = np.array([[0, 1, 1, 1, 2], [0, 1, 1, 2, 2], [0, 1, 2, 1, 2]])  # 5 prompt tokens
+    with_image = SimpleNamespace(mrope_positions=table, mrope_delta=-2)
+    text = SimpleNamespace(mrope_positions=None, mrope_delta=0)
+    positions = np.array([3, 4, 5, 6, 7, 8])  # the first request's tokens 3..6, the second's 7..8
+    cu = np.array([0, 4, 6])
+    out = mrope_positions([with_image, text], positions, cu)
+    assert out.tolist() == [[1, 2, 3, 4, 7, 8], [2, 2, 3, 4, 7, 8], [1, 2, 3, 4, 7, 8]]
