@@ -237,7 +237,14 @@ class ModelShape:
         runner = llm.engine.runner
         model = runner.model
         lm_head = getattr(model, "lm_head", None)
-        linears = [m for m in model.modules() if isinstance(m, Linear) and m is not lm_head]
+        per_image = set()  # a multimodal model's vision tower and projector: their work is per image
+        if getattr(model, "supports_images", False):
+            per_image = {id(m) for part in model.image_encoder_modules() for m in part.modules()}
+        linears = [
+            m
+            for m in model.modules()
+            if isinstance(m, Linear) and m is not lm_head and id(m) not in per_image
+        ]
         latents = [m for m in model.modules() if isinstance(m, LatentUpProjection)]
         attentions = [m for m in model.modules() if isinstance(m, Attention)]
         if not attentions:

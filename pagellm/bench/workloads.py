@@ -9,10 +9,12 @@ tokenizer.
 
 from __future__ import annotations
 
+import io
 import itertools
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -95,7 +97,38 @@ MODEL_M_GEMMA3_CONFIG = dict(
 )
 """Model M's sizes in Gemma 3's text layout (five 512-token sliding-window layers per global one, q/k norms,
 four norms a layer): issue 29's check that per-layer windows cost no speed."""
+MODEL_V_CONFIG = dict(
+    text_config=dict(
+        model_type="qwen2",
+        hidden_size=512,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        intermediate_size=1536,
+        vocab_size=32064,
+        tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
+        max_position_embeddings=8192,
+        rms_norm_eps=1e-6,
+    ),
+    vision_config=dict(
+        model_type="clip_vision_model",
+        hidden_size=256,
+        intermediate_size=1024,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        image_size=448,
+        patch_size=14,
+        projection_dim=256,
+    ),
+    image_token_id=32000,
+    vision_feature_select_strategy="default",
+    vision_feature_layer=-2,
+)
+"""Model V, I1's vision-language model: LLaVA's layout at a tiny width (a CLIP tower of 448-pixel images in
+14-pixel patches, 1024 tokens an image; a Qwen2 decoder of 512 wide, 8 layers), random weights."""
 _SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+IMAGE_TOKEN = "<image>"
 
 
 @dataclass
@@ -145,6 +178,64 @@ def w1(
     output_lens = rng.randint(output_len[0], output_len[1] + 1, size=num_prompts)
     prompts = [rng.randint(100, vocab_size - 100, size=int(n)).tolist() for n in input_lens]
     return Workload("W1", prompts, [int(n) for n in output_lens])
+
+
+@dataclass
+class ImageWorkload:
+    """Requests of one image and a text prompt each (the image's placeholder, then the text)."""
+
+    name: str
+    texts: list[str]
+    images: list[Any]  # PIL images
+    output_lens: list[int]
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.texts)
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(self.output_lens)
+
+    def describe(self) -> dict:
+        size = self.images[0].size if self.images else None
+        return {
+            "name": self.name,
+            "num_requests": self.num_requests,
+            "image_size": list(size) if size else None,
+            "output_tokens": self.output_tokens,
+            "output_len_range": [min(self.output_lens), max(self.output_lens)],
+        }
+
+
+def i1(
+    tokenizer: Any,
+    num_prompts: int = 64,
+    image_size: int = 448,
+    input_len: tuple[int, int] = (16, 128),
+    output_len: tuple[int, int] = (16, 128),
+) -> ImageWorkload:
+    """I1 (images): one RGB image per request (pixels from RandomState(2), through a PNG round trip) and a
+    W1-like text of `input_len` random tokens (RandomState(3): input lengths, output lengths, then the
+    tokens), decoded to text after the image's placeholder."""
+    from PIL import Image
+
+    pixels = np.random.RandomState(2)
+    images = []
+    for _ in range(num_prompts):
+        buffer = io.BytesIO()
+        array = pixels.randint(0, 256, size=(image_size, image_size, 3)).astype(np.uint8)
+        Image.fromarray(array).save(buffer, format="PNG")
+        images.append(Image.open(io.BytesIO(buffer.getvalue())).convert("RGB"))
+    rng = np.random.RandomState(3)
+    input_lens = rng.randint(input_len[0], input_len[1] + 1, size=num_prompts)
+    output_lens = rng.randint(output_len[0], output_len[1] + 1, size=num_prompts)
+    vocab = len(tokenizer) - 100
+    texts = [
+        IMAGE_TOKEN + "\n" + tokenizer.decode(rng.randint(100, vocab, size=int(n)).tolist())
+        for n in input_lens
+    ]
+    return ImageWorkload("I1", texts, images, [int(n) for n in output_lens])
 
 
 def w3(
@@ -227,6 +318,7 @@ RANDOM_MODELS = {
     "E": ("Qwen3MoeConfig", "MODEL_E_CONFIG"),
     "H": ("Qwen3_5TextConfig", "MODEL_H_CONFIG"),
     "M-gemma3": ("Gemma3TextConfig", "MODEL_M_GEMMA3_CONFIG"),
+    "V": ("LlavaConfig", "MODEL_V_CONFIG"),
 }
 """Name -> (transformers config class, this module's config dict): looked up when built, so a test may
 shrink a config by patching the dict."""
@@ -267,12 +359,40 @@ def _build_random_model(name: str, path: Path) -> None:
     settings = globals()[config_name]
     partial = path.with_name(path.name + ".partial")
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(getattr(transformers, config_class)(**settings))
+    config = getattr(transformers, config_class)(**settings)
+    if "vision_config" in settings:
+        model = transformers.AutoModelForImageTextToText.from_config(config)
+    else:
+        model = AutoModelForCausalLM.from_config(config)
     model.to(torch.bfloat16)
     model.config.dtype = torch.bfloat16
     model.save_pretrained(partial)
-    make_byte_tokenizer(settings["vocab_size"]).save_pretrained(partial)
+    if "vision_config" in settings:
+        _llava_processor(settings).save_pretrained(partial)
+    else:
+        make_byte_tokenizer(settings["vocab_size"]).save_pretrained(partial)
     partial.rename(path)
+
+
+def _llava_processor(settings: dict) -> Any:
+    """A LLaVA processor for a random model: CLIP's image processor at the tower's size and the byte-level
+    tokenizer with the image placeholder after its ids."""
+    from transformers import CLIPImageProcessor, LlavaProcessor
+
+    size = settings["vision_config"]["image_size"]
+    tokenizer = make_byte_tokenizer(settings["image_token_id"])
+    tokenizer.add_special_tokens({"additional_special_tokens": [IMAGE_TOKEN]})
+    assert tokenizer.convert_tokens_to_ids(IMAGE_TOKEN) == settings["image_token_id"]
+    return LlavaProcessor(
+        image_processor=CLIPImageProcessor(
+            size={"shortest_edge": size}, crop_size={"height": size, "width": size}
+        ),
+        tokenizer=tokenizer,
+        patch_size=settings["vision_config"]["patch_size"],
+        vision_feature_select_strategy=settings["vision_feature_select_strategy"],
+        image_token=IMAGE_TOKEN,
+        num_additional_image_tokens=1,
+    )
 
 
 def make_byte_tokenizer(vocab_size: int):

@@ -1,4 +1,4 @@
-"""`pagellm bench throughput|latency|prefix|serve`: the workloads of shared/bench/README.md from the
+"""`pagellm bench throughput|latency|prefix|images|serve`: the workloads of shared/bench/README.md from the
 command line.
 
 Each command declares its options and hands them to its `pagellm.bench.<command>.main`, which runs it,
@@ -8,12 +8,14 @@ prints a summary table and its floor (pagellm.bench.floor), and can write a JSON
 from __future__ import annotations
 
 import dataclasses
+import functools
 import shlex
 from collections.abc import Callable
 from typing import Any
 
 import click
 
+from pagellm.bench import images as images_bench
 from pagellm.bench import latency as latency_bench
 from pagellm.bench import prefix as prefix_bench
 from pagellm.bench import serve as serve_bench
@@ -28,7 +30,7 @@ from pagellm.cli.options import (
 )
 
 
-def _common_options(command: Callable) -> Callable:
+def _common_options(command: Callable, default_model: str = "S") -> Callable:
     command = engine_options(skip=("model",))(command)
     command = click.option(
         "--read-gb-s",
@@ -52,11 +54,12 @@ def _common_options(command: Callable) -> Callable:
     )(command)
     return click.option(
         "--model",
-        default="S",
+        default=default_model,
         show_default=True,
         help="S (the embedded SmolLM2-135M), M (random Qwen2 shaped like Qwen2.5-0.5B), E (random Qwen3-MoE "
         "shaped like a small Qwen3-30B-A3B), H (random Qwen3.5 text hybrid: Gated DeltaNet and attention), "
-        "M-gemma3 (M's sizes in Gemma 3's layout) or a model path.",
+        "M-gemma3 (M's sizes in Gemma 3's layout), V (random LLaVA of a tiny width, for images) or a model "
+        "path.",
     )(command)
 
 
@@ -180,6 +183,28 @@ def latency(**params) -> None:
     """Latency of one batch: prefill steps, decode step mean/p50/p99 and end-to-end time, each against its
     floor. With --speculative-config, the same batch runs first without speculation, for the speedup."""
     latency_bench.main(bench_args(latency_bench.LatencyArgs, params))
+
+
+@bench.command()
+@click.option("--num-prompts", type=int, default=64, show_default=True)
+@click.option(
+    "--compare",
+    multiple=True,
+    callback=comma_choices("peer", "transformers"),
+    help="Also run transformers' generate on the same requests.",
+)
+@click.option(
+    "--peer-batch-sizes",
+    default="1,8",
+    show_default=True,
+    callback=comma_ints,
+    help="transformers: static batch sizes (1: one request at a time).",
+)
+@functools.partial(_common_options, default_model="V")
+def images(**params) -> None:
+    """I1: one image and a W1-like text per request on a vision-language model (default V), all queued at
+    once: requests/s, TTFT and the vision encoder's share of step time."""
+    images_bench.main(bench_args(images_bench.ImagesArgs, params))
 
 
 @bench.command()

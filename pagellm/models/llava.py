@@ -124,6 +124,9 @@ class LlavaForConditionalGeneration(SupportsImages, LlamaForCausalLM):
         embeds = self.multi_modal_projector(features.reshape(-1, width))
         return list(embeds.view(batch, rows, -1).unbind(0))
 
+    def image_encoder_modules(self) -> list[nn.Module]:
+        return [self.vision_tower, self.multi_modal_projector]
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """The decoder's weights through the Llama loader, the tower's and the projector's after them."""
         vision: list[tuple[str, torch.Tensor]] = []

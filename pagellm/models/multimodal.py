@@ -63,6 +63,11 @@ class SupportsImages:
         """Each image's embeddings [length, hidden] in the model's dtype, in the order given."""
         raise NotImplementedError
 
+    def image_encoder_modules(self) -> list[torch.nn.Module]:
+        """The modules that run once per image rather than per token (the vision tower, the projector): the
+        benchmarks' floor counts their work per image, not in the decoder's per-token work."""
+        raise NotImplementedError
+
 
 def placeholder_runs(token_ids: list[int], placeholder: int) -> list[tuple[int, int]]:
     """(start, length) of each maximal run of `placeholder` in `token_ids`."""

@@ -201,3 +201,31 @@ def test_random_models_are_built_from_their_configs(name, model_type, tmp_path, 
     path = workloads.resolve_model(name)
     config = AutoConfig.from_pretrained(path)
     assert (path, config.model_type, config.vocab_size) == (str(tmp_path / name), model_type, 600)
+
+
+def test_images_runs_i1_on_model_v_beside_transformers(tmp_path, monkeypatch):
+    """`pagellm bench images`: I1's requests on a (shrunk) model V, every image encoded once, TTFT and the
+    encoder's share reported for pagellm, the same requests through transformers one at a time and batched,
+    and the floor with the encoder's work in it."""
+    from pagellm.bench import workloads
+
+    small = dict(workloads.MODEL_V_CONFIG)
+    small["text_config"] = dict(small["text_config"], hidden_size=64, num_hidden_layers=2, intermediate_size=128)
+    small["vision_config"] = dict(small["vision_config"], hidden_size=32, intermediate_size=64, image_size=56)
+    small["vision_config"].update(num_hidden_layers=2, num_attention_heads=2, projection_dim=32)
+    monkeypatch.setattr(workloads, "MODEL_V_CONFIG", small)
+    model = workloads.random_model_path("V", tmp_path)
+    out = tmp_path / "images.json"
+    args = ["images", "--model", str(model), "--num-prompts", "3", "--compare", "transformers"]
+    args += ["--peer-batch-sizes", "1,2"]
+    result = run_bench([*args, "--output-json", str(out), *ENGINE_ARGS, *FLOOR_ARGS])
+    assert "encoder share" in result.output and "pagellm floor" in result.output
+    report = json.loads(out.read_text())
+    assert report["workload"]["image_size"] == [56, 56]
+    pagellm, one, two = report["results"]
+    assert [one["engine"], two["engine"]] == ["transformers (batch 1)", "transformers (batch 2)"]
+    assert pagellm["output_tokens"] == one["output_tokens"] == report["workload"]["output_tokens"]
+    assert pagellm["extra"]["images_encoded"] == 3
+    assert 0 < pagellm["extra"]["encoder_share"] < 1
+    assert pagellm["input_tokens"] > 3 * 16  # each prompt holds its image's 16 tokens
+    assert pagellm["extra"]["floor"]["linear_flops"] > 0 and 0 < pagellm["fraction_of_floor"]
