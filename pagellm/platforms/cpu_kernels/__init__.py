@@ -36,6 +36,7 @@ SOURCES = (
     "argmax.cpp",
     "fused_moe.cpp",
     "linear_panels.cpp",
+    "recurrent.cpp",
     "ops.cpp",
 )
 HEADERS = ("kernels.h", "amx_tiles.h", "panels.h")
@@ -53,6 +54,9 @@ OPS = (
     "fused_moe_isa",
     "begin_native_step",
     "end_native_step",
+    "gated_delta_rule_update",
+    "selective_state_update",
+    "conv1d_update",
 )
 """The operators the library defines in its own namespace (TORCH_LIBRARY in ops.cpp)."""
 
