@@ -26,8 +26,10 @@
 #include <ATen/core/Tensor.h>
 
 #include <algorithm>
+#include <climits>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 #include <vector>
 
@@ -39,6 +41,27 @@ constexpr float kL2NormEps = 1e-6f;  // recurrent_ops.L2NORM_EPS: inside the roo
 
 bool is_float_or_bf16(const at::Tensor& t) {
   return t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16;
+}
+
+// bfloat16 as its 16 bits, widened and rounded (to nearest even, NaN kept) without branches, so that loops of
+// them vectorise (c10::BFloat16's did not in the conv's loop).
+inline float widen(float v) { return v; }
+inline float widen(uint16_t v) {
+  const uint32_t bits = static_cast<uint32_t>(v) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+template <typename T>
+inline T narrow(float f) {
+  if constexpr (std::is_same_v<T, float>) {
+    return f;
+  } else {
+    uint32_t bits;
+    std::memcpy(&bits, &f, 4);
+    const uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+    return static_cast<uint16_t>(f != f ? (bits >> 16) | 0x40u : rounded);
+  }
 }
 
 // A [rows, heads, n] tensor of float32 or bfloat16 with its last dim contiguous, read and written a row of n
@@ -60,8 +83,8 @@ struct Rows {
   void load(int64_t row, int64_t head, float* dst) const {
     const void* src = at(row, head);
     if (elem == 2) {
-      const auto* p = static_cast<const c10::BFloat16*>(src);
-      for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(p[i]);
+      const auto* p = static_cast<const uint16_t*>(src);
+      for (int64_t i = 0; i < n; ++i) dst[i] = widen(p[i]);
     } else {
       std::copy_n(static_cast<const float*>(src), n, dst);
     }
@@ -70,8 +93,8 @@ struct Rows {
   void store(int64_t row, int64_t head, const float* src) const {
     void* dst = at(row, head);
     if (elem == 2) {
-      auto* p = static_cast<c10::BFloat16*>(dst);
-      for (int64_t i = 0; i < n; ++i) p[i] = c10::BFloat16(src[i]);  // round to nearest even, as torch
+      auto* p = static_cast<uint16_t*>(dst);
+      for (int64_t i = 0; i < n; ++i) p[i] = narrow<uint16_t>(src[i]);
     } else {
       std::copy_n(src, n, static_cast<float*>(dst));
     }
@@ -137,6 +160,69 @@ inline void delta_rule_head(float* s, int64_t dk, int64_t dv, const float* q, co
       o[j] += qi * updated;
     }
   }
+}
+
+// The conv of one sequence: y[d] = w[d] . (its `width` kept inputs, x[d]), the kept inputs shifted by one with
+// x[d] appended. kWidth is `width` known at compile time (0: not), which lets the compiler vectorise the loop
+// over channels (the kept inputs read and written as unrolled locals).
+template <typename T, int kWidth>
+inline void conv_sequence(T* state, int64_t width, int64_t channels, const float* x, const float* w, float* y) {
+  if constexpr (kWidth > 0) {
+#pragma omp simd
+    for (int64_t d = 0; d < channels; ++d) {
+      T* window = state + d * kWidth;
+      const float* taps = w + d * (kWidth + 1);
+      float kept[kWidth];
+#pragma GCC unroll 8
+      for (int t = 0; t < kWidth; ++t) kept[t] = widen(window[t]);
+      float sum = x[d] * taps[kWidth];
+#pragma GCC unroll 8
+      for (int t = 0; t < kWidth; ++t) sum += kept[t] * taps[t];
+      y[d] = sum;
+#pragma GCC unroll 8
+      for (int t = 0; t + 1 < kWidth; ++t) window[t] = narrow<T>(kept[t + 1]);
+      window[kWidth - 1] = narrow<T>(x[d]);
+    }
+  } else {
+    for (int64_t d = 0; d < channels; ++d) {
+      T* window = state + d * width;
+      const float* taps = w + d * (width + 1);
+      float sum = x[d] * taps[width];
+      for (int64_t t = 0; t < width; ++t) sum += widen(window[t]) * taps[t];
+      y[d] = sum;
+      for (int64_t t = 0; t + 1 < width; ++t) window[t] = window[t + 1];
+      if (width > 0) window[width - 1] = narrow<T>(x[d]);
+    }
+  }
+}
+
+// exp(x) for silu, to about 1 ulp on [-87, 87] (Cephes' expf: 2^n times a degree-6 polynomial on
+// |r| <= ln2 / 2) and clamped to that range, in operations a loop of it vectorises with (std::exp is a call
+// per value: silu over the conv's 4096 channels a sequence was most of the update's time).
+inline float silu_exp(float x) {
+  // the clamp on x's bits (|x| orders as an integer): a float compare may trap, which keeps GCC from
+  // vectorising the loop
+  int32_t x_bits;
+  std::memcpy(&x_bits, &x, 4);
+  x_bits = std::min(x_bits & 0x7fffffff, 0x42ae0000) | (x_bits & INT32_MIN);  // 0x42ae0000: 87.f
+  std::memcpy(&x, &x_bits, 4);
+  constexpr float kRound = 12582912.f;  // 1.5 * 2^23: adding it rounds to an integer, kept in the low bits
+  const float shifted = x * 1.44269504088896341f + kRound;
+  const float n = shifted - kRound;
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;  // x - n ln2, ln2 in two parts
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  int32_t bits, round_bits;
+  std::memcpy(&bits, &shifted, 4);
+  std::memcpy(&round_bits, &kRound, 4);
+  bits = (bits - round_bits + 127) << 23;  // 2^n
+  float scale;
+  std::memcpy(&scale, &bits, 4);
+  return (p * r * r + r + 1.f) * scale;
 }
 
 inline float softplus(float x) { return x > 20.f ? x : std::log1p(std::exp(x)); }  // F.softplus, threshold 20
@@ -262,20 +348,18 @@ at::Tensor conv1d_update(const at::Tensor& x, const at::Tensor& weight, const c1
     for (int64_t b = begin; b < end; ++b) {
       x_rows.load(b, 0, xv);
       uint8_t* state = cache + slot[b] * state_bytes;
-      auto run = [&](auto* s) {
-        using T = std::remove_pointer_t<decltype(s)>;
-        for (int64_t d = 0; d < channels; ++d) {
-          T* window = s + d * width;
-          const float* taps = w + d * (width + 1);
-          float y = xv[d] * taps[width];
-          for (int64_t t = 0; t < width; ++t) y += static_cast<float>(window[t]) * taps[t];
-          if (b_ptr) y += b_ptr[d];
-          yv[d] = silu ? y / (1.f + std::exp(-y)) : y;
-          for (int64_t t = 0; t + 1 < width; ++t) window[t] = window[t + 1];
-          if (width > 0) window[width - 1] = static_cast<T>(xv[d]);
-        }
-      };
-      bf16_state ? run(reinterpret_cast<c10::BFloat16*>(state)) : run(reinterpret_cast<float*>(state));
+      if (bf16_state)
+        width == 3 ? conv_sequence<uint16_t, 3>(reinterpret_cast<uint16_t*>(state), width, channels, xv, w, yv)
+                   : conv_sequence<uint16_t, 0>(reinterpret_cast<uint16_t*>(state), width, channels, xv, w, yv);
+      else
+        width == 3 ? conv_sequence<float, 3>(reinterpret_cast<float*>(state), width, channels, xv, w, yv)
+                   : conv_sequence<float, 0>(reinterpret_cast<float*>(state), width, channels, xv, w, yv);
+      if (b_ptr)
+#pragma omp simd
+        for (int64_t d = 0; d < channels; ++d) yv[d] += b_ptr[d];
+      if (silu)
+#pragma omp simd
+        for (int64_t d = 0; d < channels; ++d) yv[d] = yv[d] / (1.f + silu_exp(-yv[d]));
       y_rows.store(b, 0, yv);
     }
   });
