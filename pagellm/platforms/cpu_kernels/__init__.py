@@ -80,8 +80,8 @@ def load() -> SimpleNamespace | None:
         kernels, _why_not = _build()
         if kernels is None:
             logger.warning(
-                "CPU kernels unavailable (attention uses its PyTorch path, linears oneDNN, MoE experts the "
-                "reference): %s",
+                "CPU kernels unavailable (attention uses its PyTorch path, linears oneDNN, MoE experts and "
+                "recurrent layers the references): %s",
                 _why_not,
             )
         _loaded["kernels"] = kernels
@@ -106,7 +106,7 @@ def _build() -> tuple[SimpleNamespace | None, str | None]:
     fresh = not any(build_dir.glob("*.so"))
     if fresh:
         logger.info(
-            "building the CPU kernels (attention, AMX linear, MoE) in %s (once per CPU and torch version)",
+            "building the CPU kernels (attention, AMX linear, MoE, recurrent) in %s (once per CPU and torch version)",
             build_dir,
         )
     started = time.monotonic()
