@@ -80,8 +80,8 @@ def load() -> SimpleNamespace | None:
         kernels, _why_not = _build()
         if kernels is None:
             logger.warning(
-                "CPU kernels unavailable (attention uses its PyTorch path, linears oneDNN, MoE experts and "
-                "recurrent layers the references): %s",
+                "CPU kernels unavailable (attention uses its PyTorch path, linears oneDNN, MoE experts the "
+                "reference, recurrent layers theirs): %s",
                 _why_not,
             )
         _loaded["kernels"] = kernels
