@@ -36,6 +36,7 @@ SOURCES = (
     "argmax.cpp",
     "fused_moe.cpp",
     "linear_panels.cpp",
+    "recurrent.cpp",
     "ops.cpp",
 )
 HEADERS = ("kernels.h", "amx_tiles.h", "panels.h")
@@ -53,6 +54,9 @@ OPS = (
     "fused_moe_isa",
     "begin_native_step",
     "end_native_step",
+    "gated_delta_rule_update",
+    "selective_state_update",
+    "conv1d_update",
 )
 """The operators the library defines in its own namespace (TORCH_LIBRARY in ops.cpp)."""
 
@@ -77,7 +81,7 @@ def load() -> SimpleNamespace | None:
         if kernels is None:
             logger.warning(
                 "CPU kernels unavailable (attention uses its PyTorch path, linears oneDNN, MoE experts the "
-                "reference): %s",
+                "reference, recurrent layers theirs): %s",
                 _why_not,
             )
         _loaded["kernels"] = kernels
@@ -102,7 +106,7 @@ def _build() -> tuple[SimpleNamespace | None, str | None]:
     fresh = not any(build_dir.glob("*.so"))
     if fresh:
         logger.info(
-            "building the CPU kernels (attention, AMX linear, MoE) in %s (once per CPU and torch version)",
+            "building the CPU kernels (attention, AMX linear, MoE, recurrent) in %s (once per CPU and torch version)",
             build_dir,
         )
     started = time.monotonic()

@@ -39,3 +39,12 @@ std::string fused_moe_isa();
 // linear_panels.cpp
 at::Tensor cpu_panel_linear(const at::Tensor& input, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
                             int64_t out_features);
+
+// recurrent.cpp
+at::Tensor gated_delta_rule_update(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
+                                   const at::Tensor& beta, at::Tensor states, const at::Tensor& slots);
+at::Tensor selective_state_update(const at::Tensor& x, const at::Tensor& dt, const at::Tensor& A, const at::Tensor& B,
+                                  const at::Tensor& C, const at::Tensor& D, const at::Tensor& dt_bias, at::Tensor states,
+                                  const at::Tensor& slots);
+at::Tensor conv1d_update(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
+                         at::Tensor conv_states, const at::Tensor& slots, c10::optional<c10::string_view> activation);

@@ -131,4 +131,13 @@ TORCH_LIBRARY(TORCH_EXTENSION_NAME, m) {
         "bool[] amx, float[] soft_caps, Tensor?[] sinks) -> ()",
         TORCH_FN(begin_native_step));
   m.def("end_native_step() -> ()", TORCH_FN(end_native_step));
+  m.def("gated_delta_rule_update(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor(a!) states, "
+        "Tensor slots) -> Tensor",
+        TORCH_FN(gated_delta_rule_update));
+  m.def("selective_state_update(Tensor x, Tensor dt, Tensor A, Tensor B, Tensor C, Tensor D, Tensor dt_bias, "
+        "Tensor(a!) states, Tensor slots) -> Tensor",
+        TORCH_FN(selective_state_update));
+  m.def("conv1d_update(Tensor x, Tensor weight, Tensor? bias, Tensor(a!) conv_states, Tensor slots, "
+        "str? activation) -> Tensor",
+        TORCH_FN(conv1d_update));
 }
