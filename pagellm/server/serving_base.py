@@ -122,25 +122,36 @@ class ServingBase:
     ) -> list[int]:
         """The token ids of `messages` rendered by the chat template (the request's, else the server's, else
         the tokenizer's); 400 naming `messages` when there is none or it fails. Run it in a thread."""
+        conversation = [message_dict(m) for m in messages]
+        ids = self._render(conversation, template, add_generation_prompt, tools, tokenize=True)
+        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+    def _render(
+        self,
+        conversation: list[dict],
+        template: str | None,
+        add_generation_prompt: bool,
+        tools,
+        tokenize: bool,
+    ) -> Any:
+        """The chat template's output (token ids or text); 400 naming `messages` when it fails."""
         template = template or self.chat_template
         if template is None and not getattr(self.tokenizer, "chat_template", None):
             raise errors.bad_request(
                 "this model has no chat template; start the server with --chat-template FILE", "messages"
             )
-        conversation = [message_dict(m) for m in messages]
         try:
-            ids = self.tokenizer.apply_chat_template(
+            return self.tokenizer.apply_chat_template(
                 conversation,
                 chat_template=template,
                 add_generation_prompt=add_generation_prompt,
-                tokenize=True,
+                tokenize=tokenize,
                 tools=tools,
             )
         except Exception as exc:
             raise errors.bad_request(
                 f"the chat template could not render these messages: {exc}", "messages"
             ) from exc
-        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
     async def chat_images(self, messages: list[ChatMessage]) -> list[Any]:
         """The images of a conversation's `image_url` parts, fetched and decoded off the event loop, in the
@@ -187,23 +198,11 @@ class ServingBase:
         """A conversation with images rendered by the chat template as text, each image as the model's
         placeholder, and that text's token ids (before the engine expands the placeholders to the images'
         tokens); 400 naming `messages` when it fails. Run it in a thread."""
-        template = template or self.chat_template
         try:
             conversation, _ = split_images([message_dict(m, keep_images=True) for m in messages])
         except ConfigError as exc:  # a part that is neither text nor an image
             raise errors.bad_request(str(exc), exc.param) from exc
-        try:
-            text = self.tokenizer.apply_chat_template(
-                conversation,
-                chat_template=template,
-                add_generation_prompt=add_generation_prompt,
-                tokenize=False,
-                tools=tools,
-            )
-        except Exception as exc:
-            raise errors.bad_request(
-                f"the chat template could not render these messages: {exc}", "messages"
-            ) from exc
+        text = self._render(conversation, template, add_generation_prompt, tools, tokenize=False)
         return text, self.tokenizer.encode(text, add_special_tokens=False)
 
     # -- checks -----------------------------------------------------------------------------------------
