@@ -42,6 +42,7 @@ from pagellm.engine.data_parallel import DataParallelEngines, check_data_paralle
 from pagellm.engine.llm_engine import LLMEngine
 from pagellm.engine.outputs import PoolingRequestOutput, RequestOutput
 from pagellm.engine.scheduler import SchedulerStats
+from pagellm.engine.tokenizer import load_tokenizer
 from pagellm.lora.request import LoRARequest
 from pagellm.sampling.params import SamplingParams
 
@@ -122,9 +123,7 @@ class AsyncLLM:
             self._process = EngineProcess(self.config, self._on_turn, self._on_exit)
         if self._process is not None:
             self.facts = self._process.facts
-            from transformers import AutoTokenizer
-
-            self._tokenizer = AutoTokenizer.from_pretrained(self.facts.tokenizer_path)
+            self._tokenizer = load_tokenizer(self.facts.tokenizer_path)
             self._send = self._process.send
         else:
             self.engine = LLMEngine(self.config)

@@ -42,6 +42,7 @@ from pagellm.engine.core import (
 from pagellm.engine.core_process import EngineFacts, EngineProcess
 from pagellm.engine.outputs import RequestOutput
 from pagellm.engine.scheduler import SchedulerStats
+from pagellm.engine.tokenizer import load_tokenizer
 from pagellm.lora.request import LoRARequest
 from pagellm.sampling.params import SamplingParams
 
@@ -245,9 +246,7 @@ class DataParallelClient:
         self._turns: queue.Queue[Turn | str] = queue.Queue()  # a str: why the engines ended
         self.engines = DataParallelEngines(config, self._turns.put, self._turns.put)
         self._finalizer = weakref.finalize(self, _shutdown, self.engines)
-        from transformers import AutoTokenizer
-
-        self.tokenizer = AutoTokenizer.from_pretrained(self.engines.facts.tokenizer_path)
+        self.tokenizer = load_tokenizer(self.engines.facts.tokenizer_path)
         self.max_model_len = self.engines.facts.max_model_len
         self._unfinished: set[str] = set()
 

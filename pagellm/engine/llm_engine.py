@@ -28,6 +28,7 @@ from pagellm.engine.processor import Processor, make_pooler
 from pagellm.engine.request import RequestStatus
 from pagellm.engine.scheduler import Scheduler
 from pagellm.engine.setup import resolve_engine
+from pagellm.engine.tokenizer import load_tokenizer
 from pagellm.lora.request import LoRARequest
 from pagellm.sampling.params import SamplingParams
 from pagellm.worker.model_runner import ModelRunner
@@ -331,12 +332,11 @@ def _start_ranks(setup: EngineSetup) -> Ranks:
 
 
 def _load_tokenizer_and_weights(setup: EngineSetup):
-    from transformers import AutoTokenizer
 
     from pagellm.models.loader import iter_checkpoint_weights
 
     source = setup.source
-    tokenizer = AutoTokenizer.from_pretrained(setup.config.tokenizer or source.directory)
+    tokenizer = load_tokenizer(setup.config.tokenizer or source.directory)
     if setup.quant_method is not None and setup.quant_method.loads_gguf_blocks and source.gguf_original:
         from pagellm.models.gguf_checkpoint import iter_gguf_weights  # packed blocks straight from the file
 

@@ -161,3 +161,17 @@ def test_a_steps_three_axis_positions_come_from_the_prompts_table_then_the_delta
     cu = np.array([0, 4, 6])
     out = mrope_positions([with_image, text], positions, cu)
     assert out.tolist() == [[1, 2, 3, 4, 7, 8], [2, 2, 3, 4, 7, 8], [1, 2, 3, 4, 7, 8]]
+
+
+def test_a_chat_template_shipped_only_for_the_processor_is_used(tmp_path):
+    """LLaVA 1.5's layout: the template in chat_template.json, which tokenizers do not read."""
+    import json
+
+    path = make_tiny_llava(tmp_path / "legacy")
+    template = (path / "chat_template.jinja").read_text()
+    (path / "chat_template.jinja").unlink()
+    (path / "chat_template.json").write_text(json.dumps({"chat_template": template}))
+    llm = LLM(str(path), dtype="float32", max_model_len=96, num_kv_blocks=64)
+    messages = [{"role": "user", "content": [{"type": "image_pil", "image_pil": PICTURES[0]}]}]
+    (out,) = llm.chat(messages, GREEDY, use_tqdm=False)
+    assert len(out.prompt_token_ids) > 16  # rendered with the image placeholder, expanded
