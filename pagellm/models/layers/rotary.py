@@ -92,6 +92,10 @@ class RotaryEmbedding(nn.Module):
             self.theta, self.factor = float(params["rope_theta"]), float(params["factor"])
         self.scaling = float(self.scaling)
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
+        axes = mrope_axes(params, inv_freq.shape[-1])
+        self.mrope = axes is not None
+        if self.mrope:
+            self.register_buffer("mrope_axes", axes, persistent=False)
 
     @property
     def by_length(self) -> bool:
@@ -107,7 +111,14 @@ class RotaryEmbedding(nn.Module):
         """float32 cos and sin of [T, rotary_dim // 2], shared by every layer of one step. Compiled, one
         opaque op: inductor would otherwise recompute them inside every layer's rotation (per head too),
         and on a CPU those sines and cosines cost more than the rotation itself. A length-dependent type
-        reads the step's per-token lengths inside its op (from the forward context, like attention)."""
+        reads the step's per-token lengths inside its op (from the forward context, like attention).
+        A multimodal rope takes positions [3, T] (see `mrope_axes`)."""
+        if self.mrope:
+            if torch.compiler.is_compiling():
+                return torch.ops.pagellm.mrope_cos_sin(
+                    positions, self.inv_freq, self.mrope_axes, self.scaling
+                )
+            return _mrope_cos_sin(positions, self.inv_freq, self.mrope_axes, self.scaling)
         if self.by_length:
             args = (positions, self.inv_freq, self.scaling, self.rope_type, self.threshold, self.theta)
             if torch.compiler.is_compiling():
@@ -123,6 +134,49 @@ def _cos_sin(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     freqs = positions.float()[:, None] * inv_freq[None, :]
     return freqs.cos() * scaling, freqs.sin() * scaling
+
+
+def mrope_axes(params: dict, num_freqs: int) -> torch.Tensor | None:
+    """Qwen-VL's multimodal rope (`mrope_section` in the rope parameters): each token has a temporal, a
+    height and a width position, and each rotary frequency takes one of them; the axis (0, 1, 2) of each of
+    the `num_freqs` frequencies. Qwen2-VL and Qwen2.5-VL give the sections in order (the first
+    mrope_section[0] frequencies take t, the next h, the rest w); Qwen3-VL (`mrope_interleaved`) takes h at
+    frequencies 1, 4, 7, ... and w at 2, 5, 8, ... for 3 x its section each, t everywhere else. None for a
+    plain rope."""
+    section = params.get("mrope_section")
+    if not section:
+        return None
+    if sum(section) != num_freqs:
+        raise ConfigError(f"mrope_section {section} does not add up to the {num_freqs} rotary frequencies")
+    if not params.get("mrope_interleaved"):
+        return torch.repeat_interleave(torch.arange(3), torch.tensor(section))
+    axes = torch.zeros(num_freqs, dtype=torch.int64)
+    for axis in (1, 2):
+        axes[axis : 3 * section[axis] : 3] = axis
+    return axes
+
+
+def _mrope_cos_sin(
+    positions: torch.Tensor, inv_freq: torch.Tensor, axes: torch.Tensor, scaling: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each frequency's angle from its axis' position: positions [3, T] -> cos, sin [T, len(inv_freq)]."""
+    freqs = positions[axes.to(positions.device)].t().float() * inv_freq[None, :]
+    return freqs.cos() * scaling, freqs.sin() * scaling
+
+
+@torch.library.custom_op("pagellm::mrope_cos_sin", mutates_args=())
+def _mrope_cos_sin_op(
+    positions: torch.Tensor, inv_freq: torch.Tensor, axes: torch.Tensor, scaling: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _mrope_cos_sin(positions, inv_freq, axes, scaling)
+
+
+@_mrope_cos_sin_op.register_fake
+def _(
+    positions: torch.Tensor, inv_freq: torch.Tensor, axes: torch.Tensor, scaling: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    shape = (positions.shape[1], inv_freq.shape[-1])
+    return inv_freq.new_empty(shape), inv_freq.new_empty(shape)
 
 
 def _cos_sin_by_length(
