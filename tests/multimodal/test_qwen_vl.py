@@ -110,3 +110,16 @@ def test_images_match_transformers_batched_chunked_and_preempted(llm, reference)
     assert run(llm, PROMPTS) == [reference(t, p) for t, p in PROMPTS]
     assert llm.engine.stats().num_preemptions > 0
     assert not llm.engine.runner.encoder_cache.outputs
+
+
+def test_chat_with_an_image_part_equals_the_rendered_prompt(llm, reference):
+    """The chat template writes the vision tokens for an image part; the processor expands the pad."""
+    messages = [
+        {
+            "role": "user",
+            "content": [{"type": "image_pil", "image_pil": WIDE}, {"type": "text", "text": "what is this"}],
+        }
+    ]
+    (out,) = llm.chat(messages, GREEDY, use_tqdm=False)
+    text = f"<|im_start|>user\n{IMAGE}what is this<|im_end|>\n<|im_start|>assistant\n"
+    assert out.outputs[0].token_ids == reference(text, [WIDE])
