@@ -93,8 +93,7 @@ class RotaryEmbedding(nn.Module):
         self.scaling = float(self.scaling)
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
         axes = mrope_axes(params, inv_freq.shape[-1])
-        self.mrope = axes is not None
-        if self.mrope:
+        if axes is not None:
             self.register_buffer("mrope_axes", axes, persistent=False)
 
     @property
@@ -112,8 +111,9 @@ class RotaryEmbedding(nn.Module):
         opaque op: inductor would otherwise recompute them inside every layer's rotation (per head too),
         and on a CPU those sines and cosines cost more than the rotation itself. A length-dependent type
         reads the step's per-token lengths inside its op (from the forward context, like attention).
-        A multimodal rope takes positions [3, T] (see `mrope_axes`)."""
-        if self.mrope:
+        A multimodal rope takes positions [3, T] (see `mrope_axes`); given [T] (a text-only model of a
+        multimodal checkpoint, such as Qwen3.5's) it is the plain rope, all three positions being equal."""
+        if positions.dim() == 2:
             if torch.compiler.is_compiling():
                 return torch.ops.pagellm.mrope_cos_sin(
                     positions, self.inv_freq, self.mrope_axes, self.scaling
@@ -138,22 +138,15 @@ def _cos_sin(
 
 def mrope_axes(params: dict, num_freqs: int) -> torch.Tensor | None:
     """Qwen-VL's multimodal rope (`mrope_section` in the rope parameters): each token has a temporal, a
-    height and a width position, and each rotary frequency takes one of them; the axis (0, 1, 2) of each of
-    the `num_freqs` frequencies. Qwen2-VL and Qwen2.5-VL give the sections in order (the first
-    mrope_section[0] frequencies take t, the next h, the rest w); Qwen3-VL (`mrope_interleaved`) takes h at
-    frequencies 1, 4, 7, ... and w at 2, 5, 8, ... for 3 x its section each, t everywhere else. None for a
-    plain rope."""
+    height and a width position, and each rotary frequency takes one of them, in sections (the first
+    mrope_section[0] frequencies take t, the next h, the rest w, as Qwen2-VL and Qwen2.5-VL split them);
+    the axis (0, 1, 2) of each of the `num_freqs` frequencies. None for a plain rope."""
     section = params.get("mrope_section")
     if not section:
         return None
     if sum(section) != num_freqs:
         raise ConfigError(f"mrope_section {section} does not add up to the {num_freqs} rotary frequencies")
-    if not params.get("mrope_interleaved"):
-        return torch.repeat_interleave(torch.arange(3), torch.tensor(section))
-    axes = torch.zeros(num_freqs, dtype=torch.int64)
-    for axis in (1, 2):
-        axes[axis : 3 * section[axis] : 3] = axis
-    return axes
+    return torch.repeat_interleave(torch.arange(3), torch.tensor(section))
 
 
 def _mrope_cos_sin(
