@@ -36,9 +36,7 @@ class PromptImages:
         """The checkpoint's processor, loaded on the first image (a text-only engine never loads it)."""
         with self._lock:
             if self._processor is None:
-                from transformers import AutoProcessor
-
-                self._processor = AutoProcessor.from_pretrained(self.model_dir)
+                self._processor = self.model_class.load_processor(self.model_dir)
         return self._processor
 
     def process(

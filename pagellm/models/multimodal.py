@@ -30,6 +30,13 @@ class SupportsImages:
         return int(model_config.image_token_id)
 
     @classmethod
+    def load_processor(cls, model_dir: str) -> Any:
+        """The Hugging Face processor the engine runs over a prompt and its images."""
+        from transformers import AutoProcessor
+
+        return AutoProcessor.from_pretrained(model_dir)
+
+    @classmethod
     def image_inputs(
         cls, model_config: Any, processed: Mapping[str, torch.Tensor], prompt_token_ids: list[int]
     ) -> list[tuple[int, int, dict[str, torch.Tensor]]]:

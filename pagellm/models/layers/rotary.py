@@ -92,6 +92,9 @@ class RotaryEmbedding(nn.Module):
             self.theta, self.factor = float(params["rope_theta"]), float(params["factor"])
         self.scaling = float(self.scaling)
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
+        axes = mrope_axes(params, inv_freq.shape[-1])
+        if axes is not None:
+            self.register_buffer("mrope_axes", axes, persistent=False)
 
     @property
     def by_length(self) -> bool:
@@ -107,7 +110,15 @@ class RotaryEmbedding(nn.Module):
         """float32 cos and sin of [T, rotary_dim // 2], shared by every layer of one step. Compiled, one
         opaque op: inductor would otherwise recompute them inside every layer's rotation (per head too),
         and on a CPU those sines and cosines cost more than the rotation itself. A length-dependent type
-        reads the step's per-token lengths inside its op (from the forward context, like attention)."""
+        reads the step's per-token lengths inside its op (from the forward context, like attention).
+        A multimodal rope takes positions [3, T] (see `mrope_axes`); given [T] (a text-only model of a
+        multimodal checkpoint, such as Qwen3.5's) it is the plain rope, all three positions being equal."""
+        if positions.dim() == 2:
+            if torch.compiler.is_compiling():
+                return torch.ops.pagellm.mrope_cos_sin(
+                    positions, self.inv_freq, self.mrope_axes, self.scaling
+                )
+            return _mrope_cos_sin(positions, self.inv_freq, self.mrope_axes, self.scaling)
         if self.by_length:
             args = (positions, self.inv_freq, self.scaling, self.rope_type, self.threshold, self.theta)
             if torch.compiler.is_compiling():
@@ -123,6 +134,42 @@ def _cos_sin(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     freqs = positions.float()[:, None] * inv_freq[None, :]
     return freqs.cos() * scaling, freqs.sin() * scaling
+
+
+def mrope_axes(params: dict, num_freqs: int) -> torch.Tensor | None:
+    """Qwen-VL's multimodal rope (`mrope_section` in the rope parameters): each token has a temporal, a
+    height and a width position, and each rotary frequency takes one of them, in sections (the first
+    mrope_section[0] frequencies take t, the next h, the rest w, as Qwen2-VL and Qwen2.5-VL split them);
+    the axis (0, 1, 2) of each of the `num_freqs` frequencies. None for a plain rope."""
+    section = params.get("mrope_section")
+    if not section:
+        return None
+    if sum(section) != num_freqs:
+        raise ConfigError(f"mrope_section {section} does not add up to the {num_freqs} rotary frequencies")
+    return torch.repeat_interleave(torch.arange(3), torch.tensor(section))
+
+
+def _mrope_cos_sin(
+    positions: torch.Tensor, inv_freq: torch.Tensor, axes: torch.Tensor, scaling: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each frequency's angle from its axis' position: positions [3, T] -> cos, sin [T, len(inv_freq)]."""
+    freqs = positions[axes.to(positions.device)].t().float() * inv_freq[None, :]
+    return freqs.cos() * scaling, freqs.sin() * scaling
+
+
+@torch.library.custom_op("pagellm::mrope_cos_sin", mutates_args=())
+def _mrope_cos_sin_op(
+    positions: torch.Tensor, inv_freq: torch.Tensor, axes: torch.Tensor, scaling: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _mrope_cos_sin(positions, inv_freq, axes, scaling)
+
+
+@_mrope_cos_sin_op.register_fake
+def _(
+    positions: torch.Tensor, inv_freq: torch.Tensor, axes: torch.Tensor, scaling: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    shape = (positions.shape[1], inv_freq.shape[-1])
+    return inv_freq.new_empty(shape), inv_freq.new_empty(shape)
 
 
 def _cos_sin_by_length(

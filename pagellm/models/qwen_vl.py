@@ -1,0 +1,164 @@
+"""Qwen2.5-VL (`Qwen2_5_VLForConditionalGeneration`): the window-attention vision encoder of
+models/qwen_vision.py and a Qwen2 decoder (models/llama.py) with the multimodal rope.
+
+- An image is one run of `image_token_id` placeholders, (t x h x w) / merge^2 of them for its grid of
+  patches; the processor's `pixel_values` hold every image's patches in a row and `image_grid_thw` each
+  image's grid, so `image_inputs` cuts them per image.
+- Multimodal rope (`mrope_positions`, as transformers' `get_rope_index` for images): a text token's three
+  positions are equal and one more than the previous token's largest; an image's tokens take (t, row,
+  column) of their merged grid, each offset by the position the image starts at, and the text after the
+  image starts past its largest. Each token's rotary frequencies take their axis' position
+  (`mrope_section`, layers/rotary.py). Generated tokens are text: position p + delta on every axis.
+
+The vision encoder is not split over ranks, so the class runs without tensor or pipeline parallelism.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+
+from pagellm.core.errors import ConfigError
+from pagellm.models.base import ModelInit
+from pagellm.models.llama import LlamaModel, Qwen2ForCausalLM
+from pagellm.models.loader import copy_weights
+from pagellm.models.multimodal import SupportsImages, merge_image_embeddings, placeholder_runs
+from pagellm.models.qwen_vision import Qwen2_5VisionTransformer
+
+PREFIXES = (("model.language_model.", "model."), ("model.visual.", "visual."))
+"""transformers 5's layout (model.language_model.*, model.visual.*, lm_head.*) -> this class's; the
+original checkpoints' (model.*, visual.*, lm_head.*) is this class's already."""
+
+
+def checkpoint_name(name: str) -> str:
+    for prefix, ours in PREFIXES:
+        if name.startswith(prefix):
+            return ours + name[len(prefix) :]
+    return name
+
+
+class QwenVLLanguageModel(LlamaModel):
+    """The decoder, with the step's image embeddings in place of its placeholders' token embeddings."""
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return merge_image_embeddings(self.embed_tokens(input_ids))
+
+
+class Qwen2_5_VLForConditionalGeneration(SupportsImages, Qwen2ForCausalLM):
+    supports_parallel = False
+    uses_mrope = True
+    model_class = QwenVLLanguageModel
+
+    def __init__(self, init: ModelInit):
+        c = init.model_config
+        if c is None:
+            raise ConfigError("Qwen2.5-VL needs the checkpoint's whole config (ModelInit.model_config)")
+        if not (init.hf_config.rope_parameters or {}).get("mrope_section"):
+            raise ConfigError("Qwen2.5-VL's text config has no rope_parameters.mrope_section")
+        # transformers ties the output projection by the top-level flag, which a text_config may not repeat
+        text = copy.copy(init.hf_config)
+        text.tie_word_embeddings = bool(c.tie_word_embeddings)
+        super().__init__(dataclasses.replace(init, hf_config=text))
+        self.merge = c.vision_config.spatial_merge_size
+        self.visual = Qwen2_5VisionTransformer(c.vision_config, init.dtype)
+
+    @classmethod
+    def load_processor(cls, model_dir: str) -> Any:
+        """The checkpoint's processor; without torchvision (which transformers' Qwen video processor needs)
+        one for images alone, from the checkpoint's image processor, tokenizer and chat template."""
+        from transformers import AutoProcessor
+
+        try:
+            return AutoProcessor.from_pretrained(model_dir)
+        except ImportError:
+            return images_only_processor(model_dir)
+
+    @classmethod
+    def image_inputs(
+        cls, model_config: Any, processed: Mapping[str, torch.Tensor], prompt_token_ids: list[int]
+    ) -> list[tuple[int, int, dict[str, torch.Tensor]]]:
+        runs = placeholder_runs(prompt_token_ids, cls.image_token_id(model_config))
+        grids = processed["image_grid_thw"]
+        if len(runs) != grids.shape[0]:
+            raise ValueError(f"the prompt has {len(runs)} image placeholders for {grids.shape[0]} images")
+        merge = model_config.vision_config.spatial_merge_size
+        out, first = [], 0
+        for (offset, length), grid in zip(runs, grids, strict=True):
+            patches = int(grid.prod())
+            if length * merge * merge != patches:
+                raise ValueError(f"an image of {patches} patches has {length} placeholders")
+            pixels = processed["pixel_values"][first : first + patches]
+            out.append((offset, length, {"pixel_values": pixels, "image_grid_thw": grid[None].clone()}))
+            first += patches
+        return out
+
+    @classmethod
+    def mrope_positions(
+        cls, model_config: Any, prompt_token_ids: list[int], images: list[Any]
+    ) -> tuple[torch.Tensor, int]:
+        merge = model_config.vision_config.spatial_merge_size
+        parts, start, done = [], 0, 0  # start: the next text token's position; done: tokens placed
+        for image in sorted(images, key=lambda im: im.offset):
+            text = image.offset - done
+            parts.append(torch.arange(text).expand(3, -1) + start)
+            start += text
+            t, h, w = image_grid_of(image.data)
+            h, w = h // merge, w // merge
+            grid = torch.stack(
+                torch.meshgrid(torch.arange(t), torch.arange(h), torch.arange(w), indexing="ij")
+            )
+            parts.append(grid.reshape(3, -1) + start)
+            start += max(h, w)
+            done = image.end
+        parts.append(torch.arange(len(prompt_token_ids) - done).expand(3, -1) + start)
+        positions = torch.cat(parts, dim=1)
+        return positions, int(positions.max()) + 1 - len(prompt_token_ids)
+
+    def encode_images(self, images: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
+        """All images in one pass of the encoder (attention stays within each image)."""
+        grids = [image_grid_of(image) for image in images]
+        pixels = torch.cat([image["pixel_values"] for image in images])
+        embeds = self.visual(pixels, grids)
+        return list(embeds.split([t * h * w // self.merge**2 for t, h, w in grids]))
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """The decoder's weights through the Llama loader, the vision encoder's after them."""
+        vision: list[tuple[str, torch.Tensor]] = []
+
+        def decoder() -> Iterable[tuple[str, torch.Tensor]]:
+            for name, tensor in weights:
+                name = checkpoint_name(name)
+                if name.startswith("visual."):
+                    vision.append((name, tensor))
+                else:
+                    yield name, tensor
+
+        loaded = super().load_weights(decoder())
+        return loaded | copy_weights(self, vision)
+
+
+def image_grid_of(image: Mapping[str, torch.Tensor]) -> tuple[int, int, int]:
+    """An image's grid (t, h, w) in patches, from its `image_inputs` data."""
+    t, h, w = (int(x) for x in image["image_grid_thw"].reshape(3))
+    return t, h, w
+
+
+def images_only_processor(model_dir: str) -> Any:
+    """transformers' Qwen2.5-VL processor built without its video processor: the same text expansion
+    and image tensors for prompts with images."""
+    from transformers import AutoImageProcessor, AutoTokenizer, Qwen2_5_VLProcessor
+    from transformers.processing_utils import ProcessorMixin
+
+    class ImagesOnly(Qwen2_5_VLProcessor):
+        def __init__(self, image_processor: Any, tokenizer: Any, chat_template: str | None = None):
+            self.image_token = getattr(tokenizer, "image_token", None) or "<|image_pad|>"
+            self.image_token_id = tokenizer.convert_tokens_to_ids(self.image_token)
+            self.video_token, self.video_token_id = "<|video_pad|>", None
+            ProcessorMixin.__init__(self, image_processor, tokenizer, chat_template=chat_template)
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    return ImagesOnly(AutoImageProcessor.from_pretrained(model_dir), tokenizer, tokenizer.chat_template)
