@@ -36,4 +36,5 @@ def pagellm_models() -> dict[str, str]:
         "DeepseekV3ForCausalLM": "pagellm.models.deepseek:DeepseekV3ForCausalLM",
         "Glm4MoeForCausalLM": "pagellm.models.glm4_moe:Glm4MoeForCausalLM",
         "LlavaForConditionalGeneration": "pagellm.models.llava:LlavaForConditionalGeneration",
+        "Gemma3ForConditionalGeneration": "pagellm.models.gemma3_mm:Gemma3ForConditionalGeneration",
     }
