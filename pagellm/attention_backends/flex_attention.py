@@ -3,7 +3,8 @@
 The step is planned exactly as TORCH_SDPA plans it (the same gather of each request's visible context
 through its block table, the same decode batch), and each attention call runs `flex_attention` with a
 `BlockMask` built from that plan's causal and sliding-window visibility, so fully hidden tiles are
-skipped where flex_attention is compiled. Block masks are built once per step and shared by all layers.
+skipped where flex_attention is compiled (a step's bidirectional spans, image tokens that attend both ways, are
+in those masks). Block masks are built once per step and shared by all layers.
 Logit soft-capping is a `score_mod`; sink logits rescale the output by the log-sum-exp flex_attention
 returns (out * sigmoid(lse - sink)). On accelerators flex_attention is compiled (its fused kernels), once
 per variant (`CompiledFlex`), and each compile is logged with what it cost; on CPU it runs eagerly, which
@@ -54,6 +55,7 @@ class FlexAttentionBackend(TorchSDPABackend):
     supports_sliding_window = True  # the block mask
     supports_logits_soft_cap = True  # a score_mod
     supports_sinks = True  # the output rescaled by the returned log-sum-exp
+    supports_bidirectional_spans = True  # the plan's dense masks
     # not the latent layout: the step's block masks, shared by its layers, assume each layer's decodes
     # group the query heads alike, and a latent layer's one KV head groups them all
     supports_latent_kv = False

@@ -4,7 +4,8 @@ The reference backend, and the fallback where nothing faster fits. K/V are gathe
 through the block tables; all single-token (decode) requests share one padded SDPA call with their query
 heads grouped by KV head, and every other request (a prefill chunk) gets one SDPA call against its whole
 context. Gather indices and masks depend only on the step and the sliding window, so they are built once per
-step and window, and shared by all layers. SDPA can neither cap logits nor take sink logits, so layers with
+step and window, and shared by all layers. A `bidirectional_spans` layer's prefill masks also let each of the
+step's spans (an image's tokens) see itself both ways. SDPA can neither cap logits nor take sink logits, so layers with
 either run the same plan through `explicit_attention`: plain float32 ops, queries in slices. A latent (MLA)
 layer's cache holds one row per token; its V is a view of the gathered K rows' first v_size elements, and
 SDPA takes V narrower than K (torch's math kernel: the fused CPU kernel wants one head size).
@@ -12,6 +13,7 @@ SDPA takes V narrower than K (torch's math kernel: the fused CPU kernel wants on
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -46,13 +48,15 @@ class _Plan:
 
 @dataclass
 class TorchSDPAMetadata(PagedMetadata):
-    plans: dict[tuple[int | None, int], _Plan] = field(default_factory=dict)
+    plans: dict[tuple[int | None, int, bool], _Plan] = field(default_factory=dict)
 
-    def plan(self, sliding_window: int | None, block_size: int) -> _Plan:
-        """Gather indices and masks, built by the first layer that asks and reused by the others."""
-        key = (sliding_window, block_size)
+    def plan(self, sliding_window: int | None, block_size: int, bidirectional: bool = False) -> _Plan:
+        """Gather indices and masks, built by the first layer that asks and reused by the others;
+        `bidirectional`: with the batch's bidirectional spans."""
+        key = (sliding_window, block_size, bidirectional)
         if key not in self.plans:
-            self.plans[key] = _make_plan(self.batch, sliding_window, block_size)
+            spans = self.batch.bidirectional if bidirectional else ()
+            self.plans[key] = _make_plan(self.batch, sliding_window, block_size, spans)
         return self.plans[key]
 
 
@@ -62,6 +66,7 @@ class TorchSDPABackend(PagedBackend):
     supports_logits_soft_cap = True
     supports_sinks = True
     supports_latent_kv = True
+    supports_bidirectional_spans = True
     kv_cache_dtypes = (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2)
     metadata_type = TorchSDPAMetadata
 
@@ -86,7 +91,7 @@ class TorchSDPABackend(PagedBackend):
                 return rows, rows[..., : s.v_size]
             return rows, v_cache.index_select(0, slots).to(q.dtype)
 
-        plan = metadata.plan(s.sliding_window, kv_cache.shape[2])
+        plan = metadata.plan(s.sliding_window, kv_cache.shape[2], s.bidirectional_spans)
         out = q.new_zeros(*q.shape[:2], s.v_size)
         for p in plan.prefills:
             if p.slots is None:
@@ -153,12 +158,21 @@ class TorchSDPABackend(PagedBackend):
         return o.flatten(-4, -3)
 
 
-def _make_plan(batch: AttentionBatch, sliding_window: int | None, block_size: int) -> _Plan:
+def _make_plan(
+    batch: AttentionBatch,
+    sliding_window: int | None,
+    block_size: int,
+    spans: tuple[tuple[int, int, int], ...] = (),
+) -> _Plan:
     """Split the step into prefill chunks and decodes; build their cache gather indices and masks.
 
     Query token j of a request with L tokens of context and Q query tokens sits at position L - Q + j and
-    sees positions <= that, and > that - sliding_window when set. Context older than every query's window
-    is not gathered at all."""
+    sees positions <= that, and the rest of a span of `spans` (request index, first, end position) it lies
+    in; and only those > that - sliding_window when set. Context older than every query's window is not
+    gathered at all. A one-token query needs no span: it is the last of any span it lies in."""
+    own: dict[int, list[tuple[int, int]]] = {}
+    for i, first, end in spans:
+        own.setdefault(i, []).append((first, end))
     device = batch.block_tables.device
     starts = batch.query_start_loc_cpu.tolist()
     seq_lens = batch.seq_lens_cpu.tolist()
@@ -174,22 +188,28 @@ def _make_plan(batch: AttentionBatch, sliding_window: int | None, block_size: in
         tokens = slice(starts[i], starts[i + 1])
         if query_len == seq_len:  # nothing cached: attend over its own new k/v
             mask = None
-            if window and window < query_len:
+            if (window and window < query_len) or i in own:
                 pos = torch.arange(query_len, device=device)
-                mask = _window_mask(pos, pos, window)
+                mask = _visible(pos, pos, window, own.get(i, ()))
             prefills.append(_Prefill(tokens, None, mask))
             continue
         first = max(0, seq_len - query_len - window + 1) if window else 0
         pos = torch.arange(first, seq_len, device=device)
         slots = batch.block_tables[i, pos // block_size].long() * block_size + pos % block_size
         query_pos = torch.arange(seq_len - query_len, seq_len, device=device)
-        prefills.append(_Prefill(tokens, slots, _window_mask(query_pos, pos, window)))
+        prefills.append(_Prefill(tokens, slots, _visible(query_pos, pos, window, own.get(i, ()))))
     return _Plan(prefills, _make_decode(batch, decode_reqs, starts, seq_lens, window, block_size))
 
 
-def _window_mask(query_pos: torch.Tensor, key_pos: torch.Tensor, window: int) -> torch.Tensor:
+def _visible(
+    query_pos: torch.Tensor, key_pos: torch.Tensor, window: int, spans: Sequence[tuple[int, int]] = ()
+) -> torch.Tensor:
+    """[Q, C], True where the query sees the key: causal or both in one of `spans` ([first, end)
+    positions), then within the window when set (transformers' Gemma 3: AND(window, OR(causal, span)))."""
     diff = query_pos[:, None] - key_pos[None, :]
     mask = diff >= 0
+    for first, end in spans:
+        mask |= ((query_pos >= first) & (query_pos < end))[:, None] & ((key_pos >= first) & (key_pos < end))
     return mask & (diff < window) if window else mask
 
 

@@ -20,6 +20,11 @@ attention layer's implementation. Tensor conventions, for every backend:
   `has_sinks`, `forward` also gets `sinks` (float32 [num_heads]): one logit per query head that joins each
   row's softmax denominator and contributes no value (GPT-OSS), so out = sum_i e^s_i v_i / (sum_i e^s_i +
   e^sink)
+- a `bidirectional_spans` spec (Gemma 3's image tokens) also lets the queries of each span that the step's
+  `AttentionBatch.bidirectional` names see the span's later keys: a query at position q sees key k when
+  k <= q or both lie in one span, and, with a sliding window, q - k < sliding_window all the same (so a
+  span's earlier keys beyond the window stay hidden, as in transformers' Gemma 3). The scheduler keeps a
+  span's uncached tokens in one step, so every key a query may see is in the cache or in the step.
 """
 
 from __future__ import annotations
@@ -54,6 +59,7 @@ class AttentionSpec:
     has_sinks: bool = False  # a learned logit per query head in every softmax (`forward`'s `sinks`)
     v_head_size: int | None = None  # V's and the output's head size; None: head_size. Only with latent_kv
     latent_kv: bool = False  # one cached row per token and KV head: K, whose first v_size elements are V
+    bidirectional_spans: bool = False  # the batch's `bidirectional` spans attend both ways (image tokens)
 
     def __post_init__(self) -> None:
         if self.v_head_size is not None and not self.latent_kv:
@@ -92,6 +98,7 @@ class AttentionSpec:
             + (f"-cap{self.logits_soft_cap:g}" if self.logits_soft_cap is not None else "")
             + ("-sinks" if self.has_sinks else "")
             + (f"-latent-v{self.v_size}" if self.latent_kv else "")
+            + ("-bidir" if self.bidirectional_spans else "")
         )
 
 
@@ -107,6 +114,10 @@ class AttentionBatch:
     seq_lens_cpu: torch.Tensor
     max_query_len: int
     max_seq_len: int
+    # (request index, first position, end position): positions [first, end) of that request's sequence
+    # attend to each other both ways (one image's tokens), for `bidirectional_spans` specs; every span
+    # overlaps the request's query tokens and its later positions are all among them
+    bidirectional: tuple[tuple[int, int, int], ...] = ()
 
     @property
     def num_reqs(self) -> int:
@@ -141,6 +152,8 @@ class AttentionBackend:
     """Whether `forward` takes `sinks` (specs with `has_sinks`); the layer passes it only for those."""
     supports_latent_kv: ClassVar[bool] = False
     """Whether it runs `latent_kv` specs (MLA): one cached row per token, V its prefix, outputs of v_size."""
+    supports_bidirectional_spans: ClassVar[bool] = False
+    """Whether it runs `bidirectional_spans` specs: the batch's spans attend both ways (image tokens)."""
     graph_op: Any = None
     """An op (q [T, H*D], k, v [T, KV*D], layer_idx) -> [T, H*D] that compiled graphs call instead of
     `pagellm::attention` (the Python op, which calls `forward`), or None. It must give the same results and
@@ -183,6 +196,8 @@ class AttentionBackend:
             reasons.append("no attention-sink support")
         if spec.latent_kv and not cls.supports_latent_kv:
             reasons.append("no latent KV cache (MLA) support")
+        if spec.bidirectional_spans and not cls.supports_bidirectional_spans:
+            reasons.append("no bidirectional spans (image tokens that attend both ways)")
         return reasons
 
     @classmethod

@@ -23,8 +23,18 @@ from pagellm.multimodal.inputs import ImageInput
 class PromptImages:
     """The engine's image handling for one model: None of it runs for a model that takes no images."""
 
-    def __init__(self, model_class: type, model_config: Any, model_dir: str, limit: int):
+    def __init__(
+        self,
+        model_class: type,
+        model_config: Any,
+        model_dir: str,
+        limit: int,
+        max_image_tokens: int | None = None,
+    ):
+        """`max_image_tokens`: the most tokens one image may have (the token budget, for a model whose
+        images run in one prefill chunk, `SupportsImages.bidirectional_images`); None: any."""
         self.model_class = model_class
+        self.max_image_tokens = max_image_tokens
         self.model_config = model_config
         self.model_dir = model_dir
         self.limit = limit
@@ -67,6 +77,14 @@ class PromptImages:
             placed = self.model_class.image_inputs(self.model_config, processed, token_ids)
         except ValueError as exc:
             raise ConfigError(str(exc), param="multi_modal_data") from None
+        for i, (_, length, _) in enumerate(placed):
+            if self.max_image_tokens is not None and length > self.max_image_tokens:
+                raise ConfigError(
+                    f"multi_modal_data.image[{i}] takes {length} tokens, more than max_num_batched_tokens "
+                    f"({self.max_image_tokens}): this model's image tokens attend to each other both ways, so "
+                    "an image runs in one step; raise max_num_batched_tokens",
+                    param=f"multi_modal_data.image[{i}]",
+                )
         inputs = [
             ImageInput(offset, length, content_hash(image), data)
             for (offset, length, data), image in zip(placed, loaded, strict=True)

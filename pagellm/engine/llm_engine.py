@@ -114,6 +114,7 @@ class LLMEngine:
             max_loras=config.max_loras if config.enable_lora else None,
             kv_connector=self._scheduler_connector(),
             kv_windows=self.runner.kv_windows(),
+            whole_images=self.runner.bidirectional_images,
         )
 
     def _scheduler_connector(self) -> KVConnector | None:

@@ -83,8 +83,16 @@ class Processor:
         self.images: PromptImages | None = None  # a model that takes images
         if getattr(model_class, "supports_images", False):
             model_config = setup.model_config if setup.model_config is not None else setup.hf_config
-            limit = setup.config.image_limit
-            self.images = PromptImages(model_class, model_config, setup.source.directory, limit)
+            limit, config = setup.config.image_limit, setup.config
+            # images that must run in one step: no longer than the budget (unchunked, any prompt fits)
+            whole = model_class.bidirectional_images and config.enable_chunked_prefill
+            self.images = PromptImages(
+                model_class,
+                model_config,
+                setup.source.directory,
+                limit,
+                config.token_budget if whole else None,
+            )
 
     def process(
         self,

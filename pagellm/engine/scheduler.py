@@ -23,6 +23,12 @@ running and loading requests hold blocks, a failed load costs a recompute, and a
 finds what it received in the prefix cache. A finished request the connector must still send keeps its
 blocks until the worker reports them sent.
 
+Whole images: for a model whose image tokens attend to each other both ways (Gemma 3,
+`SupportsImages.bidirectional_images`), a prefill chunk never ends inside an image: it ends before an image
+it cannot hold whole, and the budget it leaves goes to the requests after it; a chunk that starts inside
+an image (a prefix-cache hit ending there) takes the rest of the image or nothing. The processor refuses an
+image longer than the token budget, so every image fits a step.
+
 Between `schedule()` and `update_from_output()`, a scheduled request's `num_computed_tokens` is the
 position of its first scheduled token.
 """
@@ -126,9 +132,10 @@ class Scheduler:
         max_loras: int | None = None,
         kv_connector: KVConnector | None = None,
         kv_windows: Sequence[int | None] = (None,),
+        whole_images: bool = False,
     ):
         """`kv_windows`: each KV cache group's sliding window as the KV cache manager honours it (None:
-        the group keeps every block)."""
+        the group keeps every block). `whole_images`: a prefill chunk never cuts an image's tokens."""
         if policy not in ("fcfs", "priority"):
             raise ConfigError(f"scheduling_policy must be fcfs or priority, not {policy!r}")
         if max_num_batched_tokens < max_num_seqs:
@@ -153,6 +160,7 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
         self.enable_chunked_prefill = enable_chunked_prefill
+        self.whole_images = whole_images
         self.policy = policy
         self.token_budget = token_budget
         self.kv_cache_manager = kv
@@ -258,8 +266,8 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             known = request.num_tokens - request.num_computed_tokens
-            n = min(known, budget)
-            if n == 0:  # the runner returned no token for it last step
+            n = self._whole_images(request, request.num_computed_tokens, min(known, budget))
+            if n == 0:  # the runner returned no token for it last step, or its next image does not fit
                 i += 1
                 continue
             drafts = request.spec_token_ids[: budget - n] if n == known else []
@@ -322,7 +330,9 @@ class Scheduler:
             if n > budget:
                 if not self.enable_chunked_prefill:
                     break
-                n = budget
+                n = self._whole_images(request, num_hit, budget)
+                if n == 0:  # its next image does not fit the budget left
+                    break
             if not kv.allocate_slots(request, n + self._lookahead(num_hit + n), computed_blocks):
                 break
             self.waiting.pop()
@@ -434,6 +444,17 @@ class Scheduler:
                 if mask is not None:
                     masks[rid] = mask
         return masks
+
+    def _whole_images(self, request: Request, start: int, n: int) -> int:
+        """`n`, or fewer so that the chunk [start, start + n) ends outside every image (0 when it starts
+        inside one it cannot finish), with `whole_images`."""
+        if not self.whole_images:
+            return n
+        end = start + n
+        for image in request.images:
+            if image.offset < end < image.end:
+                return max(0, image.offset - start)
+        return n
 
     def _lookahead(self, end: int) -> int:
         """Slots past a step's last token (`end` tokens in all) for a draft model's own KV, never past

@@ -206,7 +206,7 @@ class GemmaModel(nn.Module):
         rope = [rotary.cos_sin(positions) for rotary in self.rotaries]
         pp = self.pp
         if pp.rank == 0:
-            h = self.embed_tokens(input_ids) * self.embed_scale
+            h = self.embed(input_ids)
         else:
             h = self._receive(input_ids, pp.rank - 1)
         for i in self.own:
@@ -219,6 +219,9 @@ class GemmaModel(nn.Module):
             pp.send(h, 0)
         return h
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids) * self.embed_scale
+
     def _receive(self, input_ids: torch.Tensor, source: int) -> torch.Tensor:
         buffer = torch.empty(input_ids.shape[0], self.hidden_size, dtype=self.dtype, device=input_ids.device)
         return self.pp.recv(buffer, source)
@@ -229,6 +232,7 @@ class Gemma2ForCausalLM(CausalLM):
     """RMSNorm over each head of q and k before rotary (Gemma 3)."""
     attention_spec = staticmethod(gemma2_attention_spec)
     supports_parallel = True
+    model_class: type[GemmaModel] = GemmaModel
 
     def __init__(self, init: ModelInit):
         super().__init__()
@@ -238,7 +242,7 @@ class Gemma2ForCausalLM(CausalLM):
                 f"{type(self).__name__} with use_bidirectional_attention (an embedding model's encoder) "
                 f"is not supported; pagellm runs Gemma as a causal decoder"
             )
-        self.model = GemmaModel(init, self.attention_spec, self.qk_norm)
+        self.model = self.model_class(init, self.attention_spec, self.qk_norm)
         self.tp = init.parallel.tp
         self.vocab_size = c.vocab_size
         self.final_soft_cap: float | None = getattr(c, "final_logit_softcapping", None)

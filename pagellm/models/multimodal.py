@@ -53,6 +53,12 @@ class SupportsImages:
             (offset, length, {"pixel_values": pixels[i : i + 1]}) for i, (offset, length) in enumerate(runs)
         ]
 
+    bidirectional_images: ClassVar[bool] = False
+    """Whether an image's tokens attend to each other both ways in the decoder (Gemma 3): its attention
+    specs then have `bidirectional_spans`, the scheduler never cuts an image's tokens across prefill chunks,
+    the processor refuses an image longer than the token budget, and each step's attention batch names the
+    images its chunks hold (`AttentionBatch.bidirectional`)."""
+
     uses_mrope: ClassVar[bool] = False
     """Whether the decoder's rope takes three positions per token (Qwen-VL's multimodal rope): the runner
     then hands the forward [3, T] positions from `mrope_positions` instead of [T]."""

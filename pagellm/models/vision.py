@@ -1,11 +1,12 @@
 """The vision towers of vision-language models: CLIP's vision transformer (`CLIPVisionModel`) and SigLIP's
-(`SiglipVisionModel`), as LLaVA reads them: the hidden states of some encoder layers, never the pooled
-output.
+(`SiglipVisionModel`), as LLaVA and Gemma 3 read them: the hidden states of some encoder layers, or SigLIP's
+last hidden state after its final layer norm, never the pooled output.
 
 Both are the same pre-norm transformer over an image's patches. CLIP adds a class embedding in front of
 the patches and a layer norm before the first layer and uses quick_gelu; SigLIP has neither and uses the
 tanh gelu; either way the activation is the config's `hidden_act`. The layers after the deepest hidden
-state asked for, the final layer norm and SigLIP's pooling head never run and are not built.
+state asked for and SigLIP's pooling head never run and are not built; SigLIP's final layer norm is built
+for a model that reads its `last_hidden_state` (Gemma 3).
 
 Attention is non-causal over one image's patches with torch's `F.scaled_dot_product_attention`: it runs
 outside the paged KV cache, since an image is encoded once and nothing of it is kept but the output.
@@ -110,17 +111,23 @@ class VisionTransformer(nn.Module):
     """CLIP's or SigLIP's vision transformer (by `config.model_type`), built up to hidden state
     `num_states - 1`: its parameters are named as the checkpoint's under the tower's prefix."""
 
-    def __init__(self, config: Any, dtype: torch.dtype, num_states: int):
+    def __init__(self, config: Any, dtype: torch.dtype, num_states: int, post_layernorm: bool = False):
+        """`post_layernorm`: build SigLIP's final layer norm too, for `last_hidden_state` (Gemma 3)."""
         super().__init__()
         if config.model_type not in TOWERS:
             raise ConfigError(
                 f"vision tower {config.model_type!r} is not supported; supported: {', '.join(TOWERS)}"
             )
         clip = config.model_type == "clip_vision_model"
+        if post_layernorm and clip:
+            raise ConfigError("CLIP's post_layernorm normalises its pooled output, not its hidden states")
         self.embeddings = VisionEmbeddings(config, dtype, class_token=clip)
         eps = config.layer_norm_eps
         self.pre_layrnorm = nn.LayerNorm(config.hidden_size, eps=eps, dtype=dtype) if clip else None
         self.encoder = VisionEncoder(config, dtype, num_states - 1)
+        self.post_layernorm = (
+            nn.LayerNorm(config.hidden_size, eps=eps, dtype=dtype) if post_layernorm else None
+        )
 
     def forward(self, pixel_values: torch.Tensor) -> list[torch.Tensor]:
         """Hidden states 0 (the embeddings, after CLIP's pre-layernorm) to `num_states - 1` (the output of
@@ -134,11 +141,18 @@ class VisionTransformer(nn.Module):
             states.append(h)
         return states
 
+    def last_hidden_state(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """SigLIP's `last_hidden_state` [B, positions, hidden]: the last layer's output after the final layer
+        norm (a tower built with every layer and `post_layernorm`)."""
+        return self.post_layernorm(self(pixel_values)[-1])
+
     def keeps(self, name: str) -> bool:
         """Whether checkpoint tensor `name` (relative to the tower) belongs to what this tower built: not
         the final layer norm, SigLIP's pooling head, layers past the last one read, nor the position ids
         that older checkpoints stored."""
-        if name.startswith(("post_layernorm.", "head.")) or name.endswith("position_ids"):
+        if name.startswith("post_layernorm."):
+            return self.post_layernorm is not None
+        if name.startswith("head.") or name.endswith("position_ids"):
             return False
         if name.startswith("encoder.layers."):
             return int(name.split(".")[2]) < len(self.encoder.layers)

@@ -137,3 +137,18 @@ def mrope_positions(
         block[:] = p + request.mrope_delta
         block[:, in_prompt] = table[:, p[in_prompt]]
     return out
+
+
+def image_spans(
+    scheduled: Sequence[ScheduledRequest], starts: Sequence[int], counts: Sequence[int]
+) -> np.ndarray:
+    """[S, 3] int64: (request index, first position, end position) of each image whose tokens the step's
+    chunk of that request overlaps, for a model whose image tokens attend to each other both ways (the
+    scheduler gives such an image's uncached tokens to one chunk)."""
+    spans = [
+        (i, image.offset, image.end)
+        for i, request in enumerate(scheduled)
+        for image in getattr(request, "images", ())
+        if image.offset < starts[i] + counts[i] and image.end > starts[i]
+    ]
+    return np.asarray(spans, dtype=np.int64).reshape(-1, 3)

@@ -46,7 +46,13 @@ from pagellm.sampling.sampler import (
 from pagellm.spec_decode.proposer import StepInputs
 from pagellm.worker.cuda_graphs import DecodeGraphs, capture_decode_graphs, decode_graphs_allowed
 from pagellm.worker.encoder_cache import EncoderCache
-from pagellm.worker.input_batch import InputBatch, PreparedStep, host_to_device, mrope_positions
+from pagellm.worker.input_batch import (
+    InputBatch,
+    PreparedStep,
+    host_to_device,
+    image_spans,
+    mrope_positions,
+)
 from pagellm.worker.kv_cache import (
     allocate_kv_caches,
     blocks_in_budget,
@@ -120,6 +126,7 @@ class ModelRunner:
             EncoderCache(self.model, self.device) if getattr(self.model, "supports_images", False) else None
         )
         self.uses_mrope = bool(getattr(self.model, "uses_mrope", False))
+        self.bidirectional_images = bool(getattr(self.model, "bidirectional_images", False))
         self.recurrent_kernels = setup.platform.recurrent_kernels()
         if self.state_layers:
             logger.info("recurrent layers' kernels: %s", self.recurrent_kernels.describe())
@@ -548,6 +555,8 @@ class ModelRunner:
             prompt = self.rope_length_base == "prompt"
             base = [r.num_prompt_tokens if prompt else r.num_tokens for r in out.scheduled]
             arrays.rope_lengths = np.maximum(np.repeat(base, counts), arrays.positions + 1)
+        if self.bidirectional_images:
+            arrays.bidirectional = image_spans(out.scheduled, starts, counts)
         lora = self.lora.batch(out.scheduled, cu) if self.lora is not None else None
         images = self.encoder_cache.step_images(out.scheduled, starts, cu) if self.encoder_cache else None
         return PreparedStep(arrays, cu, starts, sampling, prompt_lp, pooling, lora, images)
@@ -574,6 +583,7 @@ class ModelRunner:
         attention batch, which a draft model reads) with the final hidden states."""
         query_start_loc, seq_lens = self._dev(step.query_start_loc), self._dev(step.seq_lens)
         max_query_len, max_seq_len = int(np.diff(step.query_start_loc).max()), int(step.seq_lens.max())
+        spans = () if step.bidirectional is None else tuple(map(tuple, step.bidirectional.tolist()))
         attns = [
             AttentionBatch(
                 query_start_loc=query_start_loc,
@@ -584,6 +594,7 @@ class ModelRunner:
                 seq_lens_cpu=torch.from_numpy(step.seq_lens),
                 max_query_len=max_query_len,
                 max_seq_len=max_seq_len,
+                bidirectional=spans,
             )
             for block_tables, slot_mapping in step.kv_groups()
         ]

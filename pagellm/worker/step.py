@@ -139,6 +139,9 @@ class StepArrays:
     # [3, T] int64, for a multimodal rope only (Qwen-VL): each token's (temporal, height, width) position,
     # which the model reads in place of `positions`
     mrope_positions: np.ndarray | None = None
+    # [S, 3] int64, for a model whose image tokens attend both ways only (Gemma 3): each of the step's images
+    # as (request index, first position, end position), `AttentionBatch.bidirectional`
+    bidirectional: np.ndarray | None = None
 
     def kv_groups(self) -> list[tuple[np.ndarray, np.ndarray]]:
         """Every KV cache group's (block_tables, slot_mapping), group 0 first."""
