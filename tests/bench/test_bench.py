@@ -210,7 +210,9 @@ def test_images_runs_i1_on_model_v_beside_transformers(tmp_path, monkeypatch):
     from pagellm.bench import workloads
 
     small = dict(workloads.MODEL_V_CONFIG)
-    small["text_config"] = dict(small["text_config"], hidden_size=64, num_hidden_layers=2, intermediate_size=128)
+    small["text_config"] = dict(
+        small["text_config"], hidden_size=64, num_hidden_layers=2, intermediate_size=128
+    )
     small["vision_config"] = dict(small["vision_config"], hidden_size=32, intermediate_size=64, image_size=56)
     small["vision_config"].update(num_hidden_layers=2, num_attention_heads=2, projection_dim=32)
     monkeypatch.setattr(workloads, "MODEL_V_CONFIG", small)
