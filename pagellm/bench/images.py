@@ -57,9 +57,9 @@ def main(args: ImagesArgs) -> dict[str, Any]:
     size = llm.engine.setup.model_config.vision_config.image_size
     workload = i1(processor.tokenizer, args.num_prompts, image_size=size)
     echo(f"I1: {workload.num_requests} requests, {size}x{size} images", err=True)
-    _warm_up(llm, workload)
+    sample = _warm_up(llm, workload)
     machine = args.llm_machine(llm)
-    results = [run_pagellm(llm, workload, machine)]
+    results = [run_pagellm(llm, workload, sample, machine)]
     progress(results[-1])
     if "transformers" in args.compare:
         peer = _transformers(config.model, llm.engine.setup.dtype, llm.engine.runner.device)
@@ -86,19 +86,24 @@ def _prompts(workload: ImageWorkload) -> list[dict[str, Any]]:
     ]
 
 
-def _warm_up(llm: LLM, workload: ImageWorkload) -> None:
-    """One request with a gray image (not one of the workload's, so the prefix cache gains nothing)."""
+def _warm_up(llm: LLM, workload: ImageWorkload) -> dict[str, torch.Tensor]:
+    """One request with a gray image (not one of the workload's, so the prefix cache gains nothing);
+    returns that image as the encoder reads it, on the device."""
     from PIL import Image
 
     gray = Image.new("RGB", workload.images[0].size, (128, 128, 128))
     prompt = {"prompt": workload.texts[0], "multi_modal_data": {"image": gray}}
     llm.generate([prompt], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    (image,) = llm.engine.processor.images.process(workload.texts[0], [gray])[1]
+    return {k: v.to(llm.engine.runner.device) for k, v in image.data.items()}
 
 
-def run_pagellm(llm: LLM, workload: ImageWorkload, machine: Machine | None = None) -> ThroughputResult:
-    """Every request in one `LLM.generate` call, timed; the encoder's time and work counted as it runs."""
-    model = llm.engine.runner.model
-    counter = EncoderCounter(model, llm.engine.setup.platform)
+def run_pagellm(
+    llm: LLM, workload: ImageWorkload, sample: dict[str, torch.Tensor], machine: Machine | None = None
+) -> ThroughputResult:
+    """Every request in one `LLM.generate` call, timed; the encoder's time and work counted as it runs
+    (`sample`: one image as the encoder reads it, for its FLOPs)."""
+    counter = EncoderCounter(llm, sample)
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in workload.output_lens]
     with counter, StepRecorder(llm.engine) as recorder:
         start = time.perf_counter()
@@ -128,21 +133,27 @@ def run_pagellm(llm: LLM, workload: ImageWorkload, machine: Machine | None = Non
 
 
 class EncoderCounter:
-    """While active: the model's `encode_images` timed (the device synchronised after each call), and the
-    FLOPs of its linears, convolutions and attention counted from the shapes that ran through them."""
+    """While active: the engine's image encoder (`EncoderCache.encode`, compiled or not) timed, the device
+    synchronised after each call. Its work: FLOPs per image counted once, eagerly, from the shapes that run
+    through its linears, convolutions and attention (hooks would not see inside a compiled graph), and its
+    weights read once per call."""
 
-    def __init__(self, model: torch.nn.Module, platform: Any):
-        self.model, self.platform = model, platform
-        self.seconds, self.images, self.flops, self.calls = 0.0, 0, 0.0, 0
-        self.modules = model.image_encoder_modules()
-        self.weight_bytes = sum(p.numel() * p.element_size() for m in self.modules for p in m.parameters())
+    def __init__(self, llm: LLM, sample: dict[str, torch.Tensor]):
+        runner = llm.engine.runner
+        self.cache, self.platform = runner.encoder_cache, llm.engine.setup.platform
+        self.seconds, self.images, self.calls = 0.0, 0, 0
+        modules = runner.model.image_encoder_modules()
+        self.weight_bytes = sum(p.numel() * p.element_size() for m in modules for p in m.parameters())
+        self.flops_per_image = _count_flops(runner.model, modules, sample)
 
     @property
     def work(self) -> Work:
-        return Work(linear_flops=self.flops, weight_bytes=self.weight_bytes * self.calls)
+        return Work(
+            linear_flops=self.flops_per_image * self.images, weight_bytes=self.weight_bytes * self.calls
+        )
 
     def __enter__(self) -> EncoderCounter:
-        encode = self.model.encode_images
+        encode = self.cache.encode
 
         def timed(images):
             began = time.perf_counter()
@@ -153,32 +164,45 @@ class EncoderCounter:
             self.calls += 1
             return out
 
-        self.model.encode_images = timed
-        self.hooks = [
-            m.register_forward_hook(self._count)
-            for part in self.modules
-            for m in part.modules()
-            if hasattr(m, "in_features")
-            or isinstance(m, torch.nn.Conv2d)
-            or type(m).__name__.endswith("Attention")
-        ]
+        self.cache.encode = timed
+        self._encode = encode
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        del self.model.encode_images  # the class's method again
-        for hook in self.hooks:
-            hook.remove()
+        self.cache.encode = self._encode
 
-    def _count(self, module: torch.nn.Module, inputs: tuple, output: Any) -> None:
+
+@torch.inference_mode()
+def _count_flops(model: Any, modules: list[torch.nn.Module], sample: dict[str, torch.Tensor]) -> float:
+    """FLOPs of one eager `encode_images` call on `sample`: linears, convolutions and non-causal attention
+    over [B, S, hidden] (scores and the weighted sum)."""
+    flops = 0.0
+
+    def count(module: torch.nn.Module, inputs: tuple, output: Any) -> None:
+        nonlocal flops
         if isinstance(module, torch.nn.Conv2d):
             kernel = module.in_channels * module.kernel_size[0] * module.kernel_size[1] // module.groups
-            self.flops += 2 * output.numel() * kernel
+            flops += 2 * output.numel() * kernel
         elif hasattr(module, "in_features"):
-            rows = inputs[0].numel() // module.in_features
-            self.flops += 2 * rows * module.in_features * module.out_features
-        else:  # non-causal attention over [B, S, hidden]: scores and the weighted sum
+            flops += 2 * inputs[0].numel() // module.in_features * module.in_features * module.out_features
+        elif inputs and inputs[0].dim() == 3:
             batch, length, hidden = inputs[0].shape
-            self.flops += 4 * batch * length * length * hidden
+            flops += 4 * batch * length * length * hidden
+
+    hooks = [
+        m.register_forward_hook(count)
+        for part in modules
+        for m in part.modules()
+        if hasattr(m, "in_features")
+        or isinstance(m, torch.nn.Conv2d)
+        or type(m).__name__.endswith("Attention")
+    ]
+    try:
+        model.encode_images([sample])
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return flops
 
 
 def _transformers(model: str, dtype: torch.dtype, device: torch.device) -> tuple[Any, Any]:

@@ -9,7 +9,8 @@ encodes again when it runs again."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import logging
+from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 import torch
@@ -17,14 +18,53 @@ import torch
 from pagellm.models.context import ImageBatch
 from pagellm.worker.step import ScheduledRequest
 
+logger = logging.getLogger("pagellm")
+
+
+class _ImageEncoder(torch.nn.Module):
+    """A model's `encode_images` as a module's forward, which is what the platform compiles."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, images: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
+        return self.model.encode_images(images)
+
 
 class EncoderCache:
-    def __init__(self, model: torch.nn.Module, device: torch.device):
+    """`encode`: the model's `encode_images`, compiled by the platform where the text model is
+    (`compile_with`, the platform's `compile_model`); a compiled encoder that fails runs eagerly from then
+    on, with a warning."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        device: torch.device,
+        compile_with: Callable[[torch.nn.Module], Callable | None] | None = None,
+    ):
         self.model = model
         self.device = device
         self.outputs: dict[
             tuple[str, int], torch.Tensor
         ] = {}  # (request id, image index) -> [length, hidden]
+        compiled = compile_with(_ImageEncoder(model)) if compile_with is not None else None
+        self.encode: Callable[[list[dict[str, torch.Tensor]]], list[torch.Tensor]] = (
+            self._guarded(compiled) if compiled is not None else model.encode_images
+        )
+
+    def _guarded(self, compiled: Callable) -> Callable:
+        def encode(images: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
+            try:
+                return compiled(images)
+            except Exception as e:  # an inductor or compiler failure: slower, not broken
+                logger.warning(
+                    "compiling the image encoder failed, running it eagerly: %s: %s", type(e).__name__, e
+                )
+                self.encode = self.model.encode_images
+                return self.encode(images)
+
+        return encode
 
     def step_images(
         self, scheduled: Sequence[ScheduledRequest], starts: Sequence[int], cu: np.ndarray
@@ -45,7 +85,7 @@ class EncoderCache:
         missing = [(rid, j, image) for _, rid, j, image, _, _ in overlaps if (rid, j) not in self.outputs]
         if missing:
             data = [{k: v.to(self.device) for k, v in image.data.items()} for _, _, image in missing]
-            for (rid, j, _), out in zip(missing, self.model.encode_images(data), strict=True):
+            for (rid, j, _), out in zip(missing, self.encode(data), strict=True):
                 self.outputs[(rid, j)] = out
         rows, embeds = [], []
         for first_row, rid, j, image, first, hi in overlaps:

@@ -122,9 +122,11 @@ class ModelRunner:
         # a recurrent layer's state slot is its request's row here (core/state.py)
         self.state_caches = allocate_states(self.state_layers, self.max_num_seqs, self.device)
         # a model that takes images: its encoder's outputs between the steps of a prefill
-        self.encoder_cache = (
-            EncoderCache(self.model, self.device) if getattr(self.model, "supports_images", False) else None
-        )
+        self.encoder_cache = None
+        if getattr(self.model, "supports_images", False):
+            # the vision encoder is compiled where the text model is
+            compile_with = self.setup.platform.compile_model if self.forward is not self.model else None
+            self.encoder_cache = EncoderCache(self.model, self.device, compile_with)
         self.uses_mrope = bool(getattr(self.model, "uses_mrope", False))
         self.bidirectional_images = bool(getattr(self.model, "bidirectional_images", False))
         self.recurrent_kernels = setup.platform.recurrent_kernels()

@@ -175,3 +175,23 @@ def test_a_chat_template_shipped_only_for_the_processor_is_used(tmp_path):
     messages = [{"role": "user", "content": [{"type": "image_pil", "image_pil": PICTURES[0]}]}]
     (out,) = llm.chat(messages, GREEDY, use_tqdm=False)
     assert len(out.prompt_token_ids) > 16  # rendered with the image placeholder, expanded
+
+
+@pytest.mark.slow
+def test_the_image_encoder_is_compiled_where_the_text_model_is(llava, reference, caplog):
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="pagellm"):
+        llm = LLM(
+            str(llava),
+            dtype="float32",
+            max_model_len=96,
+            num_kv_blocks=64,
+            enforce_eager=False,
+            limit_mm_per_prompt={"image": 2},
+        )
+        encoder = llm.engine.runner.encoder_cache
+        assert encoder.encode != llm.engine.runner.model.encode_images
+        assert run(llm, PROMPTS[:2]) == [reference(t, p) for t, p in PROMPTS[:2]]
+    assert "failed" not in caplog.text
+    assert encoder.encode != llm.engine.runner.model.encode_images  # still the compiled one
