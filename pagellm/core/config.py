@@ -117,6 +117,11 @@ class EngineConfig:
         'or "zmq", "kv_role": "kv_producer" | "kv_consumer" | "kv_both", ...}\' (docs/serving.md).',
         json=True,
     )
+    max_waiting_requests: int | None = _opt(
+        None,
+        "A server's queue bound: with this many requests waiting to be scheduled, new ones are refused with "
+        "503 and Retry-After (counted in pagellm:requests_rejected). Default: no bound.",
+    )
     limit_mm_per_prompt: dict[str, Any] | str | None = _opt(
         None,
         "Most media items one prompt may carry, as JSON, e.g. '{\"image\": 4}' (default: 1 image for a model "

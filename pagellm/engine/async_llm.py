@@ -46,7 +46,15 @@ from pagellm.engine.tokenizer import load_tokenizer
 from pagellm.lora.request import LoRARequest
 from pagellm.sampling.params import SamplingParams
 
-__all__ = ["AsyncLLM", "EngineError", "FinishedRequestStats", "IterationStats", "RequestStream", "StatLogger"]
+__all__ = [
+    "AsyncLLM",
+    "EngineError",
+    "OverloadedError",
+    "FinishedRequestStats",
+    "IterationStats",
+    "RequestStream",
+    "StatLogger",
+]
 
 logger = logging.getLogger("pagellm")
 
@@ -93,6 +101,15 @@ class RequestStream:
         return item
 
 
+class OverloadedError(EngineError):
+    """The queue is full (`max_waiting_requests`): the request was not queued; try again after
+    `retry_after_s` seconds."""
+
+    def __init__(self, message: str, retry_after_s: int):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
 class AsyncLLM:
     """AsyncLLM(model=..., **engine settings): the same keywords as `LLM`, plus `engine_process`. Use
     `generate()` or `add_request()` from a running event loop; call `shutdown()` when done."""
@@ -113,6 +130,8 @@ class AsyncLLM:
             )
         self.stat_loggers = list(stat_loggers or [])
         self._streams: dict[str, RequestStream] = {}
+        self.num_rejected = 0  # requests refused because the queue was full (max_waiting_requests)
+        self._accepting = 0  # requests sent to the engine, not yet accepted: not in latest_stats yet
         self._stopping = False
         self._ended = threading.Event()  # the core's last turn was delivered
         self.engine: LLMEngine | None = None
@@ -198,18 +217,37 @@ class AsyncLLM:
         request_id = request_id if request_id is not None else uuid.uuid4().hex
         if request_id in self._streams:
             raise ConfigError(f"request id {request_id!r} is already running")
+        self._check_queue()
         stream = RequestStream(request_id, self, asyncio.get_running_loop())
         self._streams[request_id] = stream
         self._send(AddRequest(request_id, prompt, sampling_params, priority, time.monotonic(), lora_request))
+        self._accepting += 1
         try:
             first = await stream._queue.get()
         except asyncio.CancelledError:
             stream.abort()
             raise
+        finally:
+            self._accepting -= 1
         if isinstance(first, BaseException):
             stream.finished = True
             raise first
         return stream
+
+    def _check_queue(self) -> None:
+        """OverloadedError when `max_waiting_requests` are waiting: those the engine reported after its
+        last turn plus those sent since and not yet accepted."""
+        limit = self.config.max_waiting_requests
+        if limit is None:
+            return
+        waiting = self.latest_stats.num_waiting + self._accepting
+        if waiting >= limit:
+            self.num_rejected += 1
+            raise OverloadedError(
+                f"the server is overloaded: {waiting} requests are waiting (--max-waiting-requests {limit}); "
+                "retry later",
+                retry_after_s=1,
+            )
 
     async def generate(
         self,

@@ -1,6 +1,6 @@
 """OpenAI's error body ({"error": {"message", "type", "param", "code"}}) and the exception handlers that answer
-with it: 400 names the invalid field, 401 for API keys, 404 for unknown models, 413 for oversized bodies, 500
-for failures (with an id to find the details in the server log, never the exception itself). Under
+with it: 400 names the invalid field, 401 for API keys, 404 for unknown models, 413 for oversized bodies, 503
+with Retry-After when the queue is full (--max-waiting-requests), 500 for failures (with an id to find the details in the server log, never the exception itself). Under
 /v1/messages the same errors take Anthropic's body ({"type": "error", "error": {"type", "message"}}), which
 is what Anthropic's clients parse."""
 
@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagellm.core.errors import ConfigError
-from pagellm.engine.async_llm import EngineError
+from pagellm.engine.async_llm import EngineError, OverloadedError
 from pagellm.server.protocol import AnthropicErrorInfo, AnthropicErrorResponse, ErrorInfo, ErrorResponse
 
 logger = logging.getLogger("pagellm")
@@ -45,10 +45,12 @@ class APIError(Exception):
         type: str = "invalid_request_error",
         param: str | None = None,
         code: str | None = None,
+        headers: Mapping[str, str] | None = None,
     ):
         super().__init__(message)
         self.status = status
         self.info = ErrorInfo(message=message, type=type, param=param, code=code)
+        self.headers = dict(headers or {})
 
 
 def bad_request(message: str, param: str | None = None) -> APIError:
@@ -99,7 +101,9 @@ def anthropic_error(error: APIError) -> AnthropicErrorResponse:
 def error_response(error: APIError, headers: Mapping[str, str] | None = None, path: str = "") -> JSONResponse:
     """The error's body in the shape the request's path speaks (OpenAI's, or Anthropic's)."""
     body = anthropic_error(error) if is_anthropic(path) else ErrorResponse(error=error.info)
-    return JSONResponse(body.model_dump(), status_code=error.status, headers=headers)
+    return JSONResponse(
+        body.model_dump(), status_code=error.status, headers={**error.headers, **(headers or {})}
+    )
 
 
 def from_exception(exc: Exception, param: str | None = None) -> APIError:
@@ -107,6 +111,9 @@ def from_exception(exc: Exception, param: str | None = None) -> APIError:
     logged under a fresh id and only the id goes to the client: its text may reveal the server's insides."""
     if isinstance(exc, APIError):
         return exc
+    if isinstance(exc, OverloadedError):
+        headers = {"Retry-After": str(exc.retry_after_s)}
+        return APIError(HTTPStatus.SERVICE_UNAVAILABLE, str(exc), type="overloaded_error", headers=headers)
     if isinstance(exc, (ConfigError, ValueError)):
         return bad_request(str(exc), param)
     if isinstance(exc, EngineError):  # its message is written for clients; the engine logged the cause

@@ -39,6 +39,11 @@ class PrometheusStatLogger:
         self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
         self.preemptions = counter("num_preemptions", "Requests preempted for lack of KV blocks.")
+        self.rejected = counter(
+            "requests_rejected",
+            "Requests refused with 503 because the queue was full (--max-waiting-requests).",
+        )
+        self._rejected_seen = 0
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens processed.")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
         self.ttft = histogram("time_to_first_token_seconds", "Time to first token.", _LATENCY_BUCKETS)
@@ -109,6 +114,11 @@ class PrometheusStatLogger:
             if finished.time_per_output_token is not None:
                 self.tpot.observe(finished.time_per_output_token)
             self.success.labels(self.model_name, finished.finish_reason).inc()
+
+    def count_rejections(self, total: int) -> None:
+        """Bring `requests_rejected` up to AsyncLLM's running count of refused requests."""
+        self.rejected.inc(total - self._rejected_seen)
+        self._rejected_seen = total
 
     def exposition(self) -> bytes:
         """The metrics in Prometheus' text format."""

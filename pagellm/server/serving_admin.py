@@ -47,6 +47,7 @@ class ServingAdmin(ServingBase):
         return VersionResponse(version=__version__)
 
     async def metrics(self) -> Response:
+        self.stat_logger.count_rejections(self.llm.num_rejected)
         return Response(self.stat_logger.exposition(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def models(self) -> ModelList:

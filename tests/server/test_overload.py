@@ -1,0 +1,79 @@
+"""Bounded overload (--max-waiting-requests): past the bound a request is refused at once with 503, Retry-After
+and an OpenAI-style body (Anthropic's under /v1/messages), counted in /metrics; the accepted ones all finish;
+/health and /metrics keep answering quickly under the flood."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import pytest
+
+from pagellm import AsyncLLM
+from pagellm.server.app import build_app
+
+
+@pytest.fixture(scope="module")
+def app(tiny_model_dir):
+    llm = AsyncLLM(
+        str(tiny_model_dir),
+        dtype="float32",
+        num_kv_blocks=64,
+        max_model_len=128,
+        max_num_seqs=1,  # one runs, the rest wait
+        max_waiting_requests=2,
+        engine_process=False,
+    )
+    yield build_app(llm, ["tiny"], log_requests=False)
+    llm.shutdown()
+
+
+def test_a_flood_gets_503s_past_the_bound_and_health_stays_quick(app):
+    body = {"model": "tiny", "prompt": "Hello there", "max_tokens": 24, "ignore_eos": True, "temperature": 0}
+
+    async def run():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://app", timeout=120) as http:
+            flood = [asyncio.create_task(http.post("/v1/completions", json=body)) for _ in range(12)]
+            probes = []
+            for _ in range(5):
+                for path in ("/health", "/metrics"):
+                    began = time.perf_counter()
+                    response = await http.get(path)
+                    probes.append((path, response.status_code, time.perf_counter() - began))
+                await asyncio.sleep(0.02)
+            answers = await asyncio.gather(*flood)
+            metrics = (await http.get("/metrics")).text
+            return answers, probes, metrics
+
+    answers, probes, metrics = asyncio.run(run())
+    refused = [r for r in answers if r.status_code == 503]
+    served = [r for r in answers if r.status_code == 200]
+    assert refused and served and len(refused) + len(served) == 12
+    assert len(served) <= 1 + 2 + 1  # the running one, the bound, and one accepted as another started
+    for response in refused:
+        assert response.headers["retry-after"] == "1"
+        error = response.json()["error"]
+        assert error["type"] == "overloaded_error" and "--max-waiting-requests 2" in error["message"]
+    for response in served:
+        assert len(response.json()["choices"][0]["text"]) > 0
+    assert all(status == 200 and seconds < 0.1 for _, status, seconds in probes), probes
+    rejected = next(
+        line for line in metrics.splitlines() if line.startswith("pagellm:requests_rejected_total")
+    )
+    assert float(rejected.split()[-1]) >= len(refused)
+
+
+def test_anthropic_clients_get_their_overloaded_error():
+    import json
+
+    from pagellm.engine.async_llm import OverloadedError
+    from pagellm.server.errors import error_response, from_exception
+
+    response = error_response(from_exception(OverloadedError("full", retry_after_s=1)), path="/v1/messages")
+    assert response.status_code == 503 and response.headers["retry-after"] == "1"
+    assert json.loads(response.body) == {
+        "type": "error",
+        "error": {"type": "overloaded_error", "message": "full"},
+    }
