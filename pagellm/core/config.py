@@ -122,6 +122,11 @@ class EngineConfig:
         "A server's queue bound: with this many requests waiting to be scheduled, new ones are refused with "
         "503 and Retry-After (counted in pagellm:requests_rejected). Default: no bound.",
     )
+    request_timeout: float | None = _opt(
+        None,
+        "A server's longest request, in seconds from when it is queued: past it the request is aborted, what "
+        "it held is freed, and its client gets 408 (or an error event on a stream). Default: none.",
+    )
     limit_mm_per_prompt: dict[str, Any] | str | None = _opt(
         None,
         "Most media items one prompt may carry, as JSON, e.g. '{\"image\": 4}' (default: 1 image for a model "

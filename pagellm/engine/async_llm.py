@@ -50,6 +50,7 @@ __all__ = [
     "AsyncLLM",
     "EngineError",
     "OverloadedError",
+    "RequestTimeoutError",
     "FinishedRequestStats",
     "IterationStats",
     "RequestStream",
@@ -74,6 +75,21 @@ class RequestStream:
         self._llm = llm
         self._loop = loop
         self._queue: asyncio.Queue[Any] = asyncio.Queue()
+        self._deadline: asyncio.TimerHandle | None = None  # --request-timeout's
+
+    def expire_after(self, seconds: float) -> None:
+        """Abort the request `seconds` from now unless it has finished: its caller gets a
+        RequestTimeoutError, the engine frees what it held."""
+        self._deadline = self._loop.call_later(seconds, self._expire, seconds)
+
+    def _expire(self, seconds: float) -> None:
+        if self.finished:
+            return
+        self._llm.abort(self.request_id)  # the caller reads the error after what came before it
+        message = (
+            f"request {self.request_id} took longer than {seconds:g} s (--request-timeout) and was aborted"
+        )
+        self._queue.put_nowait(RequestTimeoutError(message))
 
     def put(self, item: Any) -> None:
         """Hand an output, an exception or the acceptance to the caller's loop (from the thread that delivers turns)."""
@@ -86,6 +102,8 @@ class RequestStream:
         if not self.finished:
             self.finished = True
             self._llm.abort(self.request_id)
+        if self._deadline is not None:
+            self._deadline.cancel()
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -94,10 +112,11 @@ class RequestStream:
         if self.finished:
             raise StopAsyncIteration
         item = await self._queue.get()
+        self.finished = isinstance(item, BaseException) or item.finished
+        if self.finished and self._deadline is not None:
+            self._deadline.cancel()
         if isinstance(item, BaseException):
-            self.finished = True
             raise item
-        self.finished = item.finished
         return item
 
 
@@ -108,6 +127,10 @@ class OverloadedError(EngineError):
     def __init__(self, message: str, retry_after_s: int):
         super().__init__(message)
         self.retry_after_s = retry_after_s
+
+
+class RequestTimeoutError(EngineError):
+    """The request ran past `request_timeout` and was aborted."""
 
 
 class AsyncLLM:
@@ -218,6 +241,7 @@ class AsyncLLM:
         if request_id in self._streams:
             raise ConfigError(f"request id {request_id!r} is already running")
         self._check_queue()
+        queued = time.monotonic()
         stream = RequestStream(request_id, self, asyncio.get_running_loop())
         self._streams[request_id] = stream
         self._send(AddRequest(request_id, prompt, sampling_params, priority, time.monotonic(), lora_request))
@@ -232,6 +256,8 @@ class AsyncLLM:
         if isinstance(first, BaseException):
             stream.finished = True
             raise first
+        if self.config.request_timeout is not None:
+            stream.expire_after(max(0.0, self.config.request_timeout - (time.monotonic() - queued)))
         return stream
 
     def _check_queue(self) -> None:

@@ -65,7 +65,7 @@ def build_app(
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_body_bytes)
 
     keyed = errors.openapi_errors(401, 500)
-    posted = errors.openapi_errors(400, 401, 404, 413, 500, 503)
+    posted = errors.openapi_errors(400, 401, 404, 408, 413, 500, 503)
     health = {200: {"description": "The engine runs; the body is empty.", "content": None}}
     app.get("/health", response_class=Response, responses={**health, **errors.openapi_errors(503)})(
         admin.health
@@ -85,7 +85,7 @@ def build_app(
     app.post("/tokenize", responses=posted)(admin.tokenize)
     app.post("/detokenize", responses=posted)(admin.detokenize)
     app.post("/v1/embeddings", responses=posted)(embedding.embeddings)
-    anthropic_failed = errors.openapi_errors(400, 401, 404, 413, 500, 503, anthropic=True)
+    anthropic_failed = errors.openapi_errors(400, 401, 404, 408, 413, 500, 503, anthropic=True)
     message_or_events = _json_or_events(MessagesResponse, "The message, or its events")
     app.post("/v1/messages", responses={**message_or_events, **anthropic_failed})(messages.messages)
     app.post("/v1/messages/count_tokens", responses=anthropic_failed)(messages.count_tokens)

@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagellm.core.errors import ConfigError
-from pagellm.engine.async_llm import EngineError, OverloadedError
+from pagellm.engine.async_llm import EngineError, OverloadedError, RequestTimeoutError
 from pagellm.server.protocol import AnthropicErrorInfo, AnthropicErrorResponse, ErrorInfo, ErrorResponse
 
 logger = logging.getLogger("pagellm")
@@ -29,6 +29,7 @@ _ANTHROPIC_TYPES = {
     401: "authentication_error",
     403: "permission_error",
     404: "not_found_error",
+    408: "timeout_error",
     413: "request_too_large",
     429: "rate_limit_error",
     503: "overloaded_error",
@@ -111,6 +112,8 @@ def from_exception(exc: Exception, param: str | None = None) -> APIError:
     logged under a fresh id and only the id goes to the client: its text may reveal the server's insides."""
     if isinstance(exc, APIError):
         return exc
+    if isinstance(exc, RequestTimeoutError):
+        return APIError(HTTPStatus.REQUEST_TIMEOUT, str(exc), type="timeout_error")
     if isinstance(exc, OverloadedError):
         headers = {"Retry-After": str(exc.retry_after_s)}
         return APIError(HTTPStatus.SERVICE_UNAVAILABLE, str(exc), type="overloaded_error", headers=headers)

@@ -77,3 +77,40 @@ def test_anthropic_clients_get_their_overloaded_error():
         "type": "error",
         "error": {"type": "overloaded_error", "message": "full"},
     }
+
+
+def test_a_request_past_request_timeout_is_aborted_its_blocks_freed_and_answered_408(tiny_model_dir):
+    llm = AsyncLLM(
+        str(tiny_model_dir),
+        dtype="float32",
+        num_kv_blocks=128,
+        max_model_len=512,
+        request_timeout=0.25,
+        engine_process=False,
+    )
+    app = build_app(llm, ["tiny"], log_requests=False)
+    long = {"model": "tiny", "prompt": "Hello", "max_tokens": 500, "ignore_eos": True, "temperature": 0}
+    short = {**long, "max_tokens": 2}
+
+    async def run():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://app", timeout=60) as http:
+            began = time.perf_counter()
+            slow = await http.post("/v1/completions", json=long)
+            waited = time.perf_counter() - began
+            streamed = await http.post("/v1/completions", json={**long, "stream": True})
+            quick = await http.post("/v1/completions", json=short)
+            await asyncio.sleep(0.2)  # the engine's next turn reports the aborts
+            return slow, waited, streamed, quick
+
+    try:
+        slow, waited, streamed, quick = asyncio.run(run())
+        assert slow.status_code == 408 and slow.json()["error"]["type"] == "timeout_error"
+        assert "--request-timeout" in slow.json()["error"]["message"] and waited < 5
+        assert streamed.status_code == 200 and "--request-timeout" in streamed.text  # an error event, then [DONE]
+        assert streamed.text.rstrip().endswith("data: [DONE]")
+        assert quick.status_code == 200  # a request within the time is untouched
+        stats = llm.latest_stats
+        assert stats.num_running == stats.num_waiting == 0 and stats.kv_cache_usage == 0
+    finally:
+        llm.shutdown()
