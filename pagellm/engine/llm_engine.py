@@ -10,6 +10,8 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+import weakref
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -57,11 +59,17 @@ class LLMEngine:
         self.ranks: Ranks | None = None
         self._failure: RankFailure | None = None
         parallel = None
+        self._rank_release: _RankRelease | None = None
         if config.tensor_parallel_size * config.pipeline_parallel_size > 1:
             self.ranks = _start_ranks(self.setup)
+            self._rank_release = _RankRelease(self.ranks)
+            # an engine nobody references any more stops its ranks, so the next one may start its own
+            weakref.finalize(self, self._rank_release)
             parallel = self.ranks.join()
         try:
             self.runner = ModelRunner(self.setup, weights, self.eos_token_ids, self._draft(), parallel)
+            if self._rank_release is not None:
+                self._rank_release.stop = self.runner.stop_ranks
             self.scheduler = self._scheduler(config)
         except Exception as exc:
             if self.ranks is not None:
@@ -285,6 +293,7 @@ class LLMEngine:
         failure = self.ranks.failure(exc)
         if failure is not None:
             self._failure = failure
+            self._rank_release.failed = True
             logger.error("%s", failure)
             raise failure from exc
 
@@ -296,17 +305,8 @@ class LLMEngine:
         ):
             if connector is not None:
                 connector.close()
-        if self.ranks is None or self.ranks.closed:
-            return
-        runner = getattr(self, "runner", None)
-        if runner is not None and self._failure is None:
-            try:
-                runner.stop_ranks()
-            except Exception:
-                logger.debug("the ranks did not take the stop message", exc_info=True)
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
-        self.ranks.close(wait=10.0 if self._failure is None else 0.5)
+        if self._rank_release is not None:
+            self._rank_release()
 
     def _fail(self, child_id: str, exc: Exception) -> RequestOutput:
         """End the request a failing sample belongs to (all its samples), saying why in `error`."""
@@ -323,6 +323,29 @@ class LLMEngine:
 
     def stats(self) -> Any:
         return self.scheduler.stats()
+
+
+class _RankRelease:
+    """Stops an engine's other ranks once: from `shutdown()`, or from the engine's finalizer when nothing
+    references the engine any more (it holds no reference to the engine, so it does not keep it alive)."""
+
+    def __init__(self, ranks: Ranks):
+        self.ranks = ranks
+        self.stop: Callable[[], None] | None = None  # the driver's stop message, once the runner exists
+        self.failed = False  # the ranks failed: do not wait on them
+
+    def __call__(self) -> None:
+        if self.ranks.closed:
+            return
+        if self.stop is not None and not self.failed:
+            try:
+                self.stop()
+            except Exception:
+                logger.debug("the ranks did not take the stop message", exc_info=True)
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+        self.ranks.close(wait=0.5 if self.failed else 10.0)
+        self.stop = None
 
 
 def _start_ranks(setup: EngineSetup) -> Ranks:

@@ -15,6 +15,7 @@ turns that into a `RankFailure` naming the rank.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import os
 import pickle
@@ -75,6 +76,8 @@ class Ranks:
         )
 
     def join(self) -> Parallel:
+        if torch.distributed.is_initialized():
+            gc.collect()  # an engine only a reference cycle keeps alive: its finalizer stops its ranks
         if torch.distributed.is_initialized():
             self.close(wait=0)
             raise ConfigError(

@@ -71,7 +71,7 @@ def prompts(vocab: int) -> list[list[int]]:
         ),
     ],
 )
-@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)], ids=["tp2", "pp2"])
+@pytest.mark.parametrize("tp,pp", [(2, 1), pytest.param(1, 2, marks=pytest.mark.slow)], ids=["tp2", "pp2"])
 def test_greedy_parity_with_transformers(models, arch, tp, pp):
     path, reference = models[arch]
     # a sliding window frees the blocks behind it (KV cache groups): Mistral preempts only with fewer blocks
@@ -80,6 +80,30 @@ def test_greedy_parity_with_transformers(models, arch, tp, pp):
         assert llm.engine.ranks is not None and len(llm.engine.ranks.processes) == tp * pp - 1
         assert_greedy_parity(llm, reference, prompts(llm.engine.setup.hf_config.vocab_size))
         assert llm.engine.stats().num_preemptions > 0  # the small cache really preempted
+
+
+@pytest.mark.timeout(300)
+def test_an_engine_nobody_references_stops_its_ranks_so_another_can_start(models):
+    """No shutdown(): the first engine's finalizer stops its rank processes when it is let go."""
+    from pagellm import LLM, SamplingParams
+
+    path, _ = models["llama"]
+    params = SamplingParams(temperature=0, max_tokens=2)
+
+    def first() -> list:
+        llm = LLM(str(path), dtype="float32", tensor_parallel_size=2, num_kv_blocks=16, max_model_len=64)
+        llm.generate([{"prompt_token_ids": [5, 6, 7]}], params, use_tqdm=False)
+        return list(llm.engine.ranks.processes.values())
+
+    processes = first()
+    second = LLM(str(path), dtype="float32", tensor_parallel_size=2, num_kv_blocks=16, max_model_len=64)
+    try:
+        assert all(p.poll() is not None for p in processes)  # the first engine's ranks ended
+        assert (
+            second.generate([{"prompt_token_ids": [5, 6, 7]}], params, use_tqdm=False)[0].outputs[0].token_ids
+        )
+    finally:
+        second.shutdown()
 
 
 @pytest.mark.timeout(300)
