@@ -106,6 +106,10 @@ def serve(
             )
             logger.info("serving %s on http://%s:%d", ", ".join(names), host, port)
             level = logging.getLogger("pagellm").getEffectiveLevel()
-            uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=level)).run(sockets=[sock])
+            server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=level))
+            llm.on_engine_exit(lambda reason: setattr(server, "should_exit", True))
+            server.run(sockets=[sock])
         finally:
             llm.shutdown()
+    if llm.engine_failure is not None:  # its requests were failed with the reason; a supervisor restarts us
+        raise click.ClickException(f"the engine ended ({llm.engine_failure}); the server stopped")

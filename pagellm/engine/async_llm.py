@@ -18,7 +18,7 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
 from pagellm.core.config import EngineConfig
@@ -154,6 +154,8 @@ class AsyncLLM:
         self.stat_loggers = list(stat_loggers or [])
         self._streams: dict[str, RequestStream] = {}
         self.num_rejected = 0  # requests refused because the queue was full (max_waiting_requests)
+        self.engine_failure: str | None = None  # why the engine ended on its own, once it has
+        self._exit_listeners: list[Callable[[str], None]] = []
         self._accepting = 0  # requests sent to the engine, not yet accepted: not in latest_stats yet
         self._stopping = False
         self._ended = threading.Event()  # the core's last turn was delivered
@@ -353,10 +355,18 @@ class AsyncLLM:
             self._ended.set()
             self._fail_streams("the engine shut down before it finished")
 
+    def on_engine_exit(self, listener: Callable[[str], None]) -> None:
+        """Call `listener(reason)` (on a background thread) if the engine ends on its own: its process died,
+        a data-parallel rank failed. A server stops then, so that a supervisor restarts it."""
+        self._exit_listeners.append(listener)
+
     def _on_exit(self, reason: str) -> None:
         logger.error("%s; failing its %d requests", reason, len(self._streams))
+        self.engine_failure = reason
         self._ended.set()
         self._fail_streams(reason)
+        for listener in self._exit_listeners:
+            listener(reason)
 
     def _fail_streams(self, reason: str) -> None:
         for request_id in list(self._streams):

@@ -107,10 +107,55 @@ def test_a_request_past_request_timeout_is_aborted_its_blocks_freed_and_answered
         slow, waited, streamed, quick = asyncio.run(run())
         assert slow.status_code == 408 and slow.json()["error"]["type"] == "timeout_error"
         assert "--request-timeout" in slow.json()["error"]["message"] and waited < 5
-        assert streamed.status_code == 200 and "--request-timeout" in streamed.text  # an error event, then [DONE]
+        assert (
+            streamed.status_code == 200 and "--request-timeout" in streamed.text
+        )  # an error event, then [DONE]
         assert streamed.text.rstrip().endswith("data: [DONE]")
         assert quick.status_code == 200  # a request within the time is untouched
         stats = llm.latest_stats
         assert stats.num_running == stats.num_waiting == 0 and stats.kv_cache_usage == 0
     finally:
         llm.shutdown()
+
+
+@pytest.mark.slow
+def test_a_killed_engine_fails_in_flight_requests_and_the_server_exits_non_zero(tiny_model_dir, tmp_path):
+    """What a supervisor needs: the in-flight request gets a clear error, then `pagellm serve` exits non-zero."""
+    import os
+    import signal
+
+    from server_harness import ServerProcess
+
+    server = ServerProcess(tiny_model_dir, ["--dtype", "float32", "--num-kv-blocks", "64"], tmp_path / "log")
+    try:
+        children = [
+            int(pid)
+            for pid in os.listdir("/proc")
+            if pid.isdigit() and _parent(int(pid)) == server.process.pid
+        ]
+        body = {
+            "model": str(tiny_model_dir),
+            "prompt": "Hi",
+            "max_tokens": 500,
+            "ignore_eos": True,
+            "stream": True,
+        }
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as response:
+            lines = response.iter_lines()
+            next(line for line in lines if line.startswith("data: {"))
+            for pid in children:
+                os.kill(pid, signal.SIGKILL)
+            rest = "\n".join(lines)
+        assert "engine process exited" in rest and rest.rstrip().endswith("data: [DONE]")
+        assert server.process.wait(timeout=30) != 0
+        assert "the server stopped" in server.log_path.read_text()
+    finally:
+        server.stop()
+
+
+def _parent(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
