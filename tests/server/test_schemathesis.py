@@ -1,6 +1,9 @@
 """Schemathesis against a live `pagellm serve` and its own /openapi.json: whatever valid or invalid request it
 generates, the server never answers 5xx, and every answer is one the schema documents (status, content type,
-body, headers; an undocumented method gets 405 with `Allow`).
+body, headers; an undocumented method gets 405 with `Allow`). Every route the app serves: a generating server
+with the LoRA admin routes on (/v1/load_lora_adapter, /v1/unload_lora_adapter) besides the completion, chat,
+messages, count_tokens, tokenize and detokenize routes, and a pooling server for /v1/embeddings. A fixed seed,
+so a failure reproduces; PAGELLM_FUZZ_EXAMPLES (default 300 per operation and phase) scales the run.
 
 Slow (minutes): `pytest -m slow tests/server/test_schemathesis.py`. Schemathesis runs as its command line
 does (all its phases); its pytest plugin does not run under pytest 9.
@@ -8,6 +11,7 @@ does (all its phases); its pytest plugin does not run under pytest 9.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -36,9 +40,16 @@ CHECKS = (
 )
 
 
-@pytest.fixture(scope="module")
-def server(tiny_model_dir, tmp_path_factory):
-    proc = ServerProcess(tiny_model_dir, ENGINE_ARGS, tmp_path_factory.mktemp("log") / "serve.log")
+SERVERS = {
+    "generate": ["--enable-lora", "--allow-runtime-lora-updating", "--max-lora-rank", "8"],
+    "pooling": ["--runner", "pooling"],
+}
+
+
+@pytest.fixture(scope="module", params=list(SERVERS))
+def server(request, tiny_model_dir, tmp_path_factory):
+    log = tmp_path_factory.mktemp("log") / "serve.log"
+    proc = ServerProcess(tiny_model_dir, ENGINE_ARGS + SERVERS[request.param], log)
     yield proc
     proc.stop()
 
@@ -55,7 +66,9 @@ def test_the_server_keeps_to_its_schema(server, tmp_path):
         "--phases",
         "examples,coverage,fuzzing",
         "--max-examples",
-        "100",
+        os.environ.get("PAGELLM_FUZZ_EXAMPLES", "300"),
+        "--seed",
+        "0",
         "--request-timeout",
         "60",
         "--generation-database",
