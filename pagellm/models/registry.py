@@ -37,4 +37,5 @@ def pagellm_models() -> dict[str, str]:
         "Glm4MoeForCausalLM": "pagellm.models.glm4_moe:Glm4MoeForCausalLM",
         "LlavaForConditionalGeneration": "pagellm.models.llava:LlavaForConditionalGeneration",
         "Qwen2_5_VLForConditionalGeneration": "pagellm.models.qwen_vl:Qwen2_5_VLForConditionalGeneration",
+        "Qwen3VLForConditionalGeneration": "pagellm.models.qwen3_vl:Qwen3VLForConditionalGeneration",
     }

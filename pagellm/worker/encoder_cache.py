@@ -22,9 +22,9 @@ class EncoderCache:
     def __init__(self, model: torch.nn.Module, device: torch.device):
         self.model = model
         self.device = device
-        self.outputs: dict[
-            tuple[str, int], torch.Tensor
-        ] = {}  # (request id, image index) -> [length, hidden]
+        # (request id, image index) -> the encoder's outputs for it, each [length, hidden]: the embeddings,
+        # then any deepstack ones (`SupportsImages.encode_images`)
+        self.outputs: dict[tuple[str, int], tuple[torch.Tensor, ...]] = {}
 
     def step_images(
         self, scheduled: Sequence[ScheduledRequest], starts: Sequence[int], cu: np.ndarray
@@ -46,15 +46,15 @@ class EncoderCache:
         if missing:
             data = [{k: v.to(self.device) for k, v in image.data.items()} for _, _, image in missing]
             for (rid, j, _), out in zip(missing, self.model.encode_images(data), strict=True):
-                self.outputs[(rid, j)] = out
-        rows, embeds = [], []
+                self.outputs[(rid, j)] = out if isinstance(out, tuple) else (out,)
+        rows, parts = [], []
         for first_row, rid, j, image, first, hi in overlaps:
-            out = self.outputs[(rid, j)]
             rows.append(torch.arange(first_row, first_row + hi - image.offset - first))
-            embeds.append(out[first : hi - image.offset])
+            parts.append([out[first : hi - image.offset] for out in self.outputs[(rid, j)]])
             if hi == image.end:  # its last tokens run now: not needed again
                 del self.outputs[(rid, j)]
-        return ImageBatch(torch.cat(rows).to(self.device), torch.cat(embeds))
+        embeds, *deepstack = (torch.cat(part) for part in zip(*parts, strict=True))
+        return ImageBatch(torch.cat(rows).to(self.device), embeds, deepstack or None)
 
     def release(self, request_ids: Iterable[str]) -> None:
         """Drop the outputs of requests preempted, finished or aborted."""
