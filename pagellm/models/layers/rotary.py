@@ -160,8 +160,9 @@ def mrope_axes(params: dict, num_freqs: int) -> torch.Tensor | None:
 def _mrope_cos_sin(
     positions: torch.Tensor, inv_freq: torch.Tensor, axes: torch.Tensor, scaling: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each frequency's angle from its axis' position: positions [3, T] -> cos, sin [T, len(inv_freq)]."""
-    freqs = positions[axes.to(positions.device)].t().float() * inv_freq[None, :]
+    """Each frequency's angle from its axis' position: positions [3, T] -> cos, sin [T, len(inv_freq)],
+    contiguous as the op's fake says (a compiled graph reads them by those strides)."""
+    freqs = positions.t()[:, axes.to(positions.device)].float() * inv_freq[None, :]
     return freqs.cos() * scaling, freqs.sin() * scaling
 
 
