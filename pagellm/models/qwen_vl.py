@@ -132,6 +132,9 @@ class QwenVL(SupportsImages):
         positions = torch.cat(parts, dim=1)
         return positions, int(positions.max()) + 1 - len(prompt_token_ids)
 
+    def image_encoder_modules(self) -> list[torch.nn.Module]:
+        return [self.visual]
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """The decoder's weights through the Llama loader, the vision encoder's after them."""
         vision: list[tuple[str, torch.Tensor]] = []

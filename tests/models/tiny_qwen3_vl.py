@@ -20,8 +20,9 @@ MAX_PIXELS = 128 * 128
 def make_tiny_qwen3_vl(out: Path, seed: int = 0) -> Path:
     """A tiny Qwen3VLForConditionalGeneration and its processor in `out`. The vision encoder has three
     blocks, deepstack mergers after the first two (added after decoder layers 0 and 1 of 3) and a 6 x 6
-    position table; the decoder's 16-wide heads rotate their 8 frequencies interleaved t, h, w
-    (mrope_section [3, 3, 2], which in contiguous sections would place them differently)."""
+    position table; the decoder ties its output projection to the embedding, and its 16-wide heads rotate
+    their 8 frequencies interleaved t, h, w (mrope_section [3, 3, 2], which in contiguous sections would
+    place them differently)."""
     from transformers import Qwen2VLImageProcessor, Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
     tokenizer = make_tokenizer(384, (*SPECIAL_TOKENS, VISION_START, IMAGE_PAD, VISION_END), QWEN_VL_TEMPLATE)
@@ -66,6 +67,7 @@ def make_tiny_qwen3_vl(out: Path, seed: int = 0) -> Path:
         image_token_id=ids[IMAGE_PAD],
         vision_start_token_id=ids[VISION_START],
         vision_end_token_id=ids[VISION_END],
+        tie_word_embeddings=True,  # as Qwen3-VL-2B and -4B
     )
     torch.manual_seed(seed)
     model = Qwen3VLForConditionalGeneration(config)

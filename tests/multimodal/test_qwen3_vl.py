@@ -101,6 +101,9 @@ def test_encoder_and_positions_equal_transformers(hf, llm):
         inputs["input_ids"], inputs["mm_token_type_ids"], inputs["image_grid_thw"]
     )
     assert torch.equal(positions, want[:, 0]) and delta == int(want_delta) < 0
+    engine_model = llm.engine.runner.model
+    encoder = {p for m in engine_model.image_encoder_modules() for p in m.parameters()}
+    assert encoder == {p for name, p in engine_model.named_parameters() if name.startswith("visual.")}
 
 
 def test_images_match_transformers_batched_chunked_and_preempted(llm, reference):
