@@ -79,10 +79,13 @@ class StateBatch:
 @dataclass
 class ImageBatch:
     """The step's rows that are image placeholders and what replaces their token embeddings: `embeds[i]`
-    goes to flat row `rows[i]` (the vision encoder's output, worker/encoder_cache.py)."""
+    goes to flat row `rows[i]` (the vision encoder's output, worker/encoder_cache.py). A model whose encoder
+    also feeds later decoder layers (Qwen3-VL's deepstack) has those rows in `deepstack`, one tensor per
+    layer, aligned with `rows` the same way."""
 
     rows: torch.Tensor  # [N] int64
     embeds: torch.Tensor  # [N, hidden] in the model's dtype
+    deepstack: list[torch.Tensor] | None = None  # each [N, hidden]
 
 
 @dataclass

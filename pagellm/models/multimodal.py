@@ -72,8 +72,12 @@ class SupportsImages:
         all three axes (generated tokens are text)."""
         raise NotImplementedError
 
-    def encode_images(self, images: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
-        """Each image's embeddings [length, hidden] in the model's dtype, in the order given."""
+    def encode_images(
+        self, images: list[dict[str, torch.Tensor]]
+    ) -> list[torch.Tensor] | list[tuple[torch.Tensor, ...]]:
+        """Each image's embeddings [length, hidden] in the model's dtype, in the order given; or, for a model
+        whose encoder also feeds later decoder layers (Qwen3-VL's deepstack), a tuple per image: the
+        embeddings, then one [length, hidden] tensor per such layer (`ImageBatch.deepstack`)."""
         raise NotImplementedError
 
     def image_encoder_modules(self) -> list[torch.nn.Module]:
@@ -113,4 +117,25 @@ def _merge_image_embeddings(h: torch.Tensor) -> torch.Tensor:
 
 @_merge_image_embeddings.register_fake
 def _(h):
+    return torch.empty_like(h)
+
+
+def add_deepstack_embeddings(h: torch.Tensor, layer: int) -> torch.Tensor:
+    """The hidden states `h` [T, hidden] with the step's deepstack rows of layer `layer` added to the image
+    placeholders' rows (`ImageBatch.deepstack`); `h` unchanged in a step without them."""
+    return torch.ops.pagellm.add_deepstack_embeddings(h, layer)
+
+
+@torch.library.custom_op("pagellm::add_deepstack_embeddings", mutates_args=())
+def _add_deepstack_embeddings(h: torch.Tensor, layer: int) -> torch.Tensor:
+    """Opaque to torch.compile, as `pagellm::merge_image_embeddings` is."""
+    images = get_forward_context().images
+    out = h.clone()
+    if images is not None and images.deepstack is not None:
+        out[images.rows] = out[images.rows] + images.deepstack[layer].to(h.dtype)
+    return out
+
+
+@_add_deepstack_embeddings.register_fake
+def _(h, layer):
     return torch.empty_like(h)

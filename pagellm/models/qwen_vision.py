@@ -71,13 +71,29 @@ def window_order(
     return torch.cat(order), windows, frames
 
 
+def grid_rotary(
+    config: Any, grids: list[tuple[int, int, int]], merge: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [N, head_dim / 2] of each patch (block-major order): the first half of each head's
+    frequencies turn with the patch's row, the second half with its column, the same frequencies for both."""
+    head_dim = config.hidden_size // config.num_heads
+    theta = (getattr(config, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
+    spatial = head_dim // 2
+    inv_freq = 1.0 / (theta ** (torch.arange(0, spatial, 2, dtype=torch.float) / spatial))
+    positions = grid_position_ids(grids, merge).to(device)
+    freqs = (positions[..., None].float() * inv_freq.to(device)).flatten(1)  # [N, (row, col) x freqs]
+    return freqs.cos(), freqs.sin()
+
+
 class VisionPatchEmbed(nn.Module):
-    def __init__(self, config: Any, dtype: torch.dtype):
+    """A Conv3d over (channels, temporal_patch_size, patch, patch) patches; Qwen3-VL's has a bias."""
+
+    def __init__(self, config: Any, dtype: torch.dtype, bias: bool = False):
         super().__init__()
         self.shape = (config.in_channels, config.temporal_patch_size, config.patch_size, config.patch_size)
         kernel = self.shape[1:]
         self.proj = nn.Conv3d(
-            config.in_channels, config.hidden_size, kernel, stride=kernel, bias=False, dtype=dtype
+            config.in_channels, config.hidden_size, kernel, stride=kernel, bias=bias, dtype=dtype
         )
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
@@ -163,12 +179,8 @@ class Qwen2_5VisionTransformer(nn.Module):
         self.merge = config.spatial_merge_size
         self.window = config.window_size // config.spatial_merge_size // config.patch_size
         self.full_attention = set(config.fullatt_block_indexes)
+        self.config = config
         self.patch_embed = VisionPatchEmbed(config, dtype)
-        head_dim = config.hidden_size // config.num_heads
-        theta = (getattr(config, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
-        spatial = head_dim // 2
-        inv_freq = 1.0 / (theta ** (torch.arange(0, spatial, 2, dtype=torch.float) / spatial))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.blocks = nn.ModuleList(VisionBlock(config, dtype) for _ in range(config.depth))
         self.merger = PatchMerger(config.hidden_size, config.out_hidden_size, self.merge, dtype)
 
@@ -182,9 +194,7 @@ class Qwen2_5VisionTransformer(nn.Module):
             return x.view(-1, unit, x.shape[-1])[order].view(-1, x.shape[-1])
 
         h = in_window_order(self.patch_embed(pixels))
-        positions = in_window_order(grid_position_ids(grids, self.merge).to(pixels.device))
-        freqs = (positions[..., None].float() * self.inv_freq).flatten(1)  # [N, (row, col) x freqs]
-        cos, sin = freqs.cos(), freqs.sin()
+        cos, sin = (in_window_order(x) for x in grid_rotary(self.config, grids, self.merge, pixels.device))
         for i, block in enumerate(self.blocks):
             h = block(h, cos, sin, frames if i in self.full_attention else windows)
         return self.merger(h)[torch.argsort(order)]

@@ -1,5 +1,6 @@
 """Qwen2.5-VL (`Qwen2_5_VLForConditionalGeneration`): the window-attention vision encoder of
-models/qwen_vision.py and a Qwen2 decoder (models/llama.py) with the multimodal rope.
+models/qwen_vision.py and a Qwen2 decoder (models/llama.py) with the multimodal rope. What Qwen3-VL
+(models/qwen3_vl.py) shares with it is in `QwenVL`:
 
 - An image is one run of `image_token_id` placeholders, (t x h x w) / merge^2 of them for its grid of
   patches; the processor's `pixel_values` hold every image's patches in a row and `image_grid_thw` each
@@ -18,7 +19,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -48,34 +49,47 @@ class QwenVLLanguageModel(LlamaModel):
         return merge_image_embeddings(self.embed_tokens(input_ids))
 
 
-class Qwen2_5_VLForConditionalGeneration(SupportsImages, Qwen2ForCausalLM):
+class QwenVL(SupportsImages):
+    """What Qwen2.5-VL and Qwen3-VL share besides their decoder class (a `LlamaForCausalLM` after this in
+    the bases): the placement of images in the prompt, the multimodal rope's positions, the processor and
+    the checkpoint's layout. A subclass names its vision encoder (`vision_class`, built as `visual`) and
+    whether its rope interleaves the three axes' frequencies."""
+
     supports_parallel = False
     uses_mrope = True
     model_class = QwenVLLanguageModel
+    vision_class: ClassVar[type[torch.nn.Module]]
+    processor_class: ClassVar[str]
+    """transformers' processor class, by name, for `images_only_processor`."""
+    mrope_interleaved: ClassVar[bool] = False
+    """transformers' Qwen3-VL interleaves the axes whatever its config says (layers/rotary.py)."""
 
     def __init__(self, init: ModelInit):
         c = init.model_config
+        name = type(self).__name__
         if c is None:
-            raise ConfigError("Qwen2.5-VL needs the checkpoint's whole config (ModelInit.model_config)")
-        if not (init.hf_config.rope_parameters or {}).get("mrope_section"):
-            raise ConfigError("Qwen2.5-VL's text config has no rope_parameters.mrope_section")
+            raise ConfigError(f"{name} needs the checkpoint's whole config (ModelInit.model_config)")
+        params = init.hf_config.rope_parameters or {}
+        if not params.get("mrope_section"):
+            raise ConfigError(f"{name}'s text config has no rope_parameters.mrope_section")
         # transformers ties the output projection by the top-level flag, which a text_config may not repeat
         text = copy.copy(init.hf_config)
         text.tie_word_embeddings = bool(c.tie_word_embeddings)
+        text.rope_parameters = {**params, "mrope_interleaved": self.mrope_interleaved}
         super().__init__(dataclasses.replace(init, hf_config=text))
         self.merge = c.vision_config.spatial_merge_size
-        self.visual = Qwen2_5VisionTransformer(c.vision_config, init.dtype)
+        self.visual = self.vision_class(c.vision_config, init.dtype)
 
     @classmethod
     def load_processor(cls, model_dir: str) -> Any:
-        """The checkpoint's processor; without torchvision (which transformers' Qwen video processor needs)
+        """The checkpoint's processor; without torchvision (which transformers' Qwen video processors need)
         one for images alone, from the checkpoint's image processor, tokenizer and chat template."""
         from transformers import AutoProcessor
 
         try:
             return AutoProcessor.from_pretrained(model_dir)
         except ImportError:
-            return images_only_processor(model_dir)
+            return images_only_processor(model_dir, cls.processor_class)
 
     @classmethod
     def image_inputs(
@@ -118,12 +132,8 @@ class Qwen2_5_VLForConditionalGeneration(SupportsImages, Qwen2ForCausalLM):
         positions = torch.cat(parts, dim=1)
         return positions, int(positions.max()) + 1 - len(prompt_token_ids)
 
-    def encode_images(self, images: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
-        """All images in one pass of the encoder (attention stays within each image)."""
-        grids = [image_grid_of(image) for image in images]
-        pixels = torch.cat([image["pixel_values"] for image in images])
-        embeds = self.visual(pixels, grids)
-        return list(embeds.split([t * h * w // self.merge**2 for t, h, w in grids]))
+    def image_encoder_modules(self) -> list[torch.nn.Module]:
+        return [self.visual]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """The decoder's weights through the Llama loader, the vision encoder's after them."""
@@ -141,19 +151,32 @@ class Qwen2_5_VLForConditionalGeneration(SupportsImages, Qwen2ForCausalLM):
         return loaded | copy_weights(self, vision)
 
 
+class Qwen2_5_VLForConditionalGeneration(QwenVL, Qwen2ForCausalLM):
+    vision_class = Qwen2_5VisionTransformer
+    processor_class = "Qwen2_5_VLProcessor"
+
+    def encode_images(self, images: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
+        """All images in one pass of the encoder (attention stays within each image)."""
+        grids = [image_grid_of(image) for image in images]
+        pixels = torch.cat([image["pixel_values"] for image in images])
+        embeds = self.visual(pixels, grids)
+        return list(embeds.split([t * h * w // self.merge**2 for t, h, w in grids]))
+
+
 def image_grid_of(image: Mapping[str, torch.Tensor]) -> tuple[int, int, int]:
     """An image's grid (t, h, w) in patches, from its `image_inputs` data."""
     t, h, w = (int(x) for x in image["image_grid_thw"].reshape(3))
     return t, h, w
 
 
-def images_only_processor(model_dir: str) -> Any:
-    """transformers' Qwen2.5-VL processor built without its video processor: the same text expansion
-    and image tensors for prompts with images."""
-    from transformers import AutoImageProcessor, AutoTokenizer, Qwen2_5_VLProcessor
+def images_only_processor(model_dir: str, processor_class: str) -> Any:
+    """transformers' Qwen-VL processor (`processor_class`) built without its video processor: the same
+    text expansion and image tensors for prompts with images."""
+    import transformers
+    from transformers import AutoImageProcessor, AutoTokenizer
     from transformers.processing_utils import ProcessorMixin
 
-    class ImagesOnly(Qwen2_5_VLProcessor):
+    class ImagesOnly(getattr(transformers, processor_class)):
         def __init__(self, image_processor: Any, tokenizer: Any, chat_template: str | None = None):
             self.image_token = getattr(tokenizer, "image_token", None) or "<|image_pad|>"
             self.image_token_id = tokenizer.convert_tokens_to_ids(self.image_token)

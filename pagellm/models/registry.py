@@ -38,4 +38,5 @@ def pagellm_models() -> dict[str, str]:
         "LlavaForConditionalGeneration": "pagellm.models.llava:LlavaForConditionalGeneration",
         "Qwen2_5_VLForConditionalGeneration": "pagellm.models.qwen_vl:Qwen2_5_VLForConditionalGeneration",
         "Gemma3ForConditionalGeneration": "pagellm.models.gemma3_mm:Gemma3ForConditionalGeneration",
+        "Qwen3VLForConditionalGeneration": "pagellm.models.qwen3_vl:Qwen3VLForConditionalGeneration",
     }

@@ -45,9 +45,9 @@ class EncoderCache:
     ):
         self.model = model
         self.device = device
-        self.outputs: dict[
-            tuple[str, int], torch.Tensor
-        ] = {}  # (request id, image index) -> [length, hidden]
+        # (request id, image index) -> the encoder's outputs for it, each [length, hidden]: the embeddings,
+        # then any deepstack ones (`SupportsImages.encode_images`)
+        self.outputs: dict[tuple[str, int], tuple[torch.Tensor, ...]] = {}
         compiled = compile_with(_ImageEncoder(model)) if compile_with is not None else None
         self.encode: Callable[[list[dict[str, torch.Tensor]]], list[torch.Tensor]] = (
             self._guarded(compiled) if compiled is not None else model.encode_images
@@ -86,15 +86,15 @@ class EncoderCache:
         if missing:
             data = [{k: v.to(self.device) for k, v in image.data.items()} for _, _, image in missing]
             for (rid, j, _), out in zip(missing, self.encode(data), strict=True):
-                self.outputs[(rid, j)] = out
-        rows, embeds = [], []
+                self.outputs[(rid, j)] = out if isinstance(out, tuple) else (out,)
+        rows, parts = [], []
         for first_row, rid, j, image, first, hi in overlaps:
-            out = self.outputs[(rid, j)]
             rows.append(torch.arange(first_row, first_row + hi - image.offset - first))
-            embeds.append(out[first : hi - image.offset])
+            parts.append([out[first : hi - image.offset] for out in self.outputs[(rid, j)]])
             if hi == image.end:  # its last tokens run now: not needed again
                 del self.outputs[(rid, j)]
-        return ImageBatch(torch.cat(rows).to(self.device), torch.cat(embeds))
+        embeds, *deepstack = (torch.cat(part) for part in zip(*parts, strict=True))
+        return ImageBatch(torch.cat(rows).to(self.device), embeds, deepstack or None)
 
     def release(self, request_ids: Iterable[str]) -> None:
         """Drop the outputs of requests preempted, finished or aborted."""

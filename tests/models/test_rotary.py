@@ -10,6 +10,7 @@ from pagellm.models.context import set_forward_context
 from pagellm.models.layers.rotary import (
     RotaryEmbedding,
     apply_rotary,
+    mrope_axes,
     prefix_cache_salt,
     rope_salt_function,
     scaled_max_positions,
@@ -207,3 +208,31 @@ def test_compiled_cos_sin_are_computed_once_not_per_layer(tmp_path, monkeypatch,
     source = "\n".join(code)
     assert ("rope_cos_sin_by_length" if rope_type == "longrope" else "rope_cos_sin") in source
     assert ".cos()" not in source and ".sin()" not in source
+
+
+def test_interleaved_mrope_equals_qwen3_vl():
+    """Qwen3-VL's rope at its released sections: each frequency's angle from the axis transformers
+    recomposes it from (t, h, w positions that differ on every axis)."""
+    from transformers import Qwen3VLTextConfig
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextRotaryEmbedding
+
+    params = {
+        "rope_type": "default",
+        "rope_theta": 5e6,
+        "mrope_section": [24, 20, 20],
+        "mrope_interleaved": True,
+    }
+    config = Qwen3VLTextConfig(hidden_size=256, num_attention_heads=2, head_dim=128, rope_parameters=params)
+    rotary = RotaryEmbedding(config)
+    positions = torch.stack([torch.arange(9), torch.arange(9) * 3 + 1, torch.arange(9) * 7 + 2])
+    cos, sin = rotary.cos_sin(positions)
+    want_cos, want_sin = Qwen3VLTextRotaryEmbedding(config)(torch.zeros(1), positions[:, None, :])
+    torch.testing.assert_close(torch.cat([cos, cos], -1), want_cos[0], rtol=0, atol=0)
+    torch.testing.assert_close(torch.cat([sin, sin], -1), want_sin[0], rtol=0, atol=0)
+
+
+def test_mrope_cos_sin_op_is_laid_out_as_its_fake():
+    """A compiled graph reads the op's outputs by the strides its fake gives: contiguous."""
+    axes = mrope_axes({"mrope_section": [3, 3, 2], "mrope_interleaved": True}, 8)
+    inv_freq = 1.0 / (10000 ** (torch.arange(8) / 8))
+    torch.library.opcheck(torch.ops.pagellm.mrope_cos_sin, (torch.arange(21).view(3, 7), inv_freq, axes, 1.0))

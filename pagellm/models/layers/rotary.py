@@ -138,22 +138,31 @@ def _cos_sin(
 
 def mrope_axes(params: dict, num_freqs: int) -> torch.Tensor | None:
     """Qwen-VL's multimodal rope (`mrope_section` in the rope parameters): each token has a temporal, a
-    height and a width position, and each rotary frequency takes one of them, in sections (the first
-    mrope_section[0] frequencies take t, the next h, the rest w, as Qwen2-VL and Qwen2.5-VL split them);
-    the axis (0, 1, 2) of each of the `num_freqs` frequencies. None for a plain rope."""
+    height and a width position, and each rotary frequency takes one of them; the axis (0, 1, 2) of each of
+    the `num_freqs` frequencies. None for a plain rope.
+
+    In sections (Qwen2-VL, Qwen2.5-VL): the first mrope_section[0] frequencies take t, the next h, the rest
+    w. Interleaved (`mrope_interleaved`, Qwen3-VL): frequency 3i + 1 takes h while i < mrope_section[1],
+    3i + 2 takes w while i < mrope_section[2], the others t, so every axis spans low and high frequencies."""
     section = params.get("mrope_section")
     if not section:
         return None
     if sum(section) != num_freqs:
         raise ConfigError(f"mrope_section {section} does not add up to the {num_freqs} rotary frequencies")
-    return torch.repeat_interleave(torch.arange(3), torch.tensor(section))
+    if not params.get("mrope_interleaved"):
+        return torch.repeat_interleave(torch.arange(3), torch.tensor(section))
+    axes = torch.zeros(num_freqs, dtype=torch.int64)
+    for axis in (1, 2):
+        axes[axis : 3 * section[axis] : 3] = axis
+    return axes
 
 
 def _mrope_cos_sin(
     positions: torch.Tensor, inv_freq: torch.Tensor, axes: torch.Tensor, scaling: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each frequency's angle from its axis' position: positions [3, T] -> cos, sin [T, len(inv_freq)]."""
-    freqs = positions[axes.to(positions.device)].t().float() * inv_freq[None, :]
+    """Each frequency's angle from its axis' position: positions [3, T] -> cos, sin [T, len(inv_freq)],
+    contiguous as the op's fake says (a compiled graph reads them by those strides)."""
+    freqs = positions.t()[:, axes.to(positions.device)].float() * inv_freq[None, :]
     return freqs.cos() * scaling, freqs.sin() * scaling
 
 
