@@ -104,13 +104,13 @@ def test_a_three_to_one_model_frees_window_blocks_and_matches_transformers(mixed
     seen = {"freed": 0, "steps": 0}
     forward = runner._forward
 
-    def checked(step, lora=None):
+    def checked(step, lora=None, images=None):
         for g, (tables, slots) in enumerate(step.kv_groups()):
             assert (slots // kv.block_size != 0).all(), f"group {g} writes the null block"
             seen["freed"] += int(g > 0 and (tables == 0).any())
         assert not (step.block_tables == 0).any()  # the full group keeps every block
         seen["steps"] += 1
-        return forward(step, lora)
+        return forward(step, lora, images)
 
     runner._forward = checked
     prompts = mixed_prompts(300, seed=3, shared_prefix=40)
