@@ -204,7 +204,9 @@ def test_long_contexts_split_across_threads(seq_lens, sliding_window, decode_pat
 
 
 @pytest.mark.parametrize(
-    "features", [FEATURES["sinks"], FEATURES["sinks-soft_cap-window"]], ids=["sinks", "all"]
+    "features",
+    [FEATURES["sinks"], pytest.param(FEATURES["sinks-soft_cap-window"], marks=pytest.mark.slow)],
+    ids=["sinks", "all"],
 )
 def test_split_contexts_count_the_sink_once(features, monkeypatch, decode_path):
     """The kernel splits the long context into partitions (375 tokens, rounded up to 384: four of them)
@@ -294,6 +296,7 @@ def test_kernel_plan_lists_decodes_and_splits_long_contexts(monkeypatch):
     assert CpuAttnBackend.build_metadata(busy).plan(None, 16, torch.float32, True, 1).partition == 300
 
 
+@pytest.mark.slow
 def test_fallback_when_the_kernel_cannot_be_built(tmp_path):
     """No compiler (or PAGELLM_CPU_KERNELS=0): one warning saying why, and the PyTorch path's results."""
     script = (

@@ -38,7 +38,13 @@ def test_matches_reference(heads, block_size):
 
 
 @pytest.mark.parametrize(
-    "dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"]
+    "dtype",
+    [
+        torch.float32,
+        pytest.param(torch.bfloat16, marks=pytest.mark.slow),
+        pytest.param(torch.float16, marks=pytest.mark.slow),
+    ],
+    ids=["fp32", "bf16", "fp16"],
 )
 @pytest.mark.parametrize("sliding_window", [None, 7, 20])
 def test_dtypes_and_sliding_window(dtype, sliding_window):
@@ -51,7 +57,9 @@ def test_logits_soft_cap():
     assert check_backend(FlexAttentionBackend, spec, "cpu", CASES) < 1e-5
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.slow)], ids=["fp32", "bf16"]
+)
 @pytest.mark.parametrize(
     "features",
     [dict(has_sinks=True), dict(has_sinks=True, sliding_window=7, logits_soft_cap=5.0)],

@@ -128,7 +128,9 @@ def _record_plans(monkeypatch) -> list:
 SPLIT_STEPS = [([140, 7, 70, 20], [1, 1, 1, 1]), ([140, 30, 5, 20], [20, 9, 1, 1])]
 
 
-@pytest.mark.parametrize("window", [None, 20], ids=["full", "window-20"])
+@pytest.mark.parametrize(
+    "window", [None, pytest.param(20, marks=pytest.mark.slow)], ids=["full", "window-20"]
+)
 @pytest.mark.parametrize(
     "heads",
     [
@@ -248,9 +250,9 @@ def _compile_for_cuda(fn, types: dict, constants: dict, num_warps: int):
     [
         ("bf16", 128, 16, 8, 4096, 0.0, False),
         ("bf16", 128, 64, 1, 0, 0.0, False),
-        ("fp32", 256, 16, 1, 0, 0.0, False),
+        pytest.param("fp32", 256, 16, 1, 0, 0.0, False, marks=pytest.mark.slow),
         ("bf16", 64, 16, 4, 128, 30.0, True),
-        ("bf16", 256, 32, 1, 0, 50.0, False),
+        pytest.param("bf16", 256, 32, 1, 0, 50.0, False, marks=pytest.mark.slow),
     ],
     ids=[
         "decode-split-k-bf16-128",

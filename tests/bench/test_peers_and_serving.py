@@ -70,6 +70,7 @@ def test_engine_args_pass_only_what_differs():
     ]
 
 
+@pytest.mark.slow
 def test_serve_starts_a_server_and_measures_w2(tiny_model, tmp_path):
     out = tmp_path / "serve.json"
     args = ["serve", "--model", tiny_model, *SMALL_W1, "--request-rate", "20", "--output", str(out)]

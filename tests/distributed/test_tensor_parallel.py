@@ -82,6 +82,7 @@ def test_greedy_parity_with_transformers(models, arch, tp, pp):
         assert llm.engine.stats().num_preemptions > 0  # the small cache really preempted
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_an_engine_nobody_references_stops_its_ranks_so_another_can_start(models):
     """No shutdown(): the first engine's finalizer stops its rank processes when it is let go."""

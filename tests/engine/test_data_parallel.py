@@ -277,6 +277,7 @@ def test_bad_settings_are_refused_before_any_process_starts(llama):
         AsyncLLM(str(llama), data_parallel_size=2, engine_process=False)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_failed_start_raises_its_error_and_stops_the_other_engines(llama, tmp_path, monkeypatch):
     started, engine_process = [], data_parallel.EngineProcess

@@ -130,6 +130,7 @@ def test_compiled_forward(checkpoints, arch):
     assert_greedy_parity(llm, reference, mixed_prompts(300))
 
 
+@pytest.mark.slow
 def test_compiled_forward_with_packed_linears(checkpoints):
     """bfloat16 packs the linears (oneDNN on CPU); the compile must keep them rather than fall back to
     eager, which it silently did for a while (inductor cannot lower a packed weight)."""

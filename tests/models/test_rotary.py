@@ -178,7 +178,8 @@ def test_scaled_max_positions_as_vllm():
     assert scaled_max_positions(llama({}), 256) == 256
 
 
-@pytest.mark.parametrize("rope_type", ["default", pytest.param("longrope", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("rope_type", ["default", "longrope"])
 def test_compiled_cos_sin_are_computed_once_not_per_layer(tmp_path, monkeypatch, rope_type):
     """Inductor inlined cos/sin into every layer's rotation (per head, too); compiled, they come from
     one opaque op per forward (a length-dependent type's reads the step's lengths inside) and the
