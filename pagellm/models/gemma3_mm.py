@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -34,10 +33,8 @@ from pagellm.core.errors import ConfigError
 from pagellm.models.base import ModelInit
 from pagellm.models.gemma import Gemma3ForCausalLM, GemmaModel, gemma3_attention_spec
 from pagellm.models.layers.norm import GemmaRMSNorm
-from pagellm.models.llava import checkpoint_name
-from pagellm.models.loader import copy_weights
+from pagellm.models.llava import TowerAndProjector
 from pagellm.models.multimodal import SupportsImages, merge_image_embeddings
-from pagellm.models.vision import STACKED as VISION_STACKED
 from pagellm.models.vision import VisionTransformer
 
 
@@ -81,7 +78,7 @@ class Gemma3MultiModalProjector(nn.Module):
         return self.mm_soft_emb_norm(pooled) @ self.mm_input_projection_weight
 
 
-class Gemma3ForConditionalGeneration(SupportsImages, Gemma3ForCausalLM):
+class Gemma3ForConditionalGeneration(TowerAndProjector, SupportsImages, Gemma3ForCausalLM):
     supports_parallel = False
     bidirectional_images = True
     model_class = Gemma3MultiModalLanguageModel
@@ -110,24 +107,3 @@ class Gemma3ForConditionalGeneration(SupportsImages, Gemma3ForCausalLM):
         weight = self.vision_tower.embeddings.patch_embedding.weight
         pixels = torch.cat([image["pixel_values"] for image in images]).to(weight.device, weight.dtype)
         return list(self.multi_modal_projector(self.vision_tower.last_hidden_state(pixels)).unbind(0))
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """The decoder's weights through the Gemma loader, the tower's and the projector's after them."""
-        vision: list[tuple[str, torch.Tensor]] = []
-
-        def decoder() -> Iterable[tuple[str, torch.Tensor]]:
-            for name, tensor in weights:
-                name = checkpoint_name(name)
-                if name.startswith(("vision_tower.", "multi_modal_projector.")):
-                    vision.append((name, tensor))
-                else:
-                    yield name, tensor
-
-        loaded = super().load_weights(decoder())
-        return loaded | copy_weights(self, vision, VISION_STACKED, self._adapt_vision)
-
-    def _adapt_vision(self, name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor] | None:
-        tower, _, rest = name.partition(".")
-        if tower == "vision_tower" and not self.vision_tower.keeps(rest):
-            return None
-        return name, tensor

@@ -76,7 +76,37 @@ class LlavaMultiModalProjector(nn.Module):
         return self.linear_2(self.act(self.linear_1(features)))
 
 
-class LlavaForConditionalGeneration(SupportsImages, LlamaForCausalLM):
+class TowerAndProjector:
+    """What a model with LLaVA's layout (a decoder, `vision_tower.*`, `multi_modal_projector.*`; Gemma 3's
+    too) adds to its decoder class: the tower and projector as the per-image modules, and their weights
+    loaded after the decoder's own loader has taken the rest. Goes first among the bases."""
+
+    def image_encoder_modules(self) -> list[nn.Module]:
+        return [self.vision_tower, self.multi_modal_projector]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """The decoder's weights through its class's loader, the tower's and the projector's after them."""
+        vision: list[tuple[str, torch.Tensor]] = []
+
+        def decoder() -> Iterable[tuple[str, torch.Tensor]]:
+            for name, tensor in weights:
+                name = checkpoint_name(name)
+                if name.startswith(("vision_tower.", "multi_modal_projector.")):
+                    vision.append((name, tensor))
+                else:
+                    yield name, tensor
+
+        loaded = super().load_weights(decoder())
+        return loaded | copy_weights(self, vision, VISION_STACKED, self._adapt_vision)
+
+    def _adapt_vision(self, name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor] | None:
+        tower, _, rest = name.partition(".")
+        if tower == "vision_tower" and not self.vision_tower.keeps(rest):
+            return None
+        return name, tensor
+
+
+class LlavaForConditionalGeneration(TowerAndProjector, SupportsImages, LlamaForCausalLM):
     supports_parallel = False
     model_class = LlavaLanguageModel
 
@@ -123,27 +153,3 @@ class LlavaForConditionalGeneration(SupportsImages, LlamaForCausalLM):
         batch, rows, width = features.shape
         embeds = self.multi_modal_projector(features.reshape(-1, width))
         return list(embeds.view(batch, rows, -1).unbind(0))
-
-    def image_encoder_modules(self) -> list[nn.Module]:
-        return [self.vision_tower, self.multi_modal_projector]
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """The decoder's weights through the Llama loader, the tower's and the projector's after them."""
-        vision: list[tuple[str, torch.Tensor]] = []
-
-        def decoder() -> Iterable[tuple[str, torch.Tensor]]:
-            for name, tensor in weights:
-                name = checkpoint_name(name)
-                if name.startswith(("vision_tower.", "multi_modal_projector.")):
-                    vision.append((name, tensor))
-                else:
-                    yield name, tensor
-
-        loaded = super().load_weights(decoder())
-        return loaded | copy_weights(self, vision, VISION_STACKED, self._adapt_vision)
-
-    def _adapt_vision(self, name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor] | None:
-        tower, _, rest = name.partition(".")
-        if tower == "vision_tower" and not self.vision_tower.keeps(rest):
-            return None
-        return name, tensor

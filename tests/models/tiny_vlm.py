@@ -86,3 +86,15 @@ def images(n: int, size: int = 56, seed: int = 0) -> list:
 
     rng = np.random.default_rng(seed)
     return [Image.fromarray(rng.integers(0, 256, (size, size, 3), dtype=np.uint8)) for _ in range(n)]
+
+
+def greedy_reference(model, processor, max_tokens: int):
+    """transformers' greedy generate on the processor's output for (text, images), one prompt at a time."""
+
+    @torch.no_grad()
+    def generate(text: str, pictures: list) -> list[int]:
+        inputs = processor(text=[text], images=pictures or None, return_tensors="pt")
+        out = model.generate(**inputs, max_new_tokens=max_tokens, do_sample=False)
+        return out[0, inputs["input_ids"].shape[1] :].tolist()
+
+    return generate

@@ -11,7 +11,7 @@ import io
 
 import pytest
 import torch
-from tiny_vlm import IMAGE_TOKEN, images, make_tiny_llava
+from tiny_vlm import IMAGE_TOKEN, greedy_reference, images, make_tiny_llava
 
 from pagellm import LLM, SamplingParams
 from pagellm.core.errors import ConfigError
@@ -31,15 +31,7 @@ def reference(llava):
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
     model = AutoModelForImageTextToText.from_pretrained(llava, dtype=torch.float32).eval()
-    processor = AutoProcessor.from_pretrained(llava)
-
-    @torch.no_grad()
-    def generate(text: str, pictures: list) -> list[int]:
-        inputs = processor(text=[text], images=pictures or None, return_tensors="pt")
-        out = model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False)
-        return out[0, inputs["input_ids"].shape[1] :].tolist()
-
-    return generate
+    return greedy_reference(model, AutoProcessor.from_pretrained(llava), MAX_TOKENS)
 
 
 def prompt(text: str, pictures: list) -> dict:

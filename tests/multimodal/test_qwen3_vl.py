@@ -12,6 +12,7 @@ import torch
 from PIL import Image
 from tiny_qwen3_vl import make_tiny_qwen3_vl, processor
 from tiny_qwen_vl import IMAGE
+from tiny_vlm import greedy_reference
 
 from pagellm import LLM, SamplingParams
 from pagellm.models.qwen3_vl import Qwen3VLForConditionalGeneration
@@ -50,16 +51,7 @@ def hf(checkpoint):
 
 @pytest.fixture(scope="module")
 def reference(hf):
-    """transformers' greedy generate on the processor's output, one prompt at a time."""
-    model, proc = hf
-
-    @torch.no_grad()
-    def generate(text: str, pictures: list) -> list[int]:
-        inputs = proc(text=[text], images=pictures or None, return_tensors="pt")
-        out = model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False)
-        return out[0, inputs["input_ids"].shape[1] :].tolist()
-
-    return generate
+    return greedy_reference(*hf, MAX_TOKENS)
 
 
 @pytest.fixture(scope="module")
