@@ -93,11 +93,28 @@ def build_app(
     return app
 
 
+SERVER_SENT_EVENT: dict[str, Any] = {
+    "type": "object",
+    "description": "One server-sent event: `data` holds a JSON chunk, or `[DONE]` at the end of an OpenAI stream.",
+    "properties": {
+        "data": {"type": "string"},
+        "event": {"type": "string"},
+        "id": {"type": "string"},
+        "retry": {"type": "integer"},
+    },
+    "required": ["data"],
+}
+
+
 def _json_or_events(
     model: type[BaseModel], description: str = "The response, or its chunks as events"
 ) -> dict[int | str, dict[str, Any]]:
-    """The 200 of an endpoint that answers JSON, or server-sent events with `"stream": true`."""
-    events = {"text/event-stream": {"schema": {"type": "string"}}}
+    """The 200 of an endpoint that answers JSON, or server-sent events with `"stream": true`.
+
+    For an event stream OpenAPI 3.1 reads `schema` as the schema of one event, parsed into its fields (the JSON
+    text sits in `data`); a plain string schema would call every parsed event a schema break.
+    """
+    events = {"text/event-stream": {"schema": SERVER_SENT_EVENT}}
     return {200: {"model": model, "description": description, "content": events}}
 
 
