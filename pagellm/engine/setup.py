@@ -18,7 +18,7 @@ from pagellm.core.config import EngineConfig
 from pagellm.core.dtypes import DTYPES, KV_CACHE_DTYPES, dtype_name
 from pagellm.core.errors import ConfigError
 from pagellm.core.kv_cache_spec import KVCacheLayout, group_layers
-from pagellm.core.paths import cache_dir
+from pagellm.core.paths import cache_dir, keep_compiled_code_in_cache_dir
 from pagellm.core.platform import Platform
 from pagellm.core.selector import (
     TimingCache,
@@ -179,6 +179,7 @@ def _backend_timer():
 
 def resolve_engine(config: EngineConfig) -> EngineSetup:
     """Everything decided at start-up, before weights are read. Raises ConfigError with the fix."""
+    keep_compiled_code_in_cache_dir()  # before the backend timings compile anything
     config.speculative  # noqa: B018 (a bad speculative_config fails here, before anything loads)
     registry = load_plugins()
     platform_choice = select_platform(registry, config.device)

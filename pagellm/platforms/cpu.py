@@ -15,7 +15,6 @@ import torch
 from pagellm.core.dtypes import dtype_name
 from pagellm.core.errors import ConfigError
 from pagellm.core.moe import PackedMoE
-from pagellm.core.paths import cache_dir
 from pagellm.core.platform import DTYPE_VIEWS, FLOAT8, Availability, GiB, PackedLinear, Platform
 from pagellm.core.state import RecurrentKernels
 from pagellm.platforms import cpu_linear, cpu_moe
@@ -236,15 +235,14 @@ class CpuPlatform(Platform):
     def compile_model(cls, model: torch.nn.Module) -> Callable[..., torch.Tensor] | None:
         """Inductor over the whole forward (attention is one opaque op), shapes dynamic so one graph
         serves every token count. Needs a C++ compiler; compiled kernels are cached under pagellm's cache
-        folder. (Freezing the weights for prepacked oneDNN GEMMs measured slower here and compiled 4x
-        longer, so it stays off.)"""
+        folder (`keep_compiled_code_in_cache_dir`). (Freezing the weights for prepacked oneDNN GEMMs
+        measured slower here and compiled 4x longer, so it stays off.)"""
         compiler = os.environ.get("CXX", "c++")
         if shutil.which(compiler) is None:
             logger.warning(
                 "no C++ compiler (%r), so the model runs eagerly; set CXX or install g++", compiler
             )
             return None
-        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(cache_dir(), "inductor"))
         return torch.compile(model, dynamic=True, options=COMPILE_OPTIONS)
 
     @classmethod

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.metadata
+import os
 import sys
 import types
 
@@ -110,3 +111,19 @@ def test_on_cpu_the_block_size_stays_16(tmp_path, monkeypatch):
     config = EngineConfig(model=_llama_dir(tmp_path), device="cpu", dtype="float32")
     setup = resolve_engine(config)
     assert setup.platform.name == "cpu" and setup.spec.block_size == 16 and config.block_size == 16
+
+
+def test_compiled_code_is_cached_under_pagellms_folder_before_anything_compiles(tmp_path, monkeypatch):
+    """Inductor fixes its cache folder at its first compile. The attention backends' timing compiles flex
+    attention before the model, so the folder must be set before the timings: otherwise the first start's
+    graphs went to /tmp/torchinductor_<user> and the next start, with its timings cached, compiled again."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir as inductor_cache_dir
+
+    config = tiny_config("llama", len(make_tokenizer()), architectures=[ARCHITECTURES["llama"]])
+    config.save_pretrained(tmp_path / "model")
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.setenv("PAGELLM_CACHE_DIR", str(tmp_path / "cache"))
+    resolve_engine(
+        EngineConfig(model=str(tmp_path / "model"), dtype="float32", attention_backend="TORCH_SDPA")
+    )
+    assert inductor_cache_dir() == os.path.join(str(tmp_path / "cache"), "inductor")
