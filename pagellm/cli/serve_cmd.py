@@ -80,36 +80,33 @@ def serve(
     /v1/chat/completions, /v1/models, /tokenize, /detokenize, /health, /version, /metrics."""
     import uvicorn
 
-    from pagellm.engine.async_llm import AsyncLLM
-    from pagellm.server.app import build_app
+    from pagellm.server.starting import EngineStarter, StartingGate
 
     if model_arg and options.get("model") and model_arg != options["model"]:
         raise click.UsageError(f"MODEL {model_arg!r} and --model {options['model']!r} disagree; give one")
     config = config_from_options(options, model=model_arg)
     check_tool_choice(enable_auto_tool_choice, tool_call_parser)
     names = served_names(served_model_names, config)
+    app_options = dict(
+        api_keys=[k for k in api_keys if k],
+        chat_template=chat_template,
+        log_requests=not disable_log_requests,
+        max_n=max_n,
+        max_body_bytes=int(max_request_body_mb * 2**20),
+        tool_call_parser=tool_call_parser,
+        enable_auto_tool_choice=enable_auto_tool_choice,
+        lora_modules=dict(lora_modules),
+        allow_runtime_lora_updating=allow_runtime_lora_updating,
+    )
     with bind(host, port) as sock:
-        llm = AsyncLLM.from_config(config)
+        gate = StartingGate(", ".join(names))
+        level = logging.getLogger("pagellm").getEffectiveLevel()
+        server = uvicorn.Server(uvicorn.Config(gate, host=host, port=port, log_level=level, lifespan="off"))
+        starter = EngineStarter(config, names, app_options, gate, server)
+        logger.info("listening on http://%s:%d; /health answers 503 until the engine has started", host, port)
+        starter.start()
         try:
-            app = build_app(
-                llm,
-                names,
-                api_keys=[k for k in api_keys if k],
-                chat_template=chat_template,
-                log_requests=not disable_log_requests,
-                max_n=max_n,
-                max_body_bytes=int(max_request_body_mb * 2**20),
-                tool_call_parser=tool_call_parser,
-                enable_auto_tool_choice=enable_auto_tool_choice,
-                lora_modules=dict(lora_modules),
-                allow_runtime_lora_updating=allow_runtime_lora_updating,
-            )
-            logger.info("serving %s on http://%s:%d", ", ".join(names), host, port)
-            level = logging.getLogger("pagellm").getEffectiveLevel()
-            server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=level))
-            llm.on_engine_exit(lambda reason: setattr(server, "should_exit", True))
             server.run(sockets=[sock])
         finally:
-            llm.shutdown()
-    if llm.engine_failure is not None:  # its requests were failed with the reason; a supervisor restarts us
-        raise click.ClickException(f"the engine ended ({llm.engine_failure}); the server stopped")
+            starter.stop()
+    starter.raise_failure()

@@ -301,6 +301,10 @@ def main(commands_address: str, turns_address: str) -> int:
             received.append(Shutdown("the front end is gone"))
         return received
 
+    started = threading.Event()
+    threading.Thread(
+        target=_exit_if_orphaned_while_starting, args=(parent_gone, started), daemon=True
+    ).start()
     try:
         engine = LLMEngine(start.config)
     except BaseException as exc:
@@ -309,6 +313,7 @@ def main(commands_address: str, turns_address: str) -> int:
         turns.close()
         context.term()
         return 1
+    started.set()
     send(EngineFacts.of(engine))
     EngineCore(engine, emit).run(receive)
     engine.shutdown()
@@ -316,6 +321,15 @@ def main(commands_address: str, turns_address: str) -> int:
     commands.close(linger=0)
     context.term()
     return 0
+
+
+def _exit_if_orphaned_while_starting(parent_gone: Callable[[], bool], started: threading.Event) -> None:
+    """Exit as soon as the front end is gone while the engine still loads or compiles (minutes of work
+    nobody waits for: a server stopped during its start). Once it runs, its loop notices the same and shuts
+    down in order."""
+    while not started.wait(1.0):
+        if parent_gone():
+            os._exit(1)
 
 
 _CHILD = "import sys; from pagellm.engine.core_process import main; sys.exit(main(sys.argv[1], sys.argv[2]))"

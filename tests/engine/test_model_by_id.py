@@ -206,7 +206,14 @@ def test_serve_an_id_under_its_name(hf_cache, tiny_dir, monkeypatch):
         reply = await client.completions.create(model="org/tiny", prompt="Hello", max_tokens=4, temperature=0)
         seen["tokens"] = reply.usage.completion_tokens
 
-    monkeypatch.setattr(uvicorn.Server, "run", lambda self, sockets=None: call_app(self.config.app, ask))
+    def run_once_started(server: uvicorn.Server, sockets=None) -> None:
+        gate = server.config.app  # answers 503 "starting" until the engine is up
+        deadline = time.monotonic() + 120
+        while gate.app is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        call_app(gate, ask)
+
+    monkeypatch.setattr(uvicorn.Server, "run", run_once_started)
     start = AsyncLLM.from_config.__func__  # the engine on a thread: a process would only cost start-up time
     monkeypatch.setattr(
         AsyncLLM, "from_config", classmethod(lambda cls, c: start(cls, c, engine_process=False))

@@ -150,3 +150,15 @@ def _alive(pid: int) -> bool:
             return f.read().split(") ")[-1].split()[0] != "Z"  # a zombie has exited
     except FileNotFoundError:
         return False
+
+
+def test_an_engine_orphaned_while_it_starts_exits_then_and_not_once_running():
+    """A server stopped during its engine's start (minutes of loading and compiling) leaves no engine behind."""
+    check = (
+        "import threading, sys; from pagellm.engine.core_process import _exit_if_orphaned_while_starting as f; "
+        "started = threading.Event(); started.set() if sys.argv[1] == 'running' else None; "
+        "f(lambda: True, started)"
+    )
+    orphaned = subprocess.run([sys.executable, "-c", check, "starting"], timeout=60)
+    running = subprocess.run([sys.executable, "-c", check, "running"], timeout=60)
+    assert (orphaned.returncode, running.returncode) == (1, 0)
