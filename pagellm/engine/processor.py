@@ -279,6 +279,12 @@ class Processor:
                 )
         return children
 
+    @property
+    def grammar_matchers_live(self) -> int:
+        """Requests' grammars (matchers) still in memory: 0 once every structured-output request is gone,
+        unless something still references a finished request."""
+        return 0 if self._grammar_compiler is None else self._grammar_compiler.num_live
+
     def _grammars(self) -> grammar.GrammarCompiler:
         """The structured-output compiler, made on the first request with a grammar."""
         if self._grammar_compiler is None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import weakref
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -82,6 +83,12 @@ class GrammarCompiler:
         self._compiled: dict[tuple, Future] = {}
         self._lock = threading.Lock()
         self._compiler = None
+        self._live: weakref.WeakSet[RequestGrammar] = weakref.WeakSet()  # every request grammar not yet freed
+
+    @property
+    def num_live(self) -> int:
+        """Request grammars (each with its matcher) that are still in memory."""
+        return len(self._live)
 
     def request_grammar(
         self, params: StructuredOutputsParams, start_after: Sequence[int] = ()
@@ -93,7 +100,9 @@ class GrammarCompiler:
             future = self._compiled.get(key)
             if future is None:
                 future = self._compiled[key] = self._pool.submit(self._compile, params)
-        return RequestGrammar(future, self.vocab_size, start_after)
+        request_grammar = RequestGrammar(future, self.vocab_size, start_after)
+        self._live.add(request_grammar)
+        return request_grammar
 
     def _compile(self, params: StructuredOutputsParams):
         xgr = _xgrammar()

@@ -114,6 +114,23 @@ def test_regex_choice_json_object_and_ebnf(tiny):
             )
 
 
+def test_grammar_matchers_are_freed_when_their_requests_end(tiny):
+    """The count behind pagellm:grammar_matchers_live: one per sample while a request runs, none once it
+    finished or was aborted (a finished request that something still referenced would keep its matcher)."""
+    engine_ = engine(tiny).engine
+    choice = StructuredOutputsParams(choice=["red", "green", "blue"])
+    assert engine_.stats().num_grammar_matchers_live == 0
+    engine_.add_request("x", SamplingParams(max_tokens=4, n=2, structured_outputs=choice), request_id="a")
+    engine_.add_request("y", SamplingParams(max_tokens=4, structured_outputs=choice), request_id="b")
+    engine_.add_request("z", SamplingParams(max_tokens=4), request_id="c")
+    assert engine_.stats().num_grammar_matchers_live == 3
+    engine_.abort_request("b")
+    assert engine_.stats().num_grammar_matchers_live == 2
+    while engine_.has_unfinished_requests():
+        engine_.step()
+    assert engine_.stats().num_grammar_matchers_live == 0
+
+
 def test_the_mask_equals_xgrammars_own_masking_bit_for_bit():
     import xgrammar as xgr
 
