@@ -167,3 +167,31 @@ pagellm:kv_cache_usage_perc{model_name="m"} 0.25
     values = soak.parse_metrics(text)
     assert values["pagellm:num_requests_running"] == 3 and values["pagellm:kv_cache_usage_perc"] == 0.25
     assert soak.finished_by_reason(values) == {"stop": 5, "abort": 2}
+
+
+@pytest.mark.slow
+def test_a_short_soak_on_a_tiny_model_passes_every_check(tiny_model, tmp_path):
+    """About a minute: 40 s of load at 8 requests/s (more than two shared cores serve), the drain; every
+    check must pass, with some of each kind of traffic seen (drops, 400s, LoRA and grammar requests in
+    flight). A fixed rate, not calibration, so the counts do not depend on how busy the machine is."""
+    args = soak.SoakArgs(
+        model=tiny_model,
+        engine={"dtype": "float32", "max_model_len": 512, "num_kv_blocks": 256},
+        duration=40,
+        request_rate=8,
+        output_len_min=4,
+        output_len_max=16,
+        sample_interval=3,
+        csv_path=str(tmp_path / "soak.csv"),
+        output_json=str(tmp_path / "soak.json"),
+    )
+    sections = soak.main(args)  # raises SoakFailed when a check fails
+    assert all(c["passed"] for c in sections["checks"]), sections["checks"]
+    counts = sections["results"]["counts"]
+    assert counts["answered"] > 100 and counts["dropped"] > 0 and counts["refused"] > 0
+    samples = sections["samples"]
+    assert max(s["lora_requests_running"] for s in samples) > 0
+    assert max(s["grammar_matchers_live"] for s in samples) > 0
+    header = (tmp_path / "soak.csv").read_text().splitlines()[0]
+    assert header.startswith("time_s,phase,rss_mib,running,waiting,kv_usage")
+    assert json.loads((tmp_path / "soak.json").read_text())["command"] == "soak"
