@@ -9,10 +9,11 @@ The run:
 1. Calibration (unless `--request-rate` is given): `--calibration-concurrency` clients send valid traffic
    back to back for `--calibration-s`; the completions per second are what the server serves.
 2. Load: Poisson arrivals at `--overload` times that rate (or at `--request-rate`) for `--duration` s, the
-   kinds drawn per request from `--seed` (`Mix`): streaming or not, chat or completions, n = 2, a JSON
-   schema (`response_format`), tool calls (`tools` + `tool_choice`), one of the adapters, one of a few long
-   shared prefixes; 10% of streams closed by the client after a few events, 5% malformed bodies (must get
-   400) and 1% prompts past max_model_len (must get 400).
+   kinds drawn per request from `--traffic-seed` (`Mix`): streaming or not, chat or completions, n = 2, a
+   JSON schema (`response_format`, one of 1000 variants: clients send their own), tool calls (`tools` +
+   `tool_choice`), one of the adapters, one of a few long shared prefixes; 10% of streams closed by the
+   client after a few events, 5% malformed bodies (must get 400) and 1% prompts past max_model_len (must
+   get 400).
 3. Drain: no more requests; the open ones get `--drain-timeout` s to end, then the server must be idle.
 
 Every `--sample-interval` s a sample: /metrics (running, waiting, KV usage, the LoRA and grammar gauges),
@@ -68,15 +69,22 @@ WORDS = (
     "national out known university united then made"
 ).split()
 
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "color": {"enum": ["red", "green", "blue"]},
-        "count": {"type": "integer", "minimum": 0, "maximum": 99},
-    },
-    "required": ["color", "count"],
-    "additionalProperties": False,
-}
+SCHEMA_VARIANTS = 1000  # clients send schemas of their own: each variant is another grammar to compile
+
+
+def schema(variant: int) -> dict[str, Any]:
+    """The JSON schema of `response_format` requests, one of SCHEMA_VARIANTS."""
+    return {
+        "type": "object",
+        "properties": {
+            "color": {"enum": ["red", "green", f"c{variant}"]},
+            "count": {"type": "integer", "minimum": 0, "maximum": 99},
+        },
+        "required": ["color", "count"],
+        "additionalProperties": False,
+    }
+
+
 TOOLS = [
     {
         "type": "function",
@@ -234,7 +242,10 @@ class Target:
         else:
             body["prompt"] = f"{prefix} {own}" if prefix else own
         if plan.structured == "json_schema":
-            body["response_format"] = {"type": "json_schema", "json_schema": {"name": "s", "schema": SCHEMA}}
+            body["response_format"] = {
+                "type": "json_schema",
+                "json_schema": {"name": "s", "schema": schema(plan.seed % SCHEMA_VARIANTS)},
+            }
         elif plan.structured == "tools":
             body["tools"] = TOOLS
             body["tool_choice"] = (
