@@ -65,6 +65,39 @@ def test_a_flood_gets_503s_past_the_bound_and_health_stays_quick(app):
     assert float(rejected.split()[-1]) >= len(refused)
 
 
+def test_a_request_that_can_never_run_gets_400_even_when_the_queue_is_full(app):
+    """The soak's huge prompts got 503 and Retry-After under overload (the queue bound was checked before
+    the engine measured the prompt), so a client that obeys Retry-After would retry them forever."""
+    body = {"model": "tiny", "prompt": "Hello there", "max_tokens": 100, "ignore_eos": True}
+    too_long = [
+        ("/v1/completions", {"model": "tiny", "prompt": [5] * 200, "max_tokens": 4}, "prompt"),
+        ("/v1/completions", {"model": "tiny", "prompt": [5] * 100, "max_tokens": 40}, "max_tokens"),
+        (
+            "/v1/chat/completions",
+            {"model": "tiny", "messages": [{"role": "user", "content": "hi " * 200}]},
+            "messages",
+        ),
+    ]
+
+    async def run():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://app", timeout=120) as http:
+            flood = [asyncio.create_task(http.post("/v1/completions", json=body)) for _ in range(8)]
+            await asyncio.sleep(0.05)  # the queue is full now (one runs 100 tokens, two wait)
+            refused = await asyncio.gather(*(http.post(path, json=b) for path, b, _ in too_long))
+            statuses = [r.status_code for r in await asyncio.gather(*flood)]
+            return refused, statuses
+
+    refused, statuses = asyncio.run(run())
+    assert 503 in statuses  # the queue was full while they came
+    for response, (_, _, param) in zip(refused, too_long, strict=True):
+        assert response.status_code == 400, response.text
+        assert (
+            response.json()["error"]["param"] == param
+            and "max_model_len" in response.json()["error"]["message"]
+        )
+
+
 def test_anthropic_clients_get_their_overloaded_error():
     import json
 
