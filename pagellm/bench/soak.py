@@ -315,15 +315,15 @@ ANSWERED, DROPPED, REJECTED, REFUSED = "answered", "dropped", "rejected", "refus
 
 
 def judge(o: Outcome) -> tuple[str, str | None]:
-    """(category, problem): answered, dropped (by the client), rejected (503 for overload, with
-    Retry-After), refused (400 for a malformed or huge request), or "failed" with what was wrong."""
+    """(category, problem): answered, dropped (by the client), rejected (a valid request's 503 for overload,
+    with Retry-After), refused (400 for a malformed or huge request), or "failed" with what was wrong."""
     plan = o.plan
-    if o.status == 503:
-        return (REJECTED, None) if o.retry_after else ("failed", "503 without Retry-After")
-    if plan.kind != "valid":
+    if plan.kind != "valid":  # never runnable: 400 even when the queue is full (a 503 would be retried)
         if o.status == 400:
             return REFUSED, None
         return "failed", f"a {plan.kind} request got {o.status or o.error}, not 400"
+    if o.status == 503:
+        return (REJECTED, None) if o.retry_after else ("failed", "503 without Retry-After")
     if o.status != 200:
         return "failed", f"HTTP {o.status}: {o.error}" if o.status else f"no answer: {o.error}"
     if o.error is not None:

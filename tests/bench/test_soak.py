@@ -121,7 +121,7 @@ def test_judge_a_stream(seen, category):
         (Planned(2, "malformed", chat=True), {"status": 500}, "failed"),
         (Planned(3, "huge", chat=False), {"status": 400}, "refused"),
         (Planned(3, "huge", chat=False), {"status": 200, "answers": 1, "choices": 1}, "failed"),
-        (Planned(3, "huge", chat=False), {"status": 503, "retry_after": True}, "rejected"),
+        (Planned(3, "huge", chat=False), {"status": 503, "retry_after": True}, "failed"),  # never runnable
     ],
 )
 def test_judge_the_rest(plan, seen, category):
