@@ -697,9 +697,8 @@ async def _soak(target: Target, args: SoakArgs, memory: Memory | None) -> dict[s
     quiet_httpx()
     mix = Mix()
     target, own = with_prefixes(target, args.output_len_max, args.traffic_seed)
-    plans = plan_requests(
-        args.traffic_seed, mix, len(target.adapters), own, (args.output_len_min, args.output_len_max)
-    )
+    lengths = (args.output_len_min, args.output_len_max)
+    plans = plan_requests(args.traffic_seed, mix, len(target.adapters), own, lengths)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(timeout=httpx.Timeout(None), limits=limits) as client:
 
@@ -713,7 +712,9 @@ async def _soak(target: Target, args: SoakArgs, memory: Memory | None) -> dict[s
                 f"calibrating: {args.calibration_concurrency} clients for {args.calibration_s:g} s ...",
                 err=True,
             )
-            calibrated = await _calibrate(client, target, plans, args)
+            # its own draws, so the load's traffic is the same however many requests calibration sent
+            calibration = plan_requests(args.traffic_seed + 1, mix, len(target.adapters), own, lengths)
+            calibrated = await _calibrate(client, target, calibration, args)
             rate = args.overload * calibrated
             echo(f"the server served {calibrated:.2f} req/s; offering {rate:.2f} req/s", err=True)
         before = await metrics()

@@ -192,3 +192,29 @@ def _parent(pid: int) -> int | None:
             return int(f.read().rsplit(")", 1)[1].split()[1])
     except (OSError, IndexError, ValueError):
         return None
+
+
+def test_the_lora_and_grammar_gauges_follow_the_engines_stats():
+    """pagellm:lora_requests_running, lora_adapters_active and grammar_matchers_live: what `bench soak`
+    checks for 0 after its drain."""
+    from pagellm.engine.core import IterationStats
+    from pagellm.engine.scheduler import SchedulerStats
+    from pagellm.server.metrics import PrometheusStatLogger
+
+    def gauges(stats: SchedulerStats) -> dict[str, float]:
+        logger = PrometheusStatLogger("tiny")
+        logger.record(stats, IterationStats())
+        text = logger.exposition().decode()
+        names = ("lora_requests_running", "lora_adapters_active", "grammar_matchers_live")
+        return {
+            name: float(line.rsplit(" ", 1)[1])
+            for name in names
+            for line in text.splitlines()
+            if line.startswith(f'pagellm:{name}{{model_name="tiny"}}')
+        }
+
+    busy = SchedulerStats(3, 0, 0.5, 0, 0, 0, num_lora_requests_running=3, num_loras_active=2)
+    busy.num_grammar_matchers_live = 4
+    assert gauges(busy) == {"lora_requests_running": 3, "lora_adapters_active": 2, "grammar_matchers_live": 4}
+    idle = SchedulerStats(0, 0, 0.0, 0, 0, 0)
+    assert gauges(idle) == {"lora_requests_running": 0, "lora_adapters_active": 0, "grammar_matchers_live": 0}
