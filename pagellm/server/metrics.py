@@ -36,9 +36,7 @@ class PrometheusStatLogger:
         self.kv_cache_usage = gauge(
             "kv_cache_usage_perc", "Fraction of KV-cache blocks held by requests (0-1)."
         )
-        self.lora_requests_running = gauge(
-            "lora_requests_running", "Running requests under a LoRA adapter."
-        )
+        self.lora_requests_running = gauge("lora_requests_running", "Running requests under a LoRA adapter.")
         self.loras_active = gauge(
             "lora_adapters_active", "Distinct LoRA adapters of the running requests (device slots in use)."
         )
