@@ -516,20 +516,36 @@ CSV_COLUMNS = (
 )
 
 
+class Progress:
+    """The client's side as the run goes: requests sent, and those that ended in the order they ended, with
+    running counts by `judge`'s category, so a sample reads only the last interval's."""
+
+    def __init__(self) -> None:
+        self.sent = 0
+        self.ended: list[Outcome] = []
+        self.categories: Counter = Counter()
+
+    def end(self, o: Outcome) -> None:
+        self.ended.append(o)
+        self.categories[judge(o)[0]] += 1
+
+    def since(self, start: float) -> list[Outcome]:
+        """Those that ended after `start` (s from the start of the run)."""
+        recent = []
+        for o in reversed(self.ended):
+            if (o.done_s if o.done_s is not None else float("inf")) <= start:
+                break
+            recent.append(o)
+        return recent
+
+
 def sample_row(
-    now: float,
-    phase: str,
-    metrics: dict[str, float],
-    rss: float | None,
-    outcomes: Sequence[Outcome],
-    window: float,
+    now: float, phase: str, metrics: dict[str, float], rss: float | None, progress: Progress, window: float
 ) -> dict[str, Any]:
-    """One sample: the server's gauges, its memory, and the client's counts (all so far) and rates and TTFT
-    (requests that ended, or got their first token, in the last `window` s)."""
-    ended = [o for o in outcomes if o.done_s is not None and now - window < o.done_s <= now]
-    recent = [o for o in ended if judge(o)[0] == ANSWERED]
-    ttfts = [o.ttft_s for o in outcomes if o.first_s is not None and now - window < o.first_s <= now]
-    categories = Counter(judge(o)[0] for o in outcomes if o.done_s is not None)
+    """One sample: the server's gauges, its memory, and the client's counts (all so far), and the rates and
+    TTFT of the requests answered in the last `window` s."""
+    recent = [o for o in progress.since(now - window) if judge(o)[0] == ANSWERED]
+    ttfts = [o.ttft_s for o in recent if o.ttft_s is not None]
     return {
         "time_s": round(now, 1),
         "phase": phase,
@@ -539,13 +555,13 @@ def sample_row(
         "kv_usage": metrics.get("pagellm:kv_cache_usage_perc"),
         "lora_requests_running": metrics.get("pagellm:lora_requests_running"),
         "grammar_matchers_live": metrics.get("pagellm:grammar_matchers_live"),
-        "sent": len(outcomes),
-        "completed": categories[ANSWERED],
-        "rejected": categories[REJECTED],
-        "failed": categories["failed"],
+        "sent": progress.sent,
+        "completed": progress.categories[ANSWERED],
+        "rejected": progress.categories[REJECTED],
+        "failed": progress.categories["failed"],
         "completed_per_s": len(recent) / window,
         "output_tok_s": sum(o.output_tokens for o in recent) / window,
-        **{f"ttft_{k}_ms": v for k, v in percentiles([t for t in ttfts if t is not None]).items()},
+        **{f"ttft_{k}_ms": v for k, v in percentiles(ttfts).items()},
     }
 
 
@@ -719,6 +735,7 @@ async def _soak(target: Target, args: SoakArgs, memory: Memory | None) -> dict[s
             echo(f"the server served {calibrated:.2f} req/s; offering {rate:.2f} req/s", err=True)
         before = await metrics()
         outcomes: list[Outcome] = []
+        progress = Progress()
         rows: list[dict[str, Any]] = []
         tasks: list[asyncio.Task] = []
         t0 = time.perf_counter()
@@ -731,13 +748,17 @@ async def _soak(target: Target, args: SoakArgs, memory: Memory | None) -> dict[s
                 rss = memory.rss_mib() if memory else None
                 asked = time.perf_counter()
                 values = await metrics()
-                rows.append(sample_row(now, phase, values, rss, outcomes, args.sample_interval))
+                rows.append(sample_row(now, phase, values, rss, progress, args.sample_interval))
                 rows[-1]["metrics_ms"] = round((time.perf_counter() - asked) * 1000, 1)
                 echo(
-                    f"{now:6.0f} s {phase}: sent {len(outcomes)}, running {rows[-1]['running']}, waiting "
+                    f"{now:6.0f} s {phase}: sent {progress.sent}, running {rows[-1]['running']}, waiting "
                     f"{rows[-1]['waiting']}, RSS {rss or 0:.0f} MiB",
                     err=True,
                 )
+
+        async def one(plan: Planned, o: Outcome) -> None:
+            await send(client, target, plan, o, t0)
+            progress.end(o)
 
         sampling = asyncio.create_task(sampler())
         arrivals = np.random.RandomState(args.traffic_seed)
@@ -746,16 +767,18 @@ async def _soak(target: Target, args: SoakArgs, memory: Memory | None) -> dict[s
             await asyncio.sleep(max(0.0, offset - (time.perf_counter() - t0)))
             plan = next(plans)
             outcomes.append(Outcome(plan))
-            tasks.append(asyncio.create_task(send(client, target, plan, outcomes[-1], t0)))
+            progress.sent += 1
+            tasks.append(asyncio.create_task(one(plan, outcomes[-1])))
             offset += arrivals.exponential(1.0 / rate)
         phase = "drain"
         _, open_tasks = await asyncio.wait(tasks, timeout=args.drain_timeout) if tasks else (None, set())
         for task in open_tasks:
             task.cancel()
         await asyncio.gather(*open_tasks, return_exceptions=True)
-        for o in outcomes:
-            if o.status is None and o.error is None and o.done_s is None:
+        for task, o in zip(tasks, outcomes, strict=True):
+            if task in open_tasks:  # never answered, or never ended
                 o.error = f"still open {args.drain_timeout:g} s after the load ended"
+                progress.end(o)
         deadline = time.monotonic() + 30
         after = await metrics()
         while time.monotonic() < deadline and (
@@ -767,7 +790,7 @@ async def _soak(target: Target, args: SoakArgs, memory: Memory | None) -> dict[s
         phase = "after"
         now = time.perf_counter() - t0
         rss_after = memory.rss_mib() if memory else None
-        rows.append(sample_row(now, phase, after, rss_after, outcomes, args.sample_interval))
+        rows.append(sample_row(now, phase, after, rss_after, progress, args.sample_interval))
     warm = next((r["rss_mib"] for r in rows if r["time_s"] >= args.warmup()), None)
     return {
         "rate": rate,

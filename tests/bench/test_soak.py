@@ -150,6 +150,23 @@ def test_tally_and_the_cross_check_with_the_servers_counts():
     assert "failed 1" in soak.cross_check(client, {"length": 1, "stop": 1, "abort": 1, "error": 1})
 
 
+def test_a_sample_counts_everything_so_far_and_rates_over_its_window():
+    progress = soak.Progress()
+    answered = [
+        outcome(PLAIN, answers=1, choices=1, done_s=t, output_tokens=10, sent_s=t - 1, first_s=t - 0.5)
+        for t in (1.0, 4.0, 6.0, 9.5)
+    ]
+    for o in [*answered[:3], outcome(PLAIN, status=503, retry_after=True, done_s=7.0), answered[3]]:
+        progress.sent += 1
+        progress.end(o)
+    progress.sent += 1  # one still open
+    row = soak.sample_row(10.0, "load", {"pagellm:num_requests_running": 2.0}, 900.0, progress, window=5.0)
+    assert (row["sent"], row["completed"], row["rejected"], row["failed"]) == (6, 4, 1, 0)
+    assert row["completed_per_s"] == 2 / 5 and row["output_tok_s"] == 20 / 5  # those done at 6.0 and 9.5
+    assert row["ttft_p50_ms"] == pytest.approx(500) and row["running"] == 2 and row["waiting"] is None
+    assert set(row) | {"metrics_ms"} == set(soak.CSV_COLUMNS)
+
+
 def test_memory_check():
     assert soak.memory_check(1000.0, 1049.0)[0] is True
     assert soak.memory_check(1000.0, 1051.0)[0] is False
