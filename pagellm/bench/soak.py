@@ -899,7 +899,8 @@ def main(args: SoakArgs) -> dict[str, Any]:
         if args.base_url is None and any(passed is False for _, passed, _ in results):
             server.temporary_log = False  # keep the log: it may say why
     rows = run["rows"]
-    echo(table(rows[:: max(1, len(rows) // 20)] + ([rows[-1]] if len(rows) > 20 else []), _TABLE))
+    shown = rows[:: max(1, len(rows) // 20)]  # about 20 rows, and the one after the drain
+    echo(table(shown if shown[-1] is rows[-1] else [*shown, rows[-1]], _TABLE))
     echo(format_summary(summary))
     for title, passed, detail in results:
         echo(f"{'SKIP' if passed is None else 'PASS' if passed else 'FAIL'}  {title}: {detail}")
