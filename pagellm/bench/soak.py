@@ -504,6 +504,7 @@ CSV_COLUMNS = (
     "kv_usage",
     "lora_requests_running",
     "grammar_matchers_live",
+    "preemptions",
     "sent",
     "completed",
     "rejected",
@@ -555,6 +556,7 @@ def sample_row(
         "kv_usage": metrics.get("pagellm:kv_cache_usage_perc"),
         "lora_requests_running": metrics.get("pagellm:lora_requests_running"),
         "grammar_matchers_live": metrics.get("pagellm:grammar_matchers_live"),
+        "preemptions": metrics.get("pagellm:num_preemptions_total"),  # since the server started
         "sent": progress.sent,
         "completed": progress.categories[ANSWERED],
         "rejected": progress.categories[REJECTED],
@@ -572,6 +574,7 @@ _TABLE = (
     ("running", "running", "{:.0f}"),
     ("waiting", "waiting", "{:.0f}"),
     ("KV use", "kv_usage", "{:.0%}"),
+    ("preempted", "preemptions", "{:.0f}"),
     ("done", "completed", "{}"),
     ("503", "rejected", "{}"),
     ("req/s", "completed_per_s", "{:.2f}"),
