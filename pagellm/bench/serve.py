@@ -33,6 +33,7 @@ import socket
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -256,7 +257,14 @@ class ServerProcess(LoggedProcess):
 
     tail_lines = 30
 
-    def __init__(self, config: EngineConfig, log_path: str | None = None, start_timeout_s: float = 600.0):
+    def __init__(
+        self,
+        config: EngineConfig,
+        log_path: str | None = None,
+        start_timeout_s: float = 600.0,
+        extra_args: Sequence[str] = (),
+    ):
+        """`extra_args`: more `pagellm serve` flags (those that are not engine settings, e.g. --lora-modules)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.temporary_log = log_path is None  # removed after a clean run
@@ -264,7 +272,7 @@ class ServerProcess(LoggedProcess):
             fd, log_path = tempfile.mkstemp(prefix="pagellm-bench-serve-", suffix=".log")
             os.close(fd)
         command = [sys.executable, "-m", "pagellm.cli", "--log-level", "INFO", "serve"]
-        command += ["--port", str(self.port), "--disable-log-requests", *engine_args(config)]
+        command += ["--port", str(self.port), "--disable-log-requests", *engine_args(config), *extra_args]
         super().__init__(command, log_path)
         self.wait_healthy(self.url, start_timeout_s)
 

@@ -1,4 +1,4 @@
-"""`pagellm bench throughput|latency|prefix|images|serve`: the workloads of shared/bench/README.md from the
+"""`pagellm bench throughput|latency|prefix|images|serve|soak`: the workloads of shared/bench/README.md from the
 command line.
 
 Each command declares its options and hands them to its `pagellm.bench.<command>.main`, which runs it,
@@ -19,6 +19,7 @@ from pagellm.bench import images as images_bench
 from pagellm.bench import latency as latency_bench
 from pagellm.bench import prefix as prefix_bench
 from pagellm.bench import serve as serve_bench
+from pagellm.bench import soak as soak_bench
 from pagellm.bench import throughput as throughput_bench
 from pagellm.bench.common import BenchArgs
 from pagellm.cli.options import (
@@ -250,3 +251,77 @@ def serve(**params) -> None:
     """W2: the W1 requests as streaming /v1/completions calls with Poisson arrivals, against `pagellm serve`
     started with these engine flags (or --base-url): TTFT, TPOT, ITL, throughput, offered vs served rate."""
     serve_bench.main(bench_args(serve_bench.ServeArgs, params))
+
+
+@bench.command()
+@click.option("--duration", type=float, default=600.0, show_default=True, help="Seconds of load.")
+@click.option(
+    "--request-rate",
+    type=float,
+    default=None,
+    help="Poisson arrival rate, requests/s. [default: --overload times the rate calibration measures]",
+)
+@click.option("--overload", type=float, default=1.5, show_default=True, help="Offered over served rate.")
+@click.option("--calibration-s", type=float, default=30.0, show_default=True, help="Calibration's length.")
+@click.option(
+    "--calibration-concurrency",
+    type=int,
+    default=64,
+    show_default=True,
+    help="Clients sending back to back during calibration.",
+)
+@click.option(
+    "--warmup-s",
+    type=float,
+    default=None,
+    help="The memory check's reference: resident memory this long into the load. [default: a fifth of "
+    "--duration, at most 60]",
+)
+@click.option(
+    "--drain-timeout",
+    type=float,
+    default=120.0,
+    show_default=True,
+    help="Seconds the open requests get to end after the load.",
+)
+@click.option("--sample-interval", type=float, default=5.0, show_default=True, help="Seconds per sample.")
+@click.option("--traffic-seed", type=int, default=0, show_default=True, help="Seed of the traffic mix.")
+@click.option("--output-len-min", type=int, default=16, show_default=True, help="Fewest max_tokens.")
+@click.option("--output-len-max", type=int, default=128, show_default=True, help="Most max_tokens.")
+@click.option(
+    "--csv",
+    "csv_path",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Write the samples here (time, rss_mib, running, waiting, kv_usage, completed, ttft_p50_ms, ...).",
+)
+@click.option(
+    "--base-url",
+    default=None,
+    help="Target this running server instead of starting `pagellm serve` (its memory is then not "
+    "measured; it should serve 2 LoRA adapters and bound its queue).",
+)
+@click.option(
+    "--server-log",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Where the started server logs. [default: a temporary file, kept when a check fails]",
+)
+@click.option(
+    "--server-timeout", type=float, default=600.0, show_default=True, help="Seconds to wait for it."
+)
+@engine_options(skip=("model",))
+@click.option(
+    "--output-json",
+    "--output",
+    "output_json",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Write the results here.",
+)
+@click.option("--model", default="S", show_default=True, help="S, M, ... or a model path (as `bench serve`).")
+def soak(**params) -> None:
+    """Mixed traffic with faults at --overload times what the server serves, for --duration s, then a
+    drain: prints memory and throughput over time and PASS/FAIL per check (nothing held, memory flat,
+    no 5xx but 503, every request answered once); exits non-zero when a check fails."""
+    soak_bench.main(bench_args(soak_bench.SoakArgs, params))

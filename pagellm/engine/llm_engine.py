@@ -322,7 +322,7 @@ class LLMEngine:
         return self.scheduler.kv_cache_manager.pool.reset_prefix_cache()
 
     def stats(self) -> Any:
-        return self.scheduler.stats()
+        return replace(self.scheduler.stats(), num_grammar_matchers_live=self.processor.grammar_matchers_live)
 
 
 class _RankRelease:

@@ -33,6 +33,25 @@ class PromptTooLongError(ConfigError):
     """A prompt (plus any requested output) does not fit the model's context."""
 
 
+def check_length(n: int, max_tokens: int | None, max_model_len: int) -> None:
+    """PromptTooLongError when a prompt of `n` tokens, with room for at least one output token and for
+    `max_tokens` when given, does not fit `max_model_len`. A server checks it before it queues a request too:
+    a request that can never run must get 400, not the 503 and Retry-After of a full queue."""
+    if n >= max_model_len:
+        raise PromptTooLongError(
+            f"the prompt has {n} tokens but this model's context is {max_model_len} tokens "
+            f"(max_model_len), which must also hold at least one output token; shorten the prompt",
+            param="prompt",
+        )
+    if max_tokens is not None and n + max_tokens > max_model_len:
+        raise PromptTooLongError(
+            f"the prompt has {n} tokens and max_tokens is {max_tokens}, but the context is "
+            f"{max_model_len} tokens (max_model_len); lower max_tokens to at most {max_model_len - n} "
+            f"or shorten the prompt",
+            param="max_tokens",
+        )
+
+
 @dataclass
 class ProcessedPrompt:
     """A prompt tokenized and validated with its parameters, not yet a request."""
@@ -169,20 +188,7 @@ class Processor:
         params.validate_token_ids(self.vocab_size)
         if params.structured_outputs is not None:
             grammar.check(params.structured_outputs)
-        n = len(prompt_token_ids)
-        if n >= self.max_model_len:
-            raise PromptTooLongError(
-                f"the prompt has {n} tokens but this model's context is {self.max_model_len} tokens "
-                f"(max_model_len), which must also hold at least one output token; shorten the prompt",
-                param="prompt",
-            )
-        if params.max_tokens is not None and n + params.max_tokens > self.max_model_len:
-            raise PromptTooLongError(
-                f"the prompt has {n} tokens and max_tokens is {params.max_tokens}, but the context is "
-                f"{self.max_model_len} tokens (max_model_len); lower max_tokens to at most {self.max_model_len - n} "
-                f"or shorten the prompt",
-                param="max_tokens",
-            )
+        check_length(len(prompt_token_ids), params.max_tokens, self.max_model_len)
         return params
 
     def _check_prompt_ids(self, prompt_token_ids: list[int]) -> None:
@@ -278,6 +284,12 @@ class Processor:
                     params.structured_outputs, self._reasoning_end
                 )
         return children
+
+    @property
+    def grammar_matchers_live(self) -> int:
+        """Requests' grammars (matchers) still in memory: 0 once every structured-output request is gone,
+        unless something still references a finished request."""
+        return 0 if self._grammar_compiler is None else self._grammar_compiler.num_live
 
     def _grammars(self) -> grammar.GrammarCompiler:
         """The structured-output compiler, made on the first request with a grammar."""

@@ -66,6 +66,9 @@ class SchedulerStats:
     spec_accepted_per_position: tuple[int, ...] = ()  # cumulative acceptances of the 1st, 2nd, ... draft
     kv_transfer_loaded_tokens: int = 0  # cumulative: tokens a KV connector loaded (then prefix-cache hits)
     kv_transfer_load_failures: int = 0  # cumulative: loads that ended short (missing, corrupt, timed out)
+    num_lora_requests_running: int = 0  # running requests under a LoRA adapter
+    num_loras_active: int = 0  # distinct adapters of those: the device slots the running batch needs
+    num_grammar_matchers_live: int = 0  # structured-output matchers not yet freed (LLMEngine.stats adds it)
 
 
 class _FCFSQueue:
@@ -234,6 +237,7 @@ class Scheduler:
 
     def stats(self) -> SchedulerStats:
         kv = self.kv_cache_manager
+        adapters = [r.lora_int_id for r in self.running if r.lora_int_id]
         return SchedulerStats(
             num_running=len(self.running),
             num_waiting=len(self.waiting),
@@ -247,6 +251,8 @@ class Scheduler:
             spec_accepted_per_position=tuple(self.spec_accepted_per_position),
             kv_transfer_loaded_tokens=self.kv_transfer_loaded_tokens,
             kv_transfer_load_failures=self.kv_transfer_load_failures,
+            num_lora_requests_running=len(adapters),
+            num_loras_active=len(set(adapters)),
         )
 
     def schedule(self) -> SchedulerOutput:

@@ -36,6 +36,14 @@ class PrometheusStatLogger:
         self.kv_cache_usage = gauge(
             "kv_cache_usage_perc", "Fraction of KV-cache blocks held by requests (0-1)."
         )
+        self.lora_requests_running = gauge("lora_requests_running", "Running requests under a LoRA adapter.")
+        self.loras_active = gauge(
+            "lora_adapters_active", "Distinct LoRA adapters of the running requests (device slots in use)."
+        )
+        self.grammar_matchers_live = gauge(
+            "grammar_matchers_live",
+            "Structured-output grammar matchers in memory (0 when idle: finished requests free theirs).",
+        )
         self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
         self.preemptions = counter("num_preemptions", "Requests preempted for lack of KV blocks.")
@@ -94,6 +102,9 @@ class PrometheusStatLogger:
         self.running.set(s.num_running)
         self.waiting.set(s.num_waiting)
         self.kv_cache_usage.set(s.kv_cache_usage)
+        self.lora_requests_running.set(s.num_lora_requests_running)
+        self.loras_active.set(s.num_loras_active)
+        self.grammar_matchers_live.set(s.num_grammar_matchers_live)
         for counter, name in self._cumulative:  # cumulative counts; Prometheus counters take increments
             counter.inc(max(0, getattr(s, name) - getattr(last, name)))
         for position, accepted in enumerate(s.spec_accepted_per_position):

@@ -29,6 +29,7 @@ from pagellm.core.errors import ConfigError
 from pagellm.core.pooling import PoolingParams
 from pagellm.engine.async_llm import AsyncLLM, RequestStream
 from pagellm.engine.outputs import Logprob, RequestOutput
+from pagellm.engine.processor import check_length
 from pagellm.lora.request import LoRARequest
 from pagellm.multimodal import MediaError, load_image_async
 from pagellm.multimodal.chat import split_images
@@ -273,6 +274,9 @@ class ServingBase:
             )
         streams: list[RequestStream] = []
         try:
+            if isinstance(params, SamplingParams):  # the engine checks it too, but only past the queue bound:
+                for _, ids in prompts:  # a request that can never run gets 400, not 503 and Retry-After
+                    check_length(len(ids), params.max_tokens, self.llm.max_model_len)
             for i, (text, ids) in enumerate(prompts):
                 rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
                 prompt: dict[str, Any] = {"prompt": text, "prompt_token_ids": ids}

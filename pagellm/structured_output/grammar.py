@@ -13,6 +13,8 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import weakref
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -23,6 +25,11 @@ from pagellm.core.errors import ConfigError
 from pagellm.sampling.params import StructuredOutputsParams
 
 logger = logging.getLogger("pagellm")
+
+# Compiled grammars kept for later requests with an equal grammar, least recently used dropped beyond this
+# size. Each holds a token-mask cache over the vocabulary: ~2.5 MB for a JSON schema with model S's 49k
+# tokens, so an unbounded cache grew without end for clients that send a schema of their own each time.
+CACHE_LIMIT_BYTES = 64 * 2**20
 
 # JSON: at most this many whitespace characters in a row (room for a newline and deep indentation).
 # Free whitespace without a bound lets a model loop on it until max_tokens (models S and tiny both did).
@@ -72,16 +79,31 @@ def check(params: StructuredOutputsParams) -> None:
 
 class GrammarCompiler:
     """Compiles grammars for one tokenizer and vocabulary on a background thread; equal grammars share one
-    compilation."""
+    compilation, and compiled ones stay cached up to `cache_limit_bytes` (least recently asked for dropped
+    first; a request that holds a dropped one keeps it until it ends)."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Iterable[int]):
+    def __init__(
+        self,
+        tokenizer: Any,
+        vocab_size: int,
+        stop_token_ids: Iterable[int],
+        cache_limit_bytes: int = CACHE_LIMIT_BYTES,
+    ):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.stop_token_ids = sorted(stop_token_ids)
+        self.cache_limit_bytes = cache_limit_bytes
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagellm-grammar")
-        self._compiled: dict[tuple, Future] = {}
+        self._compiled: OrderedDict[tuple, Future] = OrderedDict()  # least recently asked for first
+        self._sizes: dict[tuple, int] = {}  # bytes of each compiled grammar in `_compiled`
         self._lock = threading.Lock()
         self._compiler = None
+        self._live: weakref.WeakSet[RequestGrammar] = weakref.WeakSet()  # every request grammar not yet freed
+
+    @property
+    def num_live(self) -> int:
+        """Request grammars (each with its matcher) that are still in memory."""
+        return len(self._live)
 
     def request_grammar(
         self, params: StructuredOutputsParams, start_after: Sequence[int] = ()
@@ -92,16 +114,37 @@ class GrammarCompiler:
         with self._lock:
             future = self._compiled.get(key)
             if future is None:
-                future = self._compiled[key] = self._pool.submit(self._compile, params)
-        return RequestGrammar(future, self.vocab_size, start_after)
+                future = self._compiled[key] = self._pool.submit(self._compile, key, params)
+            self._compiled.move_to_end(key)
+        request_grammar = RequestGrammar(future, self.vocab_size, start_after)
+        self._live.add(request_grammar)
+        return request_grammar
 
-    def _compile(self, params: StructuredOutputsParams):
+    @property
+    def cached_bytes(self) -> int:
+        """Bytes of the compiled grammars the cache holds."""
+        with self._lock:
+            return sum(self._sizes.values())
+
+    def _compile(self, key: tuple, params: StructuredOutputsParams):
+        compiled = self._compile_now(params)
+        with self._lock:
+            self._sizes[key] = compiled.memory_size_bytes
+            # drop the least recently asked for compiled grammars over the limit (never the newest)
+            for old in [k for k in self._compiled if k in self._sizes and k != key]:
+                if sum(self._sizes.values()) <= self.cache_limit_bytes:
+                    break
+                del self._compiled[old], self._sizes[old]
+        return compiled
+
+    def _compile_now(self, params: StructuredOutputsParams):
         xgr = _xgrammar()
         if self._compiler is None:
             info = xgr.TokenizerInfo.from_huggingface(
                 self.tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids
             )
-            self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+            # no cache of xgrammar's own: unbounded by default, and this class caches what it compiles
+            self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
         compiler = self._compiler
         json_options = {"any_whitespace": not params.disable_any_whitespace}
         if not params.disable_any_whitespace:  # a model may otherwise emit whitespace until max_tokens

@@ -298,3 +298,21 @@ def test_random_simulation(seed):
         if r.request_id not in aborted:
             assert r.num_output_tokens == r.sampling_params.max_tokens
             assert r.finish_reason == "length"
+
+
+def test_stats_count_the_lora_requests_running_and_their_adapters():
+    from pagellm.lora.request import LoRARequest
+
+    s = _sched(max_loras=2)
+    one, two = LoRARequest("one", 1, "/one"), LoRARequest("two", 2, "/two")
+    for rid, lora in (("a", one), ("b", one), ("c", two), ("d", None)):
+        request = _req(rid, 6, max_tokens=3)
+        request.lora_request = lora
+        s.add_request(request)
+    assert (s.stats().num_lora_requests_running, s.stats().num_loras_active) == (0, 0)  # all waiting
+    _step(s)
+    assert (s.stats().num_lora_requests_running, s.stats().num_loras_active) == (3, 2)
+    s.abort_request("c")
+    assert (s.stats().num_lora_requests_running, s.stats().num_loras_active) == (2, 1)
+    _run(s)
+    assert (s.stats().num_lora_requests_running, s.stats().num_loras_active) == (0, 0)

@@ -65,6 +65,39 @@ def test_a_flood_gets_503s_past_the_bound_and_health_stays_quick(app):
     assert float(rejected.split()[-1]) >= len(refused)
 
 
+def test_a_request_that_can_never_run_gets_400_even_when_the_queue_is_full(app):
+    """The soak's huge prompts got 503 and Retry-After under overload (the queue bound was checked before
+    the engine measured the prompt), so a client that obeys Retry-After would retry them forever."""
+    body = {"model": "tiny", "prompt": "Hello there", "max_tokens": 100, "ignore_eos": True}
+    too_long = [
+        ("/v1/completions", {"model": "tiny", "prompt": [5] * 200, "max_tokens": 4}, "prompt"),
+        ("/v1/completions", {"model": "tiny", "prompt": [5] * 100, "max_tokens": 40}, "max_tokens"),
+        (
+            "/v1/chat/completions",
+            {"model": "tiny", "messages": [{"role": "user", "content": "hi " * 200}]},
+            "messages",
+        ),
+    ]
+
+    async def run():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://app", timeout=120) as http:
+            flood = [asyncio.create_task(http.post("/v1/completions", json=body)) for _ in range(8)]
+            await asyncio.sleep(0.05)  # the queue is full now (one runs 100 tokens, two wait)
+            refused = await asyncio.gather(*(http.post(path, json=b) for path, b, _ in too_long))
+            statuses = [r.status_code for r in await asyncio.gather(*flood)]
+            return refused, statuses
+
+    refused, statuses = asyncio.run(run())
+    assert 503 in statuses  # the queue was full while they came
+    for response, (_, _, param) in zip(refused, too_long, strict=True):
+        assert response.status_code == 400, response.text
+        assert (
+            response.json()["error"]["param"] == param
+            and "max_model_len" in response.json()["error"]["message"]
+        )
+
+
 def test_anthropic_clients_get_their_overloaded_error():
     import json
 
@@ -159,3 +192,29 @@ def _parent(pid: int) -> int | None:
             return int(f.read().rsplit(")", 1)[1].split()[1])
     except (OSError, IndexError, ValueError):
         return None
+
+
+def test_the_lora_and_grammar_gauges_follow_the_engines_stats():
+    """pagellm:lora_requests_running, lora_adapters_active and grammar_matchers_live: what `bench soak`
+    checks for 0 after its drain."""
+    from pagellm.engine.core import IterationStats
+    from pagellm.engine.scheduler import SchedulerStats
+    from pagellm.server.metrics import PrometheusStatLogger
+
+    def gauges(stats: SchedulerStats) -> dict[str, float]:
+        logger = PrometheusStatLogger("tiny")
+        logger.record(stats, IterationStats())
+        text = logger.exposition().decode()
+        names = ("lora_requests_running", "lora_adapters_active", "grammar_matchers_live")
+        return {
+            name: float(line.rsplit(" ", 1)[1])
+            for name in names
+            for line in text.splitlines()
+            if line.startswith(f'pagellm:{name}{{model_name="tiny"}}')
+        }
+
+    busy = SchedulerStats(3, 0, 0.5, 0, 0, 0, num_lora_requests_running=3, num_loras_active=2)
+    busy.num_grammar_matchers_live = 4
+    assert gauges(busy) == {"lora_requests_running": 3, "lora_adapters_active": 2, "grammar_matchers_live": 4}
+    idle = SchedulerStats(0, 0, 0.0, 0, 0, 0)
+    assert gauges(idle) == {"lora_requests_running": 0, "lora_adapters_active": 0, "grammar_matchers_live": 0}

@@ -114,6 +114,49 @@ def test_regex_choice_json_object_and_ebnf(tiny):
             )
 
 
+def test_grammar_matchers_are_freed_when_their_requests_end(tiny):
+    """The count behind pagellm:grammar_matchers_live: one per sample while a request runs, none once it
+    finished or was aborted (a finished request that something still referenced would keep its matcher)."""
+    engine_ = engine(tiny).engine
+    choice = StructuredOutputsParams(choice=["red", "green", "blue"])
+    assert engine_.stats().num_grammar_matchers_live == 0
+    engine_.add_request("x", SamplingParams(max_tokens=4, n=2, structured_outputs=choice), request_id="a")
+    engine_.add_request("y", SamplingParams(max_tokens=4, structured_outputs=choice), request_id="b")
+    engine_.add_request("z", SamplingParams(max_tokens=4), request_id="c")
+    assert engine_.stats().num_grammar_matchers_live == 3
+    engine_.abort_request("b")
+    assert engine_.stats().num_grammar_matchers_live == 2
+    while engine_.has_unfinished_requests():
+        engine_.step()
+    assert engine_.stats().num_grammar_matchers_live == 0
+
+
+def test_the_compiled_grammar_cache_is_bounded(tiny):
+    """A client sending a schema of its own each time grew the cache without end (~2.5 MB a schema on
+    model S's vocabulary: the soak's memory check). Now it keeps the most recently asked for up to its
+    limit; a request holding a dropped grammar still runs with it."""
+    from transformers import AutoTokenizer
+
+    from pagellm.structured_output.grammar import GrammarCompiler
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny)
+    compiler = GrammarCompiler(tokenizer, len(tokenizer), [2])
+
+    def ask(i: int):
+        schema = {"type": "object", "properties": {"x": {"enum": [f"v{i}", "w"]}}, "required": ["x"]}
+        request_grammar = compiler.request_grammar(StructuredOutputsParams(json=schema))
+        request_grammar._compiled.result()
+        return request_grammar
+
+    first = ask(0)
+    compiler.cache_limit_bytes = int(3.5 * compiler.cached_bytes)  # room for three
+    held = [ask(i) for i in range(1, 12)]
+    assert len(compiler._compiled) == 3 and compiler.cached_bytes <= compiler.cache_limit_bytes
+    assert ask(11)._compiled is held[-1]._compiled  # still cached: shared
+    assert ask(0)._compiled is not first._compiled  # dropped: compiled again
+    assert first.bitmask() is not None and first.valid_prefix(tokenizer.encode('{"x"')) != []
+
+
 def test_the_mask_equals_xgrammars_own_masking_bit_for_bit():
     import xgrammar as xgr
 
