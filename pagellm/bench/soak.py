@@ -14,7 +14,9 @@ The run:
    `tool_choice`), one of the adapters, one of a few long shared prefixes; 10% of streams closed by the
    client after a few events, 5% malformed bodies (must get 400) and 1% prompts past max_model_len (must
    get 400).
-3. Drain: no more requests; the open ones get `--drain-timeout` s to end, then the server must be idle.
+3. Drain: no more requests; the open ones run to their end, as long as one ends at least every
+   `--drain-timeout` s (a server over its capacity holds hundreds: draining takes minutes, a stall does
+   not), then the server must be idle.
 
 Every `--sample-interval` s a sample: /metrics (running, waiting, KV usage, the LoRA and grammar gauges),
 the server's resident memory (its process and its children, e.g. the engine process), how long /metrics took
@@ -340,6 +342,16 @@ def judge(o: Outcome) -> tuple[str, str | None]:
     if o.answers != 1 or o.choices != plan.n:
         return "failed", f"{o.answers} answers with {o.choices} finished choices, not 1 with {plan.n}"
     return ANSWERED, None
+
+
+async def drain(tasks: Sequence[asyncio.Task], stall_s: float) -> set[asyncio.Task]:
+    """Wait for `tasks` while they make progress; the ones still open when none ended for `stall_s`."""
+    pending = {task for task in tasks if not task.done()}
+    while pending:
+        done, pending = await asyncio.wait(pending, timeout=stall_s, return_when=asyncio.FIRST_COMPLETED)
+        if not done:
+            break
+    return pending
 
 
 async def send(client: Any, target: Target, plan: Planned, o: Outcome, t0: float) -> None:
@@ -774,13 +786,13 @@ async def _soak(target: Target, args: SoakArgs, memory: Memory | None) -> dict[s
             tasks.append(asyncio.create_task(one(plan, outcomes[-1])))
             offset += arrivals.exponential(1.0 / rate)
         phase = "drain"
-        _, open_tasks = await asyncio.wait(tasks, timeout=args.drain_timeout) if tasks else (None, set())
+        open_tasks = await drain(tasks, args.drain_timeout)
         for task in open_tasks:
             task.cancel()
         await asyncio.gather(*open_tasks, return_exceptions=True)
         for task, o in zip(tasks, outcomes, strict=True):
             if task in open_tasks:  # never answered, or never ended
-                o.error = f"still open {args.drain_timeout:g} s after the load ended"
+                o.error = f"still open when no request had ended for {args.drain_timeout:g} s of the drain"
                 progress.end(o)
         deadline = time.monotonic() + 30
         after = await metrics()

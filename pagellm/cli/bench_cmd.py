@@ -282,7 +282,7 @@ def serve(**params) -> None:
     type=float,
     default=120.0,
     show_default=True,
-    help="Seconds the open requests get to end after the load.",
+    help="After the load, the open requests run to their end unless none ends for this many seconds.",
 )
 @click.option("--sample-interval", type=float, default=5.0, show_default=True, help="Seconds per sample.")
 @click.option("--traffic-seed", type=int, default=0, show_default=True, help="Seed of the traffic mix.")

@@ -4,6 +4,7 @@ against a tiny model whose checks must all pass."""
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 from collections import Counter
@@ -212,3 +213,18 @@ def test_a_short_soak_on_a_tiny_model_passes_every_check(tiny_model, tmp_path):
     header = (tmp_path / "soak.csv").read_text().splitlines()[0]
     assert header.startswith("time_s,phase,rss_mib,running,waiting,kv_usage")
     assert json.loads((tmp_path / "soak.json").read_text())["command"] == "soak"
+
+
+def test_the_drain_waits_while_requests_end_and_gives_up_on_a_stall():
+    """A server over its capacity holds hundreds of requests when the load stops: draining takes minutes,
+    which a fixed timeout cut short (the first 30-minute run on model S counted them as unanswered)."""
+
+    async def run():
+        ending = [asyncio.create_task(asyncio.sleep(0.06 * i)) for i in range(1, 6)]  # one every 0.06 s
+        stuck = asyncio.create_task(asyncio.sleep(60))
+        open_tasks = await soak.drain([*ending, stuck], stall_s=0.15)
+        stuck.cancel()
+        return open_tasks, stuck, ending
+
+    open_tasks, stuck, ending = asyncio.run(run())
+    assert open_tasks == {stuck} and all(task.done() for task in ending)
