@@ -89,6 +89,25 @@ def bench_args(cls: type[BenchArgs], params: dict[str, Any]) -> Any:
     )
 
 
+def server_options(base_url_help: str, log_default: str) -> Callable[[Callable], Callable]:
+    """--base-url, --server-log and --server-timeout: a bench command that starts `pagellm serve` or targets
+    one already running."""
+
+    def decorate(command: Callable) -> Callable:
+        command = click.option(
+            "--server-timeout", type=float, default=600.0, show_default=True, help="Seconds to wait for it."
+        )(command)
+        command = click.option(
+            "--server-log",
+            type=click.Path(dir_okay=False),
+            default=None,
+            help=f"Where the started server logs. [default: {log_default}]",
+        )(command)
+        return click.option("--base-url", default=None, help=base_url_help)(command)
+
+    return decorate
+
+
 @click.group()
 def bench() -> None:
     """Measure pagellm's speed on the benchmark workloads (W1, W3) and against transformers."""
@@ -231,20 +250,10 @@ def prefix(**params) -> None:
 @click.option(
     "--arrival-seed", type=int, default=0, show_default=True, help="Seed of the Poisson arrival times."
 )
-@click.option(
-    "--base-url",
-    default=None,
-    help="Target this running server (e.g. http://127.0.0.1:8000) instead of starting `pagellm serve`; "
-    "--model should name the model it serves (for the prompts' vocabulary and the floor).",
-)
-@click.option(
-    "--server-log",
-    type=click.Path(dir_okay=False),
-    default=None,
-    help="Where the started server logs. [default: a temporary file]",
-)
-@click.option(
-    "--server-timeout", type=float, default=600.0, show_default=True, help="Seconds to wait for it."
+@server_options(
+    "Target this running server (e.g. http://127.0.0.1:8000) instead of starting `pagellm serve`; --model "
+    "should name the model it serves (for the prompts' vocabulary and the floor).",
+    "a temporary file",
 )
 @_common_options
 def serve(**params) -> None:
@@ -295,20 +304,10 @@ def serve(**params) -> None:
     default=None,
     help="Write the samples here (time, rss_mib, running, waiting, kv_usage, completed, ttft_p50_ms, ...).",
 )
-@click.option(
-    "--base-url",
-    default=None,
-    help="Target this running server instead of starting `pagellm serve` (its memory is then not "
-    "measured; it should serve 2 LoRA adapters and bound its queue).",
-)
-@click.option(
-    "--server-log",
-    type=click.Path(dir_okay=False),
-    default=None,
-    help="Where the started server logs. [default: a temporary file, kept when a check fails]",
-)
-@click.option(
-    "--server-timeout", type=float, default=600.0, show_default=True, help="Seconds to wait for it."
+@server_options(
+    "Target this running server instead of starting `pagellm serve` (its memory is then not measured; it "
+    "should serve 2 LoRA adapters and bound its queue).",
+    "a temporary file, kept when a check fails",
 )
 @engine_options(skip=("model",))
 @click.option(
