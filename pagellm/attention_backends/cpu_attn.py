@@ -18,13 +18,18 @@ Latent layers (MLA, `AttentionSpec.latent_kv`): the cache is [1, num_kv_heads, n
 head_size], one row per token, and V is the first v_size elements of each gathered row. They run the
 PyTorch path for decodes too (the grouped `bmm`s above, as MQA over the latent rows): the native kernel
 reads V rows as wide as K's and writes outputs of K's width. Prefills with V narrower than K take torch's
-math kernel (the fused one wants one head size), or `explicit_attention` with sinks."""
+math kernel (the fused one wants one head size), or `explicit_attention` with sinks.
+
+Batch-invariant specs (`--batch-invariant`): every query token, prefill chunks' included, goes to the native
+kernel in its fixed order with whole contexts (no flash-decoding split), so a token's output is the same
+bits in a prefill chunk or a decode, alone or in any batch; latent layers cannot (the PyTorch path's `bmm`
+over a group of decodes is not)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -40,6 +45,9 @@ from pagellm.attention_backends._base import (
 from pagellm.core.attention import AttentionBackend, AttentionBatch, AttentionSpec
 from pagellm.platforms import cpu_kernels
 from pagellm.plugins import hookimpl
+
+if TYPE_CHECKING:
+    from pagellm.core.platform import Platform
 
 PAGELLM_PLUGIN_API = "1.0"
 
@@ -98,7 +106,7 @@ class CpuAttnMetadata(PagedMetadata):
             s = impl.spec
             if kv_cache.dtype != s.dtype:
                 return
-            plan = self.plan(s.sliding_window, kv_cache.shape[3], s.dtype, True, kv_cache.shape[1])
+            plan = self.plan(s, kv_cache.shape[3], True, kv_cache.shape[1])
             if plan.prefills or plan.kernel_reqs is None:
                 return
             sinks = getattr(layer, "sinks", None) if s.has_sinks else None
@@ -126,6 +134,7 @@ class CpuAttnMetadata(PagedMetadata):
             amx,
             soft_caps,
             all_sinks,
+            impls[0].spec.batch_invariant,
         )
         self.native = kernel
 
@@ -134,13 +143,19 @@ class CpuAttnMetadata(PagedMetadata):
             self.native.end_native_step()
             self.native = None
 
-    def plan(
-        self, sliding_window: int | None, block_size: int, dtype: torch.dtype, kernel: bool, num_kv: int
-    ) -> _Plan:
+    def plan(self, spec: AttentionSpec, block_size: int, kernel: bool, num_kv: int) -> _Plan:
         """Gather indices and masks, built by the first layer that asks and reused by the others."""
-        key = (sliding_window, block_size, dtype, kernel)
+        key = (spec.sliding_window, block_size, spec.dtype, kernel, spec.batch_invariant)
         if key not in self.plans:
-            self.plans[key] = _make_plan(self.batch, sliding_window or 0, block_size, dtype, kernel, num_kv)
+            self.plans[key] = _make_plan(
+                self.batch,
+                spec.sliding_window or 0,
+                block_size,
+                spec.dtype,
+                kernel,
+                num_kv,
+                spec.batch_invariant,
+            )
         return self.plans[key]
 
 
@@ -152,6 +167,7 @@ class CpuAttnBackend(PagedBackend):
     supports_logits_soft_cap = True
     supports_sinks = True
     supports_latent_kv = True
+    supports_batch_invariant = True
     kv_cache_dtypes = (
         torch.float32,
         torch.bfloat16,
@@ -169,6 +185,15 @@ class CpuAttnBackend(PagedBackend):
         self.kernel = None if spec.latent_kv else cpu_kernels.load()  # latent layers: the PyTorch path
         if self.kernel is not None:
             self.graph_op = torch.ops.pagellm.cpu_attention.default
+
+    @classmethod
+    def unsupported_reasons(cls, spec: AttentionSpec, platform: type[Platform]) -> list[str]:
+        reasons = super().unsupported_reasons(spec, platform)
+        if spec.batch_invariant and spec.latent_kv:
+            reasons.append("no batch-invariant mode for latent KV (MLA) layers")
+        elif spec.batch_invariant and platform.device_type == "cpu" and cpu_kernels.load() is None:
+            reasons.append("batch-invariant mode needs the native kernel, which cannot be built here")
+        return reasons
 
     @classmethod
     def kv_cache_shape(cls, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple:
@@ -223,7 +248,7 @@ class CpuAttnBackend(PagedBackend):
                 parts = [part.to(q.dtype) for part in parts]
             return parts[0], parts[-1][..., :v_size]
 
-        plan = metadata.plan(s.sliding_window, block_size, q.dtype, self.kernel is not None, num_kv)
+        plan = metadata.plan(s, block_size, self.kernel is not None, num_kv)
         q = q.contiguous()
         out = torch.empty((*q.shape[:2], v_size), dtype=q.dtype, device=q.device)
         if plan.kernel_reqs is not None:
@@ -247,6 +272,7 @@ class CpuAttnBackend(PagedBackend):
                 self.use_amx,
                 cap or 0.0,
                 sinks,
+                s.batch_invariant,
             )
         scale = s.softmax_scale
         group = s.num_heads // num_kv
@@ -344,16 +370,29 @@ MIN_PARTITION = 256
 
 
 def _make_plan(
-    batch: AttentionBatch, window: int, block_size: int, dtype: torch.dtype, kernel: bool, num_kv: int
+    batch: AttentionBatch,
+    window: int,
+    block_size: int,
+    dtype: torch.dtype,
+    kernel: bool,
+    num_kv: int,
+    invariant: bool = False,
 ) -> _Plan:
     """Split the step into prefill chunks and decodes; build the block lists and masks the PyTorch path
-    needs, or the kernel's request list and partition size.
+    needs, or the kernel's request list and partition size. Batch-invariant: every request to the kernel,
+    each context whole.
 
     Query token j of a request with L tokens of context and Q query tokens sits at position L - Q + j and
     sees positions <= that, and > that - window when a window is set. Blocks older than every query's
     window are not gathered."""
     starts = batch.query_start_loc_cpu.tolist()
     seq_lens = batch.seq_lens_cpu.tolist()
+    if invariant and kernel:
+        reqs = [i for i in range(len(seq_lens)) if starts[i + 1] > starts[i]]
+        if not reqs:
+            return _Plan([], [])
+        longest = max(seq_lens[i] for i in reqs)
+        return _Plan([], [], torch.tensor(reqs, dtype=torch.int32), longest)
     prefills, decodes = [], []
     for i, seq_len in enumerate(seq_lens):
         query_len = starts[i + 1] - starts[i]

@@ -60,6 +60,7 @@ class AttentionSpec:
     v_head_size: int | None = None  # V's and the output's head size; None: head_size. Only with latent_kv
     latent_kv: bool = False  # one cached row per token and KV head: K, whose first v_size elements are V
     bidirectional_spans: bool = False  # the batch's `bidirectional` spans attend both ways (image tokens)
+    batch_invariant: bool = False  # a token's output is the same bits whatever else the step holds
 
     def __post_init__(self) -> None:
         if self.v_head_size is not None and not self.latent_kv:
@@ -99,6 +100,7 @@ class AttentionSpec:
             + ("-sinks" if self.has_sinks else "")
             + (f"-latent-v{self.v_size}" if self.latent_kv else "")
             + ("-bidir" if self.bidirectional_spans else "")
+            + ("-invariant" if self.batch_invariant else "")
         )
 
 
@@ -154,6 +156,9 @@ class AttentionBackend:
     """Whether it runs `latent_kv` specs (MLA): one cached row per token, V its prefix, outputs of v_size."""
     supports_bidirectional_spans: ClassVar[bool] = False
     """Whether it runs `bidirectional_spans` specs: the batch's spans attend both ways (image tokens)."""
+    supports_batch_invariant: ClassVar[bool] = False
+    """Whether it runs `batch_invariant` specs: each query token's output the same bits whether it comes in
+    a prefill chunk or a decode, alone or beside any other requests (`--batch-invariant`)."""
     graph_op: Any = None
     """An op (q [T, H*D], k, v [T, KV*D], layer_idx) -> [T, H*D] that compiled graphs call instead of
     `pagellm::attention` (the Python op, which calls `forward`), or None. It must give the same results and
@@ -198,6 +203,8 @@ class AttentionBackend:
             reasons.append("no latent KV cache (MLA) support")
         if spec.bidirectional_spans and not cls.supports_bidirectional_spans:
             reasons.append("no bidirectional spans (image tokens that attend both ways)")
+        if spec.batch_invariant and not cls.supports_batch_invariant:
+            reasons.append("no batch-invariant mode")
         return reasons
 
     @classmethod

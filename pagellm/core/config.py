@@ -154,6 +154,12 @@ class EngineConfig:
         "Never compile or capture graphs: faster start-up, slower steps.",
         envvar="PAGELLM_ENFORCE_EAGER",
     )
+    batch_invariant: bool = _opt(
+        False,
+        "A request's results do not depend on what else is in its batch (greedy tokens and logprobs the "
+        "same alone or among others): kernels that sum in a fixed order whatever the batch. Costs speed; "
+        "refused where the platform, model or quantization has no such kernels.",
+    )
     runner: str = _opt(
         "generate",
         "generate (sample tokens) or pooling (embeddings: LLM.embed, /v1/embeddings; no tokens generated).",

@@ -160,11 +160,21 @@ class Platform:
         """Apply this platform's defaults to `config` and raise ConfigError for settings it cannot run."""
 
     @classmethod
-    def pack_linear(cls, weight: torch.Tensor) -> PackedLinear | None:
+    def pack_linear(cls, weight: torch.Tensor, batch_invariant: bool = False) -> PackedLinear | None:
         """This unquantized weight in a faster layout for the device's GEMM library, with the matmul that
         reads it (results equal to F.linear's up to rounding), or None. Called once per linear layer after
-        the weights load; the layer then keeps only the packed weight."""
+        the weights load; the layer then keeps only the packed weight.
+
+        `batch_invariant` (passed only where `batch_invariant_unsupported` said None): the matmul's result for
+        a row must not depend on how many rows the call has, and None is not an answer."""
         return None
+
+    @classmethod
+    def batch_invariant_unsupported(cls, dtype: torch.dtype) -> str | None:
+        """Why this platform cannot run `--batch-invariant` (every linear through `pack_linear(weight,
+        batch_invariant=True)`, attention through a backend that `supports_batch_invariant`) in `dtype`;
+        None when it can."""
+        return f"the {cls.name} platform has no batch-invariant kernels"
 
     @classmethod
     def pack_moe(

@@ -179,9 +179,9 @@ def _backend_timer():
 
 def resolve_engine(config: EngineConfig) -> EngineSetup:
     """Everything decided at start-up, before weights are read. Raises ConfigError with the fix."""
-    keep_compiled_code_in_cache_dir()  # before the backend timings compile anything
     config.speculative  # noqa: B018 (a bad speculative_config fails here, before anything loads)
     registry = load_plugins()
+    keep_compiled_code_in_cache_dir()  # the plugins defined their operators; the backend timings compile
     platform_choice = select_platform(registry, config.device)
     platform = platform_choice.platform
     platform.check_and_update_config(config)
@@ -205,7 +205,13 @@ def resolve_engine(config: EngineConfig) -> EngineSetup:
     # without --block-size the spec's block size is a placeholder: each candidate backend runs its own
     block_size = DEFAULT_BLOCK_SIZE if config.block_size is None else config.block_size
     spec = import_model_class(model_class_path).selection_spec(hf_config, dtype, block_size)
-    spec = dataclasses.replace(spec, kv_cache_dtype=KV_CACHE_DTYPES.get(config.kv_cache_dtype))
+    spec = dataclasses.replace(
+        spec,
+        kv_cache_dtype=KV_CACHE_DTYPES.get(config.kv_cache_dtype),
+        batch_invariant=config.batch_invariant,
+    )
+    if config.batch_invariant:
+        check_batch_invariant(config, platform, dtype, quant, model_config is not hf_config)
     backend_choice = select_attention_backend(
         registry,
         platform,
@@ -252,10 +258,30 @@ def model_kv_layout(model_class: type, hf_config: Any, spec: AttentionSpec) -> K
         dataclasses.replace(
             model_class.attention_spec(hf_config, spec.dtype, spec.block_size, i),
             kv_cache_dtype=spec.kv_cache_dtype,
+            batch_invariant=spec.batch_invariant,
         )
         for i in range(model_class.num_attention_layers(hf_config))
     ]
     return group_layers(specs)
+
+
+def check_batch_invariant(
+    config: EngineConfig, platform: type[Platform], dtype: torch.dtype, quant: Any, multimodal: bool
+) -> None:
+    """Refuse `--batch-invariant` where some part of a step would still depend on the batch. The model's
+    layers are checked once built (`model_runner.check_batch_invariant`), the attention backend by the
+    selector (`supports_batch_invariant`)."""
+    reason = platform.batch_invariant_unsupported(dtype)
+    if reason is None and quant is not None:
+        reason = f"quantization {quant.name} has no batch-invariant kernels"
+    if reason is None and config.enable_lora:
+        reason = "LoRA adapters are applied to a step's rows together, in one matmul per slot"
+    if reason is None and multimodal:
+        reason = "the vision encoder has no batch-invariant kernels"
+    if reason is None and config.tensor_parallel_size > 1:
+        reason = "tensor parallelism sums partial results in an order set by the all-reduce"
+    if reason is not None:
+        raise ConfigError(f"--batch-invariant: {reason}; run without --batch-invariant")
 
 
 def _shown(config: EngineConfig, source: ModelSource) -> str:

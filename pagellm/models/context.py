@@ -34,6 +34,7 @@ class ModelInit:
     expert_parallel: bool = False  # MoE layers split their experts over the tensor-parallel ranks
     # the checkpoint's whole config, for a multimodal model (its vision_config); hf_config is its decoder's
     model_config: Any = None
+    batch_invariant: bool = False  # --batch-invariant: attention specs ask for batch-invariant kernels
 
 
 @dataclass

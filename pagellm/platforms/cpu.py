@@ -150,7 +150,17 @@ class CpuPlatform(Platform):
             )
 
     @classmethod
-    def pack_linear(cls, weight: torch.Tensor) -> PackedLinear | None:
+    def batch_invariant_unsupported(cls, dtype: torch.dtype) -> str | None:
+        """The panel kernel (float32 and bfloat16 weights) and CPU_ATTN's native kernel, in their fixed
+        order, are batch-invariant; both need the native kernels."""
+        if dtype not in (torch.float32, torch.bfloat16):
+            return f"batch-invariant kernels on CPU run float32 and bfloat16, not {dtype_name(dtype)}"
+        if _kernels() is None:
+            return "batch-invariant mode needs pagellm's native CPU kernels, which cannot be had here"
+        return None
+
+    @classmethod
+    def pack_linear(cls, weight: torch.Tensor, batch_invariant: bool = False) -> PackedLinear | None:
         """bfloat16 on a CPU with AMX: pagellm's AMX kernel (platforms/cpu_kernels/linear_amx.cpp), which
         streams the weights at up to 1.35x oneDNN's rate at decode batch sizes and matches it (within 5%)
         at 2048 rows. Otherwise oneDNN with the weight reordered once into its blocked layout: F.linear
@@ -159,8 +169,11 @@ class CpuPlatform(Platform):
         for float32 on AVX2-only CPUs: pagellm's panel kernel (platforms/cpu_kernels/linear_panels.cpp),
         since there F.linear widens a bfloat16 weight every call (~10x slower at 16 rows) and MKL's float32
         GEMM, which AVX2-only AMD CPUs get, is 1.1-4x slower at 1-64 rows (docs/backends.md). float32 on
-        AVX-512 CPUs keeps F.linear; so does any dtype where the kernels cannot be had."""
+        AVX-512 CPUs keeps F.linear; so does any dtype where the kernels cannot be had. Batch-invariant: the
+        panel kernel in its fixed order, for every float32 and bfloat16 weight on any CPU."""
         kernels = _kernels()
+        if batch_invariant:
+            return cpu_linear.pack(weight, fixed_order=True)
         if weight.dtype == torch.float32:
             avx2_only = kernels is not None and kernels.isa() == "avx2"
             return cpu_linear.pack(weight) if avx2_only and cpu_linear.worth_packing(weight) else None
@@ -363,6 +376,30 @@ torch.library.define(
 @torch.library.register_fake("pagellm::amx_linear")
 def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], out_features), dtype=torch.bfloat16)
+
+
+def pack_weight_only(
+    weight: torch.Tensor, scale: torch.Tensor, activation_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A weight-only int8 or float8_e4m3fn layer's weight [out, in] and per-row scales in the panel kernel's
+    layout (`cpu_linear.pack_quantized`), for `weight_only_linear`; None where that kernel cannot run it (not
+    on CPU, activations other than float32 or bfloat16, no native kernels here): the layer then dequantizes
+    its weight for `F.linear` on every call."""
+    if (
+        weight.device.type != "cpu"
+        or weight.dtype not in cpu_linear.QUANTIZED
+        or activation_dtype not in (torch.float32, torch.bfloat16)
+        or _kernels() is None
+    ):
+        return None
+    return cpu_linear.pack_quantized(weight, scale)
+
+
+def weight_only_linear(
+    x: torch.Tensor, panels: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, out_features: int
+) -> torch.Tensor:
+    """x @ (weight * scale)^T + bias on the panel kernel, for a layer packed by `pack_weight_only`."""
+    return cpu_linear.quantized_linear(x, panels, scale, bias, out_features)
 
 
 def w8a8_available() -> bool:

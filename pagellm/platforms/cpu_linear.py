@@ -4,6 +4,10 @@ CPUs where neither pagellm's AMX kernel nor oneDNN multiplies them fast (AVX2-on
 The weight is packed once into 16-column panels, the layout of the fused-MoE kernel's down projection
 (`cpu_moe.pack_w2` of a single expert), and stays bfloat16; the op, `pagellm::cpu_panel_linear`, is defined
 here with a fake implementation and implemented in C++, so under torch.compile it is one opaque call.
+
+Weight-only int8 and fp8 (e4m3) layers (the `int8` and `fp8` quantization methods on CPU) use the same
+panels with one byte per weight and a float32 scale per output column (`pack_quantized`): half the bytes
+bfloat16 streams, widened in registers, without the dequantized copy `F.linear` would need every call.
 """
 
 from __future__ import annotations
@@ -14,23 +18,29 @@ from pagellm.core.platform import PackedLinear
 from pagellm.platforms import cpu_moe
 
 torch.library.define(
-    "pagellm::cpu_panel_linear", "(Tensor x, Tensor weight, Tensor? bias, int out_features) -> Tensor"
+    "pagellm::cpu_panel_linear",
+    "(Tensor x, Tensor weight, Tensor? bias, int out_features, bool fixed_order=False, Tensor? scale=None) -> Tensor",
 )
 
 
 @torch.library.register_fake("pagellm::cpu_panel_linear")
-def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+def _(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_features: int, *_: bool
+) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], out_features))
 
 
 class PanelLinear:
-    """x @ W^T + bias with W in the panel layout (out_features kept: the layout pads it to 16)."""
+    """x @ W^T + bias with W in the panel layout (out_features kept: the layout pads it to 16).
 
-    def __init__(self, out_features: int):
+    `fixed_order`: each row's result does not depend on the number of rows (batch-invariant mode)."""
+
+    def __init__(self, out_features: int, fixed_order: bool = False):
         self.out_features = out_features
+        self.fixed_order = fixed_order
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return torch.ops.pagellm.cpu_panel_linear(x, weight, bias, self.out_features)
+        return torch.ops.pagellm.cpu_panel_linear(x, weight, bias, self.out_features, self.fixed_order)
 
 
 def worth_packing(weight: torch.Tensor) -> bool:
@@ -39,7 +49,28 @@ def worth_packing(weight: torch.Tensor) -> bool:
     return weight.shape[0] >= cpu_moe.PANEL
 
 
-def pack(weight: torch.Tensor) -> PackedLinear:
+def pack(weight: torch.Tensor, fixed_order: bool = False) -> PackedLinear:
     """A float32 or bfloat16 weight [out, in] in panels [ceil(out/16), in, 16], the same dtype (the caller
     has loaded the kernels: that registers the op's CPU code)."""
-    return PackedLinear(cpu_moe.pack_w2(weight.unsqueeze(0))[0], PanelLinear(weight.shape[0]))
+    return PackedLinear(cpu_moe.pack_w2(weight.unsqueeze(0))[0], PanelLinear(weight.shape[0], fixed_order))
+
+
+QUANTIZED = (torch.int8, torch.float8_e4m3fn)
+"""Weight dtypes the kernel reads with a per-column scale."""
+
+
+def pack_quantized(weight: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """An int8 or float8_e4m3fn weight [out, in] in panels, and its per-row scales (float32 [out], [out, 1]
+    or one value) as the kernel reads them: float32 [16 * panels], zero-padded."""
+    rows = weight.shape[0]
+    values = scale.float().reshape(-1)
+    values = values.expand(rows) if values.numel() == 1 else values
+    return cpu_moe.pack_w2(weight.unsqueeze(0))[0], cpu_moe.pack_w2_columns(values.unsqueeze(0))[0]
+
+
+def quantized_linear(
+    x: torch.Tensor, panels: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, out_features: int
+) -> torch.Tensor:
+    """x @ (weight * scale)^T + bias for a weight packed by `pack_quantized`, in x's dtype (float32 or
+    bfloat16)."""
+    return torch.ops.pagellm.cpu_panel_linear(x, panels, bias, out_features, False, scale)

@@ -6,6 +6,10 @@ as is (a scalar per-tensor `weight_scale`, as AutoFP8 writes, is spread over its
 checkpoint is quantized tensor by tensor while it loads, so the float weights never sit in memory whole.
 A layer a quantized checkpoint holds in float (one its tools left out: `modules_to_not_convert`,
 `ignored_layers`) stays a plain float layer.
+
+Compute, unless a subclass takes a faster path first: on CPU the weight moves into the native panel
+kernel's layout (`platforms.cpu.pack_weight_only`: one byte per weight, widened in registers, its scale
+applied to the sums), else it is dequantized into the activation dtype for `F.linear` on every call.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from torch import nn
 
 from pagellm.core.errors import ConfigError
 from pagellm.core.quant import QuantMethod
+from pagellm.platforms import cpu
 
 UNQUANTIZED = (torch.float32, torch.bfloat16, torch.float16)
 """Weight dtypes of a layer a quantized checkpoint left unquantized."""
@@ -66,6 +71,7 @@ class ChannelwiseMethod(QuantMethod):
         )
         weight.weight_loader = partial(self._load_weight, layer, params_dtype)
         layer.register_parameter("weight", weight)
+        layer.activation_dtype = params_dtype
         layer.loaded_quantized = False
         """Whether a quantized checkpoint part reached the weight (a fused layer must not mix them)."""
         scale = torch.empty(out_features, 1, dtype=torch.float32)
@@ -108,7 +114,21 @@ class ChannelwiseMethod(QuantMethod):
             scale = scale.expand(rows, 1)
         _copy_rows(layer, param, scale, shard)
 
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        """The panel kernel's layout where it runs: the panels and their padded scales replace the weight and
+        its scale."""
+        activation_dtype = getattr(layer, "activation_dtype", None)  # None: not built by create_weights
+        if activation_dtype is None:
+            return
+        packed = cpu.pack_weight_only(layer.weight.data, layer.weight_scale.data, activation_dtype)
+        if packed is not None:
+            layer.register_buffer("panel_weight", packed[0], persistent=False)
+            layer.register_buffer("panel_scale", packed[1], persistent=False)
+            layer.weight = layer.weight_scale = None
+
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if getattr(layer, "panel_weight", None) is not None:
+            return cpu.weight_only_linear(x, layer.panel_weight, layer.panel_scale, bias, layer.out_features)
         return dequantized_linear(x, layer.weight, layer.weight_scale, bias)
 
 

@@ -9,9 +9,10 @@ is read: static `input_scale` checkpoints are refused.
 Compute: on CUDA devices with FP8 tensor cores, activations are quantized to FP8 too and multiplied with
 torch._scaled_mm (as vLLM does), laid out as its CUDA kernels require (`scaled_mm_linear`): row-wise
 (a scale per token and per output channel) from compute capability 9.0 with bfloat16 activations, or
-tensor-wise (one scale each) on 8.9 when the checkpoint's weight scale is per-tensor. Everywhere else, and
-where a one-off probe at load finds the kernel missing, the weight is dequantized into the activation
-dtype (weight-only), which any device that can cast float8 runs.
+tensor-wise (one scale each) on 8.9 when the checkpoint's weight scale is per-tensor. On CPU, weight-only
+on the native panel kernel (`ChannelwiseMethod`). Everywhere else, and where a one-off probe at load
+finds the kernel missing, the weight is dequantized into the activation dtype (weight-only), which any
+device that can cast float8 runs.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from pagellm.core.errors import ConfigError
 from pagellm.core.platform import FLOAT8
 from pagellm.core.quant import QuantMethod
 from pagellm.plugins.hookspecs import hookimpl
-from pagellm.quantization.channelwise import ChannelwiseMethod, dequantized_linear
+from pagellm.quantization.channelwise import ChannelwiseMethod
 from pagellm.quantization.fp8_blocks import block_size, requantized
 
 PAGELLM_PLUGIN_API = "1.3"
@@ -82,6 +83,8 @@ class Fp8Method(ChannelwiseMethod):
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         layer.fp8_scaled_mm = _scaled_mm_runs(layer.weight, layer.weight_scale)
+        if layer.fp8_scaled_mm is None:
+            super().process_weights_after_loading(layer)  # the CPU panel kernel, where it runs
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         scheme = layer.fp8_scaled_mm
@@ -89,7 +92,7 @@ class Fp8Method(ChannelwiseMethod):
             scheme == TENSORWISE and x.dtype in TENSORWISE_DTYPES
         ):
             return scaled_mm_linear(x, layer.weight, layer.weight_scale, bias, scheme)
-        return dequantized_linear(x, layer.weight, layer.weight_scale, bias)
+        return super().apply(layer, x, bias)
 
 
 def scaled_mm_linear(

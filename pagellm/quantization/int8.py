@@ -7,8 +7,9 @@ is loaded as is.
 Compute: on a CPU with AMX, in bfloat16, W8A8: each token's activations are quantized to int8 on the fly
 (one scale per token, max |x| / 127) and multiplied with the int8 weights in exact int32 sums
 (`platforms.cpu.w8a8_linear`); at decode batch sizes that is 1.5-2.7x oneDNN's bf16 GEMM, because half the
-weight bytes move. Elsewhere (other devices, float32, no AMX) the weights are dequantized into the
-activation dtype for the ordinary matmul, which keeps float32 runs exact against a dequantized reference.
+weight bytes move. Other CPUs (and float32) run it weight-only on the native panel kernel
+(`ChannelwiseMethod`); other devices dequantize the weights into the activation dtype for the ordinary
+matmul.
 """
 
 from __future__ import annotations
@@ -35,20 +36,16 @@ class Int8Method(ChannelwiseMethod):
     def to_storage(cls, scaled: torch.Tensor) -> torch.Tensor:
         return scaled.round().clamp(-cls.qmax, cls.qmax).to(torch.int8)
 
-    def create_weights(
-        self, layer: nn.Module, in_features: int, out_features: int, params_dtype: torch.dtype
-    ) -> None:
-        super().create_weights(layer, in_features, out_features, params_dtype)
-        layer.activation_dtype = params_dtype
-
     def process_weights_after_loading(self, layer: nn.Module) -> None:
-        """W8A8 where it runs: the weight moves into the AMX tile layout (same bytes), the plain copy goes."""
+        """W8A8 where it runs: the weight moves into the AMX tile layout (same bytes), the plain copy goes;
+        elsewhere the shared weight-only path (`ChannelwiseMethod`)."""
         weight = layer.weight
         if (
             weight.device.type != "cpu"
             or layer.activation_dtype != torch.bfloat16
             or not cpu.w8a8_available()
         ):
+            super().process_weights_after_loading(layer)
             return
         layer.register_buffer("w8a8_weight", cpu.pack_w8a8(weight.data), persistent=False)
         layer.weight = None

@@ -15,12 +15,14 @@ slot mapping and attention metadata, and each layer runs with its group's.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
 
 import numpy as np
 import torch
+from torch._dynamo.decorators import mark_unbacked
 
 from pagellm.core.attention import AttentionBatch
 from pagellm.core.errors import ConfigError
@@ -33,6 +35,7 @@ from pagellm.models.base import ModelInit
 from pagellm.models.context import ImageBatch, LoRABatch, StateBatch, set_forward_context
 from pagellm.models.layers.fused_moe.layer import FusedMoE
 from pagellm.models.layers.linear import Linear
+from pagellm.models.layers.recurrent import RecurrentLayer
 from pagellm.models.layers.rotary import request_length_base
 from pagellm.models.loader import load_model, model_weight_bytes
 from pagellm.sampling.params import MAX_LOGPROBS, SamplingParams
@@ -183,6 +186,7 @@ class ModelRunner:
             self.parallel,
             setup.config.enable_expert_parallel,
             setup.model_config,
+            setup.config.batch_invariant,
         )
         torch.set_default_dtype(setup.dtype)
         try:
@@ -192,6 +196,8 @@ class ModelRunner:
         self.model_bytes += model_weight_bytes(model)
         self._pack_linears(model)
         self._pack_experts(model)
+        if setup.config.batch_invariant:
+            check_batch_invariant(model)
         return model
 
     def _pack_linears(self, model) -> None:
@@ -199,12 +205,15 @@ class ModelRunner:
         output projection's for `CausalLM.project_logits`. A tied lm_head is the embedding, which needs its
         plain weight too, so it gets a packed copy (memory: the vocab x hidden weight once more)."""
         lm_head = getattr(model, "lm_head", None)
+        pack = self.setup.platform.pack_linear
+        if self.setup.config.batch_invariant:
+            pack = functools.partial(pack, batch_invariant=True)
         for module in model.modules():
             if isinstance(module, Linear) and module.quant_method is None and module is not lm_head:
-                module.use_packed(self.setup.platform.pack_linear(module.weight))
+                module.use_packed(pack(module.weight))
         if lm_head is None or getattr(lm_head, "quant_method", None) is not None:
             return
-        packed = self.setup.platform.pack_linear(lm_head.weight)
+        packed = pack(lm_head.weight)
         if packed is not None:
             model.packed_lm_head = packed
             if isinstance(lm_head, Linear):
@@ -247,20 +256,27 @@ class ModelRunner:
         size 1), each a prompt that stores nothing. Returns the eager model, with a warning, on failure."""
         started = time.monotonic()
         try:
-            for num_tokens in (1, 2):
-                attn = _dummy_prefill(num_tokens, self.block_size, self.device)
-                with set_forward_context(
-                    self.setup.backend.build_metadata(attn), self.kv_caches, self.layers
-                ):
-                    compiled(
-                        torch.zeros(num_tokens, dtype=torch.long, device=self.device),
-                        torch.arange(num_tokens, device=self.device),
-                    )
+            self._warm_up_sizes(compiled)
         except Exception as e:  # an inductor or compiler failure: slower, not broken
             logger.warning("compiling the model failed, running it eagerly: %s: %s", type(e).__name__, e)
             return self.model
         logger.info("model compiled in %.1fs (--enforce-eager turns this off)", time.monotonic() - started)
         return compiled
+
+    def _warm_up_sizes(self, compiled: Callable[..., torch.Tensor]) -> None:
+        """Batch-invariant: one graph for every token count (a size the graph does not guard on), so a lone
+        decode runs the same generated code as a batch: a graph specialised to one token may sum a row in
+        another order."""
+        one_graph = self.setup.config.batch_invariant
+        for num_tokens in (2,) if one_graph else (1, 2):
+            attn = _dummy_prefill(num_tokens, self.block_size, self.device)
+            input_ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
+            positions = torch.arange(num_tokens, device=self.device)
+            if one_graph:
+                mark_unbacked(input_ids, 0)
+                mark_unbacked(positions, 0)
+            with set_forward_context(self.setup.backend.build_metadata(attn), self.kv_caches, self.layers):
+                compiled(input_ids, positions)
 
     def _check_state_layers(self) -> int:
         """The most sequences at once: --max-num-seqs, which a model with recurrent layers also takes as its
@@ -734,6 +750,30 @@ class ModelRunner:
 
     def _dev(self, array: np.ndarray) -> torch.Tensor:
         return host_to_device(array, self.device)
+
+
+def check_batch_invariant(model: torch.nn.Module) -> None:
+    """Refuse, at start-up, a model with layers that have no batch-invariant kernels: experts (grouped by
+    the tokens that chose them), recurrent layers (chunked prefill algorithms), an unpacked linear or
+    output projection (F.linear's GEMM picks its blocking by the number of rows)."""
+    for name, module in model.named_modules():
+        if isinstance(module, FusedMoE):
+            kind = "mixture-of-experts layers"
+        elif isinstance(module, RecurrentLayer):
+            kind = "recurrent layers"
+        elif isinstance(module, Linear) and module.packed_matmul is None and module.weight is not None:
+            kind = "linear layers the platform does not pack"
+        else:
+            continue
+        raise ConfigError(
+            f"--batch-invariant: {type(model).__name__} has {kind} ({name}), which have no "
+            "batch-invariant kernels yet; run without --batch-invariant"
+        )
+    if getattr(model, "lm_head", None) is not None and getattr(model, "packed_lm_head", None) is None:
+        raise ConfigError(
+            f"--batch-invariant: {type(model).__name__}'s output projection has no batch-invariant kernel; "
+            "run without --batch-invariant"
+        )
 
 
 def _by_layer_idx(layers: list) -> list:

@@ -1,3 +1,4 @@
+import dataclasses
 import os
 import shutil
 import subprocess
@@ -26,6 +27,7 @@ CASES = {
 }
 ALL_CASES = [case for cases in CASES.values() for case in cases]
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 3e-2, torch.float16: 5e-3}
+_PLAN_SPEC = AttentionSpec(8, 2, 64, torch.float32)  # what a plan reads: window, dtype, batch_invariant
 
 
 class _CPU(Platform):
@@ -214,7 +216,7 @@ def test_split_contexts_count_the_sink_once(features, monkeypatch, decode_path):
     monkeypatch.setattr(torch, "get_num_threads", lambda: 4)
     spec = AttentionSpec(8, 2, 64, torch.float32, block_size=16, **features)
     batch = make_paged_batch([1500, 40], [1, 1], 16)
-    assert CpuAttnBackend.build_metadata(batch).plan(None, 16, torch.float32, True, 2).partition == 375
+    assert CpuAttnBackend.build_metadata(batch).plan(_PLAN_SPEC, 16, True, 2).partition == 375
     assert check_backend(CpuAttnBackend, spec, "cpu", [([1500, 40], [1, 1]), ([1500], [1])]) < 1e-5
 
 
@@ -289,11 +291,14 @@ class _Ctx:
 def test_kernel_plan_lists_decodes_and_splits_long_contexts(monkeypatch):
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
     batch = make_paged_batch([3000, 20, 5], [1, 1, 5], 16)
-    plan = CpuAttnBackend.build_metadata(batch).plan(None, 16, torch.float32, True, 1)
+    plan = CpuAttnBackend.build_metadata(batch).plan(_PLAN_SPEC, 16, True, 1)
     assert plan.kernel_reqs.tolist() == [0, 1] and plan.decodes == [] and len(plan.prefills) == 1
     assert plan.partition == 750  # 2 requests x 1 KV head, 8 items wanted: each context in 4 parts
     busy = make_paged_batch([300] * 8, [1] * 8, 16)
-    assert CpuAttnBackend.build_metadata(busy).plan(None, 16, torch.float32, True, 1).partition == 300
+    assert CpuAttnBackend.build_metadata(busy).plan(_PLAN_SPEC, 16, True, 1).partition == 300
+    invariant = dataclasses.replace(_PLAN_SPEC, batch_invariant=True)
+    plan = CpuAttnBackend.build_metadata(batch).plan(invariant, 16, True, 1)
+    assert plan.kernel_reqs.tolist() == [0, 1, 2] and plan.prefills == [] and plan.partition == 3000  # whole
 
 
 @pytest.mark.slow
@@ -325,10 +330,12 @@ def test_fallback_when_the_kernel_cannot_be_built(tmp_path):
 
 def test_decodes_are_grouped_by_length_and_window_skips_old_blocks():
     batch = make_paged_batch([300, 20, 290, 17, 40], [1] * 5, 16)
-    plan = CpuAttnBackend.build_metadata(batch).plan(None, 16, torch.float32, False, 1)
+    plan = CpuAttnBackend.build_metadata(batch).plan(_PLAN_SPEC, 16, False, 1)
     assert [g.blocks.numel() for g in plan.decodes] == [3 * 3, 2 * 19]  # {20, 17, 40} and {300, 290}
     assert plan.prefills == []
-    windowed = CpuAttnBackend.build_metadata(batch).plan(32, 16, torch.float32, False, 1)
+    windowed = CpuAttnBackend.build_metadata(batch).plan(
+        dataclasses.replace(_PLAN_SPEC, sliding_window=32), 16, False, 1
+    )
     assert len(windowed.decodes) == 1 and windowed.decodes[0].blocks.numel() == 5 * 3
 
 
@@ -348,7 +355,7 @@ def test_decode_groups_are_bounded(monkeypatch):
     spec = AttentionSpec(4, 2, 16, torch.float32)
     cases = [([20, 30, 17, 25, 32, 18, 19], [1] * 7)]
     batch = make_paged_batch(*cases[0], 16)
-    plan = CpuAttnBackend.build_metadata(batch).plan(None, 16, torch.float32, False, 2)
+    plan = CpuAttnBackend.build_metadata(batch).plan(_PLAN_SPEC, 16, False, 2)
     assert [g.blocks.numel() for g in plan.decodes] == [4 * 2, 3 * 2]
     assert check_backend(CpuAttnBackend, spec, "cpu", cases) < 1e-5
 
@@ -447,3 +454,99 @@ def test_latent_layout_matches_reference(dtype, cache_dtype, tolerance):
         **LATENT, dtype=dtype, kv_cache_dtype=cache_dtype, sliding_window=20, has_sinks=True
     )
     assert check_backend(CpuAttnBackend, windowed, "cpu", CASES["mixed"]) < tolerance
+
+
+INVARIANT_SPECS = {
+    "bf16": dict(dtype=torch.bfloat16),
+    "fp32": dict(dtype=torch.float32),
+    "bf16-window-sinks-cap": dict(
+        dtype=torch.bfloat16, sliding_window=20, has_sinks=True, logits_soft_cap=30.0
+    ),
+    "bf16-int8-cache": dict(dtype=torch.bfloat16, kv_cache_dtype=torch.int8),
+}
+
+
+@pytest.mark.parametrize("features", list(INVARIANT_SPECS.values()), ids=list(INVARIANT_SPECS))
+def test_batch_invariant_matches_reference(features, decode_path):
+    if decode_path == "torch":
+        pytest.skip("batch-invariant specs need the native kernel")
+    spec = AttentionSpec(9, 3, 64, block_size=16, batch_invariant=True, **features)
+    tolerance = INT8_TOLERANCE if spec.cache_dtype == torch.int8 else TOLERANCE[spec.dtype]
+    assert check_backend(CpuAttnBackend, spec, "cpu", ALL_CASES) < tolerance
+
+
+def _subject_rows(spec: AttentionSpec, schedule: list, threads: int = 2) -> torch.Tensor:
+    """Run `schedule` (steps of (request, seq_len, query_len); request 0 is the subject, of 75 tokens,
+    1 and 2 fillers with 600 and 300 tokens of random cache) and return the subject's output rows, one per
+    position, each from the step that queried it."""
+    block_size, length = spec.block_size, 75
+    gen = torch.Generator().manual_seed(0)
+    num_blocks = 70
+    ids = torch.randperm(num_blocks, generator=gen).tolist()
+    tables = torch.zeros(3, 38, dtype=torch.int32)
+    for row, blocks in enumerate((5, 38, 19)):
+        tables[row, :blocks] = torch.tensor(ids[:blocks], dtype=torch.int32)
+        ids = ids[blocks:]
+    backend = CpuAttnBackend(spec)
+    cache = torch.randn(backend.layer_cache_shape(spec, num_blocks, block_size), generator=gen)
+    if spec.cache_dtype == torch.int8:  # whole rows with their scales
+        cache = quantize_int8_rows(cache[..., : spec.head_size])
+    cache = cache.to(spec.cache_dtype)
+    q = torch.randn(length, spec.num_heads, spec.head_size, generator=gen).to(spec.dtype)
+    kv = torch.randn(2, length, spec.num_kv_heads, spec.head_size, generator=gen).to(spec.dtype)
+    sinks = torch.randn(spec.num_heads, generator=gen) if spec.has_sinks else None
+    out = torch.full((length, spec.num_heads, spec.head_size), float("nan"), dtype=spec.dtype)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for step in schedule:
+            reqs, seq_lens, query_lens = zip(*step, strict=True)
+            batch = make_paged_batch(seq_lens, query_lens, block_size, block_tables=tables[list(reqs)])
+            parts, rows = [[], [], []], []
+            for req, seq_len, query_len in step:
+                if req == 0:
+                    positions = slice(seq_len - query_len, seq_len)
+                    (
+                        parts[0].append(q[positions]),
+                        parts[1].append(kv[0, positions]),
+                        parts[2].append(kv[1, positions]),
+                    )
+                    rows.append((len(torch.cat(parts[0])) - query_len, positions))
+                else:
+                    parts[0].append(
+                        torch.randn(query_len, spec.num_heads, spec.head_size, generator=gen).to(spec.dtype)
+                    )
+                    for i in (1, 2):
+                        parts[i].append(
+                            torch.randn(query_len, spec.num_kv_heads, spec.head_size, generator=gen).to(
+                                spec.dtype
+                            )
+                        )
+            args = [torch.cat(p) for p in parts]
+            result = backend.forward(*args, cache, CpuAttnBackend.build_metadata(batch), sinks=sinks)
+            for start, positions in rows:
+                out[positions] = result[start : start + positions.stop - positions.start]
+    finally:
+        torch.set_num_threads(threads)
+    assert not out.isnan().any()
+    return out
+
+
+@pytest.mark.parametrize("features", list(INVARIANT_SPECS.values()), ids=list(INVARIANT_SPECS))
+def test_batch_invariant_rows_do_not_depend_on_the_step(features):
+    """A token's output is the same bits whether it was queried in one whole prefill, in a prefill chunk
+    beside a long decode and another prefill, or as a decode alone or among long-context decodes (which
+    the default plan splits across threads)."""
+    assert cpu_kernels.load() is not None, cpu_kernels.why_unavailable()
+    spec = AttentionSpec(9, 3, 64, block_size=16, batch_invariant=True, **features)
+    whole = _subject_rows(spec, [[(0, 75, 75)]])
+    chunked = _subject_rows(
+        spec,
+        [[(0, 20, 20)], [(1, 600, 1), (0, 45, 25), (2, 300, 17)]] + [[(0, p + 1, 1)] for p in range(45, 75)],
+    )
+    decodes = _subject_rows(
+        spec,
+        [[(0, 10, 10), (1, 600, 1)]] + [[(1, 600, 1), (0, p + 1, 1), (2, 300, 1)] for p in range(10, 75)],
+    )
+    assert torch.equal(whole, chunked)
+    assert torch.equal(whole, decodes)

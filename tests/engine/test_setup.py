@@ -13,6 +13,7 @@ from tiny import make_tokenizer, tiny_config
 
 from pagellm.core.config import EngineConfig
 from pagellm.core.errors import ConfigError
+from pagellm.core.paths import op_schemas_key
 from pagellm.engine.setup import resolve_engine
 from pagellm.models.base import ModelInit
 from pagellm.models.loader import import_model_class
@@ -126,4 +127,18 @@ def test_compiled_code_is_cached_under_pagellms_folder_before_anything_compiles(
     resolve_engine(
         EngineConfig(model=str(tmp_path / "model"), dtype="float32", attention_backend="TORCH_SDPA")
     )
-    assert inductor_cache_dir() == os.path.join(str(tmp_path / "cache"), "inductor")
+    assert inductor_cache_dir() == os.path.join(str(tmp_path / "cache"), "inductor", op_schemas_key())
+
+
+def test_the_inductor_folder_changes_with_pagellms_operator_schemas():
+    """A graph compiled before an operator gained an argument must not be loaded after (inductor's keys
+    do not cover the schema: the cached C++ wrapper called the op with the old arguments and crashed)."""
+    before = op_schemas_key()
+    assert len(before) == 12 and before == op_schemas_key()
+    library = torch.library.Library("pagellm", "FRAGMENT")
+    try:
+        library.define("_schema_key_probe(Tensor x) -> Tensor")
+        assert op_schemas_key() != before
+    finally:
+        library._destroy()
+    assert op_schemas_key() == before

@@ -58,3 +58,68 @@ def test_bfloat16_weights_take_it_where_onednn_cannot_pack_them(monkeypatch):
     assert CpuPlatform.pack_linear(torch.randn(15, 64).bfloat16()) is None  # narrower than a panel
     monkeypatch.setattr(cpu, "_kernels", lambda: None)  # no compiler: F.linear
     assert CpuPlatform.pack_linear(torch.randn(32, 64).bfloat16()) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_fixed_order_rows_do_not_depend_on_the_batch(dtype):
+    """Batch-invariant mode: a row's result is the same bits alone, in blocks of two or three rows (two
+    accumulator chains by default) and among 130 (chunks of 48, blocks of up to six)."""
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(40, 300, generator=gen).to(dtype)
+    bias = torch.randn(40, generator=gen).to(dtype)
+    x = torch.randn(130, 300, generator=gen).to(dtype)
+    fixed = cpu_linear.pack(weight, fixed_order=True)
+    alone = torch.cat([fixed.matmul(x[i : i + 1], fixed.weight, bias) for i in range(len(x))])
+    for rows in (2, 3, 7, 49, 130):
+        assert torch.equal(fixed.matmul(x[:rows], fixed.weight, bias), alone[:rows]), rows
+    torch.testing.assert_close(
+        alone.float(), F.linear(x.float(), weight.float(), bias.float()), rtol=2**-8, atol=1e-4
+    )
+    if cpu_kernels.load().isa() == "scalar":
+        return  # the plain C++ block has one chain per row anyway
+    default = cpu_linear.pack(weight)
+    in_pairs = torch.cat([default.matmul(x[i : i + 2], default.weight, bias) for i in range(0, 130, 2)])
+    assert not torch.equal(in_pairs, fixed.matmul(x, fixed.weight, bias)), "the default order should differ"
+
+
+def test_batch_invariant_packs_every_float_weight(monkeypatch):
+    monkeypatch.setattr(cpu, "_amx_kernels", lambda: None)
+    for dtype in (torch.bfloat16, torch.float32):
+        packed = CpuPlatform.pack_linear(torch.randn(3, 64).to(dtype), batch_invariant=True)  # a router
+        assert isinstance(packed.matmul, cpu_linear.PanelLinear) and packed.matmul.fixed_order
+    assert CpuPlatform.batch_invariant_unsupported(torch.bfloat16) is None
+    assert "float16" in CpuPlatform.batch_invariant_unsupported(torch.float16)
+    monkeypatch.setattr(cpu, "_kernels", lambda: None)
+    assert "native CPU kernels" in CpuPlatform.batch_invariant_unsupported(torch.float32)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 49, 130])
+@pytest.mark.parametrize("wdtype", [torch.int8, torch.float8_e4m3fn], ids=["int8", "fp8"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("bias", [False, True])
+def test_weight_only_quantized_matches_the_dequantized_weight(rows, wdtype, dtype, bias):
+    """int8 and e4m3 panels with a scale per output column (37: a padded last panel), against F.linear in
+    float32 on the dequantized weight: the same products, summed in float32."""
+    gen = torch.Generator().manual_seed(rows)
+    real = torch.randn(37, 100, generator=gen)
+    scale = real.abs().amax(dim=1, keepdim=True) / (127.0 if wdtype == torch.int8 else 448.0)
+    q = (real / scale).round().clamp(-127, 127) if wdtype == torch.int8 else real / scale
+    weight = q.to(wdtype)
+    b = torch.randn(37, generator=gen).to(dtype) if bias else None
+    x = torch.randn(rows, 100, generator=gen).to(dtype)
+    panels, packed_scale = cpu_linear.pack_quantized(weight, scale)
+    assert panels.dtype == wdtype and packed_scale.shape == (48,)
+    out = cpu_linear.quantized_linear(x, panels, packed_scale, b, 37)
+    expected = F.linear(x.float(), weight.float() * scale, None if b is None else b.float())
+    assert out.dtype == dtype and out.shape == (rows, 37)
+    tolerance = dict(rtol=2**-8, atol=1e-4) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out.float(), expected, **tolerance)
+
+
+def test_weight_only_per_tensor_scale_and_the_platform_choice():
+    weight = torch.randint(-127, 128, (20, 64), dtype=torch.int8)
+    panels, scale = cpu_linear.pack_quantized(weight, torch.tensor(0.5))  # AutoFP8's one value
+    assert scale[:20].eq(0.5).all() and scale[20:].eq(0).all()
+    assert cpu.pack_weight_only(weight, torch.ones(20, 1), torch.bfloat16) is not None
+    assert cpu.pack_weight_only(weight, torch.ones(20, 1), torch.float16) is None  # x must be f32 or bf16
+    assert cpu.pack_weight_only(weight.float(), torch.ones(20, 1), torch.bfloat16) is None

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pagellm.platforms import cpu
+from pagellm.platforms import cpu, cpu_kernels
 from pagellm.quantization.int8 import Int8Method
 
 TESTS = Path(__file__).resolve().parents[1]
@@ -79,12 +79,25 @@ def test_w8a8_compiles_as_one_opaque_op(tmp_path, monkeypatch):
 
 
 def test_float32_and_missing_kernels_keep_the_weight_only_path(monkeypatch):
+    """Without W8A8: the panel kernel's int8 panels where the native kernels load, else the int8 weight
+    dequantized for F.linear; both give the dequantized weight's product."""
     torch.manual_seed(0)
     weight = torch.randn(48, 64)
-    assert getattr(Layer(48, 64, torch.float32, False).load(weight), "w8a8_weight", None) is None
+    x = torch.randn(5, 64)
+    qweight, scale = Int8Method.quantize(weight)
+    expected = x @ (qweight.float() * scale).t()
+    layer = Layer(48, 64, torch.float32, False).load(weight)
+    assert getattr(layer, "w8a8_weight", None) is None
     monkeypatch.setattr(cpu, "w8a8_available", lambda: False)
     layer = Layer(48, 64, torch.bfloat16, False).load(weight)
-    assert getattr(layer, "w8a8_weight", None) is None and layer.weight.dtype == torch.int8
+    assert getattr(layer, "w8a8_weight", None) is None
+    if cpu_kernels.load() is not None:
+        assert layer.weight is None and layer.panel_weight.dtype == torch.int8
+    torch.testing.assert_close(layer(x.bfloat16()).float(), expected, rtol=2e-2, atol=5e-2)
+    monkeypatch.setattr(cpu, "_kernels", lambda: None)
+    layer = Layer(48, 64, torch.float32, False).load(weight)
+    assert layer.weight.dtype == torch.int8 and getattr(layer, "panel_weight", None) is None
+    torch.testing.assert_close(layer(x), expected, rtol=1e-5, atol=1e-5)
 
 
 @needs_kernel

@@ -30,7 +30,9 @@ class Attention(nn.Module):
 
     def __init__(self, init: ModelInit, spec: AttentionSpec, layer_idx: int):
         super().__init__()
-        self.spec = dataclasses.replace(spec, kv_cache_dtype=init.kv_cache_dtype)
+        self.spec = dataclasses.replace(
+            spec, kv_cache_dtype=init.kv_cache_dtype, batch_invariant=init.batch_invariant
+        )
         self.layer_idx = layer_idx
         self.impl = init.attention_backend(self.spec)
         self.tp_rank = init.parallel.tp.rank

@@ -12,7 +12,7 @@
 void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,
                      at::Tensor seq_lens, at::Tensor query_start_loc, at::Tensor reqs, int64_t cache_kind, double scale,
                      int64_t window, int64_t partition, bool use_amx, double soft_cap,
-                     const c10::optional<at::Tensor>& sinks);
+                     const c10::optional<at::Tensor>& sinks, bool fixed_order);
 void store_kv(at::Tensor kv_cache, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slots);
 std::string isa();
 
@@ -38,7 +38,7 @@ std::string fused_moe_isa();
 
 // linear_panels.cpp
 at::Tensor cpu_panel_linear(const at::Tensor& input, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
-                            int64_t out_features);
+                            int64_t out_features, bool fixed_order, const c10::optional<at::Tensor>& scale);
 
 // recurrent.cpp
 at::Tensor gated_delta_rule_update(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,

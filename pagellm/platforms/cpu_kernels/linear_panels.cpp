@@ -2,12 +2,19 @@
 // oneDNN multiplies bfloat16 weights fast: AVX2-only CPUs (AMD Zen 2/3, Intel before Cooper Lake), where
 // oneDNN cannot prepack bfloat16 and F.linear widens the whole weight every call (~20x slower than this at
 // decode batch sizes, measured on an AMD EPYC Zen 3). The weight stays bfloat16 in memory (half of float32's
-// bytes to stream), each panel is widened in registers, products are summed in float32.
+// bytes to stream), each panel is widened in registers, products are summed in float32. Weight-only int8
+// and fp8 (e4m3) layers take the same panels with a byte per weight (half of bfloat16's) and a float32
+// scale per output column, applied to the sums.
 //
 // Layout (packed by platforms/cpu_linear.py): [ceil(N/16), K, 16] panels, as the experts' w2 in
 // fused_moe.cpp. A call, per block of up to kChunkRows rows (their float32 copy fits in L2): the panels are
 // split between threads in contiguous runs, and each panel is multiplied against the block's rows in
 // register blocks of up to kMaxRows rows (from L1 after the first), then bias, then rounding to x's dtype.
+//
+// fixed_order (batch-invariant mode): a row's sums must not depend on how many rows share its block. Blocks
+// of one to three rows keep two accumulator chains per row (even and odd k, added at the end), larger ones
+// one, so such a block is widened to kMinFixedRows rows, the extra ones repeating its last row into scratch:
+// every row then sums its k products in one chain, in order, whatever the batch.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -22,15 +29,20 @@
 namespace {
 
 constexpr int64_t kChunkRows = 48;  // rows per block: 48 x 4096 float32 inputs are 768 KB
+constexpr int kMinFixedRows = 4;    // the smallest register block with one accumulator chain per row
+static_assert(kMinFixedRows <= kMaxRows, "a fixed-order block must fit a register block");
 
-// y[r][0..16) = x[r] . panel (+ bias) for `rows` rows, stored as float32 or bfloat16 (`n` columns valid).
+// y[r][0..16) = x[r] . panel (* scale) (+ bias) for `rows` rows, stored as float32 or bfloat16 (`n` columns
+// valid); `scale` (int8 and e4m3 panels only): the panel's 16 column scales.
 template <int kRows, Format kFormat, bool kOutBf16>
-void linear_block(const float* const* x, const void* panel, int64_t k, const float* bias, void* const* y, int64_t n,
-                  const void* ahead) {
+void linear_block(const float* const* x, const void* panel, int64_t k, const float* scale, const float* bias,
+                  void* const* y, int64_t n, const void* ahead) {
   float sums[kRows][kPanel];
 #if PL_PANEL_AVX2
   __m256 lo[kRows], hi[kRows];
   panel_dot<kRows, kFormat>(x, panel, k, lo, hi, ahead);
+  apply_scale<kRows, kFormat>(lo, scale);
+  apply_scale<kRows, kFormat>(hi, scale + kHalf);
   const __m256 b_lo = bias ? _mm256_loadu_ps(bias) : _mm256_setzero_ps();
   const __m256 b_hi = bias ? _mm256_loadu_ps(bias + kHalf) : _mm256_setzero_ps();
   if (n == kPanel) {
@@ -54,7 +66,7 @@ void linear_block(const float* const* x, const void* panel, int64_t k, const flo
 #else
   panel_dot<kRows, kFormat>(x, panel, k, sums);
   for (int r = 0; r < kRows; ++r)
-    for (int64_t c = 0; c < kPanel; ++c) sums[r][c] += bias ? bias[c] : 0.f;
+    for (int64_t c = 0; c < kPanel; ++c) sums[r][c] = sums[r][c] * column_scale<kFormat>(scale, c) + (bias ? bias[c] : 0.f);
 #endif
   for (int r = 0; r < kRows; ++r)
     for (int64_t c = 0; c < n; ++c) {
@@ -76,7 +88,8 @@ struct Linear {
 };
 
 template <Format kFormat, bool kOutBf16>
-void run(const at::Tensor& x, const uint8_t* packed, const float* bias, int64_t n, at::Tensor& out) {
+void run(const at::Tensor& x, const uint8_t* packed, const float* scale, const float* bias, int64_t n, at::Tensor& out,
+         bool fixed_order) {
   const int64_t m = x.size(0), k = x.size(1), panels = (n + kPanel - 1) / kPanel;
   const int64_t panel_bytes = k * kPanel * format_bytes(kFormat), out_elem = kOutBf16 ? 2 : 4;
   uint8_t* out_base = static_cast<uint8_t*>(out.data_ptr());
@@ -92,14 +105,18 @@ void run(const at::Tensor& x, const uint8_t* packed, const float* bias, int64_t 
           float last_bias[kPanel] = {};  // the last panel's, zero-padded: the kernel reads 16
           const float* b = bias ? bias + p * kPanel : nullptr;
           if (b && cols < kPanel) std::copy(b, b + cols, last_bias), b = last_bias;
+          const float* s = scale ? scale + p * kPanel : nullptr;
           const void* ahead = p + 1 < panels ? panel + panel_bytes : nullptr;  // this thread's next, mostly
           for (int64_t s0 = 0; s0 < rows;) {
             const int block = block_rows(rows - s0);
             const float* xr[kMaxRows];
             void* yr[kMaxRows];
+            float scratch[kPanel];  // the outputs of a fixed-order block's repeated rows
             for (int r = 0; r < block; ++r)
               xr[r] = xs + (s0 + r) * k, yr[r] = out_base + ((r0 + s0 + r) * n + p * kPanel) * out_elem;
-            dispatch_rows<Linear<kFormat, kOutBf16>::template Block>(block, xr, panel, k, b, yr, cols, ahead);
+            int width = block;
+            for (; fixed_order && width < kMinFixedRows; ++width) xr[width] = xr[block - 1], yr[width] = scratch;
+            dispatch_rows<Linear<kFormat, kOutBf16>::template Block>(width, xr, panel, k, s, b, yr, cols, ahead);
             s0 += block, ahead = nullptr;
           }
         });
@@ -109,16 +126,26 @@ void run(const at::Tensor& x, const uint8_t* packed, const float* bias, int64_t 
 }  // namespace
 
 // x [..., K] (float32 or bfloat16) @ W^T (+ bias) -> [..., N] in x's dtype; W [N, K] packed as the header
-// says (float32 or bfloat16 panels), bias [N] of any float dtype (summed in float32).
+// says (float32, bfloat16, int8 or float8_e4m3fn panels), bias [N] of any float dtype (summed in float32).
+// int8 and e4m3 panels take `scale`, float32 [16 * panels]: each output column's (zero-padded), which
+// multiplies its sums (weight-only quantization: x stays float, half or a quarter of the bytes stream).
+// fixed_order: each row's result is the same bits whatever the number of rows (see the top of this file).
 at::Tensor cpu_panel_linear(const at::Tensor& input, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
-                            int64_t out_features) {
+                            int64_t out_features, bool fixed_order, const c10::optional<at::Tensor>& scale) {
   TORCH_CHECK(input.dim() >= 1 && (input.scalar_type() == at::kFloat || input.scalar_type() == at::kBFloat16),
               "cpu_panel_linear: float32 or bfloat16 x [..., K]");
   const int64_t k = input.size(-1), n = out_features, panels = (n + kPanel - 1) / kPanel;
+  const auto wtype = packed.scalar_type();
+  const bool quantized = wtype == at::kChar || wtype == at::kFloat8_e4m3fn;
   TORCH_CHECK(packed.dim() == 3 && packed.size(0) == panels && packed.size(1) == k && packed.size(2) == kPanel &&
-                  packed.is_contiguous() &&
-                  (packed.scalar_type() == at::kFloat || packed.scalar_type() == at::kBFloat16),
+                  packed.is_contiguous() && (wtype == at::kFloat || wtype == at::kBFloat16 || quantized),
               "cpu_panel_linear: the weight must be packed by platforms/cpu_linear.py for ", n, " x ", k);
+  const bool has_scale = scale.has_value() && scale->defined();
+  TORCH_CHECK(has_scale == quantized, "cpu_panel_linear: int8 and float8_e4m3fn weights take a scale, others none");
+  if (has_scale)
+    TORCH_CHECK(scale->scalar_type() == at::kFloat && scale->is_contiguous() && scale->numel() == panels * kPanel,
+                "cpu_panel_linear: a float32 scale of ", panels * kPanel, " values (one per padded column)");
+  const float* s = has_scale ? scale->data_ptr<float>() : nullptr;
   at::Tensor bias_f32;
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->dim() == 1 && bias->numel() == n, "cpu_panel_linear: a bias of ", n, " values");
@@ -132,10 +159,19 @@ at::Tensor cpu_panel_linear(const at::Tensor& input, const at::Tensor& packed, c
   if (x.size(0) == 0 || n == 0) return out;
   const auto* w = static_cast<const uint8_t*>(packed.data_ptr());
   const bool bf16_out = input.scalar_type() == at::kBFloat16;
-  if (packed.scalar_type() == at::kBFloat16) {
-    bf16_out ? run<kBf16, true>(x, w, b, n, out) : run<kBf16, false>(x, w, b, n, out);
-  } else {
-    bf16_out ? run<kF32, true>(x, w, b, n, out) : run<kF32, false>(x, w, b, n, out);
+  const bool f = fixed_order;
+  switch (wtype) {
+    case at::kBFloat16:
+      bf16_out ? run<kBf16, true>(x, w, s, b, n, out, f) : run<kBf16, false>(x, w, s, b, n, out, f);
+      break;
+    case at::kFloat:
+      bf16_out ? run<kF32, true>(x, w, s, b, n, out, f) : run<kF32, false>(x, w, s, b, n, out, f);
+      break;
+    case at::kChar:
+      bf16_out ? run<kI8, true>(x, w, s, b, n, out, f) : run<kI8, false>(x, w, s, b, n, out, f);
+      break;
+    default:
+      bf16_out ? run<kFp8, true>(x, w, s, b, n, out, f) : run<kFp8, false>(x, w, s, b, n, out, f);
   }
   return out;
 }

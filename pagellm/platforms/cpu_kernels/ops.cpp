@@ -36,6 +36,7 @@ struct NativeLayer {
 
 struct NativeStep {
   bool active = false;
+  bool fixed_order = false;  // batch-invariant mode (paged_attention's fixed_order)
   at::Tensor block_tables, seq_lens, query_start_loc, slots;
   std::vector<NativeLayer> layers;
 };
@@ -52,7 +53,7 @@ void begin_native_step(at::Tensor block_tables, at::Tensor seq_lens, at::Tensor 
                        at::TensorList kv_caches, at::IntArrayRef kinds, at::ArrayRef<double> scales,
                        at::IntArrayRef windows, at::TensorList reqs, at::IntArrayRef partitions,
                        const c10::List<bool>& amx, at::ArrayRef<double> soft_caps,
-                       const c10::List<c10::optional<at::Tensor>>& sinks) {
+                       const c10::List<c10::optional<at::Tensor>>& sinks, bool fixed_order) {
   const size_t n = kv_caches.size();
   TORCH_CHECK(kinds.size() == n && scales.size() == n && windows.size() == n && reqs.size() == n &&
                   partitions.size() == n && amx.size() == n && soft_caps.size() == n && sinks.size() == n,
@@ -62,6 +63,7 @@ void begin_native_step(at::Tensor block_tables, at::Tensor seq_lens, at::Tensor 
   step.seq_lens = std::move(seq_lens);
   step.query_start_loc = std::move(query_start_loc);
   step.slots = std::move(slots);
+  step.fixed_order = fixed_order;
   for (size_t i = 0; i < n; ++i) {
     const at::Tensor& kv_cache = kv_caches[i];
     TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2, "begin_native_step: a [2, kv_heads, blocks, block_size, head_size] cache");
@@ -88,7 +90,7 @@ at::Tensor cpu_attention(const at::Tensor& q, const at::Tensor& k, const at::Ten
       at::Tensor out = q3.new_empty(q3.sizes());
       paged_attention(out, q3, layer.kv_cache[0], layer.kv_cache[1], step.block_tables, step.seq_lens,
                       step.query_start_loc, layer.reqs, layer.kind, layer.scale, layer.window, layer.partition,
-                      layer.amx, layer.soft_cap, layer.sinks);
+                      layer.amx, layer.soft_cap, layer.sinks, step.fixed_order);
       return out.view({tokens, -1});
     }
   }
@@ -120,7 +122,7 @@ TORCH_LIBRARY(TORCH_EXTENSION_NAME, m) {
         TORCH_FN(amx_linear_w8a8));
   m.def("paged_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
         "Tensor seq_lens, Tensor query_start_loc, Tensor reqs, int cache_kind, float scale, int window, "
-        "int partition, bool use_amx, float soft_cap, Tensor? sinks) -> ()",
+        "int partition, bool use_amx, float soft_cap, Tensor? sinks, bool fixed_order=False) -> ()",
         TORCH_FN(paged_attention));
   m.def("argmax_rows(Tensor logits) -> Tensor", TORCH_FN(argmax_rows));
   m.def("store_kv(Tensor(a!) kv_cache, Tensor k, Tensor v, Tensor slots) -> ()", TORCH_FN(store_kv));
@@ -128,7 +130,7 @@ TORCH_LIBRARY(TORCH_EXTENSION_NAME, m) {
   m.def("fused_moe_isa() -> str", TORCH_FN(fused_moe_isa));
   m.def("begin_native_step(Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, Tensor slots, "
         "Tensor[] kv_caches, int[] kinds, float[] scales, int[] windows, Tensor[] reqs, int[] partitions, "
-        "bool[] amx, float[] soft_caps, Tensor?[] sinks) -> ()",
+        "bool[] amx, float[] soft_caps, Tensor?[] sinks, bool fixed_order=False) -> ()",
         TORCH_FN(begin_native_step));
   m.def("end_native_step() -> ()", TORCH_FN(end_native_step));
   m.def("gated_delta_rule_update(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor(a!) states, "

@@ -366,6 +366,7 @@ struct Problem {
   const void* k;
   const void* v;
   bool amx = false;  // the AMX path may run (this build and CPU have it, and the OS granted it)
+  bool fixed_order = false;  // batch-invariant: the portable path only (see paged_attention)
 };
 
 // Where a work item's keys are: its request's block table, its KV head and its context range.
@@ -700,7 +701,7 @@ void attend_partition(const Problem& P, const float* qf, const void* qb, int64_t
   auto offset = [&](int64_t t) { return offsets[t - lo]; };
   int64_t t = lo;
 #if PL_AMX_ATTN
-  const bool amx = K == BF16 && P.amx && qb != nullptr && (d == 64 || d == 128) && P.block_size % 16 == 0 &&
+  const bool amx = K == BF16 && P.amx && !P.fixed_order && qb != nullptr && (d == 64 || d == 128) && P.block_size % 16 == 0 &&
                    lo % 16 == 0 && rows <= 16;
   if (amx) {
     amx_scores(P, static_cast<const uint16_t*>(qb), rows, lo, hi, offsets.data(), scores.data(), amx_scratch());
@@ -708,7 +709,7 @@ void attend_partition(const Problem& P, const float* qf, const void* qb, int64_t
   }
 #endif
 #if PL_AVX512
-  if (d % 16 == 0) {
+  if (d % 16 == 0 && !P.fixed_order) {
     __m512 part[16];
     int64_t at[16];
     std::vector<uint16_t> tile(16 * d);  // a tile of keys widened to bfloat16
@@ -755,7 +756,10 @@ void attend_partition(const Problem& P, const float* qf, const void* qb, int64_t
 #endif
   for (; t < hi; ++t) {
     const int64_t at = offset(t);
-    for (int64_t row = 0; row < rows; ++row) scores[row * width + (t - lo)] = dot<K>(qf + row * d, P.k, at, d) * P.scale;
+    // rows of queries before position t cannot see it (the mask below sets them): a prefill chunk's
+    // later keys are skipped for its earlier queries
+    const int64_t first_row = std::max<int64_t>(0, (t - (L - Q)) * G);
+    for (int64_t row = first_row; row < rows; ++row) scores[row * width + (t - lo)] = dot<K>(qf + row * d, P.k, at, d) * P.scale;
   }
   if constexpr (K == I8) {  // each key's scale
     for (int64_t i = 0; i < width; ++i) {
@@ -781,6 +785,10 @@ void attend_partition(const Problem& P, const float* qf, const void* qb, int64_t
 #endif
   for (int64_t row = 0; row < rows; ++row) {
     float* s = scores.data() + row * width;
+    // the row's sum runs over the positions up to its own, in vector lanes counted from the partition's
+    // start: where a longer context (a later query of the same prefill chunk) ends does not move a
+    // term between the vector lanes and the scalar tail, so a token's row is the same in any chunk
+    const int64_t visible = std::clamp<int64_t>(L - Q + row / G + 1 - lo, 0, width);
     float m = NEG_INF;
     int64_t i0 = 0;
 #if PL_AVX512
@@ -795,18 +803,19 @@ void attend_partition(const Problem& P, const float* qf, const void* qb, int64_t
 #if PL_AVX512 || PL_AVX2
       const vec mv = vset1(m);
       vec sv = vzero();
-      for (; i + W <= width; i += W) {
+      for (; i + W <= visible; i += W) {
         const vec e = vexp(vsub(vloadf(s + i), mv));
         vstoref(s + i, e);
         sv = vadd(sv, e);
       }
       sum = vsum(sv);
 #endif
-      for (; i < width; ++i) {
+      for (; i < visible; ++i) {
         s[i] = std::exp(s[i] - m);
         sum += s[i];
       }
     }
+    std::fill(s + (m == NEG_INF ? 0 : visible), s + width, 0.f);  // masked: weight 0
     row_max[row] = m;
     row_sum[row] = sum;
     std::fill(row_acc + row * d, row_acc + (row + 1) * d, 0.f);
@@ -818,7 +827,7 @@ void attend_partition(const Problem& P, const float* qf, const void* qb, int64_t
     }
   }
 #if PL_AVX512 && defined(__AVX512BF16__)
-  if (K == BF16 && qb != nullptr && (d == 64 || d == 128)) {  // bfloat16 cache and output
+  if (K == BF16 && qb != nullptr && (d == 64 || d == 128) && !P.fixed_order) {  // bfloat16 cache and output
     if (d == 64)
       accumulate_rows_pairs<2, 4>(P, scores.data(), width, offsets.data(), rows, row_acc, weights);
     else
@@ -827,7 +836,7 @@ void attend_partition(const Problem& P, const float* qf, const void* qb, int64_t
   }
 #endif
 #if PL_AVX512
-  if (d == 64 || d == 128) {  // the common head sizes: accumulators in registers
+  if ((d == 64 || d == 128) && !P.fixed_order) {  // the common head sizes: accumulators in registers
     for (int64_t row0 = 0; row0 < rows; row0 += (d == 64 ? 4 : 2)) {
       if (d == 64)
         accumulate_values<K, 4, 4>(P, scores.data(), width, offsets.data(), row0, rows, row_acc);
@@ -1003,10 +1012,15 @@ void run(at::Tensor& out, const at::Tensor& q, const Problem& P, int64_t num_req
 // query_start_loc int32 [num_reqs + 1]; reqs int32: the requests to compute (others' rows are untouched).
 // use_amx: bfloat16 work may take the AMX tile path where this build and CPU have it (false: AVX-512 only).
 // soft_cap: 0 for none; sinks: float32 [num_heads] logits, or none.
+// fixed_order (batch-invariant mode): every row is computed by the same code in the same order whatever else
+// the call holds: no AMX tiles, no AVX-512 tile or pair paths (whose use depends on where a work item's
+// context ends), one dot product per key and query row, values summed key by key. With a partition no
+// shorter than every context (the caller's part) a prefill chunk's rows equal those of decodes at the same
+// positions, bit for bit.
 void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,
                      at::Tensor seq_lens, at::Tensor query_start_loc, at::Tensor reqs, int64_t cache_kind, double scale,
                      int64_t window, int64_t partition, bool use_amx, double soft_cap,
-                     const c10::optional<at::Tensor>& sinks) {
+                     const c10::optional<at::Tensor>& sinks, bool fixed_order) {
   TORCH_CHECK(q.is_contiguous() && out.is_contiguous(), "q and out must be contiguous");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the caches must be contiguous");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
@@ -1045,8 +1059,9 @@ void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tenso
   if (n == 0) return;
   (void)use_amx;
 #if PL_AMX_ATTN
-  P.amx = use_amx && cache_kind == BF16 && q.scalar_type() == at::kBFloat16 && amx_available();
+  P.amx = use_amx && !fixed_order && cache_kind == BF16 && q.scalar_type() == at::kBFloat16 && amx_available();
 #endif
+  P.fixed_order = fixed_order;
   partition = (partition + 15) / 16 * 16;  // tiles of 16 tokens never straddle two partitions
   switch (cache_kind) {
     case F32: run<F32>(out, q, P, n, partition); break;
