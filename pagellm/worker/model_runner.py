@@ -22,7 +22,6 @@ from collections.abc import Callable, Iterable, Mapping
 
 import numpy as np
 import torch
-from torch._dynamo.decorators import mark_unbacked
 
 from pagellm.core.attention import AttentionBatch
 from pagellm.core.errors import ConfigError
@@ -273,6 +272,8 @@ class ModelRunner:
             input_ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
             positions = torch.arange(num_tokens, device=self.device)
             if one_graph:
+                from torch._dynamo.decorators import mark_unbacked  # its import sets inductor's folder
+
                 mark_unbacked(input_ids, 0)
                 mark_unbacked(positions, 0)
             with set_forward_context(self.setup.backend.build_metadata(attn), self.kv_caches, self.layers):

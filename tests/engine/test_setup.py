@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import os
+import subprocess
 import sys
 import types
 
@@ -128,6 +129,28 @@ def test_compiled_code_is_cached_under_pagellms_folder_before_anything_compiles(
         EngineConfig(model=str(tmp_path / "model"), dtype="float32", attention_backend="TORCH_SDPA")
     )
     assert inductor_cache_dir() == os.path.join(str(tmp_path / "cache"), "inductor", op_schemas_key())
+
+
+def test_a_fresh_process_compiles_into_pagellms_folder(tmp_path):
+    """In a process as the CLI starts one (no TORCHINDUCTOR_CACHE_DIR; pagellm and the runner imported, and
+    torch imports that make inductor write its default folder into the environment), start-up still
+    points inductor at pagellm's folder."""
+    config = tiny_config("llama", len(make_tokenizer()), architectures=[ARCHITECTURES["llama"]])
+    config.save_pretrained(tmp_path / "model")
+    script = (
+        "import os, pagellm.worker.model_runner, torch._dynamo.decorators\n"
+        "from pagellm.core.config import EngineConfig\n"
+        "from pagellm.engine.setup import resolve_engine\n"
+        "from torch._inductor.runtime.cache_dir_utils import cache_dir\n"
+        f"resolve_engine(EngineConfig(model={str(tmp_path / 'model')!r}, dtype='float32', "
+        "attention_backend='TORCH_SDPA'))\n"
+        "print(cache_dir())\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
+    env["PAGELLM_CACHE_DIR"] = str(tmp_path / "cache")
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
+    folder = out.stdout.strip().splitlines()[-1]
+    assert os.path.dirname(folder) == os.path.join(str(tmp_path / "cache"), "inductor"), out.stderr[-2000:]
 
 
 def test_the_inductor_folder_changes_with_pagellms_operator_schemas():
