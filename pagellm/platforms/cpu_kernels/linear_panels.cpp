@@ -30,9 +30,7 @@ namespace {
 
 constexpr int64_t kChunkRows = 48;  // rows per block: 48 x 4096 float32 inputs are 768 KB
 constexpr int kMinFixedRows = 4;    // the smallest register block with one accumulator chain per row
-// From this many rows on, a panel is widened once per chunk (widen_panel).
-template <Format kFormat>
-constexpr int64_t kWidenRows = kFormat == kBf16 ? 32 : 9;
+constexpr int64_t kWidenRows = 9;  // from two register blocks on, an int8 or e4m3 panel is widened once
 static_assert(kMinFixedRows <= kMaxRows, "a fixed-order block must fit a register block");
 
 // y[r][0..16) = x[r] . panel (* scale) (+ bias) for `rows` rows, stored as float32 or bfloat16 (`n` columns
@@ -108,22 +106,15 @@ void panel_blocks(const float* xs, int64_t rows, int64_t k, const void* panel, c
   }
 }
 
-// A bfloat16, int8 or e4m3 panel as float32 in the float32 panel's order, a quantized panel's column scales
-// folded in. Each register block widens the panel it reads again (bfloat16: one instruction per 8 weights,
-// int8: two, e4m3: three), and with many blocks over a panel (a prefill's 48-row chunks take 8) that cost
-// as much as the products: widened once per panel and chunk, the blocks stream float32 from L1/L2 instead.
-// Measured per call on an AVX2 AMD EPYC, in one process (model S's [1536 x 576] MLP, 64 rows): bfloat16
-// 1.42 ms in registers, 0.69 widened; int8 ~20% slower than bfloat16 in registers, level with it widened.
-// bfloat16 widens exactly, so its results are the same bits either way; below 32 rows (decode batches)
-// its in-register widening measured faster, above 8 int8's and e4m3's did not.
+// An int8 or e4m3 panel as float32, its column scales folded in. Each register block widens the panel it
+// reads again (int8: two instructions per 8 weights, e4m3: three, bfloat16: one), and with many blocks over
+// a panel (a prefill's 48-row chunks take 8) that cost as much as the products: widened once per panel and
+// chunk, the blocks stream float32 from L1/L2 instead. Measured in one process on an AVX2 AMD EPYC, 384
+// rows of model S's [1536 x 576] MLP shape: int8 widened 6.56 ms, in registers 11.66 (8-row calls),
+// bfloat16 7.54 (24-row calls). Widening bfloat16 panels the same way measured no faster (4.54 vs 4.58 ms;
+// the lm_head 165 vs 152), so bfloat16 keeps its in-register widening.
 template <Format kFormat>
 void widen_panel(const void* panel, int64_t k, const float* scale, float* out) {
-  if constexpr (kFormat == kBf16) {  // value 2j is column j, 2j + 1 column 8 + j
-    const uint16_t* p = static_cast<const uint16_t*>(panel);
-    for (int64_t i = 0; i < k; ++i, p += kPanel, out += kPanel)
-      for (int64_t j = 0; j < kHalf; ++j) out[j] = bf16_to_float(p[2 * j]), out[kHalf + j] = bf16_to_float(p[2 * j + 1]);
-    return;
-  }
   float s[kPanel];
   for (int64_t c = 0; c < kPanel; ++c) s[c] = column_scale<kFormat>(scale, c);
 #if PL_PANEL_AVX2
@@ -170,8 +161,8 @@ void run(const at::Tensor& x, const uint8_t* packed, const float* scale, const f
           const float* s = scale ? scale + p * kPanel : nullptr;
           const void* ahead = p + 1 < panels ? panel + panel_bytes : nullptr;  // this thread's next, mostly
           uint8_t* y = out_base + (r0 * n + p * kPanel) * out_elem;
-          if constexpr (kFormat != kF32) {
-            if (rows >= kWidenRows<kFormat>) {
+          if constexpr (is_quantized(kFormat)) {
+            if (rows >= kWidenRows) {
               thread_local std::vector<float> widened;
               widened.resize(k * kPanel);
               widen_panel<kFormat>(panel, k, s, widened.data());
