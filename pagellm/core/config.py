@@ -75,7 +75,9 @@ class EngineConfig:
     )
     max_model_len: int | None = _opt(None, "Longest prompt + output (default: the model's).")
     max_num_seqs: int = _opt(256, "Most requests in one step.")
-    max_num_batched_tokens: int | None = _opt(None, "Token budget of one step (default 2048, at least 1).")
+    max_num_batched_tokens: int | None = _opt(
+        None, "Token budget of one step (default 2048, on CPU 512; at least max_num_seqs)."
+    )
     enable_prefix_caching: bool = _opt(True, "Reuse KV blocks of shared prompt prefixes.")
     enable_chunked_prefill: bool = _opt(True, "Split long prompts across steps within the token budget.")
     scheduling_policy: str = _opt("fcfs", "fcfs or priority.", choices=("fcfs", "priority"))
@@ -196,7 +198,8 @@ class EngineConfig:
 
     @property
     def token_budget(self) -> int:
-        """Tokens one step may schedule: max_num_batched_tokens, else 2048 (at least one per sequence)."""
+        """Tokens one step may schedule: max_num_batched_tokens (the platform may set it at start-up), else
+        2048 (at least one per sequence)."""
         return self.max_num_batched_tokens or max(DEFAULT_MAX_NUM_BATCHED_TOKENS, self.max_num_seqs)
 
     def replace(self, **changes: Any) -> EngineConfig:

@@ -34,6 +34,15 @@ PACKED_LINEAR_BATCH_HINT = 64
 DEFAULT_KV_CACHE_SPACE = 4.0
 """GiB of RAM for the KV cache when --kv-cache-space is not given."""
 
+DEFAULT_TOKEN_BUDGET = 512
+"""Tokens a step may schedule when --max-num-batched-tokens is not given (at least max_num_seqs). A CPU
+multiplies ~100-1000x slower than a GPU, so the engine-wide 2048 makes a step that mixes a prefill chunk into
+running decodes last seconds: every decode in it waits that long for its next token. At 256 rows a GEMM is
+already far past the point where reading the weights costs more than multiplying them, so smaller chunks
+cost a CPU little: model S bf16 on an AVX2 AMD EPYC, W2 at 1 request/s, ITL p99 7.3 s at 2048, 2.0 s at 512,
+1.1 s at 256; W1 offline 96.3 / 92.8 output tok/s at 2048, 95.5 / 90.3 at 512, 91.5 / 89.3 at 256 (one
+process alternating)."""
+
 ISA_FEATURES = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
 """x86 flags that decide which kernels are fast here; reported by `describe()`."""
 
@@ -141,6 +150,8 @@ class CpuPlatform(Platform):
 
     @classmethod
     def check_and_update_config(cls, config: EngineConfig) -> None:
+        if config.max_num_batched_tokens is None:
+            config.max_num_batched_tokens = max(DEFAULT_TOKEN_BUDGET, config.max_num_seqs)
         if config.kv_cache_space is None:
             config.kv_cache_space = DEFAULT_KV_CACHE_SPACE
         if config.kv_cache_space <= 0:

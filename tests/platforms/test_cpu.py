@@ -116,6 +116,20 @@ def test_check_and_update_config_defaults_kv_cache_space():
     assert config.kv_cache_space == 1.5
 
 
+def test_check_and_update_config_sets_a_cpu_sized_token_budget():
+    """A CPU step of 2048 prompt tokens takes seconds, every running decode waiting through it: the CPU
+    default is 512, at least one token per sequence, and a value given is kept."""
+    config = EngineConfig()
+    CpuPlatform.check_and_update_config(config)
+    assert config.max_num_batched_tokens == config.token_budget == 512
+    config = EngineConfig(max_num_seqs=1024)
+    CpuPlatform.check_and_update_config(config)
+    assert config.token_budget == 1024
+    config = EngineConfig(max_num_batched_tokens=4096)
+    CpuPlatform.check_and_update_config(config)
+    assert config.token_budget == 4096
+
+
 def test_check_and_update_config_refuses_empty_kv_cache():
     with pytest.raises(ConfigError, match="kv_cache_space must be more than 0"):
         CpuPlatform.check_and_update_config(EngineConfig(kv_cache_space=0))
