@@ -123,3 +123,26 @@ def test_weight_only_per_tensor_scale_and_the_platform_choice():
     assert cpu.pack_weight_only(weight, torch.ones(20, 1), torch.bfloat16) is not None
     assert cpu.pack_weight_only(weight, torch.ones(20, 1), torch.float16) is None  # x must be f32 or bf16
     assert cpu.pack_weight_only(weight.float(), torch.ones(20, 1), torch.bfloat16) is None
+
+
+def test_weight_only_says_once_at_load_why_prefills_are_no_faster(caplog, monkeypatch):
+    """The issue's rule: a quantized path slower than bf16 on this CPU says why at start-up. The panels
+    halve the bytes but multiply in float32, so compute-bound steps (prefills) gain nothing."""
+    cpu._explain_weight_only.cache_clear()
+    weight = torch.randint(-127, 128, (32, 64), dtype=torch.int8)
+    with caplog.at_level("INFO", logger="pagellm"):
+        for _ in range(3):  # one line per dtype, not per layer
+            assert cpu.pack_weight_only(weight, torch.ones(32, 1), torch.bfloat16) is not None
+    lines = [r.getMessage() for r in caplog.records if "weight-only int8" in r.getMessage()]
+    assert len(lines) == 1 and "half the bytes" in lines[0]
+    assert ("AMX tiles" if cpu._amx_kernels() is not None else "float32 multiplies") in lines[0]
+    monkeypatch.setattr(cpu, "_amx_kernels", lambda: object())
+    cpu._explain_weight_only.cache_clear()
+    caplog.clear()
+    with caplog.at_level("INFO", logger="pagellm"):
+        cpu.pack_weight_only(weight.view(torch.float8_e4m3fn), torch.ones(32, 1), torch.bfloat16)
+    assert any(
+        "weight-only float8_e4m3fn" in r.getMessage() and "AMX tiles" in r.getMessage()
+        for r in caplog.records
+    )
+    cpu._explain_weight_only.cache_clear()
