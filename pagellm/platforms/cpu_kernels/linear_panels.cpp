@@ -35,8 +35,9 @@ static_assert(kMinFixedRows <= kMaxRows, "a fixed-order block must fit a registe
 
 #if PL_PANEL_AVX2
 // Rounds a register block's float32 sums to bfloat16 rows. Out of line on purpose: inlined after the k loop,
-// its constants cost the 6-row block registers in that loop (bfloat16 outputs ran ~1.6x slower than float32
-// ones of the same shapes, model S's linears and lm_head, AVX2 AMD EPYC; out of line, the same speed).
+// it made bfloat16 outputs ~1.6x slower than float32 ones of the same shapes (model S's linears and lm_head,
+// AVX2 AMD EPYC; likely its constants taking registers the 6-row block needs in the loop); out of line,
+// the same speed.
 __attribute__((noinline)) void store_bf16_rows(const float (*sums)[kPanel], int rows, void* const* y) {
   for (int r = 0; r < rows; ++r) {
     uint16_t* dst = static_cast<uint16_t*>(y[r]);
