@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).parent / "models"))
 
@@ -23,6 +24,17 @@ def pytest_configure(config: pytest.Config) -> None:
     """The device is set for the whole session, and cpu unless asked: left to auto, a GPU machine would run
     the engines on CUDA and the references on the CPU. Engine processes the tests start inherit it."""
     os.environ["PAGELLM_DEVICE"] = config.getoption("device") or os.environ.get("PAGELLM_DEVICE") or "cpu"
+
+
+@pytest.fixture
+def two_threads():
+    """Two torch threads for this test, whatever the session has: tox runs the suite in two workers of one
+    thread each (OMP_NUM_THREADS=1), and a native kernel that splits its work across threads is checked
+    only when there are threads to split it across."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture

@@ -20,9 +20,10 @@ from pagellm.models.layers.linear import Linear
 from pagellm.platforms import cpu_kernels
 from pagellm.platforms.cpu_linear import PanelLinear
 
-pytestmark = pytest.mark.skipif(
-    cpu_kernels.load() is None, reason="batch-invariant mode needs the native kernels"
-)
+pytestmark = [
+    pytest.mark.skipif(cpu_kernels.load() is None, reason="batch-invariant mode needs the native kernels"),
+    pytest.mark.usefixtures("two_threads"),  # invariant however the kernels split their work across threads
+]
 
 SUBJECTS = 8
 PARAMS = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)

@@ -23,6 +23,8 @@ from pagellm.platforms.cpu import CpuPlatform
 from pagellm.quantization.fp8 import Fp8Method
 from pagellm.quantization.int8 import Int8Method
 
+pytestmark = pytest.mark.usefixtures("two_threads")  # the kernels split their work across threads
+
 QUANTIZED = {"int8": Int8Method, "fp8": Fp8Method}
 
 

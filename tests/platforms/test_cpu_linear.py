@@ -11,6 +11,8 @@ import torch.nn.functional as F
 from pagellm.platforms import cpu, cpu_kernels, cpu_linear
 from pagellm.platforms.cpu import CpuPlatform
 
+pytestmark = pytest.mark.usefixtures("two_threads")  # the kernels split their work across threads
+
 
 @pytest.fixture(scope="module", autouse=True)
 def kernels():

@@ -12,6 +12,8 @@ from pagellm.models.layers.recurrent_kernels import REFERENCE
 from pagellm.platforms import cpu, cpu_kernels
 from pagellm.platforms.cpu import CpuPlatform
 
+pytestmark = pytest.mark.usefixtures("two_threads")  # the kernels split their work across threads
+
 NUM_SLOTS = 7
 
 

@@ -13,6 +13,8 @@ import torch
 from pagellm.platforms import cpu, cpu_kernels
 from pagellm.quantization.int8 import Int8Method
 
+pytestmark = pytest.mark.usefixtures("two_threads")  # the kernels split their work across threads
+
 TESTS = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(TESTS / "models"), str(TESTS / "engine")]
 
