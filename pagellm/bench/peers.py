@@ -63,7 +63,9 @@ def _generate(model: Any, prompts: Sequence[list[int]], new_tokens: int, pad_id:
     )
 
 
-def run_static_batches(model: Any, workload: Workload, batch_size: int) -> ThroughputResult:
+def run_static_batches(
+    model: Any, workload: Workload, batch_size: int, name: str = "transformers"
+) -> ThroughputResult:
     pad_id = _pad_id(model)
     _generate(model, [list(range(1, 17))], 4, pad_id)  # warm-up, as pagellm gets one
     start = time.perf_counter()
@@ -74,12 +76,12 @@ def run_static_batches(model: Any, workload: Workload, batch_size: int) -> Throu
         getattr(torch, model.device.type).synchronize()
     elapsed = time.perf_counter() - start
     return ThroughputResult(
-        engine=f"transformers (batch {batch_size})",
+        engine=f"{name} (batch {batch_size})",
         num_requests=workload.num_requests,
         input_tokens=workload.input_tokens,
         output_tokens=workload.output_tokens,
         elapsed_s=elapsed,
-        extra={"batch_size": batch_size},
+        extra={"batch_size": batch_size, "dtype": str(model.dtype).removeprefix("torch.")},
     )
 
 
@@ -88,13 +90,15 @@ def run_transformers(
     workload: Workload,
     batch_sizes: Sequence[int],
     on_result: Callable[[ThroughputResult], None] | None = None,
+    name: str = "transformers",
 ) -> ThroughputResult:
     """The best (highest output tok/s) of a static-batch run per batch size; every size's rate is kept.
 
-    `on_result` sees each batch size's result as soon as it is measured."""
+    `on_result` sees each batch size's result as soon as it is measured; `name` heads each result's
+    engine name."""
     runs = []
     for batch_size in batch_sizes:
-        runs.append(run_static_batches(model, workload, batch_size))
+        runs.append(run_static_batches(model, workload, batch_size, name))
         if on_result is not None:
             on_result(runs[-1])
     best = max(runs, key=lambda r: r.output_tok_s)

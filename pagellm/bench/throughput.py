@@ -153,6 +153,7 @@ class ThroughputArgs(W1Args):
     workload: str = "W1"
     compare: Sequence[str] = ()  # peers: "transformers", "llama.cpp"
     peer_batch_sizes: Sequence[int] = (8, 16, 64)  # transformers: static batch sizes; the best one counts
+    peer_dtype: str | None = None  # transformers: the dtype to load it in; None: the run's
     llama_server: str | None = None  # llama.cpp: the llama-server executable; None: the peer is skipped
     llama_model: str | None = None  # llama.cpp: the GGUF; None: the run's model written as one, cached
     llama_slots: Sequence[int] = (8, 16, 32)  # llama.cpp: slot counts to try
@@ -201,7 +202,11 @@ def main(args: ThroughputArgs) -> dict[str, Any]:
         del plain
         gc.collect()
     if "transformers" in args.compare:
-        results["transformers"] = _run_transformers(config, requests, dtype, device, args.peer_batch_sizes)
+        peer_dtype = getattr(torch, args.peer_dtype) if args.peer_dtype else dtype
+        name = "transformers" if peer_dtype == dtype else f"transformers in {args.peer_dtype}"
+        results["transformers"] = _run_transformers(
+            config, requests, peer_dtype, device, args.peer_batch_sizes, name
+        )
     skipped = {}
     if "llama.cpp" in args.compare:
         result, reason = _run_llama_cpp(config, requests, dtype, args)
@@ -247,12 +252,14 @@ def main(args: ThroughputArgs) -> dict[str, Any]:
 
 
 def _run_transformers(
-    config: EngineConfig, requests: Workload, dtype: Any, device: Any, batch_sizes: Sequence[int]
+    config: EngineConfig, requests: Workload, dtype: Any, device: Any, batch_sizes: Sequence[int], name: str
 ) -> ThroughputResult:
+    """transformers' best static batch; `name` heads its rows (a peer in another dtype than pagellm's says
+    so in every row)."""
     from pagellm.bench.peers import load_transformers_model, run_transformers  # peers import this module
 
     peer_model = load_transformers_model(config.model, config.gguf_file, dtype, device)
-    result = run_transformers(peer_model, requests, list(batch_sizes), on_result=progress)
+    result = run_transformers(peer_model, requests, list(batch_sizes), on_result=progress, name=name)
     del peer_model
     gc.collect()
     return result

@@ -130,6 +130,13 @@ def bench() -> None:
     help="transformers: static batch sizes; the best one counts.",
 )
 @click.option(
+    "--peer-dtype",
+    type=click.Choice(["float32", "bfloat16", "float16"]),
+    default=None,
+    help="transformers: load it in this dtype (its fastest on a CPU without bfloat16 instructions is "
+    "float32). [default: the run's dtype]",
+)
+@click.option(
     "--llama-server",
     default=None,
     help="llama.cpp: the llama-server executable (a path or a name on PATH); without it the peer is skipped.",

@@ -308,7 +308,7 @@ def onednn_packs(dtype: torch.dtype) -> bool:
         packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACKED_LINEAR_BATCH_HINT)
         _onednn_linear(torch.ones(2, 16, dtype=dtype), packed, None)
     except RuntimeError as exc:
-        logger.info("oneDNN cannot prepack %s weights on this CPU (%s); linears use F.linear", dtype, exc)
+        logger.info("oneDNN cannot prepack %s weights on this CPU (%s)", dtype, exc)
         return False
     return True
 

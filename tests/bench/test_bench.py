@@ -50,13 +50,17 @@ def test_byte_tokenizer_covers_every_id():
     assert tokenizer.decode([4999]).isprintable()
 
 
-def test_throughput_against_transformers(tiny_model, tmp_path):
+@pytest.mark.parametrize("peer_dtype", [None, "bfloat16"])
+def test_throughput_against_transformers(tiny_model, tmp_path, peer_dtype):
     out = tmp_path / "result.json"
     args = ["throughput", "--model", tiny_model, *SMALL_W1]
     args += ["--compare", "transformers", "--peer-batch-sizes", "2", "--output-json", str(out), *ENGINE_ARGS]
+    if peer_dtype:  # the peer in another dtype than the run's (float32) says so in its rows
+        args += ["--peer-dtype", peer_dtype]
     result = run_bench([*args, *FLOOR_ARGS])
     assert "output tok/s" in result.output
-    assert "transformers (batch 2)" in result.output
+    name = f"transformers in {peer_dtype}" if peer_dtype else "transformers"
+    assert f"{name} (batch 2)" in result.output
     assert "of the floor" in result.output and "floor (" in result.output
     report = json.loads(out.read_text())
     pagellm, peer = report["results"]["pagellm"], report["results"]["transformers"]
@@ -64,7 +68,7 @@ def test_throughput_against_transformers(tiny_model, tmp_path):
     assert pagellm["output_tokens"] == peer["output_tokens"] == report["workload"]["output_tokens"]
     assert report["ratio"] == pytest.approx(pagellm["output_tok_s"] / peer["output_tok_s"])
     assert report["ratios"]["transformers"] == report["ratio"]
-    assert report["config"]["dtype"] == "float32"
+    assert report["config"]["dtype"] == "float32" and peer["extra"]["dtype"] == (peer_dtype or "float32")
     assert {"date", "versions"} <= set(report)
     floor = report["floor"]
     assert floor == pagellm["extra"]["floor"]

@@ -43,12 +43,12 @@ def test_list_flags_arrive_parsed():
             "off",
         ]
         + ["--llama-args", "-b 512 --mlock", "--lora-modules", "a=/x", "--json-schema", '{"type": "object"}']
-        + ["--dtype", "float32", "--model", "M"],
+        + ["--dtype", "float32", "--model", "M", "--peer-dtype", "float32"],
     )
     assert args.compare == ("transformers", "llama.cpp") and args.llama_slots == (2, 4)
     assert args.llama_flash_attn == ("off",) and args.llama_args == ("-b", "512", "--mlock")
     assert args.lora_modules == (("a", "/x"),) and args.json_schema == {"type": "object"}
-    assert args.model == "M" and args.engine["dtype"] == "float32"
+    assert args.model == "M" and args.engine["dtype"] == "float32" and args.peer_dtype == "float32"
 
 
 @pytest.mark.parametrize(
