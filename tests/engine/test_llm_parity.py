@@ -130,6 +130,22 @@ def test_compiled_forward(checkpoints, arch):
     assert_greedy_parity(llm, reference, mixed_prompts(300))
 
 
+def test_compiled_forward_is_one_graph_for_every_token_count(checkpoints):
+    """Dynamo compiles one graph at start-up and no other, a lone request's one-token decodes included (a
+    graph of its own for one token took a third of the compile time and bought no speed)."""
+    from torch._dynamo.utils import counters
+
+    path, _ = checkpoints("llama")
+    torch._dynamo.reset()  # an earlier test's graph of the same model class would be reused, not counted
+    before = counters["stats"]["unique_graphs"]
+    llm = engine(path, attention_backend="CPU_ATTN", enforce_eager=False)  # named: no timing runs compile
+    assert counters["stats"]["unique_graphs"] - before == 1
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    for batch in (1, 3):  # one-token decodes, then three-token ones beside prefills
+        llm.generate([{"prompt_token_ids": p} for p in mixed_prompts(300)[:batch]], params, use_tqdm=False)
+    assert counters["stats"]["unique_graphs"] - before == 1
+
+
 @pytest.mark.slow
 def test_compiled_forward_with_packed_linears(checkpoints):
     """bfloat16 packs the linears (oneDNN on CPU); the compile must keep them rather than fall back to
