@@ -91,6 +91,7 @@ class BenchArgs:
         if self.peak_tflops is None or self.read_gb_s is None:
             echo("measuring the matmul peak and the read bandwidth for the floor ...", err=True)
         machine = measure_machine(dtype, device, self.peak_tflops, self.read_gb_s)
+        echo(cpu_line(cpu_features()))
         echo(
             f"machine: {machine.dtype} matmul peak {machine.peak_flops / 1e12:.2f} TFLOP/s, read "
             f"{machine.read_bytes_s / 1e9:.1f} GB/s, {machine.threads} threads"
@@ -190,6 +191,53 @@ def versions() -> dict[str, str]:
     return found
 
 
+CPU_FEATURES = (
+    ("amx", "AMX", ("amx_bf16", "amx_tile")),
+    ("avx512_bf16", "AVX-512 BF16", ("avx512_bf16",)),
+    ("avx512_vnni", "AVX-512 VNNI", ("avx512_vnni",)),
+    ("avx512f", "AVX-512F", ("avx512f",)),
+    ("avx2", "AVX2", ("avx2",)),
+)
+"""(key, name, the /proc/cpuinfo flags that all must be there): the x86 features that decide which kernels
+are fast, pagellm's and llama.cpp's alike."""
+
+
+def cpu_features(cpuinfo: str | None = None) -> dict[str, Any]:
+    """The CPU's model name and which of `CPU_FEATURES` it has, from /proc/cpuinfo's text (read when not
+    given; its first processor's lines). `flags_listed` is False where there is no x86 flags line (another
+    architecture, or no /proc): the features are then unknown, not absent."""
+    if cpuinfo is None:
+        try:
+            with open("/proc/cpuinfo") as f:
+                cpuinfo = f.read()
+        except OSError:
+            cpuinfo = ""
+    fields: dict[str, str] = {}
+    for line in cpuinfo.splitlines():
+        key, sep, value = line.partition(":")
+        if sep:
+            fields.setdefault(key.strip(), value.strip())
+    flags = set(fields.get("flags", "").split())
+    model = fields.get("model name") or pyplatform.processor() or pyplatform.machine() or "unknown CPU"
+    found: dict[str, Any] = {"model": model, "flags_listed": bool(flags)}
+    found.update({key: set(needs) <= flags for key, _, needs in CPU_FEATURES})
+    return found
+
+
+def cpu_line(features: dict[str, Any]) -> str:
+    """`cpu_features` in one line: "CPU: AMD EPYC 7B13 (AVX2; no AVX-512, no AMX)"."""
+    if not features["flags_listed"]:
+        return f"CPU: {features['model']} (no x86 feature flags in /proc/cpuinfo)"
+    has = [name for key, name, _ in CPU_FEATURES if features[key]]
+    missing = [name for key, name, _ in reversed(CPU_FEATURES) if not features[key]]  # no AVX2 first
+    if not features["avx512f"]:  # then none of AVX-512: one word for the three
+        missing = [m for m in missing if not m.startswith("AVX-512")]
+        missing.insert(1 if missing[:1] == ["AVX2"] else 0, "AVX-512")
+    parts = [", ".join(has)] if has else []
+    parts += [", ".join(f"no {m}" for m in missing)] if missing else []
+    return f"CPU: {features['model']} ({'; '.join(parts)})"
+
+
 def write_json(path: str | None, command: str, config: EngineConfig, **sections: Any) -> None:
     """The run's report, if `path` is given: the command, the date, the versions, the machine, the engine
     config and `sections`."""
@@ -203,6 +251,7 @@ def write_json(path: str | None, command: str, config: EngineConfig, **sections:
             "platform": pyplatform.platform(),
             "cpus": os.cpu_count(),
             "torch_threads": torch.get_num_threads(),
+            "cpu": cpu_features(),
         },
         "config": dataclasses.asdict(config),
         **sections,

@@ -3,26 +3,32 @@
 A step counts as prefill while some request of the batch has not produced its first token yet; once all
 have, every further step is a decode step. With a `Machine`, each phase gets its floor: the work of the
 steps the engine ran in it (pagellm.bench.floor) against the measured matmul peak and read bandwidth.
-`main` is `pagellm bench latency`.
+`main` is `pagellm bench latency`; with `--compare llama.cpp` it runs llama.cpp's own benchmark on the same
+batch shape and GGUF (pagellm.bench.llama_bench) and prints its decode step and prefill rate beside pagellm's.
 """
 
 from __future__ import annotations
 
 import gc
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import numpy as np
+import torch
 
-from pagellm.bench.common import BenchArgs, echo, write_json
+from pagellm.bench import llama_bench
+from pagellm.bench.common import BenchArgs, echo, table, write_json
 from pagellm.bench.floor import Machine, format_floor
 from pagellm.bench.profile import format_profile, profile_latency
 from pagellm.bench.speculation import acceptance, format_acceptance
 from pagellm.bench.steps import StepRecord, StepRecorder
 from pagellm.bench.throughput import floor_report, make_llm, warm_up
 from pagellm.bench.workloads import copy_prompts
+from pagellm.core.errors import ConfigError
 from pagellm.engine.llm import LLM
+from pagellm.engine.setup import cache_dir
 from pagellm.sampling.params import SamplingParams
 
 
@@ -136,14 +142,22 @@ class LatencyArgs(BenchArgs):
     output_len: int = 64
     prompt_kind: Literal["random", "copy"] = "random"  # copy: requests to edit code (--input-len ignored)
     profile: bool = False  # then the batch once more with timing hooks and torch.profiler
+    compare: Sequence[str] = ()  # peers: "llama.cpp"
+    llama_bench: str | None = None  # llama.cpp: the llama-bench executable (a path or a name on PATH)
+    llama_model: str | None = None  # llama.cpp: the GGUF; None: --model if a GGUF, else it written as one
+    llama_args: Sequence[str] = ()  # llama.cpp: extra llama-bench (llama-batched-bench) arguments
 
 
 def main(args: LatencyArgs) -> dict[str, Any]:
     """Latency of one batch: prefill steps, decode step mean/p50/p99 and end-to-end time, each against its
     floor; with speculative decoding, the same batch first without it, for the speedup. Prints the
     summary, writes `args.output_json`, and returns the report's sections."""
+    llama_binary = _llama_bench_binary(args) if "llama.cpp" in args.compare else None
     config = args.engine_config()
     batch_size, input_len, output_len = args.batch_size, args.input_len, args.output_len
+    llama_skipped = llama_bench.unavailable(llama_binary, batch_size) if llama_binary else None
+    if llama_skipped:
+        echo(f"llama.cpp peer will be skipped: {llama_skipped}", err=True)
 
     def prompts_for(llm):
         return copy_prompts(llm.engine.tokenizer, batch_size) if args.prompt_kind == "copy" else None
@@ -186,8 +200,78 @@ def main(args: LatencyArgs) -> dict[str, Any]:
             echo(f"top ops over {breakdown['op_table_steps']} decode steps (torch.profiler):")
             echo(breakdown["op_table"])
         sections["profile"] = {k: v for k, v in breakdown.items() if k != "op_table"}
+    if llama_skipped:
+        sections["skipped"] = {"llama.cpp": llama_skipped}
+        echo(f"llama.cpp: skipped ({llama_skipped})")
+    elif llama_binary is not None:
+        dtype_name = str(llm.engine.setup.dtype).removeprefix("torch.")
+        del llm  # its memory back before the peer runs
+        gc.collect()
+        gguf = llama_bench.gguf_for_latency(config, args.llama_model, dtype_name, str(cache_dir()))
+        peer, why = llama_bench.run_llama_bench(
+            llama_binary, gguf, batch_size, input_len, output_len, torch.get_num_threads(), args.llama_args
+        )
+        if peer is None:
+            sections["skipped"] = {"llama.cpp": why}
+            echo(f"llama.cpp: skipped ({why})")
+        else:
+            sections["results"]["llama.cpp"] = peer
+            sections["ratios"] = {"llama.cpp": _ratios(result, peer)}
+            echo("\n".join(_peer_lines(result, peer, sections["ratios"]["llama.cpp"])))
     write_json(args.output_json, "latency", config, **sections)
     return sections
+
+
+def _llama_bench_binary(args: LatencyArgs) -> str:
+    """The llama-bench to run, checked before anything else runs."""
+    from pagellm.bench.llama_cpp import find_binary
+
+    if not args.llama_bench:
+        raise ConfigError(
+            "--compare llama.cpp needs --llama-bench PATH (llama.cpp's llama-bench; build it from "
+            "github.com/ggml-org/llama.cpp, e.g. with shared/bench/build_llamacpp.sh)"
+        )
+    path = find_binary(args.llama_bench)
+    if path is None:
+        raise ConfigError(f"--llama-bench {args.llama_bench}: not an executable file, nor found on PATH")
+    return path
+
+
+def _ratios(result: dict[str, Any], peer: dict[str, Any]) -> dict[str, float | None]:
+    """Both above 1 where pagellm is faster: llama.cpp's step over pagellm's, pagellm's prefill rate over
+    llama.cpp's."""
+    prefill = result["prefill_tok_s"]
+    return {
+        "decode_step": peer["decode_step_mean_ms"] / result["decode_step_mean_ms"],
+        "prefill_tok_s": prefill / peer["prefill_tok_s"] if prefill else None,
+    }
+
+
+PEER_COLUMNS = (
+    ("engine", "engine", "{}"),
+    ("decode step mean ms", "decode_step_mean_ms", "{:.2f}"),
+    ("p50 ms", "decode_step_p50_ms", "{:.2f}"),
+    ("p99 ms", "decode_step_p99_ms", "{:.2f}"),
+    ("prefill tok/s", "prefill_tok_s", "{:.1f}"),
+)
+
+
+def _peer_lines(result: dict[str, Any], peer: dict[str, Any], ratios: dict[str, float | None]) -> list[str]:
+    """pagellm's and llama.cpp's numbers side by side, and the ratios."""
+    runs = "one run" if peer["repetitions"] == 1 else f"mean of {peer['repetitions'] or '?'} runs"
+    rows = [{**result, "engine": "pagellm"}, {**peer, "engine": f"llama.cpp ({peer['tool']}, {runs})"}]
+    lines = [table(rows, PEER_COLUMNS)]
+    lines.append(
+        f"decode step: llama.cpp {peer['decode_step_mean_ms']:.2f} ms / pagellm "
+        f"{result['decode_step_mean_ms']:.2f} ms = {ratios['decode_step']:.2f}x (above 1: pagellm is faster)"
+    )
+    if ratios["prefill_tok_s"] is not None:
+        lines.append(
+            f"prefill: pagellm {result['prefill_tok_s']:.1f} / llama.cpp {peer['prefill_tok_s']:.1f} prompt "
+            f"tok/s = {ratios['prefill_tok_s']:.2f}x (above 1: pagellm is faster)"
+        )
+    lines.append(f"llama.cpp ran {peer['gguf']}")
+    return lines
 
 
 def _summary(result: dict[str, Any]) -> list[str]:

@@ -50,7 +50,7 @@ from typing import Any
 
 import numpy as np
 
-from pagellm.bench.common import BenchArgs, echo, table, write_json
+from pagellm.bench.common import BenchArgs, cpu_features, cpu_line, echo, table, write_json
 from pagellm.bench.process import quiet_httpx
 from pagellm.bench.serve import ServerProcess
 from pagellm.core.config import EngineConfig
@@ -885,6 +885,7 @@ def main(args: SoakArgs) -> dict[str, Any]:
     summary and the checks; write `args.output_json` and `args.csv_path`; raise SoakFailed if a check
     failed."""
     config = args.engine_config()
+    echo(cpu_line(cpu_features()))  # the other commands print it with the floor's machine
     memory = None
     with contextlib.ExitStack() as stack:
         base_url = args.base_url

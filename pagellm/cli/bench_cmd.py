@@ -205,10 +205,36 @@ def throughput(**params) -> None:
     help="Then run the batch once more with timing hooks: a decode (and prefill) step split into "
     "attention, linears, lm_head, sampling, other layers and Python, and torch.profiler's top ops.",
 )
+@click.option(
+    "--compare",
+    multiple=True,
+    callback=comma_choices("peer", "llama.cpp"),
+    help="Also run llama.cpp's own benchmark on the same batch shape and GGUF: llama-bench for batch 1, "
+    "llama-batched-bench (beside llama-bench) for larger batches.",
+)
+@click.option(
+    "--llama-bench",
+    default=None,
+    help="llama.cpp: the llama-bench executable (a path or a name on PATH); --compare llama.cpp needs it.",
+)
+@click.option(
+    "--llama-model",
+    type=click.Path(exists=True, dir_okay=False),
+    default=None,
+    help="llama.cpp: the GGUF to run. [default: --model if it is a GGUF file, else the run's model written "
+    "as a GGUF in the run's dtype, cached]",
+)
+@click.option(
+    "--llama-args",
+    default="",
+    callback=lambda ctx, param, value: tuple(shlex.split(value)),
+    help="llama.cpp: extra llama-bench (or llama-batched-bench) arguments (one string).",
+)
 @_common_options
 def latency(**params) -> None:
     """Latency of one batch: prefill steps, decode step mean/p50/p99 and end-to-end time, each against its
-    floor. With --speculative-config, the same batch runs first without speculation, for the speedup."""
+    floor. With --speculative-config, the same batch runs first without speculation, for the speedup. With
+    --compare llama.cpp, llama.cpp's decode step and prefill rate on the same shape, and the ratios."""
     latency_bench.main(bench_args(latency_bench.LatencyArgs, params))
 
 
