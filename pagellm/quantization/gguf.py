@@ -1,14 +1,23 @@
-"""`gguf`: llama.cpp's block formats kept quantized in memory and dequantized for each matmul.
+"""`gguf`: llama.cpp's block formats kept quantized in memory, the file's bytes as they are.
 
 The GGUF loader hands each linear weight over as two tensors: `<layer>.qweight`, the tensor's bytes as
 uint8 [rows, bytes per row] in Hugging Face row order, and `<layer>.qweight_type`, its GGML type number.
 A fused layer (q/k/v, gate/up) keeps one buffer per checkpoint tensor, since llama.cpp may give each a
-different type. Compute dequantizes each part into the activation dtype (vectorised torch, any device)
-and multiplies; Q4_0, Q4_1, Q8_0 and the float types F32, F16, BF16 are read.
+different type.
+
+Compute, per part, the first that applies:
+- on CPU, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K are multiplied in place by the native kernel
+  (`platforms.cpu_gguf`): x quantized to int8 in groups of 32, as llama.cpp does, integer dot products;
+  a fused layer's parts in one call;
+- elsewhere Q4_0, Q4_1, Q8_0 and the float types are dequantized for each matmul (vectorised torch, any
+  device);
+- any other type gguf-py can read (Q2_K, Q3_K, the K-quants off CPU, IQ types) is dequantized once at load
+  into the model's dtype, which the log says with the memory it costs.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -20,7 +29,10 @@ from torch import nn
 from pagellm.core.errors import ConfigError
 from pagellm.core.platform import DTYPE_VIEWS
 from pagellm.core.quant import QuantMethod
+from pagellm.platforms import cpu_gguf
 from pagellm.plugins.hookspecs import hookimpl
+
+logger = logging.getLogger("pagellm")
 
 PAGELLM_PLUGIN_API = "1.3"
 
@@ -89,45 +101,116 @@ class GgufMethod(QuantMethod):
     ) -> None:
         # Placeholders: sizes depend on each tensor's type, known only when it arrives.
         layer.gguf_parts = {"qweight": {}, "qweight_type": {}}
+        layer.gguf_dtype = params_dtype
         for kind in layer.gguf_parts:
             param = nn.Parameter(torch.empty(0, dtype=torch.uint8), requires_grad=False)
             param.weight_loader = partial(_collect, layer.gguf_parts[kind])
             layer.register_parameter(kind, param)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
+        """Each part as `qweight_{i}` (the file's bytes) with its compute path in `gguf_paths[i]`: "kernel"
+        (the CPU kernel), "torch" (dequantized per matmul) or "dense" (dequantized here, `qweight_{i}` then
+        holds the weight in the model's dtype)."""
         parts = layer.gguf_parts
         device = layer.qweight.device
-        layer.qweight_types = []
+        layer.qweight_types, layer.gguf_paths = [], []
         for shard, rows in enumerate(layer.output_sizes):
             if shard not in parts["qweight"] or shard not in parts["qweight_type"]:
                 raise ConfigError(
                     f"the GGUF weights lack part {shard} of a layer with parts {layer.output_sizes}"
                 )
             raw, type_id = parts["qweight"][shard], int(parts["qweight_type"][shard])
-            ggml = GGML_TYPES.get(type_id)
-            if ggml is None:
-                supported = ", ".join(t.name for t in GGML_TYPES.values())
+            name = _type_name(type_id)
+            block_size, block_bytes = _layout(type_id)
+            expected = (rows, layer.in_features // block_size * block_bytes)
+            if layer.in_features % block_size or tuple(raw.shape) != expected:
                 raise ConfigError(
-                    f"GGUF tensor type {type_id} is not supported by --quantization gguf (supported: "
-                    f"{supported}); load the file without --quantization to dequantize it at load time"
-                )
-            expected = (rows, layer.in_features // ggml.block_size * ggml.block_bytes)
-            if layer.in_features % ggml.block_size or tuple(raw.shape) != expected:
-                raise ConfigError(
-                    f"a {ggml.name} GGUF tensor of {tuple(raw.shape)} bytes does not fit a [{rows}, "
+                    f"a {name} GGUF tensor of {tuple(raw.shape)} bytes does not fit a [{rows}, "
                     f"{layer.in_features}] weight; the config does not match the weights"
                 )
+            path = _compute_path(type_id, device)
+            if path == "dense":
+                raw = _dequantize_at_load(raw, type_id, layer.gguf_dtype)
             layer.register_buffer(f"qweight_{shard}", raw.to(device))
             layer.qweight_types.append(type_id)
+            layer.gguf_paths.append(path)
+        layer.gguf_kernel_only = all(path == "kernel" for path in layer.gguf_paths)
         del layer.qweight, layer.qweight_type, layer.gguf_parts
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        parts = [
-            F.linear(x, dequantize(getattr(layer, f"qweight_{shard}"), type_id, x.dtype))
-            for shard, type_id in enumerate(layer.qweight_types)
-        ]
-        y = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+        weights = [getattr(layer, f"qweight_{shard}") for shard in range(len(layer.qweight_types))]
+        if layer.gguf_kernel_only and x.dtype in _KERNEL_DTYPES:
+            y = cpu_gguf.linear(x, weights, layer.qweight_types)
+        else:
+            y = torch.cat(
+                [
+                    _part(x, w, type_id, path)
+                    for w, type_id, path in zip(weights, layer.qweight_types, layer.gguf_paths, strict=True)
+                ],
+                dim=-1,
+            )
         return y if bias is None else y + bias
+
+
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _part(x: torch.Tensor, weight: torch.Tensor, type_id: int, path: str) -> torch.Tensor:
+    """One part's x @ W^T outside the fused kernel call."""
+    if path == "dense":
+        return F.linear(x, weight.to(x.dtype))
+    if path == "kernel" and x.dtype in _KERNEL_DTYPES:
+        return cpu_gguf.linear(x, [weight], [type_id])
+    if path == "kernel":
+        return F.linear(x, cpu_gguf.dequantize(weight, type_id).to(x.dtype))
+    return F.linear(x, dequantize(weight, type_id, x.dtype))
+
+
+def _compute_path(type_id: int, device: torch.device) -> str:
+    if device.type == "cpu" and cpu_gguf.has_kernel(type_id):
+        return "kernel"
+    return "torch" if type_id in GGML_TYPES else "dense"
+
+
+def _type_name(type_id: int) -> str:
+    from gguf import GGMLQuantizationType
+
+    try:
+        return GGMLQuantizationType(type_id).name
+    except ValueError:
+        raise ConfigError(f"GGUF tensor type {type_id} is not a GGML type this gguf package knows") from None
+
+
+def _layout(type_id: int) -> tuple[int, int]:
+    """(weights per block, bytes per block) of a GGML type."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    return GGML_QUANT_SIZES[GGMLQuantizationType(type_id)]
+
+
+_dense_types_logged: set[int] = set()
+
+
+def _dequantize_at_load(raw: torch.Tensor, type_id: int, dtype: torch.dtype) -> torch.Tensor:
+    """A part with no in-place path here, widened once by gguf-py (said once per type)."""
+    from gguf import GGMLQuantizationType, quants
+
+    name = _type_name(type_id)
+    try:
+        values = quants.dequantize(raw.numpy(), GGMLQuantizationType(type_id))
+    except NotImplementedError:
+        raise ConfigError(f"GGUF tensor type {name} cannot be read (gguf-py cannot dequantize it)") from None
+    if type_id not in _dense_types_logged:
+        _dense_types_logged.add(type_id)
+        block_size, block_bytes = _layout(type_id)
+        logger.info(
+            "gguf: %s weights have no in-place kernel on this device; dequantized at load to %s (%.1fx "
+            "their file size)",
+            name,
+            str(dtype).removeprefix("torch."),
+            dtype.itemsize * block_size / block_bytes,
+        )
+    return torch.from_numpy(values).to(dtype)
 
 
 def _collect(store: dict[int, torch.Tensor], param: nn.Parameter, tensor: torch.Tensor, shard: int | None):

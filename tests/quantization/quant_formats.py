@@ -245,3 +245,85 @@ def plain_linear_bytes(model: torch.nn.Module) -> int:
         for name, m in model.named_modules()
         if name.split(".")[-1].endswith(("proj", "fc1", "fc2")) and ".layers." in name
     )
+
+
+def k_quantize(weight: torch.Tensor, ggml_type) -> torch.Tensor:
+    """A float weight [out, in] (in a multiple of 256) in llama.cpp's Q4_K, Q5_K or Q6_K blocks, uint8 [out,
+    bytes per row]: round to nearest with each block's scales from its groups' ranges (gguf-py reads these
+    types but cannot write them). Written from the format's description, not from pagellm's kernel."""
+    import numpy as np
+    from gguf import GGMLQuantizationType as T
+
+    rows = weight.shape[0]
+    v = weight.double().numpy().reshape(-1, 256)
+    half = lambda a: np.asarray(a, np.float16)  # noqa: E731
+    if ggml_type in (T.Q4_K, T.Q5_K):
+        levels = 15 if ggml_type == T.Q4_K else 31
+        g = v.reshape(-1, 8, 32)
+        low = np.minimum(g.min(-1), 0)
+        scale, minimum = (g.max(-1) - low) / levels, -low
+        d, dmin = half(scale.max(-1) / 63), half(minimum.max(-1) / 63)
+        df, dminf = d.astype(np.float64)[:, None], dmin.astype(np.float64)[:, None]
+        sc = np.clip(np.round(np.divide(scale, df, out=np.zeros_like(scale), where=df > 0)), 0, 63).astype(
+            np.uint8
+        )
+        mn = np.clip(np.round(np.divide(minimum, dminf, out=np.zeros_like(minimum), where=dminf > 0)), 0, 63)
+        mn = mn.astype(np.uint8)
+        step = (df * sc)[..., None]
+        q = np.divide(g + (dminf * mn)[..., None], step, out=np.zeros_like(g), where=step > 0)
+        q = np.clip(np.round(q), 0, levels).astype(np.uint8)
+        packed = np.zeros((v.shape[0], 12), np.uint8)
+        packed[:, 0:4] = sc[:, :4] | ((sc[:, 4:] >> 4) << 6)
+        packed[:, 4:8] = mn[:, :4] | ((mn[:, 4:] >> 4) << 6)
+        packed[:, 8:12] = (sc[:, 4:] & 0xF) | ((mn[:, 4:] & 0xF) << 4)
+        nibbles = (q & 0xF).reshape(-1, 4, 2, 32)
+        qs = (nibbles[:, :, 0] | (nibbles[:, :, 1] << 4)).reshape(-1, 128)
+        parts = [d.reshape(-1, 1).view(np.uint8), dmin.reshape(-1, 1).view(np.uint8), packed]
+        if ggml_type == T.Q5_K:
+            high = (q >> 4) & 1  # [blocks, group, l] -> byte l holds group g's bit at g
+            parts.append((high << np.arange(8, dtype=np.uint8)[None, :, None]).sum(1).astype(np.uint8))
+        blocks = np.concatenate([*parts, qs], axis=1)
+    elif ggml_type == T.Q6_K:
+        g = v.reshape(-1, 16, 16)
+        scale = np.abs(g).max(-1) / 31
+        d = half(scale.max(-1) / 127)
+        df = d.astype(np.float64)[:, None]
+        sc = np.clip(np.round(np.divide(scale, df, out=np.zeros_like(scale), where=df > 0)), -128, 127)
+        step = (df * sc)[..., None]
+        q = np.divide(g, step, out=np.zeros_like(g), where=step != 0)
+        q = (np.clip(np.round(q), -32, 31) + 32).astype(np.uint8).reshape(-1, 8, 32)  # groups of 32
+        ql, qh = np.zeros((v.shape[0], 128), np.uint8), np.zeros((v.shape[0], 64), np.uint8)
+        for group in range(8):
+            h, u = divmod(group, 4)
+            byte = 64 * h + 32 * (u % 2)
+            ql[:, byte : byte + 32] |= (q[:, group] & 0xF) << (4 * (u // 2))
+            qh[:, 32 * h : 32 * h + 32] |= (q[:, group] >> 4) << (2 * u)
+        blocks = np.concatenate(
+            [ql, qh, sc.astype(np.int8).view(np.uint8), d.reshape(-1, 1).view(np.uint8)], 1
+        )
+    else:
+        raise ValueError(f"k_quantize writes Q4_K, Q5_K and Q6_K, not {ggml_type!r}")
+    return torch.from_numpy(np.ascontiguousarray(blocks.reshape(rows, -1)))
+
+
+def random_blocks(ggml_type, rows: int, columns: int, seed: int = 0, scale: float = 0.02):
+    """Rows of `ggml_type` blocks with random codes and sub-scales and finite float16 scales: every byte
+    pattern is a valid block once its float16 fields are."""
+    import numpy as np
+    from gguf import GGML_QUANT_SIZES, quants
+    from gguf import GGMLQuantizationType as T
+
+    half_fields = {
+        T.Q4_0: (0, 1), T.Q4_1: (0, 2), T.Q5_0: (0, 1), T.Q5_1: (0, 2), T.Q8_0: (0, 1),
+        T.Q2_K: (80, 2), T.Q3_K: (108, 1), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208, 1),
+    }  # fmt: skip
+    rng = np.random.default_rng(seed)
+    block, size = GGML_QUANT_SIZES[ggml_type]
+    if ggml_type in (T.F32, T.F16, T.BF16):
+        values = rng.standard_normal((rows, columns)).astype(np.float32)
+        return np.ascontiguousarray(quants.quantize(values, ggml_type)).view(np.uint8)
+    raw = rng.integers(0, 256, size=(rows, columns // block, size), dtype=np.uint8)
+    start, count = half_fields[ggml_type]
+    halves = (rng.standard_normal((rows, columns // block, count)) * scale).astype(np.float16)
+    raw[..., start : start + 2 * count] = halves.view(np.uint8)
+    return raw.reshape(rows, -1)

@@ -12,20 +12,29 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from gguf import GGML_QUANT_SIZES, quants
 from gguf import GGMLQuantizationType as T
-from gguf import quants
 
 TESTS = Path(__file__).parents[1]
 sys.path[:0] = [str(TESTS / "models"), str(TESTS / "engine"), str(Path(__file__).parent)]
 from models_harness import load_pagellm  # noqa: E402
 from parity import Reference, assert_greedy_parity, mixed_prompts  # noqa: E402
-from quant_formats import plain_linear_bytes, quantized_layers, quantized_linear_bytes, write_quantized  # noqa: E402
+from quant_formats import (  # noqa: E402
+    k_quantize,
+    plain_linear_bytes,
+    quantized_layers,
+    quantized_linear_bytes,
+    random_blocks,
+    write_quantized,
+)
 from tiny import make_tiny_checkpoint  # noqa: E402
 
 from pagellm import LLM  # noqa: E402
 from pagellm.core.errors import ConfigError  # noqa: E402
 from pagellm.models.loader import model_weight_bytes  # noqa: E402
+from pagellm.platforms import cpu_gguf  # noqa: E402
 from pagellm.quantization.gguf import GgufMethod, dequantize  # noqa: E402
+from pagellm.sampling.params import SamplingParams  # noqa: E402
 
 TYPES = [T.Q4_0, T.Q8_0, T.Q4_1, T.F16, T.BF16, T.F32]
 
@@ -92,11 +101,103 @@ def test_q4_0_weights_take_about_a_quarter_of_bfloat16(tmp_path):
     assert model_weight_bytes(quant) < model_weight_bytes(plain)
 
 
-def test_unsupported_types_are_refused_with_the_supported_list(tmp_path):
-    src = make_tiny_checkpoint("llama", tmp_path)
-    write_quantized(src, tmp_path / "q", gguf_quantizer([T.Q5_0]), {"quant_method": "gguf"})
-    with pytest.raises(ConfigError, match="Q4_0, Q4_1, Q8_0"):
-        load_pagellm(tmp_path / "q", quant_method=GgufMethod())
+def k_quantizer(types):
+    """Quantize each weight to the next K-quant of `types` (llama.cpp's Q4_K_M files mix Q4_K and Q6_K)."""
+    cycle = itertools.cycle(types)
+
+    def quantize(weight: torch.Tensor):
+        ggml_type = next(cycle)
+        raw = k_quantize(weight, ggml_type)
+        saved = {"qweight": raw, "qweight_type": torch.tensor(int(ggml_type))}
+        return saved, torch.from_numpy(quants.dequantize(raw.numpy(), ggml_type))
+
+    return quantize
+
+
+K_TYPES = [T.Q4_K, T.Q6_K, T.Q5_K]
+WIDE = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2)
+
+
+@pytest.fixture(scope="module")
+def k_checkpoint(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gguf-k")
+    src = make_tiny_checkpoint("qwen2", root, **WIDE)
+    dst = root / "quantized"
+    return dst, write_quantized(src, dst, k_quantizer(K_TYPES), {"quant_method": "gguf"})
+
+
+def test_k_quants_stay_packed_at_their_file_size(k_checkpoint):
+    quantized, _ = k_checkpoint
+    model = load_pagellm(quantized, torch.bfloat16, quant_method=GgufMethod())
+    layers = quantized_layers(model)
+    kernel = cpu_gguf.available()
+    sizes = {int(t): GGML_QUANT_SIZES[t] for t in K_TYPES}
+    expected = 0
+    for layer in layers.values():
+        assert layer.gguf_paths == ["kernel" if kernel else "dense"] * len(layer.output_sizes)
+        expected += sum(
+            rows * layer.in_features // sizes[t][0] * sizes[t][1]
+            for rows, t in zip(layer.output_sizes, layer.qweight_types, strict=True)
+        )
+    if kernel:  # the file's bytes, nothing widened
+        assert quantized_linear_bytes(model) == expected
+
+
+def test_k_quants_greedy_outputs_equal_transformers_on_dequantized_weights(k_checkpoint):
+    quantized, dequantized = k_checkpoint
+    llm = LLM(str(quantized), dtype="float32", num_kv_blocks=200, max_model_len=400, quantization="gguf")
+    assert_greedy_parity(llm, Reference(dequantized, 8), mixed_prompts(300)[:8])
+
+
+def test_k_quants_in_bfloat16_stay_close_to_the_dequantized_model(k_checkpoint):
+    """bfloat16 runs quantize activations to int8 groups (as llama.cpp does): the logits' drift from the
+    dequantized weights' float32 logits is reported, and bounded by bfloat16's own."""
+    quantized, dequantized = k_checkpoint
+    prompt = list(range(5, 40))
+    drift = {}
+    for name, path, quant in [("gguf", quantized, "gguf"), ("bf16", dequantized, None)]:
+        llm = LLM(str(path), dtype="bfloat16", num_kv_blocks=64, max_model_len=128, quantization=quant)
+        params = SamplingParams(temperature=0, max_tokens=1, logprobs=8)
+        out = llm.generate([{"prompt_token_ids": prompt}], params)[0].outputs[0]
+        drift[name] = {t: lp.logprob for t, lp in out.logprobs[0].items()}
+        del llm
+    reference = Reference(dequantized, 1).logprobs(prompt)
+    errors = {
+        name: max(abs(lp - float(reference[t])) for t, lp in lps.items()) for name, lps in drift.items()
+    }
+    print(
+        f"top-8 logprob drift from float32: int8 activations {errors['gguf']:.4f}, bf16 {errors['bf16']:.4f}"
+    )
+    assert errors["gguf"] < max(4 * errors["bf16"], 0.05)
+
+
+def test_types_without_a_kernel_are_dequantized_at_load_and_unknown_ones_refused(tmp_path, caplog):
+    src = make_tiny_checkpoint("llama", tmp_path, **WIDE)
+
+    def q2_k(weight: torch.Tensor):  # gguf-py cannot write Q2_K: random blocks of the weight's shape
+        raw = random_blocks(T.Q2_K, weight.shape[0], weight.shape[1], scale=0.002)
+        saved = {"qweight": torch.from_numpy(raw), "qweight_type": torch.tensor(int(T.Q2_K))}
+        return saved, torch.from_numpy(quants.dequantize(raw, T.Q2_K))
+
+    dequantized = write_quantized(src, tmp_path / "q", q2_k, {"quant_method": "gguf"})
+    with caplog.at_level("INFO", logger="pagellm"):
+        model = load_pagellm(tmp_path / "q", quant_method=GgufMethod())
+    assert "Q2_K weights have no in-place kernel" in caplog.text
+    reference = load_pagellm(dequantized)
+    for name, layer in quantized_layers(model).items():
+        assert layer.gguf_paths == ["dense"] * len(layer.output_sizes)
+        got = layer.quant_method.apply(layer, torch.eye(layer.in_features)).t()
+        assert torch.equal(got, reference.get_submodule(name).weight), name
+
+    def unknown(weight: torch.Tensor):
+        return {
+            "qweight": torch.zeros(weight.shape[0], 4, dtype=torch.uint8),
+            "qweight_type": torch.tensor(99),
+        }, weight
+
+    write_quantized(src, tmp_path / "u", unknown, {"quant_method": "gguf"})
+    with pytest.raises(ConfigError, match="type 99"):
+        load_pagellm(tmp_path / "u", quant_method=GgufMethod())
 
 
 @pytest.mark.slow

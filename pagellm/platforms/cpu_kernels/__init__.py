@@ -36,6 +36,7 @@ SOURCES = (
     "argmax.cpp",
     "fused_moe.cpp",
     "linear_panels.cpp",
+    "gguf_linear.cpp",
     "recurrent.cpp",
     "ops.cpp",
 )
@@ -51,6 +52,8 @@ OPS = (
     "argmax_rows",
     "store_kv",
     "isa",
+    "gguf_dequantize",
+    "gguf_kernel_type",
     "fused_moe_isa",
     "begin_native_step",
     "end_native_step",

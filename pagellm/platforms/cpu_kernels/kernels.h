@@ -36,6 +36,11 @@ at::Tensor cpu_fused_moe(const at::Tensor& hidden, const at::Tensor& topk_weight
                          double swiglu_limit);
 std::string fused_moe_isa();
 
+// gguf_linear.cpp
+at::Tensor gguf_linear(const at::Tensor& input, at::TensorList parts, at::IntArrayRef types);
+at::Tensor gguf_dequantize(const at::Tensor& raw, int64_t type);
+bool gguf_kernel_type(int64_t type);
+
 // linear_panels.cpp
 at::Tensor cpu_panel_linear(const at::Tensor& input, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
                             int64_t out_features, bool fixed_order, const c10::optional<at::Tensor>& scale);

@@ -102,11 +102,12 @@ at::Tensor cpu_attention(const at::Tensor& q, const at::Tensor& k, const at::Ten
 
 // The compiled graph reaches these through the dispatcher; their schemas, with the fake implementations
 // torch.compile traces, are defined in Python (platforms/cpu.py, platforms/cpu_moe.py,
-// platforms/cpu_linear.py, attention_backends/cpu_attn.py), so this build only adds the CPU implementations.
+// platforms/cpu_linear.py, platforms/cpu_gguf.py, attention_backends/cpu_attn.py), so this build only adds the CPU implementations.
 TORCH_LIBRARY_IMPL(pagellm, CPU, m) {
   m.impl("amx_linear", TORCH_FN(amx_linear));
   m.impl("cpu_fused_moe", TORCH_FN(cpu_fused_moe));
   m.impl("cpu_panel_linear", TORCH_FN(cpu_panel_linear));
+  m.impl("gguf_linear", TORCH_FN(gguf_linear));
   m.impl("cpu_attention", TORCH_FN(cpu_attention));
 }
 
@@ -127,6 +128,8 @@ TORCH_LIBRARY(TORCH_EXTENSION_NAME, m) {
   m.def("argmax_rows(Tensor logits) -> Tensor", TORCH_FN(argmax_rows));
   m.def("store_kv(Tensor(a!) kv_cache, Tensor k, Tensor v, Tensor slots) -> ()", TORCH_FN(store_kv));
   m.def("isa() -> str", TORCH_FN(isa));
+  m.def("gguf_dequantize(Tensor raw, int type) -> Tensor", TORCH_FN(gguf_dequantize));
+  m.def("gguf_kernel_type(int type) -> bool", TORCH_FN(gguf_kernel_type));
   m.def("fused_moe_isa() -> str", TORCH_FN(fused_moe_isa));
   m.def("begin_native_step(Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, Tensor slots, "
         "Tensor[] kv_caches, int[] kinds, float[] scales, int[] windows, Tensor[] reqs, int[] partitions, "

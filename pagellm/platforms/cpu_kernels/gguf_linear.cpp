@@ -1,0 +1,662 @@
+// Linear layers on llama.cpp's block formats (GGUF), read in place: the weight stays the file's bytes, one
+// row of blocks per output feature ([N, bytes per row] uint8), and is never widened in memory.
+//
+// bfloat16 x is quantized to int8 in groups of 32 (a float32 scale max|x| / 127 per group, as llama.cpp
+// quantizes activations for its quantized matmuls; bfloat16 has 8 bits of mantissa to begin with) and
+// multiplied with each weight group in integer sums: 32 weights' products in three AVX2 instructions
+// (maddubs, madd, convert) instead of widening the weights to float for FMAs, which at batch 1 made the step
+// compute-bound (two cores unpack ~25 G weights/s into floats, against ~30 G/s of Q4 weights that memory
+// delivers). float32 x keeps its values and takes the float products (the results of x @ the dequantized
+// weights up to the order of the sums), for runs that asked for float32's precision.
+//
+// Every format is described by the same per-group form, so one loop serves them all:
+//
+//   sum over a group of 32:  a_lo * S_lo + a_hi * S_hi + b_lo * X_lo + b_hi * X_hi
+//
+// where S_lo / S_hi are the sums of the weights' codes times x over the group's first and second 16
+// elements (int8 x: dx times the integer sums), a_* the weight scales of those halves, b_* the weight
+// offsets (a Q4_0 code c means (c - 8) d: b = -8 d; Q4_K's minimum: b = -dmin m) and X_* the sums of x over
+// the halves, computed once per call. Q8_0's codes are signed: its integer products take the sign trick
+// (|w| times x with w's sign) and no offset.
+//
+// Work split: output features in one contiguous run per thread (each thread streams its rows of blocks in
+// memory order); x's quantized rows (a prefill chunk's fit L2) are read for every weight row, in tiles of up
+// to kTile rows that share one unpacking of each weight group.
+//
+// `gguf_dequantize` widens rows to float32 exactly as gguf-py's numpy code does (the same float32 operations
+// in the same order, no fused multiply-adds), for the tests and for layers that need the float weight.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "kernels.h"
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define GG_AVX2 1
+#else
+#define GG_AVX2 0
+#endif
+
+namespace {
+
+// GGML type numbers (gguf.GGMLQuantizationType).
+enum Type : int64_t {
+  kF32 = 0, kF16 = 1, kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8,
+  kQ2_K = 10, kQ3_K = 11, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14, kBF16 = 30,
+};
+
+constexpr int64_t kGroup = 32;  // x is quantized in groups of 32; every block is a whole number of groups
+constexpr int kTile = 4;        // x rows that share one unpacking of a weight group
+
+struct Layout {
+  int64_t block;  // weights per block
+  int64_t bytes;  // bytes per block
+};
+
+bool layout_of(int64_t type, Layout* out) {
+  switch (type) {
+    case kF32: *out = {1, 4}; return true;
+    case kF16: *out = {1, 2}; return true;
+    case kBF16: *out = {1, 2}; return true;
+    case kQ4_0: *out = {32, 18}; return true;
+    case kQ4_1: *out = {32, 20}; return true;
+    case kQ5_0: *out = {32, 22}; return true;
+    case kQ5_1: *out = {32, 24}; return true;
+    case kQ8_0: *out = {32, 34}; return true;
+    case kQ2_K: *out = {256, 84}; return true;
+    case kQ3_K: *out = {256, 110}; return true;
+    case kQ4_K: *out = {256, 144}; return true;
+    case kQ5_K: *out = {256, 176}; return true;
+    case kQ6_K: *out = {256, 210}; return true;
+    default: return false;
+  }
+}
+
+// Types the integer kernel reads (the float ones and Q2_K/Q3_K are dequantized by the caller instead).
+bool has_kernel(int64_t type) {
+  switch (type) {
+    case kQ4_0: case kQ4_1: case kQ5_0: case kQ5_1: case kQ8_0: case kQ4_K: case kQ5_K: case kQ6_K: return true;
+    default: return false;
+  }
+}
+
+inline float half_to_float(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  // IEEE half -> float, exact (subnormals, infinities and NaN included)
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16;
+  uint32_t exp = (h >> 10) & 0x1f, mant = h & 0x3ff, bits;
+  if (exp == 0) {
+    if (mant == 0) {
+      bits = sign;
+    } else {
+      int e = -1;
+      do { ++e, mant <<= 1; } while (!(mant & 0x400));
+      bits = sign | static_cast<uint32_t>(127 - 15 - e) << 23 | (mant & 0x3ff) << 13;
+    }
+  } else if (exp == 0x1f) {
+    bits = sign | 0x7f800000u | mant << 13;
+  } else {
+    bits = sign | (exp + 127 - 15) << 23 | mant << 13;
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+inline float bf16_bits_to_float(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  const uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+// Q4_K / Q5_K: the 8 six-bit scales and minimums packed in 12 bytes.
+inline void k4_scales(const uint8_t* s, uint8_t sc[8], uint8_t mn[8]) {
+  for (int j = 0; j < 4; ++j) {
+    sc[j] = s[j] & 63, mn[j] = s[j + 4] & 63;
+    sc[j + 4] = (s[j + 8] & 0xf) | ((s[j] >> 6) << 4);
+    mn[j + 4] = (s[j + 8] >> 4) | ((s[j + 4] >> 6) << 4);
+  }
+}
+
+// Q3_K: 16 six-bit scales (biased by 32) packed in 12 bytes.
+inline void k3_scales(const uint8_t* s, int8_t out[16]) {
+  for (int j = 0; j < 16; ++j) {
+    const int low = (s[j % 8] >> (4 * (j / 8))) & 0xf;
+    const int high = (s[8 + j % 4] >> (2 * (j / 4))) & 3;
+    out[j] = static_cast<int8_t>((low | high << 4) - 32);
+  }
+}
+
+// ---- exact dequantization (gguf-py's numpy order) ---------------------------------------------------------
+
+// One block's weights as float32. The products are kept apart from the sums (volatile temporaries would be
+// slower; the attribute stops GCC from fusing them into FMAs, which would round once instead of twice).
+__attribute__((optimize("fp-contract=off"))) void dequantize_block(int64_t type, const uint8_t* b, float* y) {
+  switch (type) {
+    case kF32: std::memcpy(y, b, 4); return;
+    case kF16: y[0] = half_to_float(b); return;
+    case kBF16: y[0] = bf16_bits_to_float(b); return;
+    case kQ4_0: {
+      const float d = half_to_float(b);
+      for (int l = 0; l < 16; ++l) {
+        y[l] = d * static_cast<float>((b[2 + l] & 0xf) - 8);
+        y[l + 16] = d * static_cast<float>((b[2 + l] >> 4) - 8);
+      }
+      return;
+    }
+    case kQ4_1: {
+      const float d = half_to_float(b), m = half_to_float(b + 2);
+      for (int l = 0; l < 16; ++l) {
+        y[l] = d * static_cast<float>(b[4 + l] & 0xf) + m;
+        y[l + 16] = d * static_cast<float>(b[4 + l] >> 4) + m;
+      }
+      return;
+    }
+    case kQ5_0: case kQ5_1: {
+      const bool q51 = type == kQ5_1;
+      const float d = half_to_float(b), m = q51 ? half_to_float(b + 2) : 0.f;
+      uint32_t qh;
+      std::memcpy(&qh, b + (q51 ? 4 : 2), 4);
+      const uint8_t* qs = b + (q51 ? 8 : 6);
+      for (int l = 0; l < 16; ++l) {
+        const int lo = (qs[l] & 0xf) | ((qh >> l) & 1) << 4, hi = (qs[l] >> 4) | ((qh >> (l + 16)) & 1) << 4;
+        if (q51) {
+          y[l] = d * static_cast<float>(lo) + m, y[l + 16] = d * static_cast<float>(hi) + m;
+        } else {
+          y[l] = d * static_cast<float>(lo - 16), y[l + 16] = d * static_cast<float>(hi - 16);
+        }
+      }
+      return;
+    }
+    case kQ8_0: {
+      const float d = half_to_float(b);
+      for (int l = 0; l < 32; ++l) y[l] = static_cast<float>(static_cast<int8_t>(b[2 + l])) * d;
+      return;
+    }
+    case kQ2_K: {  // scales[16], qs[64], d, dmin
+      const float d = half_to_float(b + 80), dmin = half_to_float(b + 82);
+      for (int g = 0; g < 16; ++g) {
+        const float dl = d * static_cast<float>(b[g] & 0xf), ml = dmin * static_cast<float>(b[g] >> 4);
+        // element 16 g + l: qs byte 32 (g / 8) + 16 (g % 2) + l, bits 2 ((g / 2) % 4)
+        const uint8_t* qs = b + 16 + 32 * (g / 8) + 16 * (g % 2);
+        const int shift = 2 * ((g / 2) % 4);
+        for (int l = 0; l < 16; ++l) y[16 * g + l] = dl * static_cast<float>((qs[l] >> shift) & 3) - ml;
+      }
+      return;
+    }
+    case kQ3_K: {  // hmask[32], qs[64], scales[12], d
+      const float d = half_to_float(b + 108);
+      int8_t sc[16];
+      k3_scales(b + 96, sc);
+      for (int g = 0; g < 16; ++g) {
+        const float dl = d * static_cast<float>(sc[g]);
+        const uint8_t* qs = b + 32 + 32 * (g / 8) + 16 * (g % 2);
+        const int shift = 2 * ((g / 2) % 4);
+        for (int l = 0; l < 16; ++l) {
+          const int e = 16 * (g % 2) + l;  // hmask byte; its bit is the element's 32-group
+          const int high = (b[e] >> (g / 2)) & 1;
+          const int q = ((qs[l] >> shift) & 3) - (high ? 0 : 4);
+          y[16 * g + l] = dl * static_cast<float>(q);
+        }
+      }
+      return;
+    }
+    case kQ4_K: case kQ5_K: {  // d, dmin, scales[12], (Q5_K: qh[32]), qs[128]
+      const bool q5 = type == kQ5_K;
+      const float d = half_to_float(b), dmin = half_to_float(b + 2);
+      uint8_t sc[8], mn[8];
+      k4_scales(b + 4, sc, mn);
+      const uint8_t* qh = b + 16;
+      const uint8_t* qs = b + (q5 ? 48 : 16);
+      for (int g = 0; g < 8; ++g) {
+        const float dl = d * static_cast<float>(sc[g]), ml = dmin * static_cast<float>(mn[g]);
+        for (int l = 0; l < 32; ++l) {
+          int q = (qs[32 * (g / 2) + l] >> (4 * (g % 2))) & 0xf;
+          if (q5) q |= ((qh[l] >> g) & 1) << 4;
+          y[32 * g + l] = dl * static_cast<float>(q) - ml;
+        }
+      }
+      return;
+    }
+    case kQ6_K: {  // ql[128], qh[64], scales[16] (int8), d
+      const float d = half_to_float(b + 208);
+      for (int g = 0; g < 8; ++g) {
+        const int h = g / 4, u = g % 4;
+        const uint8_t* ql = b + 64 * h + 32 * (u % 2);
+        const uint8_t* qh = b + 128 + 32 * h;
+        for (int l = 0; l < 32; ++l) {
+          const int q = (((ql[l] >> (4 * (u / 2))) & 0xf) | ((qh[l] >> (2 * u)) & 3) << 4) - 32;
+          const float dl = d * static_cast<float>(static_cast<int8_t>(b[192 + 2 * g + l / 16]));
+          y[32 * g + l] = dl * static_cast<float>(q);
+        }
+      }
+      return;
+    }
+  }
+}
+
+// ---- the weights as codes, scales and offsets, one group of 32 at a time ---------------------------------
+
+// One group's description (see the top of the file): its 32 codes (unsigned, or signed for Q8_0), and the
+// scale and offset of each half.
+struct Group {
+  uint8_t codes[kGroup];
+  float a[2], b[2];
+};
+
+// A block's groups, for the plain C++ path (and the reference the AVX2 path follows).
+int block_groups(int64_t type, const uint8_t* blk, Group* out) {
+  switch (type) {
+    case kQ4_0: case kQ4_1: {
+      const float d = half_to_float(blk), off = type == kQ4_0 ? -8.f * d : half_to_float(blk + 2);
+      const uint8_t* qs = blk + (type == kQ4_0 ? 2 : 4);
+      for (int l = 0; l < 16; ++l) out->codes[l] = qs[l] & 0xf, out->codes[l + 16] = qs[l] >> 4;
+      out->a[0] = out->a[1] = d, out->b[0] = out->b[1] = off;
+      return 1;
+    }
+    case kQ5_0: case kQ5_1: {
+      const bool q51 = type == kQ5_1;
+      const float d = half_to_float(blk), off = q51 ? half_to_float(blk + 2) : -16.f * d;
+      uint32_t qh;
+      std::memcpy(&qh, blk + (q51 ? 4 : 2), 4);
+      const uint8_t* qs = blk + (q51 ? 8 : 6);
+      for (int l = 0; l < 16; ++l) {
+        out->codes[l] = (qs[l] & 0xf) | ((qh >> l) & 1) << 4;
+        out->codes[l + 16] = (qs[l] >> 4) | ((qh >> (l + 16)) & 1) << 4;
+      }
+      out->a[0] = out->a[1] = d, out->b[0] = out->b[1] = off;
+      return 1;
+    }
+    case kQ8_0:
+      std::memcpy(out->codes, blk + 2, 32);
+      out->a[0] = out->a[1] = half_to_float(blk), out->b[0] = out->b[1] = 0.f;
+      return 1;
+    case kQ4_K: case kQ5_K: {
+      const bool q5 = type == kQ5_K;
+      const float d = half_to_float(blk), dmin = half_to_float(blk + 2);
+      uint8_t sc[8], mn[8];
+      k4_scales(blk + 4, sc, mn);
+      const uint8_t* qh = blk + 16;
+      const uint8_t* qs = blk + (q5 ? 48 : 16);
+      for (int g = 0; g < 8; ++g) {
+        Group& o = out[g];
+        for (int l = 0; l < 32; ++l) {
+          int q = (qs[32 * (g / 2) + l] >> (4 * (g % 2))) & 0xf;
+          if (q5) q |= ((qh[l] >> g) & 1) << 4;
+          o.codes[l] = static_cast<uint8_t>(q);
+        }
+        o.a[0] = o.a[1] = d * sc[g], o.b[0] = o.b[1] = -(dmin * mn[g]);
+      }
+      return 8;
+    }
+    case kQ6_K: {
+      const float d = half_to_float(blk + 208);
+      for (int g = 0; g < 8; ++g) {
+        Group& o = out[g];
+        const int h = g / 4, u = g % 4;
+        const uint8_t* ql = blk + 64 * h + 32 * (u % 2);
+        const uint8_t* qh = blk + 128 + 32 * h;
+        for (int l = 0; l < 32; ++l)
+          o.codes[l] = static_cast<uint8_t>(((ql[l] >> (4 * (u / 2))) & 0xf) | ((qh[l] >> (2 * u)) & 3) << 4);
+        for (int half = 0; half < 2; ++half) {
+          o.a[half] = d * static_cast<int8_t>(blk[192 + 2 * g + half]);
+          o.b[half] = -32.f * o.a[half];
+        }
+      }
+      return 8;
+    }
+  }
+  return 0;
+}
+
+// ---- x quantized ------------------------------------------------------------------------------------------
+
+// x's rows as the dot products read them. Quantized (bfloat16 x): int8 codes [m, k], per group the scale dx
+// [m, k / 32], and per half group dx times the sum of its codes [m, k / 16] (the offsets' factor). Float
+// (float32 x: `floats` set): the rows as they are, and each half group's sum [m, k / 16].
+struct Rows {
+  int64_t k;
+  const float* floats = nullptr;
+  std::vector<int8_t> codes;
+  std::vector<float> scales, half_sums;
+  const int8_t* row(int64_t r) const { return codes.data() + r * k; }
+  const float* float_row(int64_t r) const { return floats + r * k; }
+  const float* scale(int64_t r) const { return scales.data() + r * (k / kGroup); }
+  const float* sums(int64_t r) const { return half_sums.data() + r * (k / 16); }
+};
+
+void quantize_rows(const float* x, int64_t m, int64_t k, Rows& q) {
+  const int64_t groups = k / kGroup;
+  q.k = k;
+  q.codes.resize(m * k), q.scales.resize(m * groups), q.half_sums.resize(m * groups * 2);
+  at::parallel_for(0, m * groups, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const float* v = x + i * kGroup;
+      float amax = 0.f;
+      for (int l = 0; l < kGroup; ++l) amax = std::max(amax, std::fabs(v[l]));
+      const float d = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+      int8_t* c = q.codes.data() + i * kGroup;
+      int sums[2] = {0, 0};
+      for (int l = 0; l < kGroup; ++l) {
+        const int code = static_cast<int>(std::nearbyint(v[l] * inv));
+        c[l] = static_cast<int8_t>(code);
+        sums[l / 16] += code;
+      }
+      q.scales[i] = d;
+      q.half_sums[2 * i] = d * static_cast<float>(sums[0]);
+      q.half_sums[2 * i + 1] = d * static_cast<float>(sums[1]);
+    }
+  });
+}
+
+void float_rows(const float* x, int64_t m, int64_t k, Rows& q) {
+  q.k = k, q.floats = x;
+  q.half_sums.resize(m * (k / 16));
+  for (int64_t i = 0; i < m * (k / 16); ++i) {
+    float sum = 0.f;
+    for (int l = 0; l < 16; ++l) sum += x[16 * i + l];
+    q.half_sums[i] = sum;
+  }
+}
+
+// ---- the dot products -------------------------------------------------------------------------------------
+
+// rows x one weight row: out[r] = sum over k of x[r] * w (x as quantized).
+#if GG_AVX2
+
+inline __m256i nibbles(const uint8_t* qs) {  // 16 bytes -> 32 codes: low nibbles, then high nibbles
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+  const __m128i mask = _mm_set1_epi8(0x0f);
+  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), mask), _mm_and_si128(v, mask));
+}
+
+// bit l of `bits` -> 0x10 in byte l (the fifth bit of Q5 codes)
+inline __m256i fifth_bits(uint32_t bits) {
+  const __m256i spread = _mm256_shuffle_epi8(
+      _mm256_set1_epi32(static_cast<int>(bits)),
+      _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0x0000000000000000));
+  const __m256i select = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ull));
+  const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, select), select);
+  return _mm256_and_si256(set, _mm256_set1_epi8(0x10));
+}
+
+// The 32 codes of group g of a block, and their scales and offsets.
+template <int64_t T>
+inline __m256i group_codes(const uint8_t* blk, int g, float* a, float* b, const uint8_t* sc, const uint8_t* mn,
+                           float d, float dmin) {
+  if constexpr (T == kQ4_0 || T == kQ4_1) {
+    a[0] = a[1] = d, b[0] = b[1] = T == kQ4_0 ? -8.f * d : dmin;
+    return nibbles(blk + (T == kQ4_0 ? 2 : 4));
+  } else if constexpr (T == kQ5_0 || T == kQ5_1) {
+    uint32_t qh;
+    std::memcpy(&qh, blk + (T == kQ5_1 ? 4 : 2), 4);
+    a[0] = a[1] = d, b[0] = b[1] = T == kQ5_0 ? -16.f * d : dmin;
+    return _mm256_or_si256(nibbles(blk + (T == kQ5_1 ? 8 : 6)), fifth_bits(qh));
+  } else if constexpr (T == kQ8_0) {
+    a[0] = a[1] = d, b[0] = b[1] = 0.f;
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
+  } else if constexpr (T == kQ4_K || T == kQ5_K) {
+    const uint8_t* qs = blk + (T == kQ5_K ? 48 : 16) + 32 * (g / 2);
+    __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs));
+    if (g % 2) q = _mm256_srli_epi16(q, 4);
+    q = _mm256_and_si256(q, _mm256_set1_epi8(0x0f));
+    if constexpr (T == kQ5_K) {
+      const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16));
+      const __m256i bit = _mm256_and_si256(_mm256_srli_epi16(qh, g), _mm256_set1_epi8(1));
+      q = _mm256_or_si256(q, _mm256_slli_epi16(bit, 4));
+    }
+    a[0] = a[1] = d * sc[g], b[0] = b[1] = -(dmin * mn[g]);
+    return q;
+  } else {  // Q6_K
+    const int h = g / 4, u = g % 4;
+    __m256i ql = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * h + 32 * (u % 2)));
+    if (u / 2) ql = _mm256_srli_epi16(ql, 4);
+    ql = _mm256_and_si256(ql, _mm256_set1_epi8(0x0f));
+    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 32 * h));
+    const __m256i high = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * u), _mm256_set1_epi8(3));
+    for (int half = 0; half < 2; ++half) {
+      a[half] = d * static_cast<int8_t>(blk[192 + 2 * g + half]);
+      b[half] = -32.f * a[half];
+    }
+    return _mm256_or_si256(ql, _mm256_slli_epi16(high, 4));
+  }
+}
+
+// The 32 codes as floats (signed for Q8_0), in four registers of 8.
+template <int64_t T>
+inline void codes_to_floats(__m256i codes, __m256* f) {
+  const __m128i halves[2] = {_mm256_castsi256_si128(codes), _mm256_extracti128_si256(codes, 1)};
+  for (int h = 0; h < 2; ++h)
+    for (int q = 0; q < 2; ++q) {
+      const __m128i part = q ? _mm_srli_si128(halves[h], 8) : halves[h];
+      f[2 * h + q] = _mm256_cvtepi32_ps(T == kQ8_0 ? _mm256_cvtepi8_epi32(part) : _mm256_cvtepu8_epi32(part));
+    }
+}
+
+// kFloat: x's float rows times the codes widened to float (float32 x), else the int8 products.
+template <int64_t T, int R, bool kFloat>
+void dot_rows(const uint8_t* w, int64_t blocks, const Rows& x, int64_t r0, float* out) {
+  constexpr int kGroups = (T == kQ4_K || T == kQ5_K || T == kQ6_K) ? 8 : 1;
+  constexpr int64_t kBytes = T == kQ4_0 ? 18 : T == kQ4_1 ? 20 : T == kQ5_0 ? 22 : T == kQ5_1 ? 24
+                           : T == kQ8_0 ? 34 : T == kQ4_K ? 144 : T == kQ5_K ? 176 : 210;
+  // two accumulator chains per row (alternate groups, or alternate blocks of one group), so that the FMA
+  // latency does not set the pace of a one-row call
+  __m256 acc[R][2];
+  float offsets[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps(), offsets[r][0] = offsets[r][1] = 0.f;
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t i = 0; i < blocks; ++i) {
+    const uint8_t* blk = w + i * kBytes;
+    uint8_t sc[8] = {}, mn[8] = {};
+    float d = 0.f, dmin = 0.f;
+    if constexpr (T == kQ4_K || T == kQ5_K) {
+      d = half_to_float(blk), dmin = half_to_float(blk + 2);
+      k4_scales(blk + 4, sc, mn);
+    } else if constexpr (T == kQ6_K) {
+      d = half_to_float(blk + 208);
+    } else {
+      d = half_to_float(blk);
+      if constexpr (T == kQ4_1 || T == kQ5_1) dmin = half_to_float(blk + 2);
+    }
+    for (int g = 0; g < kGroups; ++g) {
+      float a[2], b[2];
+      const __m256i codes = group_codes<T>(blk, g, a, b, sc, mn, d, dmin);
+      const int64_t group = i * kGroups + g;
+      const int chain = kGroups == 1 ? static_cast<int>(i & 1) : (g & 1);
+      if constexpr (kFloat) {
+        __m256 wf[4];
+        codes_to_floats<T>(codes, wf);
+        const __m256 a_lo = _mm256_set1_ps(a[0]), a_hi = _mm256_set1_ps(a[1]);
+        for (int r = 0; r < R; ++r) {
+          const float* xr = x.float_row(r0 + r) + group * kGroup;
+          const __m256 lo = _mm256_fmadd_ps(wf[1], _mm256_loadu_ps(xr + 8), _mm256_mul_ps(wf[0], _mm256_loadu_ps(xr)));
+          const __m256 hi =
+              _mm256_fmadd_ps(wf[3], _mm256_loadu_ps(xr + 24), _mm256_mul_ps(wf[2], _mm256_loadu_ps(xr + 16)));
+          acc[r][chain] = _mm256_fmadd_ps(hi, a_hi, _mm256_fmadd_ps(lo, a_lo, acc[r][chain]));
+          if constexpr (T != kQ8_0) {
+            const float* hs = x.sums(r0 + r) + 2 * group;
+            offsets[r][chain] += b[0] * hs[0] + b[1] * hs[1];
+          }
+        }
+        continue;
+      }
+      const __m256 scale = _mm256_setr_ps(a[0], a[0], a[0], a[0], a[1], a[1], a[1], a[1]);
+      const __m256i w_abs = T == kQ8_0 ? _mm256_sign_epi8(codes, codes) : codes;
+      for (int r = 0; r < R; ++r) {
+        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.row(r0 + r) + group * kGroup));
+        const __m256i xs = T == kQ8_0 ? _mm256_sign_epi8(xv, codes) : xv;
+        const __m256 sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(w_abs, xs), ones));
+        const __m256 dx = _mm256_set1_ps(x.scale(r0 + r)[group]);
+        acc[r][chain] = _mm256_fmadd_ps(sums, _mm256_mul_ps(scale, dx), acc[r][chain]);
+        if constexpr (T != kQ8_0) {
+          const float* hs = x.sums(r0 + r) + 2 * group;
+          offsets[r][chain] += b[0] * hs[0] + b[1] * hs[1];
+        }
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    const __m256 v = _mm256_add_ps(acc[r][0], acc[r][1]);
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    out[r] = _mm_cvtss_f32(s) + (offsets[r][0] + offsets[r][1]);
+  }
+}
+
+#else
+
+template <int64_t T, int R, bool kFloat>
+void dot_rows(const uint8_t* w, int64_t blocks, const Rows& x, int64_t r0, float* out) {
+  Layout layout;
+  layout_of(T, &layout);
+  float acc[R] = {};
+  Group groups[8];
+  for (int64_t i = 0; i < blocks; ++i) {
+    const int n = block_groups(T, w + i * layout.bytes, groups);
+    for (int g = 0; g < n; ++g) {
+      const Group& grp = groups[g];
+      const int64_t group = i * n + g;
+      for (int r = 0; r < R; ++r) {
+        float halves[2] = {0.f, 0.f};
+        int sums[2] = {0, 0};
+        for (int l = 0; l < kGroup; ++l) {
+          const int code = T == kQ8_0 ? static_cast<int8_t>(grp.codes[l]) : grp.codes[l];
+          if constexpr (kFloat) {
+            halves[l / 16] += static_cast<float>(code) * x.float_row(r0 + r)[group * kGroup + l];
+          } else {
+            sums[l / 16] += code * x.row(r0 + r)[group * kGroup + l];
+          }
+        }
+        if constexpr (!kFloat) {
+          const float dx = x.scale(r0 + r)[group];
+          halves[0] = dx * static_cast<float>(sums[0]), halves[1] = dx * static_cast<float>(sums[1]);
+        }
+        const float* hs = x.sums(r0 + r) + 2 * group;
+        acc[r] += grp.a[0] * halves[0] + grp.a[1] * halves[1] + grp.b[0] * hs[0] + grp.b[1] * hs[1];
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r] = acc[r];
+}
+
+#endif
+
+// A weight row against every x row, in tiles.
+template <int64_t T, bool kFloat>
+void row_times_x(const uint8_t* w, int64_t blocks, const Rows& x, int64_t m, float* out, int64_t stride) {
+  float tile[kTile];
+  for (int64_t r0 = 0; r0 < m;) {
+    const int64_t rows = std::min<int64_t>(kTile, m - r0);
+    switch (rows) {
+      case 1: dot_rows<T, 1, kFloat>(w, blocks, x, r0, tile); break;
+      case 2: dot_rows<T, 2, kFloat>(w, blocks, x, r0, tile); break;
+      case 3: dot_rows<T, 3, kFloat>(w, blocks, x, r0, tile); break;
+      default: dot_rows<T, 4, kFloat>(w, blocks, x, r0, tile);
+    }
+    for (int64_t r = 0; r < rows; ++r) out[(r0 + r) * stride] = tile[r];
+    r0 += rows;
+  }
+}
+
+using RowFn = void (*)(const uint8_t*, int64_t, const Rows&, int64_t, float*, int64_t);
+
+template <bool kFloat>
+RowFn row_fn(int64_t type) {
+  switch (type) {
+    case kQ4_0: return row_times_x<kQ4_0, kFloat>;
+    case kQ4_1: return row_times_x<kQ4_1, kFloat>;
+    case kQ5_0: return row_times_x<kQ5_0, kFloat>;
+    case kQ5_1: return row_times_x<kQ5_1, kFloat>;
+    case kQ8_0: return row_times_x<kQ8_0, kFloat>;
+    case kQ4_K: return row_times_x<kQ4_K, kFloat>;
+    case kQ5_K: return row_times_x<kQ5_K, kFloat>;
+    default: return row_times_x<kQ6_K, kFloat>;
+  }
+}
+
+}  // namespace
+
+bool gguf_kernel_type(int64_t type) { return has_kernel(type); }
+
+// x [..., K] (float32 or bfloat16) times the weights `parts` (each uint8 [N_i, bytes per row] of GGML type
+// types[i], K columns) -> [..., sum N_i] in x's dtype: the parts' outputs side by side (a fused q/k/v or
+// gate/up layer whose checkpoint tensors have their own types), x quantized once for all of them.
+at::Tensor gguf_linear(const at::Tensor& input, at::TensorList parts, at::IntArrayRef types) {
+  TORCH_CHECK(input.scalar_type() == at::kFloat || input.scalar_type() == at::kBFloat16,
+              "gguf_linear: float32 or bfloat16 x [..., K]");
+  TORCH_CHECK(parts.size() == types.size() && !parts.empty(), "gguf_linear: one type per weight part");
+  const int64_t k = input.size(-1);
+  TORCH_CHECK(k % kGroup == 0, "gguf_linear: K must be a multiple of 32, not ", k);
+  std::vector<int64_t> starts(parts.size() + 1, 0);
+  for (size_t p = 0; p < parts.size(); ++p) {
+    Layout layout;
+    TORCH_CHECK(has_kernel(types[p]) && layout_of(types[p], &layout), "gguf_linear: GGML type ", types[p],
+                " has no kernel (dequantize it instead)");
+    const at::Tensor& w = parts[p];
+    TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 2 && w.is_contiguous() && k % layout.block == 0 &&
+                    w.size(1) == k / layout.block * layout.bytes,
+                "gguf_linear: part ", p, " must be uint8 [N, ", k / layout.block * layout.bytes, "] (GGML type ",
+                types[p], ", K ", k, ")");
+    starts[p + 1] = starts[p] + w.size(0);
+  }
+  const int64_t n = starts.back();
+  std::vector<int64_t> shape(input.sizes().begin(), input.sizes().end());
+  shape.back() = n;
+  const at::Tensor x = input.reshape({-1, k}).to(at::kFloat).contiguous();
+  const int64_t m = x.size(0);
+  at::Tensor out = x.new_empty({m, n});
+  if (m == 0 || n == 0) return out.view(shape).to(input.scalar_type());
+  // float32 x keeps its values (float products: the same sums as x @ the dequantized weights, up to their
+  // order); bfloat16 x, already rounded to 8 bits of mantissa, is quantized to int8 groups
+  const bool exact = input.scalar_type() == at::kFloat;
+  Rows q;
+  if (exact) {
+    float_rows(x.data_ptr<float>(), m, k, q);
+  } else {
+    quantize_rows(x.data_ptr<float>(), m, k, q);
+  }
+  float* y = out.data_ptr<float>();
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    for (size_t p = 0; p < parts.size(); ++p) {
+      const int64_t lo = std::max(begin, starts[p]), hi = std::min(end, starts[p + 1]);
+      if (lo >= hi) continue;
+      Layout layout;
+      layout_of(types[p], &layout);
+      const int64_t row_bytes = k / layout.block * layout.bytes, blocks = k / layout.block;
+      const RowFn fn = exact ? row_fn<true>(types[p]) : row_fn<false>(types[p]);
+      const uint8_t* w = static_cast<const uint8_t*>(parts[p].data_ptr());
+      for (int64_t j = lo; j < hi; ++j) fn(w + (j - starts[p]) * row_bytes, blocks, q, m, y + j, n);
+    }
+  });
+  out = out.view(shape);
+  return input.scalar_type() == at::kFloat ? out : out.to(input.scalar_type());
+}
+
+// uint8 [rows, bytes per row] of GGML type `type` -> float32 [rows, columns], bit for bit gguf-py's values.
+at::Tensor gguf_dequantize(const at::Tensor& raw, int64_t type) {
+  Layout layout;
+  TORCH_CHECK(layout_of(type, &layout), "gguf_dequantize: GGML type ", type, " is not supported");
+  TORCH_CHECK(raw.scalar_type() == at::kByte && raw.dim() == 2 && raw.is_contiguous() &&
+                  raw.size(1) % layout.bytes == 0,
+              "gguf_dequantize: uint8 [rows, a multiple of ", layout.bytes, " bytes]");
+  const int64_t rows = raw.size(0), blocks = raw.size(1) / layout.bytes;
+  at::Tensor out = raw.new_empty({rows, blocks * layout.block}, raw.options().dtype(at::kFloat));
+  const uint8_t* src = raw.data_ptr<uint8_t>();
+  float* dst = out.data_ptr<float>();
+  at::parallel_for(0, rows * blocks, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) dequantize_block(type, src + i * layout.bytes, dst + i * layout.block);
+  });
+  return out;
+}

@@ -1,0 +1,95 @@
+"""The GGUF block kernels (`cpu_kernels/gguf_linear.cpp`): dequantization equals gguf-py's bit for bit for
+every type, and the in-place linear equals x times the dequantized weights to float32 rounding (float32 x),
+or x quantized to int8 in groups of 32, as the kernel does, times them (bfloat16 x), for one row and for
+many, for fused parts of mixed types."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+from gguf import quants
+
+from pagellm.platforms import cpu_gguf
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "quantization"))
+from quant_formats import random_blocks  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not cpu_gguf.available(), reason="the native CPU kernels are not built here")
+
+KERNEL_TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K]
+DEQUANT_ONLY = [T.Q2_K, T.Q3_K, T.F32, T.F16, T.BF16]
+
+
+@pytest.mark.parametrize("ggml_type", KERNEL_TYPES + DEQUANT_ONLY, ids=lambda t: t.name)
+def test_dequantize_is_bit_for_bit_gguf_py(ggml_type):
+    raw = random_blocks(ggml_type, 12, 512)
+    expected = quants.dequantize(raw, ggml_type)
+    got = cpu_gguf.dequantize(torch.from_numpy(raw), int(ggml_type)).numpy()
+    assert got.shape == expected.shape
+    assert np.array_equal(got.view(np.uint32), expected.astype(np.float32).view(np.uint32))
+
+
+def quantized_x(x: torch.Tensor) -> torch.Tensor:
+    """x as the kernel sees it: int8 codes in groups of 32 times max|x| / 127, in float64."""
+    groups = x.double().reshape(*x.shape[:-1], -1, 32)
+    amax = groups.abs().amax(-1, keepdim=True).float()
+    scale = (amax / 127).double()
+    codes = torch.round(groups.float() * torch.where(amax > 0, 127 / amax, 0)).double()
+    return (codes * scale).reshape(x.shape)
+
+
+@pytest.mark.parametrize("ggml_type", KERNEL_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("rows", [1, 2, 3, 7])
+def test_float32_rows_equal_x_times_dequantized_weights(ggml_type, rows, two_threads):
+    raw = random_blocks(ggml_type, 40, 512, seed=rows)
+    weight = torch.from_numpy(quants.dequantize(raw, ggml_type)).double()
+    x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(1))
+    got = cpu_gguf.linear(x, [torch.from_numpy(raw)], [int(ggml_type)])
+    assert got.dtype == torch.float32 and got.shape == (rows, 40)
+    magnitude = x.double().abs() @ weight.abs().T
+    assert ((got.double() - x.double() @ weight.T).abs() <= 1e-5 * magnitude).all()
+
+
+@pytest.mark.parametrize("ggml_type", KERNEL_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("rows", [1, 2, 3, 7])
+def test_bfloat16_rows_equal_int8_x_times_dequantized_weights(ggml_type, rows, two_threads):
+    raw = random_blocks(ggml_type, 40, 512, seed=rows)
+    weight = torch.from_numpy(quants.dequantize(raw, ggml_type)).double()
+    x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(1)).bfloat16()
+    got = cpu_gguf.linear(x, [torch.from_numpy(raw)], [int(ggml_type)])
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, 40)
+    expected = quantized_x(x.float()) @ weight.T
+    magnitude = quantized_x(x.float()).abs() @ weight.abs().T
+    # the kernel's float32 sums, then bfloat16's rounding of the result
+    assert ((got.double() - expected).abs() <= 1e-5 * magnitude + expected.abs() / 128).all()
+    # against unquantized x: the activations' rounding, the cost the kernel takes for integer products
+    exact = x.double() @ weight.T
+    relative = (got.double() - exact).norm() / exact.norm()
+    assert relative < 0.02, f"{ggml_type.name}: {relative:.4f} relative error from quantizing x"
+
+
+def test_fused_parts_of_mixed_types_and_bfloat16_rows(two_threads):
+    in_features = 256
+    types = [T.Q4_K, T.Q8_0, T.Q6_K]
+    raws = [
+        random_blocks(t, n, in_features, seed=i)
+        for i, (t, n) in enumerate(zip(types, [32, 8, 24], strict=True))
+    ]
+    x = torch.randn(2, 3, in_features, generator=torch.Generator().manual_seed(2)).bfloat16()
+    got = cpu_gguf.linear(x, [torch.from_numpy(r) for r in raws], [int(t) for t in types])
+    assert got.dtype == torch.bfloat16 and got.shape == (2, 3, 64)
+    for raw, t, lo, hi in zip(raws, types, [0, 32, 40], [32, 40, 64], strict=True):
+        alone = cpu_gguf.linear(x, [torch.from_numpy(raw)], [int(t)])
+        assert torch.equal(got[..., lo:hi], alone)
+
+
+def test_a_type_without_kernel_is_refused():
+    raw = random_blocks(T.Q2_K, 4, 256)
+    with pytest.raises(RuntimeError, match="has no kernel"):
+        cpu_gguf.linear(torch.randn(1, 256), [torch.from_numpy(raw)], [int(T.Q2_K)])
+    assert not cpu_gguf.has_kernel(int(T.Q2_K)) and cpu_gguf.has_kernel(int(T.Q4_K))
