@@ -109,6 +109,10 @@ class QuantMethod:
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         """Repack loaded weights for `apply` (optional)."""
 
+    def process_model_after_loading(self, model: torch.nn.Module) -> None:
+        """Repack what is not a quantized linear layer once the whole model is loaded (optional): the `gguf`
+        method keeps a token embedding and output projection stored in blocks packed."""
+
     def apply(
         self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:

@@ -64,7 +64,9 @@ def iter_gguf_weights(
     """(HF name, float32 tensor) for every tensor of the GGUF file that the HF model of `hf_config` has.
 
     raw_linear: decoder linear weights come as `<prefix>.qweight` (their raw GGUF bytes, uint8 [out, bytes])
-    plus `<prefix>.qweight_type` (the GGML type), for the `gguf` quantization method that keeps them packed."""
+    plus `<prefix>.qweight_type` (the GGML type), for the `gguf` quantization method that keeps them packed;
+    a token embedding or output projection in a block type comes as floats and also as
+    `<prefix>.gguf_table` / `<prefix>.gguf_table_type`, its bytes and type."""
     return _weights(_open(path), hf_config, raw_linear)
 
 
@@ -160,8 +162,17 @@ def _weights(reader: Any, hf_config, raw_linear: bool) -> Iterator[tuple[str, to
             prefix = hf_name.removesuffix("weight")
             yield prefix + "qweight", torch.from_numpy(np.array(data))
             yield prefix + "qweight_type", torch.tensor(int(tensor.tensor_type))
-        else:
-            yield hf_name, torch.from_numpy(np.array(data, dtype=np.float32))
+            continue
+        yield hf_name, torch.from_numpy(np.array(data, dtype=np.float32))
+        if raw_linear and hf_name in _TABLES and int(tensor.tensor_type) not in _FLOAT_TYPES:
+            # the token embedding or output projection in blocks: its bytes too, for the method to keep
+            # packed once the model is loaded (the float copy above fills the model's parameter meanwhile)
+            prefix = hf_name.removesuffix("weight")
+            yield (
+                prefix + "gguf_table",
+                torch.from_numpy(np.ascontiguousarray(tensor.data).view(np.uint8).copy()),
+            )
+            yield prefix + "gguf_table_type", torch.tensor(int(tensor.tensor_type))
 
 
 # GGUF architectures whose tensor processor leaves linear weight rows intact (gpt2's transposes them; the
@@ -170,6 +181,10 @@ def _weights(reader: Any, hf_config, raw_linear: bool) -> Iterator[tuple[str, to
 _RAW_LINEAR_ARCHITECTURES = frozenset(
     {"llama", "mistral", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "gemma2", "gemma3", "phi3"}
 )
+
+_TABLES = frozenset({"model.embed_tokens.weight", "lm_head.weight"})
+"""Tensors other than the decoder's linears that `--quantization gguf` keeps in the file's blocks."""
+_FLOAT_TYPES = frozenset({0, 1, 30})  # F32, F16, BF16: loaded as floats
 
 _EXPERT_PROJECTIONS = {"FFN_GATE_EXP": "gate_proj", "FFN_UP_EXP": "up_proj", "FFN_DOWN_EXP": "down_proj"}
 """gguf's stacked expert tensors -> the per-expert checkpoint module FusedMoE reads."""

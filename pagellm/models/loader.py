@@ -63,6 +63,8 @@ def load_model(
         quant_method = getattr(module, "quant_method", None)
         if quant_method is not None:
             quant_method.process_weights_after_loading(module)
+    if init.quant_method is not None:
+        init.quant_method.process_model_after_loading(model)
     return model.eval().requires_grad_(False)
 
 

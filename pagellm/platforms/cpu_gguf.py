@@ -4,7 +4,9 @@ A layer keeps each checkpoint tensor's bytes as the file has them (uint8 [out, b
 `pagellm::gguf_linear`, multiplies x with them directly: x quantized to int8 in groups of 32, integer dot
 products per weight group, so the memory a model takes is its file's size and a decode step reads the
 file's bytes once. Defined here with a fake implementation and implemented in C++, so under torch.compile
-it is one opaque call.
+it is one opaque call. A token embedding stored in a block type stays packed the same way
+(`pagellm::gguf_embedding` dequantizes the rows a step looks up), and a tied output projection multiplies
+with those same bytes.
 """
 
 from __future__ import annotations
@@ -23,6 +25,21 @@ def _(x: torch.Tensor, parts: list[torch.Tensor], types: list[int]) -> torch.Ten
     return x.new_empty((*x.shape[:-1], sum(p.shape[0] for p in parts)))
 
 
+torch.library.define("pagellm::gguf_embedding", "(Tensor ids, Tensor table, int type) -> Tensor")
+
+
+@torch.library.register_fake("pagellm::gguf_embedding")
+def _(ids: torch.Tensor, table: torch.Tensor, type_id: int) -> torch.Tensor:
+    block, size = _layout(type_id)
+    return table.new_empty((*ids.shape, table.shape[1] // size * block), dtype=torch.float32)
+
+
+def _layout(type_id: int) -> tuple[int, int]:
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    return GGML_QUANT_SIZES[GGMLQuantizationType(type_id)]
+
+
 def available() -> bool:
     """True where the native kernels are built (the reason is logged once by `cpu_kernels.load` when not)."""
     return cpu_kernels.load() is not None
@@ -39,6 +56,11 @@ def has_kernel(type_id: int) -> bool:
 def linear(x: torch.Tensor, parts: list[torch.Tensor], types: list[int]) -> torch.Tensor:
     """x [..., K] (float32 or bfloat16) @ the parts' weights^T, side by side, in x's dtype."""
     return torch.ops.pagellm.gguf_linear(x, parts, types)
+
+
+def embedding(ids: torch.Tensor, table: torch.Tensor, type_id: int, dtype: torch.dtype) -> torch.Tensor:
+    """The rows `ids` of a token embedding kept as GGUF blocks (uint8 [vocab, bytes per row]), in `dtype`."""
+    return torch.ops.pagellm.gguf_embedding(ids, table, type_id).to(dtype)
 
 
 def dequantize(raw: torch.Tensor, type_id: int) -> torch.Tensor:

@@ -21,13 +21,14 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from pagellm.core.errors import ConfigError
-from pagellm.core.platform import DTYPE_VIEWS
+from pagellm.core.platform import DTYPE_VIEWS, PackedLinear
 from pagellm.core.quant import QuantMethod
 from pagellm.platforms import cpu_gguf
 from pagellm.plugins.hookspecs import hookimpl
@@ -96,6 +97,51 @@ class GgufMethod(QuantMethod):
     loads_gguf_blocks = True
     requires = (DTYPE_VIEWS,)  # block scales and float blocks are bytes viewed as float16/bfloat16/float32
 
+    def __init__(self, quantization_config: dict[str, Any] | None = None):
+        super().__init__(quantization_config)
+        self._tables: dict[str, dict[str, torch.Tensor]] = {}
+
+    def checkpoint_weights(self, weights, float_modules=()):
+        """The stream without the token embedding's and output projection's blocks (`<module>.gguf_table`,
+        `.gguf_table_type`), which are kept aside for `process_model_after_loading`."""
+        for name, tensor in weights:
+            module, _, attr = name.rpartition(".")
+            if attr in ("gguf_table", "gguf_table_type"):
+                self._tables.setdefault(module, {})[attr] = tensor
+            else:
+                yield name, tensor
+
+    def process_model_after_loading(self, model: nn.Module) -> None:
+        """The token embedding and output projection in block types multiplied in place where the CPU kernel
+        reads their type: the embedding's rows dequantized per lookup, the logits from the same bytes when
+        the projection is tied to it. Elsewhere they keep the float weights they were loaded with."""
+        tables, self._tables = self._tables, {}
+        lm_head = getattr(model, "lm_head", None)
+        for name, parts in tables.items():
+            table, type_id = parts["gguf_table"], int(parts["gguf_table_type"])
+            module = model.get_submodule(name)
+            weight = getattr(module, "weight", None)
+            if (
+                weight is None
+                or weight.device.type != "cpu"
+                or not cpu_gguf.has_kernel(type_id)
+                or getattr(module, "group", None) is not None  # a rank's rows of a sharded vocabulary
+                or getattr(module, "shard", None) is not None
+                or getattr(module, "quant_method", None) is not None
+                or table.shape[0] != weight.shape[0]
+            ):
+                continue
+            dtype = weight.dtype
+            packed = PackedLinear(table, _GgufMatmul(type_id))
+            if hasattr(module, "use_packed_table"):  # an embedding (pagellm.models.layers.Embedding)
+                module.use_packed_table(table, partial(_lookup, type_id=type_id, dtype=dtype))
+            elif hasattr(module, "use_packed"):  # an untied output projection (a Linear)
+                module.use_packed(packed)
+            else:
+                continue
+            if module is lm_head:
+                model.packed_lm_head = packed
+
     def create_weights(
         self, layer: nn.Module, in_features: int, out_features: int, params_dtype: torch.dtype
     ) -> None:
@@ -153,6 +199,21 @@ class GgufMethod(QuantMethod):
 
 
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+
+
+class _GgufMatmul:
+    """A packed output projection's matmul (`PackedLinear.matmul`): hidden @ the table's rows^T."""
+
+    def __init__(self, type_id: int):
+        self.type_id = type_id
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        y = cpu_gguf.linear(x, [weight], [self.type_id])
+        return y if bias is None else y + bias
+
+
+def _lookup(ids: torch.Tensor, table: torch.Tensor, type_id: int, dtype: torch.dtype) -> torch.Tensor:
+    return cpu_gguf.embedding(ids, table, type_id, dtype)
 
 
 def _part(x: torch.Tensor, weight: torch.Tensor, type_id: int, path: str) -> torch.Tensor:

@@ -210,7 +210,11 @@ class ModelRunner:
         for module in model.modules():
             if isinstance(module, Linear) and module.quant_method is None and module is not lm_head:
                 module.use_packed(pack(module.weight))
-        if lm_head is None or getattr(lm_head, "quant_method", None) is not None:
+        if (
+            lm_head is None
+            or getattr(lm_head, "quant_method", None) is not None
+            or model.packed_lm_head is not None  # the quantization method packed it (GGUF blocks)
+        ):
             return
         packed = pack(lm_head.weight)
         if packed is not None:

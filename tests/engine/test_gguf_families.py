@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 from parity import GGUF_FAMILIES, Reference, assert_greedy_parity, max_logprob_error, mixed_prompts
 from tiny import make_tiny_checkpoint
 
@@ -97,4 +98,34 @@ def test_q8_0_moe_gguf_dequantizes_the_experts(tmp_path, monkeypatch):
         if quantization == "gguf":
             layer = llm.engine.runner.model.model.layers[0]
             assert layer.self_attn.qkv_proj.qweight_types == [8, 8, 8]  # q, k, v kept packed
+    assert outputs["gguf"] == outputs[None]
+
+
+def test_q8_0_tied_embedding_stays_packed_at_the_file_size(tmp_path, monkeypatch):
+    """A Llama file with a tied Q8_0 token embedding (as SmolLM2's): under `--quantization gguf` on CPU the
+    embedding's rows and the logits come from the file's blocks, no float copy is kept, the weights take
+    the file's tensor bytes, and the greedy tokens are those of the file dequantized at load."""
+    import gguf
+
+    from pagellm.models.loader import model_weight_bytes
+    from pagellm.platforms import cpu_gguf
+
+    if not cpu_gguf.available():
+        pytest.skip("the native CPU kernels are not built here")
+    monkeypatch.setenv("PAGELLM_CACHE_DIR", str(tmp_path / "cache"))
+    checkpoint = make_tiny_checkpoint("llama", tmp_path, tie_word_embeddings=True, hidden_size=128)
+    path = convert_hf_checkpoint(checkpoint, tmp_path / "tiny-llama.q8_0.gguf", "q8_0")
+    prompts = [{"prompt_token_ids": p} for p in mixed_prompts(300, seed=4)[8:14]]
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+    outputs = {}
+    for quantization in (None, "gguf"):
+        llm = LLM(str(path), quantization=quantization, **ENGINE)
+        outputs[quantization] = [
+            o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)
+        ]
+    model = llm.engine.runner.model
+    assert model.model.embed_tokens.weight is None
+    assert model.packed_lm_head is not None and model.packed_lm_head.weight.dtype == torch.uint8
+    tensor_bytes = sum(int(t.n_bytes) for t in gguf.GGUFReader(path).tensors)
+    assert model_weight_bytes(model) == pytest.approx(tensor_bytes, rel=0.01)  # (+ rotary's buffers)
     assert outputs["gguf"] == outputs[None]

@@ -6,6 +6,8 @@ the ranks; ids outside them look up zeros and the ranks' rows are summed (vLLM's
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -22,8 +24,20 @@ class Embedding(nn.Module):
         rows = -(-num_embeddings // group.size) if self.group else num_embeddings
         self.start = rows * group.rank if self.group else 0
         self.weight = nn.Parameter(torch.empty(rows, dim, dtype=dtype), requires_grad=False)
+        self.lookup: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+
+    def use_packed_table(
+        self, table: torch.Tensor, lookup: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    ) -> None:
+        """Keep the table only as `table` (a buffer, counted and moved like the weight was), read by
+        `lookup(ids, table)`: a quantization method's packed rows (GGUF blocks)."""
+        self.register_buffer("packed_table", table, persistent=False)
+        self.lookup = lookup
+        self.weight = None
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.lookup is not None:
+            return self.lookup(ids, self.packed_table)
         if self.group is None:
             return F.embedding(ids, self.weight)
         local = ids - self.start

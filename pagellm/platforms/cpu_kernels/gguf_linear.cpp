@@ -660,3 +660,32 @@ at::Tensor gguf_dequantize(const at::Tensor& raw, int64_t type) {
   });
   return out;
 }
+
+// The rows `ids` of a GGUF table (uint8 [V, bytes per row] of type `type`, a token embedding kept as the file
+// has it) as float32 [..., columns]: each looked-up row dequantized as `gguf_dequantize` does.
+at::Tensor gguf_embedding(const at::Tensor& ids, const at::Tensor& table, int64_t type) {
+  Layout layout;
+  TORCH_CHECK(layout_of(type, &layout), "gguf_embedding: GGML type ", type, " is not supported");
+  TORCH_CHECK(table.scalar_type() == at::kByte && table.dim() == 2 && table.is_contiguous() &&
+                  table.size(1) % layout.bytes == 0,
+              "gguf_embedding: a uint8 [rows, a multiple of ", layout.bytes, " bytes] table");
+  TORCH_CHECK(ids.scalar_type() == at::kLong || ids.scalar_type() == at::kInt, "gguf_embedding: integer ids");
+  const at::Tensor flat = ids.reshape({-1}).to(at::kLong).contiguous();
+  const int64_t n = flat.numel(), vocab = table.size(0), row_bytes = table.size(1);
+  const int64_t blocks = row_bytes / layout.bytes, columns = blocks * layout.block;
+  std::vector<int64_t> shape(ids.sizes().begin(), ids.sizes().end());
+  shape.push_back(columns);
+  at::Tensor out = table.new_empty(shape, table.options().dtype(at::kFloat));
+  const int64_t* id = flat.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i)
+    TORCH_CHECK(id[i] >= 0 && id[i] < vocab, "gguf_embedding: id ", id[i], " outside the table's ", vocab, " rows");
+  const uint8_t* src = table.data_ptr<uint8_t>();
+  float* dst = out.data_ptr<float>();
+  at::parallel_for(0, n * blocks, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t j = begin; j < end; ++j) {
+      const int64_t row = j / blocks, b = j % blocks;
+      dequantize_block(type, src + id[row] * row_bytes + b * layout.bytes, dst + row * columns + b * layout.block);
+    }
+  });
+  return out;
+}

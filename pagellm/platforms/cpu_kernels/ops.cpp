@@ -108,6 +108,7 @@ TORCH_LIBRARY_IMPL(pagellm, CPU, m) {
   m.impl("cpu_fused_moe", TORCH_FN(cpu_fused_moe));
   m.impl("cpu_panel_linear", TORCH_FN(cpu_panel_linear));
   m.impl("gguf_linear", TORCH_FN(gguf_linear));
+  m.impl("gguf_embedding", TORCH_FN(gguf_embedding));
   m.impl("cpu_attention", TORCH_FN(cpu_attention));
 }
 
