@@ -20,8 +20,8 @@
 // (|w| times x with w's sign) and no offset.
 //
 // Work split: output features in one contiguous run per thread (each thread streams its rows of blocks in
-// memory order); x's quantized rows (a prefill chunk's fit L2) are read for every weight row, in tiles of up
-// to kTile rows that share one unpacking of each weight group.
+// memory order); each weight row is unpacked once into codes and per-half scales (L1), then multiplied with
+// every x row (a prefill chunk's quantized rows fit L2), kTile x rows at a time.
 //
 // `gguf_dequantize` widens rows to float32 exactly as gguf-py's numpy code does (the same float32 operations
 // in the same order, no fused multiply-adds), for the tests and for layers that need the float weight.
@@ -372,8 +372,25 @@ void float_rows(const float* x, int64_t m, int64_t k, Rows& q) {
 
 // ---- the dot products -------------------------------------------------------------------------------------
 
-// rows x one weight row: out[r] = sum over k of x[r] * w (x as quantized).
+// A weight row is first unpacked, group by group, into its 32 codes and the scales and offsets of its
+// halves (`Unpacked`, per thread, L1-sized for the K of LLM layers); the dot products then read that for
+// every x row, so the unpacking is paid once per weight row whatever the number of x rows.
+struct Unpacked {
+  uint8_t* codes;  // [groups, 32]
+  float* a;        // [groups, 2]
+  float* b;        // [groups, 2]
+};
+
+// The unpacked row on the stack up to this many groups (K = 16384), else on the heap.
+constexpr int64_t kStackGroups = 512;
+
 #if GG_AVX2
+
+inline float half_at(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+}
 
 inline __m256i nibbles(const uint8_t* qs) {  // 16 bytes -> 32 codes: low nibbles, then high nibbles
   const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
@@ -391,179 +408,206 @@ inline __m256i fifth_bits(uint32_t bits) {
   return _mm256_and_si256(set, _mm256_set1_epi8(0x10));
 }
 
-// The 32 codes of group g of a block, and their scales and offsets.
-template <int64_t T>
-inline __m256i group_codes(const uint8_t* blk, int g, float* a, float* b, const uint8_t* sc, const uint8_t* mn,
-                           float d, float dmin) {
-  if constexpr (T == kQ4_0 || T == kQ4_1) {
-    a[0] = a[1] = d, b[0] = b[1] = T == kQ4_0 ? -8.f * d : dmin;
-    return nibbles(blk + (T == kQ4_0 ? 2 : 4));
-  } else if constexpr (T == kQ5_0 || T == kQ5_1) {
-    uint32_t qh;
-    std::memcpy(&qh, blk + (T == kQ5_1 ? 4 : 2), 4);
-    a[0] = a[1] = d, b[0] = b[1] = T == kQ5_0 ? -16.f * d : dmin;
-    return _mm256_or_si256(nibbles(blk + (T == kQ5_1 ? 8 : 6)), fifth_bits(qh));
-  } else if constexpr (T == kQ8_0) {
-    a[0] = a[1] = d, b[0] = b[1] = 0.f;
-    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
-  } else if constexpr (T == kQ4_K || T == kQ5_K) {
-    const uint8_t* qs = blk + (T == kQ5_K ? 48 : 16) + 32 * (g / 2);
-    __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs));
-    if (g % 2) q = _mm256_srli_epi16(q, 4);
-    q = _mm256_and_si256(q, _mm256_set1_epi8(0x0f));
-    if constexpr (T == kQ5_K) {
-      const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16));
-      const __m256i bit = _mm256_and_si256(_mm256_srli_epi16(qh, g), _mm256_set1_epi8(1));
-      q = _mm256_or_si256(q, _mm256_slli_epi16(bit, 4));
-    }
-    a[0] = a[1] = d * sc[g], b[0] = b[1] = -(dmin * mn[g]);
-    return q;
-  } else {  // Q6_K
-    const int h = g / 4, u = g % 4;
-    __m256i ql = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * h + 32 * (u % 2)));
-    if (u / 2) ql = _mm256_srli_epi16(ql, 4);
-    ql = _mm256_and_si256(ql, _mm256_set1_epi8(0x0f));
-    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 32 * h));
-    const __m256i high = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * u), _mm256_set1_epi8(3));
-    for (int half = 0; half < 2; ++half) {
-      a[half] = d * static_cast<int8_t>(blk[192 + 2 * g + half]);
-      b[half] = -32.f * a[half];
-    }
-    return _mm256_or_si256(ql, _mm256_slli_epi16(high, 4));
-  }
+inline void store_codes(uint8_t* dst, __m256i v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), v); }
+
+// Two floats in one 8-byte store: the dot products read them with one 8-byte load, which a store of each
+// float apart could not forward (the load would wait for both stores to reach L1).
+inline void store_pair(float* dst, float lo, float hi) {
+  _mm_store_sd(reinterpret_cast<double*>(dst), _mm_castps_pd(_mm_setr_ps(lo, hi, 0.f, 0.f)));
 }
 
-// The 32 codes as floats (signed for Q8_0), in four registers of 8.
 template <int64_t T>
-inline void codes_to_floats(__m256i codes, __m256* f) {
-  const __m128i halves[2] = {_mm256_castsi256_si128(codes), _mm256_extracti128_si256(codes, 1)};
-  for (int h = 0; h < 2; ++h)
-    for (int q = 0; q < 2; ++q) {
-      const __m128i part = q ? _mm_srli_si128(halves[h], 8) : halves[h];
-      f[2 * h + q] = _mm256_cvtepi32_ps(T == kQ8_0 ? _mm256_cvtepi8_epi32(part) : _mm256_cvtepu8_epi32(part));
-    }
-}
-
-// kFloat: x's float rows times the codes widened to float (float32 x), else the int8 products.
-template <int64_t T, int R, bool kFloat>
-void dot_rows(const uint8_t* w, int64_t blocks, const Rows& x, int64_t r0, float* out) {
-  constexpr int kGroups = (T == kQ4_K || T == kQ5_K || T == kQ6_K) ? 8 : 1;
-  constexpr int64_t kBytes = T == kQ4_0 ? 18 : T == kQ4_1 ? 20 : T == kQ5_0 ? 22 : T == kQ5_1 ? 24
-                           : T == kQ8_0 ? 34 : T == kQ4_K ? 144 : T == kQ5_K ? 176 : 210;
-  // two accumulator chains per row (alternate groups, or alternate blocks of one group), so that the FMA
-  // latency does not set the pace of a one-row call
-  __m256 acc[R][2];
-  float offsets[R][2];
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps(), offsets[r][0] = offsets[r][1] = 0.f;
-  const __m256i ones = _mm256_set1_epi16(1);
+void unpack_row(const uint8_t* w, int64_t blocks, Unpacked& u) {
+  const __m256i low4 = _mm256_set1_epi8(0x0f);
   for (int64_t i = 0; i < blocks; ++i) {
-    const uint8_t* blk = w + i * kBytes;
-    uint8_t sc[8] = {}, mn[8] = {};
-    float d = 0.f, dmin = 0.f;
-    if constexpr (T == kQ4_K || T == kQ5_K) {
-      d = half_to_float(blk), dmin = half_to_float(blk + 2);
-      k4_scales(blk + 4, sc, mn);
-    } else if constexpr (T == kQ6_K) {
-      d = half_to_float(blk + 208);
-    } else {
-      d = half_to_float(blk);
-      if constexpr (T == kQ4_1 || T == kQ5_1) dmin = half_to_float(blk + 2);
-    }
-    for (int g = 0; g < kGroups; ++g) {
-      float a[2], b[2];
-      const __m256i codes = group_codes<T>(blk, g, a, b, sc, mn, d, dmin);
-      const int64_t group = i * kGroups + g;
-      const int chain = kGroups == 1 ? static_cast<int>(i & 1) : (g & 1);
-      if constexpr (kFloat) {
-        __m256 wf[4];
-        codes_to_floats<T>(codes, wf);
-        const __m256 a_lo = _mm256_set1_ps(a[0]), a_hi = _mm256_set1_ps(a[1]);
-        for (int r = 0; r < R; ++r) {
-          const float* xr = x.float_row(r0 + r) + group * kGroup;
-          const __m256 lo = _mm256_fmadd_ps(wf[1], _mm256_loadu_ps(xr + 8), _mm256_mul_ps(wf[0], _mm256_loadu_ps(xr)));
-          const __m256 hi =
-              _mm256_fmadd_ps(wf[3], _mm256_loadu_ps(xr + 24), _mm256_mul_ps(wf[2], _mm256_loadu_ps(xr + 16)));
-          acc[r][chain] = _mm256_fmadd_ps(hi, a_hi, _mm256_fmadd_ps(lo, a_lo, acc[r][chain]));
-          if constexpr (T != kQ8_0) {
-            const float* hs = x.sums(r0 + r) + 2 * group;
-            offsets[r][chain] += b[0] * hs[0] + b[1] * hs[1];
-          }
-        }
-        continue;
+    if constexpr (T == kQ4_0 || T == kQ4_1 || T == kQ5_0 || T == kQ5_1 || T == kQ8_0) {
+      constexpr int64_t kBytes = T == kQ4_0 ? 18 : T == kQ4_1 ? 20 : T == kQ5_0 ? 22 : T == kQ5_1 ? 24 : 34;
+      const uint8_t* blk = w + i * kBytes;
+      const float d = half_at(blk);
+      float off = 0.f;
+      __m256i codes;
+      if constexpr (T == kQ4_0) {
+        off = -8.f * d, codes = nibbles(blk + 2);
+      } else if constexpr (T == kQ4_1) {
+        off = half_at(blk + 2), codes = nibbles(blk + 4);
+      } else if constexpr (T == kQ5_0 || T == kQ5_1) {
+        uint32_t qh;
+        std::memcpy(&qh, blk + (T == kQ5_1 ? 4 : 2), 4);
+        off = T == kQ5_0 ? -16.f * d : half_at(blk + 2);
+        codes = _mm256_or_si256(nibbles(blk + (T == kQ5_1 ? 8 : 6)), fifth_bits(qh));
+      } else {
+        codes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
       }
-      const __m256 scale = _mm256_setr_ps(a[0], a[0], a[0], a[0], a[1], a[1], a[1], a[1]);
-      const __m256i w_abs = T == kQ8_0 ? _mm256_sign_epi8(codes, codes) : codes;
-      for (int r = 0; r < R; ++r) {
-        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.row(r0 + r) + group * kGroup));
-        const __m256i xs = T == kQ8_0 ? _mm256_sign_epi8(xv, codes) : xv;
-        const __m256 sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(w_abs, xs), ones));
-        const __m256 dx = _mm256_set1_ps(x.scale(r0 + r)[group]);
-        acc[r][chain] = _mm256_fmadd_ps(sums, _mm256_mul_ps(scale, dx), acc[r][chain]);
-        if constexpr (T != kQ8_0) {
-          const float* hs = x.sums(r0 + r) + 2 * group;
-          offsets[r][chain] += b[0] * hs[0] + b[1] * hs[1];
+      store_codes(&u.codes[i * kGroup], codes);
+      store_pair(&u.a[2 * i], d, d), store_pair(&u.b[2 * i], off, off);
+    } else if constexpr (T == kQ4_K || T == kQ5_K) {
+      const uint8_t* blk = w + i * (T == kQ4_K ? 144 : 176);
+      const float d = half_at(blk), dmin = half_at(blk + 2);
+      uint8_t sc[8], mn[8];
+      k4_scales(blk + 4, sc, mn);
+      const uint8_t* qs = blk + (T == kQ5_K ? 48 : 16);
+      const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16));
+      for (int g = 0; g < 8; ++g) {
+        __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * (g / 2)));
+        q = _mm256_and_si256(g % 2 ? _mm256_srli_epi16(q, 4) : q, low4);
+        if constexpr (T == kQ5_K) {
+          const __m256i bit = _mm256_and_si256(_mm256_srli_epi16(qh, g), _mm256_set1_epi8(1));
+          q = _mm256_or_si256(q, _mm256_slli_epi16(bit, 4));
         }
+        const int64_t group = i * 8 + g;
+        store_codes(&u.codes[group * kGroup], q);
+        const float a = d * sc[g], b = -(dmin * mn[g]);
+        store_pair(&u.a[2 * group], a, a), store_pair(&u.b[2 * group], b, b);
+      }
+    } else {  // Q6_K
+      const uint8_t* blk = w + i * 210;
+      const float d = half_at(blk + 208);
+      for (int g = 0; g < 8; ++g) {
+        const int h = g / 4, part = g % 4;
+        __m256i ql = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * h + 32 * (part % 2)));
+        ql = _mm256_and_si256(part / 2 ? _mm256_srli_epi16(ql, 4) : ql, low4);
+        const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 32 * h));
+        const __m256i high = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * part), _mm256_set1_epi8(3));
+        const int64_t group = i * 8 + g;
+        store_codes(&u.codes[group * kGroup], _mm256_or_si256(ql, _mm256_slli_epi16(high, 4)));
+        const float a0 = d * static_cast<int8_t>(blk[192 + 2 * g]), a1 = d * static_cast<int8_t>(blk[193 + 2 * g]);
+        store_pair(&u.a[2 * group], a0, a1), store_pair(&u.b[2 * group], -32.f * a0, -32.f * a1);
       }
     }
   }
+}
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+// R x rows times an unpacked weight row. kSigned: Q8_0's signed codes (no offsets); kFloat: float32 x.
+// Groups go in pairs onto two accumulator chains per row, so the FMA latency does not set the pace.
+template <int R, bool kSigned, bool kFloat>
+void dot_unpacked(const Unpacked& u, int64_t groups, const Rows& x, int64_t r0, float* out) {
+  __m256 acc[2][R];
+  __m128 off[2][R];  // the offsets' sums, two halves a lane
+  for (int c = 0; c < 2; ++c)
+    for (int r = 0; r < R; ++r) acc[c][r] = _mm256_setzero_ps(), off[c][r] = _mm_setzero_ps();
+  const __m256i ones = _mm256_set1_epi16(1);
+  auto group_step = [&](int64_t g, int c) {
+    const __m256i codes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(&u.codes[g * kGroup]));
+    const float* a = &u.a[2 * g];
+    const __m128 b = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(&u.b[2 * g])));
+    if constexpr (kFloat) {
+      const __m128i lo = _mm256_castsi256_si128(codes), hi = _mm256_extracti128_si256(codes, 1);
+      const auto widen = [](__m128i v) {
+        return _mm256_cvtepi32_ps(kSigned ? _mm256_cvtepi8_epi32(v) : _mm256_cvtepu8_epi32(v));
+      };
+      const __m256 w0 = widen(lo), w1 = widen(_mm_srli_si128(lo, 8)), w2 = widen(hi), w3 = widen(_mm_srli_si128(hi, 8));
+      const __m256 a_lo = _mm256_broadcast_ss(a), a_hi = _mm256_broadcast_ss(a + 1);
+      for (int r = 0; r < R; ++r) {
+        const float* xr = x.float_row(r0 + r) + g * kGroup;
+        const __m256 s_lo = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xr + 8), _mm256_mul_ps(w0, _mm256_loadu_ps(xr)));
+        const __m256 s_hi = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xr + 24), _mm256_mul_ps(w2, _mm256_loadu_ps(xr + 16)));
+        acc[c][r] = _mm256_fmadd_ps(s_hi, a_hi, _mm256_fmadd_ps(s_lo, a_lo, acc[c][r]));
+        if constexpr (!kSigned) {
+          const __m128 hs = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(x.sums(r0 + r) + 2 * g)));
+          off[c][r] = _mm_fmadd_ps(b, hs, off[c][r]);
+        }
+      }
+    } else {
+      const __m256 scale = _mm256_set_m128(_mm_broadcast_ss(a + 1), _mm_broadcast_ss(a));
+      const __m256i w_abs = kSigned ? _mm256_sign_epi8(codes, codes) : codes;
+      for (int r = 0; r < R; ++r) {
+        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.row(r0 + r) + g * kGroup));
+        const __m256i xs = kSigned ? _mm256_sign_epi8(xv, codes) : xv;
+        const __m256 sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(w_abs, xs), ones));
+        const __m256 dx = _mm256_broadcast_ss(x.scale(r0 + r) + g);
+        acc[c][r] = _mm256_fmadd_ps(sums, _mm256_mul_ps(scale, dx), acc[c][r]);
+        if constexpr (!kSigned) {
+          const __m128 hs = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(x.sums(r0 + r) + 2 * g)));
+          off[c][r] = _mm_fmadd_ps(b, hs, off[c][r]);
+        }
+      }
+    }
+  };
+  int64_t g = 0;
+  for (; g + 2 <= groups; g += 2) group_step(g, 0), group_step(g + 1, 1);
+  if (g < groups) group_step(g, 0);
   for (int r = 0; r < R; ++r) {
-    const __m256 v = _mm256_add_ps(acc[r][0], acc[r][1]);
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    out[r] = _mm_cvtss_f32(s) + (offsets[r][0] + offsets[r][1]);
+    const __m128 o = _mm_add_ps(off[0][r], off[1][r]);
+    out[r] = hsum(_mm256_add_ps(acc[0][r], acc[1][r])) + (_mm_cvtss_f32(o) + _mm_cvtss_f32(_mm_movehdup_ps(o)));
   }
 }
 
 #else
 
-template <int64_t T, int R, bool kFloat>
-void dot_rows(const uint8_t* w, int64_t blocks, const Rows& x, int64_t r0, float* out) {
+template <int64_t T>
+void unpack_row(const uint8_t* w, int64_t blocks, Unpacked& u) {
   Layout layout;
   layout_of(T, &layout);
-  float acc[R] = {};
   Group groups[8];
   for (int64_t i = 0; i < blocks; ++i) {
     const int n = block_groups(T, w + i * layout.bytes, groups);
     for (int g = 0; g < n; ++g) {
-      const Group& grp = groups[g];
       const int64_t group = i * n + g;
-      for (int r = 0; r < R; ++r) {
-        float halves[2] = {0.f, 0.f};
-        int sums[2] = {0, 0};
-        for (int l = 0; l < kGroup; ++l) {
-          const int code = T == kQ8_0 ? static_cast<int8_t>(grp.codes[l]) : grp.codes[l];
-          if constexpr (kFloat) {
-            halves[l / 16] += static_cast<float>(code) * x.float_row(r0 + r)[group * kGroup + l];
-          } else {
-            sums[l / 16] += code * x.row(r0 + r)[group * kGroup + l];
-          }
-        }
-        if constexpr (!kFloat) {
-          const float dx = x.scale(r0 + r)[group];
-          halves[0] = dx * static_cast<float>(sums[0]), halves[1] = dx * static_cast<float>(sums[1]);
-        }
-        const float* hs = x.sums(r0 + r) + 2 * group;
-        acc[r] += grp.a[0] * halves[0] + grp.a[1] * halves[1] + grp.b[0] * hs[0] + grp.b[1] * hs[1];
-      }
+      std::memcpy(&u.codes[group * kGroup], groups[g].codes, kGroup);
+      for (int half = 0; half < 2; ++half) u.a[2 * group + half] = groups[g].a[half], u.b[2 * group + half] = groups[g].b[half];
     }
   }
-  for (int r = 0; r < R; ++r) out[r] = acc[r];
+}
+
+template <int R, bool kSigned, bool kFloat>
+void dot_unpacked(const Unpacked& u, int64_t groups, const Rows& x, int64_t r0, float* out) {
+  for (int r = 0; r < R; ++r) {
+    float acc = 0.f;
+    for (int64_t g = 0; g < groups; ++g) {
+      float halves[2] = {0.f, 0.f};
+      int sums[2] = {0, 0};
+      for (int l = 0; l < kGroup; ++l) {
+        const uint8_t byte = u.codes[g * kGroup + l];
+        const int code = kSigned ? static_cast<int8_t>(byte) : byte;
+        if constexpr (kFloat) {
+          halves[l / 16] += static_cast<float>(code) * x.float_row(r0 + r)[g * kGroup + l];
+        } else {
+          sums[l / 16] += code * x.row(r0 + r)[g * kGroup + l];
+        }
+      }
+      if constexpr (!kFloat) {
+        const float dx = x.scale(r0 + r)[g];
+        halves[0] = dx * static_cast<float>(sums[0]), halves[1] = dx * static_cast<float>(sums[1]);
+      }
+      const float* hs = x.sums(r0 + r) + 2 * g;
+      acc += u.a[2 * g] * halves[0] + u.a[2 * g + 1] * halves[1];
+      if (!kSigned) acc += u.b[2 * g] * hs[0] + u.b[2 * g + 1] * hs[1];
+    }
+    out[r] = acc;
+  }
 }
 
 #endif
 
-// A weight row against every x row, in tiles.
+// A weight row against every x row: unpacked once, then in tiles of x rows.
 template <int64_t T, bool kFloat>
 void row_times_x(const uint8_t* w, int64_t blocks, const Rows& x, int64_t m, float* out, int64_t stride) {
+  constexpr bool kSigned = T == kQ8_0;
+  const int64_t groups = x.k / kGroup;
+  alignas(64) uint8_t codes[kStackGroups * kGroup];
+  alignas(64) float a[kStackGroups * 2], b[kStackGroups * 2];
+  std::vector<uint8_t> heap_codes;
+  std::vector<float> heap_scales;
+  Unpacked u{codes, a, b};
+  if (groups > kStackGroups) {
+    heap_codes.resize(groups * kGroup), heap_scales.resize(groups * 4);
+    u = {heap_codes.data(), heap_scales.data(), heap_scales.data() + groups * 2};
+  }
+  unpack_row<T>(w, blocks, u);
   float tile[kTile];
   for (int64_t r0 = 0; r0 < m;) {
     const int64_t rows = std::min<int64_t>(kTile, m - r0);
     switch (rows) {
-      case 1: dot_rows<T, 1, kFloat>(w, blocks, x, r0, tile); break;
-      case 2: dot_rows<T, 2, kFloat>(w, blocks, x, r0, tile); break;
-      case 3: dot_rows<T, 3, kFloat>(w, blocks, x, r0, tile); break;
-      default: dot_rows<T, 4, kFloat>(w, blocks, x, r0, tile);
+      case 1: dot_unpacked<1, kSigned, kFloat>(u, groups, x, r0, tile); break;
+      case 2: dot_unpacked<2, kSigned, kFloat>(u, groups, x, r0, tile); break;
+      case 3: dot_unpacked<3, kSigned, kFloat>(u, groups, x, r0, tile); break;
+      default: dot_unpacked<4, kSigned, kFloat>(u, groups, x, r0, tile);
     }
     for (int64_t r = 0; r < rows; ++r) out[(r0 + r) * stride] = tile[r];
     r0 += rows;
