@@ -329,3 +329,21 @@ def test_a_backend_declaring_no_preferred_size_gets_16_or_its_smallest_block_siz
     assert backend_reasons(block_registry(Narrow), BigFirst, SPEC)["NARROW"] == [
         "block size 16 not in [64, 32]"
     ]
+
+
+def test_a_backend_within_the_timing_margin_keeps_the_preference_order(tmp_path):
+    """Timings a few percent apart are noise on a small machine: the earlier backend in preference order
+    stays unless a later one is more than 10% faster."""
+
+    def timer(times):
+        return lambda backend, spec, platform: times[backend.name]
+
+    close = select_attention_backend(
+        registry(Host), Host, SPEC, timer=timer({"SLOW": 0.00105, "REF": 0.001}), cache=None
+    )
+    assert close.backend is Slow
+    assert "first in preference order within 10% of the fastest" in close.explanation[0]
+    clear = select_attention_backend(
+        registry(Host), Host, SPEC, timer=timer({"SLOW": 0.0012, "REF": 0.001}), cache=None
+    )
+    assert clear.backend is Ref and "fastest measured" in clear.explanation[0]
