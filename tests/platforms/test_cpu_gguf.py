@@ -73,6 +73,21 @@ def test_bfloat16_rows_equal_int8_x_times_dequantized_weights(ggml_type, rows, t
     assert relative < 0.02, f"{ggml_type.name}: {relative:.4f} relative error from quantizing x"
 
 
+@pytest.mark.parametrize("ggml_type", KERNEL_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_many_rows_multiply_the_dequantized_weights(ggml_type, dtype, two_threads):
+    """From 32 rows (prefill chunks, large batches) the weights are dequantized a slab at a time for a
+    float32 GEMM: x (not int8) times the dequantized weights, for any x dtype; 300 rows span two slabs."""
+    raw = random_blocks(ggml_type, 300, 512, seed=3)
+    weight = torch.from_numpy(quants.dequantize(raw, ggml_type)).double()
+    x = torch.randn(40, 512, generator=torch.Generator().manual_seed(4)).to(dtype)
+    got = cpu_gguf.linear(x, [torch.from_numpy(raw)], [int(ggml_type)])
+    assert got.dtype == dtype and got.shape == (40, 300)
+    expected = x.double() @ weight.T
+    rounding = 0 if dtype == torch.float32 else expected.abs() / 128
+    assert ((got.double() - expected).abs() <= 1e-5 * (x.double().abs() @ weight.abs().T) + rounding).all()
+
+
 def test_fused_parts_of_mixed_types_and_bfloat16_rows(two_threads):
     in_features = 256
     types = [T.Q4_K, T.Q8_0, T.Q6_K]
