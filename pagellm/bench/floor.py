@@ -257,7 +257,11 @@ class ModelShape:
         )
         hf_config = llm.engine.setup.hf_config
         weight = getattr(lm_head, "weight", None)
-        if weight is not None:
+        packed = getattr(model, "packed_lm_head", None)
+        if weight is None and packed is not None:  # the bytes the packed copy really reads (GGUF blocks)
+            lm_head_params = hf_config.hidden_size * hf_config.vocab_size
+            lm_head_bytes = packed.weight.numel() * packed.weight.element_size()
+        elif weight is not None:
             lm_head_params, lm_head_bytes = weight.numel(), weight.numel() * weight.element_size()
         else:
             lm_head_params = hf_config.hidden_size * hf_config.vocab_size

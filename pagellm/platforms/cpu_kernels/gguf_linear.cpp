@@ -343,14 +343,27 @@ struct Rows {
   const float* whole_sums(int64_t r) const { return group_sums.data() + r * (k / kGroup); }  // quantized only
 };
 
-void quantize_rows(const float* x, int64_t m, int64_t k, Rows& q) {
+inline float to_float(float v) { return v; }
+inline float to_float(c10::BFloat16 v) { return static_cast<float>(v); }
+
+// Round to nearest even, as torch does; NaN stays NaN.
+inline c10::BFloat16 round_to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  const uint16_t bits = (u & 0x7fffffffu) > 0x7f800000u ? (u >> 16) | 0x40 : (u + 0x7fffu + ((u >> 16) & 1)) >> 16;
+  return c10::BFloat16(bits, c10::BFloat16::from_bits());
+}
+
+template <typename In>
+void quantize_rows(const In* x, int64_t m, int64_t k, Rows& q) {
   const int64_t groups = k / kGroup;
   q.k = k;
   q.codes.resize(m * k), q.scales.resize(m * groups), q.half_sums.resize(m * groups * 2);
   q.group_sums.resize(m * groups);
   at::parallel_for(0, m * groups, 64, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
-      const float* v = x + i * kGroup;
+      float v[kGroup];
+      for (int l = 0; l < kGroup; ++l) v[l] = to_float(x[i * kGroup + l]);
       float amax = 0.f;
       for (int l = 0; l < kGroup; ++l) amax = std::max(amax, std::fabs(v[l]));
       const float d = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
@@ -766,11 +779,13 @@ at::Tensor gguf_linear(const at::Tensor& input, at::TensorList parts, at::IntArr
   const int64_t n = starts.back();
   std::vector<int64_t> shape(input.sizes().begin(), input.sizes().end());
   shape.back() = n;
-  const at::Tensor x = input.reshape({-1, k}).to(at::kFloat).contiguous();
-  const int64_t m = x.size(0);
-  at::Tensor out = x.new_empty({m, n});
-  if (m == 0 || n == 0) return out.view(shape).to(input.scalar_type());
+  const at::Tensor rows_in = input.reshape({-1, k}).contiguous();
+  const int64_t m = rows_in.size(0);
+  const bool bf16 = input.scalar_type() == at::kBFloat16;
+  if (m == 0 || n == 0) return input.new_empty(shape);
   if (m >= kSlabRows) {  // a prefill chunk or a large batch: slabs of dequantized rows through sgemm
+    const at::Tensor x = rows_in.to(at::kFloat);
+    at::Tensor out = x.new_empty({m, n});
     for (size_t p = 0; p < parts.size(); ++p) {
       Layout layout;
       layout_of(types[p], &layout);
@@ -789,32 +804,40 @@ at::Tensor gguf_linear(const at::Tensor& input, at::TensorList parts, at::IntArr
       }
     }
     out = out.view(shape);
-    return input.scalar_type() == at::kFloat ? out : out.to(input.scalar_type());
+    return bf16 ? out.to(at::kBFloat16) : out;
   }
   // float32 x keeps its values (float products: the same sums as x @ the dequantized weights, up to their
-  // order); bfloat16 x, already rounded to 8 bits of mantissa, is quantized to int8 groups
-  const bool exact = input.scalar_type() == at::kFloat;
+  // order); bfloat16 x, already rounded to 8 bits of mantissa, is quantized to int8 groups, read and written
+  // in bfloat16 here (no float32 copies of x and of the output around the call)
   Rows q;
-  if (exact) {
-    float_rows(x.data_ptr<float>(), m, k, q);
+  if (bf16) {
+    quantize_rows(rows_in.data_ptr<c10::BFloat16>(), m, k, q);
   } else {
-    quantize_rows(x.data_ptr<float>(), m, k, q);
+    float_rows(rows_in.data_ptr<float>(), m, k, q);
   }
-  float* y = out.data_ptr<float>();
+  at::Tensor out = input.new_empty({m, n});
   at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> sums(bf16 ? (end - begin) * m : 0);  // this thread's outputs before rounding
     for (size_t p = 0; p < parts.size(); ++p) {
       const int64_t lo = std::max(begin, starts[p]), hi = std::min(end, starts[p + 1]);
       if (lo >= hi) continue;
       Layout layout;
       layout_of(types[p], &layout);
       const int64_t row_bytes = k / layout.block * layout.bytes, blocks = k / layout.block;
-      const RowFn fn = exact ? row_fn<true>(types[p]) : row_fn<false>(types[p]);
+      const RowFn fn = bf16 ? row_fn<false>(types[p]) : row_fn<true>(types[p]);
       const uint8_t* w = static_cast<const uint8_t*>(parts[p].data_ptr());
-      for (int64_t j = lo; j < hi; ++j) fn(w + (j - starts[p]) * row_bytes, blocks, q, m, y + j, n);
+      for (int64_t j = lo; j < hi; ++j) {
+        float* dst = bf16 ? sums.data() + (j - begin) : out.data_ptr<float>() + j;
+        fn(w + (j - starts[p]) * row_bytes, blocks, q, m, dst, bf16 ? end - begin : n);
+      }
+    }
+    if (bf16) {
+      c10::BFloat16* y = out.data_ptr<c10::BFloat16>();
+      for (int64_t r = 0; r < m; ++r)
+        for (int64_t j = begin; j < end; ++j) y[r * n + j] = round_to_bf16(sums[r * (end - begin) + j - begin]);
     }
   });
-  out = out.view(shape);
-  return input.scalar_type() == at::kFloat ? out : out.to(input.scalar_type());
+  return out.view(shape);
 }
 
 // uint8 [rows, bytes per row] of GGML type `type` -> float32 [rows, columns], bit for bit gguf-py's values.
