@@ -13,9 +13,8 @@ prompt phase's tokens/s (speed_pp, over all BATCH x IN tokens) and the generatio
 OUT steps of BATCH tokens each, so a decode step is t_tg / OUT. shared/bench/build_llamacpp.sh does not
 build it; without it the peer is skipped for batch > 1 and the report says why.
 
-The GGUF (`gguf_for_latency`): --llama-model if given, else --model itself when it is a GGUF that pagellm
-runs as it is (`--quantization gguf`, or matrices in the run's dtype), else the run's model written as one
-in the run's dtype and cached, as `bench throughput` does (pagellm.bench.llama_cpp.gguf_for).
+The GGUF (`gguf_for_latency`): --llama-model if given, else the one `bench throughput` gives llama.cpp
+(pagellm.bench.llama_cpp.gguf_for).
 """
 
 from __future__ import annotations
@@ -195,29 +194,10 @@ def run_llama_bench(
 
 
 def gguf_for_latency(config: Any, llama_model: str | None, dtype_name: str, cache_root: str) -> str:
-    """The GGUF llama.cpp runs: `llama_model`, else --model's own GGUF file, else the model converted."""
+    """The GGUF llama.cpp runs: `llama_model`, else what `bench throughput` gives llama.cpp
+    (pagellm.bench.llama_cpp.gguf_for: --model's own file where pagellm runs it as it is, else converted)."""
     if llama_model:
         return llama_model
     from pagellm.bench.llama_cpp import gguf_for
-    from pagellm.engine.setup import resolve_model_source
 
-    source = resolve_model_source(config)
-    if source.gguf_original and _runs_as_is(source.gguf_original, config.quantization, dtype_name):
-        return source.gguf_original
-    echo("llama.cpp: writing the model as a GGUF in the run's dtype (once; cached) ...", err=True)
     return gguf_for(config, dtype_name, cache_root)
-
-
-_FLOAT_TYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
-
-
-def _runs_as_is(path: str, quantization: str | None, dtype_name: str) -> bool:
-    """Whether llama.cpp on --model's own GGUF runs what pagellm runs: its blocks (`--quantization gguf`)
-    or matrices already in the run's dtype. Otherwise pagellm dequantized the file into `dtype_name` (model
-    S's Q4_1 file in a bfloat16 run) and llama.cpp gets the same weights in that dtype."""
-    if quantization == "gguf":
-        return True
-    import gguf
-
-    matrices = {t.tensor_type.name for t in gguf.GGUFReader(path).tensors if len(t.shape) >= 2}
-    return matrices == {_FLOAT_TYPES.get(dtype_name)}

@@ -197,11 +197,14 @@ def _help(binary: str) -> str:
 
 
 def gguf_for(config: Any, dtype_name: str, cache_root: str | os.PathLike) -> str:
-    """The GGUF of `config.model` in `dtype_name`, written once into `cache_root`/llama.cpp."""
+    """The GGUF llama.cpp runs for `config.model`: its own GGUF file where pagellm runs that as it is, else
+    the model in `dtype_name`, written once into `cache_root`/llama.cpp."""
     from pagellm.bench.gguf_convert import convert_hf_checkpoint, reencode_gguf
     from pagellm.engine.setup import resolve_model_source
 
     source = resolve_model_source(config)
+    if source.gguf_original and _runs_as_is(source.gguf_original, config.quantization, dtype_name):
+        return source.gguf_original
     origin = source.gguf_original or source.directory
     stat = os.stat(origin)
     stem = Path(origin).name.removesuffix(".gguf")
@@ -215,3 +218,18 @@ def gguf_for(config: Any, dtype_name: str, cache_root: str | os.PathLike) -> str
     else:
         convert_hf_checkpoint(source.directory, target, dtype_name)
     return str(target)
+
+
+_FLOAT_TYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
+
+
+def _runs_as_is(path: str, quantization: str | None, dtype_name: str) -> bool:
+    """Whether llama.cpp on --model's own GGUF runs what pagellm runs: its blocks (`--quantization gguf`)
+    or matrices already in the run's dtype. Otherwise pagellm dequantized the file into `dtype_name` (model
+    S's Q4_1 file in a bfloat16 run) and llama.cpp gets the same weights in that dtype."""
+    if quantization == "gguf":
+        return True
+    import gguf
+
+    matrices = {t.tensor_type.name for t in gguf.GGUFReader(path).tensors if len(t.shape) >= 2}
+    return matrices == {_FLOAT_TYPES.get(dtype_name)}

@@ -273,20 +273,21 @@ def test_latency_flags_arrive_parsed():
 def test_a_gguf_model_is_reencoded_unless_pagellm_runs_it_as_it_is(
     tiny_model, tiny_gguf, tmp_path, monkeypatch
 ):
-    """llama.cpp gets the weights pagellm runs: --model's file as is for `--quantization gguf` or a file in
-    the run's dtype; a Q8_0 file in a float32 run (pagellm dequantizes it) is written in float32 first."""
+    """llama.cpp gets the weights pagellm runs (latency and throughput alike): --model's file as is for
+    `--quantization gguf` or a file in the run's dtype; a Q8_0 file in a float32 run (pagellm dequantizes
+    it) is written in float32 first."""
     from pagellm.bench import llama_bench
     from pagellm.core.config import EngineConfig
 
     q8 = convert_hf_checkpoint(tiny_model, tmp_path / "tiny.q8_0.gguf", "q8_0")
     written = []
     monkeypatch.setattr(
-        "pagellm.bench.llama_cpp.gguf_for", lambda config, dtype, root: written.append(dtype) or "converted"
+        "pagellm.bench.gguf_convert.reencode_gguf", lambda source, target, dtype: written.append(dtype)
     )
     same = EngineConfig(model=str(tiny_gguf))
     assert llama_bench.gguf_for_latency(same, None, "float32", str(tmp_path)) == str(tiny_gguf)
     packed = EngineConfig(model=str(q8), quantization="gguf")
     assert llama_bench.gguf_for_latency(packed, None, "float32", str(tmp_path)) == str(q8)
     widened = EngineConfig(model=str(q8))
-    assert llama_bench.gguf_for_latency(widened, None, "float32", str(tmp_path)) == "converted"
+    assert llama_bench.gguf_for_latency(widened, None, "float32", str(tmp_path)).endswith(".float32.gguf")
     assert written == ["float32"]
