@@ -281,8 +281,8 @@ def _run_llama_cpp(
         return None, f"--llama-server {args.llama_server}: not an executable file, nor found on PATH"
     gguf = args.llama_model
     if gguf is None:
-        echo("llama.cpp: writing the model as a GGUF in the run's dtype (once; cached) ...", err=True)
         gguf = llama_cpp.gguf_for(config, str(dtype).removeprefix("torch."), cache_dir())
+    echo(f"llama.cpp runs {gguf}", err=True)
     result = llama_cpp.run_llama_cpp(
         path,
         gguf,
