@@ -145,7 +145,9 @@ def bench() -> None:
     "--llama-model",
     type=click.Path(exists=True, dir_okay=False),
     default=None,
-    help="llama.cpp: the GGUF to serve. [default: the run's model written as a GGUF in the run's dtype, cached]",
+    help="llama.cpp: the GGUF to serve. [default: --model's own GGUF where pagellm runs it as it is "
+    "(--quantization gguf, or matrices in the run's dtype), else the run's model written as a GGUF in the "
+    "run's dtype, cached]",
 )
 @click.option(
     "--llama-slots",
@@ -221,8 +223,7 @@ def throughput(**params) -> None:
     "--llama-model",
     type=click.Path(exists=True, dir_okay=False),
     default=None,
-    help="llama.cpp: the GGUF to run. [default: --model if it is a GGUF file, else the run's model written "
-    "as a GGUF in the run's dtype, cached]",
+    help="llama.cpp: the GGUF to run. [default: as for bench throughput's --llama-model]",
 )
 @click.option(
     "--llama-args",

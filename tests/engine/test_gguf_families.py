@@ -53,6 +53,20 @@ def test_gguf_family_matches_the_original_checkpoint(family, tmp_path, monkeypat
     assert error < LOGPROB_TOLERANCE, error
 
 
+def _tokens_dequantized_and_packed(path: Path, seed: int) -> tuple[dict, LLM]:
+    """Greedy tokens of six prompts with the file dequantized at load (None) and kept packed ("gguf"), and
+    the packed engine."""
+    prompts = [{"prompt_token_ids": p} for p in mixed_prompts(300, seed=seed)[8:14]]
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+    outputs = {}
+    for quantization in (None, "gguf"):
+        llm = LLM(str(path), quantization=quantization, **ENGINE)
+        outputs[quantization] = [
+            o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)
+        ]
+    return outputs, llm
+
+
 @pytest.mark.parametrize(
     "family",
     [
@@ -64,14 +78,7 @@ def test_gguf_family_matches_the_original_checkpoint(family, tmp_path, monkeypat
 def test_q8_0_gguf_kept_packed_gives_the_dequantized_tokens(family, tmp_path, monkeypatch):
     monkeypatch.setenv("PAGELLM_CACHE_DIR", str(tmp_path / "cache"))
     _, gguf = _gguf(family, tmp_path, "q8_0")
-    prompts = [{"prompt_token_ids": p} for p in mixed_prompts(300, seed=3)[8:14]]
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
-    outputs = {}
-    for quantization in (None, "gguf"):
-        llm = LLM(str(gguf), quantization=quantization, **ENGINE)
-        outputs[quantization] = [
-            o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)
-        ]
+    outputs, llm = _tokens_dequantized_and_packed(gguf, seed=3)
     layer = llm.engine.runner.model.model.layers[0]
     assert type(layer.self_attn.qkv_proj.quant_method).__name__ == "GgufMethod"
     assert layer.mlp.gate_up_proj.qweight_types == [8, 8]  # Q8_0 for gate and up
@@ -115,14 +122,7 @@ def test_q8_0_tied_embedding_stays_packed_at_the_file_size(tmp_path, monkeypatch
     monkeypatch.setenv("PAGELLM_CACHE_DIR", str(tmp_path / "cache"))
     checkpoint = make_tiny_checkpoint("llama", tmp_path, tie_word_embeddings=True, hidden_size=128)
     path = convert_hf_checkpoint(checkpoint, tmp_path / "tiny-llama.q8_0.gguf", "q8_0")
-    prompts = [{"prompt_token_ids": p} for p in mixed_prompts(300, seed=4)[8:14]]
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
-    outputs = {}
-    for quantization in (None, "gguf"):
-        llm = LLM(str(path), quantization=quantization, **ENGINE)
-        outputs[quantization] = [
-            o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)
-        ]
+    outputs, llm = _tokens_dequantized_and_packed(path, seed=4)
     model = llm.engine.runner.model
     assert model.model.embed_tokens.weight is None
     assert model.packed_lm_head is not None and model.packed_lm_head.weight.dtype == torch.uint8
