@@ -10,7 +10,8 @@ pybind11 did.
 The build targets the CPU it runs on (-march=native), so the AVX-512, AVX2 or plain C++ path of each kernel
 is the one this machine can run; the cache key includes the CPU's feature flags, so a different CPU gets
 its own build. Where no compiler is found or the build fails, `load()` returns None after one log line
-saying why, and callers use their PyTorch path. PAGELLM_CPU_KERNELS=0 turns the kernels off.
+saying why, and callers use their PyTorch path. PAGELLM_CPU_KERNELS=0 turns the kernels off;
+PAGELLM_CPU_KERNELS_ARCH=x86-64 builds them without AVX2 (their plain C++ paths), in a build of its own.
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ SOURCES = (
 )
 HEADERS = ("kernels.h", "amx_tiles.h", "panels.h")
 ENV_SWITCH = "PAGELLM_CPU_KERNELS"
+ARCH_SWITCH = "PAGELLM_CPU_KERNELS_ARCH"
+"""The build's -march (default native); e.g. x86-64 builds the plain C++ paths, to check them on any CPU."""
 OPS = (
     "amx_available",
     "amx_pack",
@@ -103,6 +106,8 @@ def _build() -> tuple[SimpleNamespace | None, str | None]:
         digest.update((here / name).read_bytes())
     digest.update(torch.__version__.encode())
     digest.update(_cpu_flags().encode())
+    arch = os.environ.get(ARCH_SWITCH, "native")
+    digest.update(arch.encode())
     key = digest.hexdigest()[:16]
     build_dir = Path(cache_dir()) / "kernels" / key
     build_dir.mkdir(parents=True, exist_ok=True)
@@ -134,7 +139,7 @@ def _build() -> tuple[SimpleNamespace | None, str | None]:
             library = load_extension(
                 name=name,
                 sources=sources,
-                extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                extra_cflags=["-O3", f"-march={arch}", "-fopenmp"],
                 extra_ldflags=["-fopenmp"],
                 build_directory=str(build_dir),
                 verbose=False,
