@@ -103,7 +103,8 @@ def mlp_from_hf_config(hf_config: Any, dtype: torch.dtype) -> tuple[int, int, Ex
 
 def experts_of_model(model: torch.nn.Module) -> Experts | None:
     """The experts of a loaded model's `SparseMoeBlock`s (None without any), from the layers' shapes and
-    dtype: the same whether the platform's kernel holds them (its packed copy may pad) or the layer does.
+    dtype (or a GGUF file's blocks, as the layer keeps them): the same whether the platform's kernel holds
+    them (its packed copy may pad) or the layer does.
     Raises ValueError if the MoE layers differ in shape."""
     blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
     shapes = {_block_experts(b) for b in blocks}
@@ -123,7 +124,7 @@ def _block_experts(block: Any) -> tuple[int, int, int, int, int]:
         block.gate.out_features,
         block.gate.routing.top_k,
         params,
-        params * element_size(layer.weight_dtype),
+        layer.gguf_expert_bytes or params * element_size(layer.weight_dtype),
         layer.num_local_experts,
     )
 

@@ -63,9 +63,16 @@ def _encode(data: np.ndarray, type_name: str, keep_f32: bool = False) -> tuple[n
     return quants.quantize(data, qtype), qtype
 
 
-def reencode_gguf(source: str | os.PathLike, target: str | os.PathLike, dtype_name: str = "bfloat16") -> Path:
+def reencode_gguf(
+    source: str | os.PathLike,
+    target: str | os.PathLike,
+    dtype_name: str = "bfloat16",
+    encode: Callable[[str, np.ndarray], tuple[np.ndarray, Any] | None] | None = None,
+) -> Path:
     """Write `source` (any GGUF) to `target` with every tensor dequantized and stored in `dtype_name`
-    (matrices) or float32 (vectors), keeping all its metadata and tokenizer."""
+    (matrices) or float32 (vectors), keeping all its metadata and tokenizer. `encode` (tensor name, float32
+    values) -> (data, GGML type) stores a tensor its own way instead (None: the default), as the tests
+    write K-quant experts."""
     from gguf import GGUFReader, GGUFValueType, GGUFWriter, dequantize
 
     reader = GGUFReader(str(source))
@@ -85,7 +92,9 @@ def reencode_gguf(source: str | os.PathLike, target: str | os.PathLike, dtype_na
         writer.add_key_value(key, field.contents(), vtype, sub_type=sub_type)
     writer.add_file_type(_gguf_type(dtype_name)[1])
     for tensor in reader.tensors:
-        data, qtype = _encode(dequantize(tensor.data, tensor.tensor_type), dtype_name)
+        values = dequantize(tensor.data, tensor.tensor_type)
+        own = encode(tensor.name, values) if encode is not None else None
+        data, qtype = own if own is not None else _encode(values, dtype_name)
         writer.add_tensor(tensor.name, data, raw_dtype=qtype)
     _finish(writer, partial, target)
     return target

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from pagellm.core.dtypes import dtype_name
+from pagellm.core.moe import PackedMoE
 from pagellm.core.platform import CAPABILITIES
 
 if TYPE_CHECKING:
@@ -117,4 +118,18 @@ class QuantMethod:
         self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
         """y = x @ W^T + bias with this format's weights."""
+        raise NotImplementedError
+
+    def pack_gguf_experts(
+        self, blocks: dict[str, tuple[torch.Tensor, int]], activation: str, device: torch.device
+    ) -> PackedMoE | None:
+        """For a method that `loads_gguf_blocks`: a mixture-of-experts layer's stacked experts as the file
+        holds them (`blocks`: "gate_proj", "up_proj", "down_proj" -> (uint8 [E, rows, bytes per row], GGML
+        type)) on a kernel that reads them in place on `device`, or None: the layer then takes each expert
+        from `dequantize_gguf` and runs it as float experts."""
+        return None
+
+    def dequantize_gguf(self, raw: torch.Tensor, type_id: int, dtype: torch.dtype) -> torch.Tensor:
+        """For a method that `loads_gguf_blocks`: uint8 [rows, bytes per row] of GGML type `type_id` as
+        [rows, columns] in `dtype`, for what it does not keep packed."""
         raise NotImplementedError

@@ -9,7 +9,9 @@ Mixtures of experts (Qwen3-MoE, Qwen2-MoE, Mixtral): llama.cpp stacks each layer
 per projection, `blk.N.ffn_gate_exps` / `ffn_up_exps` [E, I, H] and `ffn_down_exps` [E, H, I] (numpy order).
 They come out one expert at a time under the per-expert names `FusedMoE` reads
 (`<mlp>.experts.{e}.gate_proj.weight`), each dequantized on its own, so at most one expert's float copy is
-held; experts are always dequantized, also under `--quantization gguf`.
+held. Under `--quantization gguf` (raw_linear) each stacked tensor comes whole as the file's bytes
+(`<mlp>.experts.gate_proj.qweight`, uint8 [E, rows, bytes per row], with its `qweight_type`), which the
+layer keeps as blocks where the CPU kernel reads the type or dequantizes itself (`FusedMoE`).
 
 Reading is the slow part of a start: gguf's `GGUFReader` slices its numpy memmap once per metadata string
 (~100k for a 49k-token vocabulary), and each memmap slice costs microseconds in numpy's subclass hooks: 5.4 s
@@ -64,7 +66,8 @@ def iter_gguf_weights(
     """(HF name, float32 tensor) for every tensor of the GGUF file that the HF model of `hf_config` has.
 
     raw_linear: decoder linear weights come as `<prefix>.qweight` (their raw GGUF bytes, uint8 [out, bytes])
-    plus `<prefix>.qweight_type` (the GGML type), for the `gguf` quantization method that keeps them packed;
+    plus `<prefix>.qweight_type` (the GGML type), for the `gguf` quantization method that keeps them packed
+    (a layer's stacked experts likewise, uint8 [E, rows, bytes] under `<mlp>.experts.<projection>.`);
     a token embedding or output projection in a block type comes as floats and also as
     `<prefix>.gguf_table` / `<prefix>.gguf_table_type`, its bytes and type."""
     return _weights(_open(path), hf_config, raw_linear)
@@ -129,7 +132,10 @@ def _weights(reader: Any, hf_config, raw_linear: bool) -> Iterator[tuple[str, to
     experts, routers, shared_gates = _moe_tensors(hf_config.num_hidden_layers)
     for tensor in reader.tensors:
         if tensor.name in experts:
-            yield from _split_experts(tensor, names, *experts[tensor.name])
+            split = _stacked_experts if raw_linear else _split_experts
+            yield from split(
+                tensor, _experts_prefix(tensor, names, experts[tensor.name][0]), experts[tensor.name][1]
+            )
             continue
         hf_name = names.get(tensor.name)
         if hf_name is None:
@@ -207,20 +213,35 @@ def _moe_tensors(layers: int) -> tuple[dict[str, tuple[int, str]], set[str], set
     return experts, routers, {name("FFN_GATE_INP_SHEXP", bid) for bid in range(layers)}
 
 
-def _split_experts(
-    tensor: Any, names: dict[str, str], layer: int, module: str
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """One stacked expert tensor as (`<mlp>.experts.{e}.<module>.weight`, float32 [rows, columns]) per expert,
-    `<mlp>` the HF module holding the layer's router; each expert read and dequantized alone."""
-    from gguf import MODEL_TENSOR, TENSOR_NAMES, dequantize
+def _experts_prefix(tensor: Any, names: dict[str, str], layer: int) -> str:
+    """`<mlp>.experts`, `<mlp>` the HF module holding layer `layer`'s router."""
+    from gguf import MODEL_TENSOR, TENSOR_NAMES
 
     router = names.get(TENSOR_NAMES[MODEL_TENSOR.FFN_GATE_INP].format(bid=layer) + ".weight")
     if router is None:
         raise ConfigError(f"GGUF tensor {tensor.name}: the model has no mixture of experts in layer {layer}")
-    mlp = router.removesuffix(".weight").rpartition(".")[0]
+    return router.removesuffix(".weight").rpartition(".")[0] + ".experts"
+
+
+def _split_experts(tensor: Any, prefix: str, module: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """One stacked expert tensor as (`<prefix>.{e}.<module>.weight`, float32 [rows, columns]) per expert,
+    each expert read and dequantized alone."""
+    from gguf import dequantize
+
     for expert in range(tensor.data.shape[0]):
         data = dequantize(tensor.data[expert], tensor.tensor_type)
-        yield f"{mlp}.experts.{expert}.{module}.weight", torch.from_numpy(np.array(data, dtype=np.float32))
+        yield f"{prefix}.{expert}.{module}.weight", torch.from_numpy(np.array(data, dtype=np.float32))
+
+
+def _stacked_experts(tensor: Any, prefix: str, module: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """One stacked expert tensor as it is, for a method that keeps blocks: `<prefix>.<module>.qweight`
+    (uint8 [E, rows, bytes per row], a copy of the file's bytes) and `.qweight_type`."""
+    data = np.ascontiguousarray(tensor.data).view(np.uint8)
+    yield f"{prefix}.{module}.qweight_type", torch.tensor(int(tensor.tensor_type))
+    yield (
+        f"{prefix}.{module}.qweight",
+        torch.from_numpy(data.reshape(data.shape[0], data.shape[1], -1).copy()),
+    )
 
 
 def _gguf_to_hf_names(architecture: str, hf_config) -> dict[str, str]:

@@ -13,6 +13,12 @@ Compute, per part, the first that applies:
   device);
 - any other type gguf-py can read (Q2_K, Q3_K, the K-quants off CPU, IQ types) is dequantized once at load
   into the model's dtype, which the log says with the memory it costs.
+
+A mixture-of-experts layer's stacked experts (`ffn_gate_exps`, `ffn_up_exps`, `ffn_down_exps`, uint8
+[E, rows, bytes per row]) stay the file's bytes on CPU where all three are of the types above that the
+kernel reads (`platforms.cpu_gguf_moe`: each step's experts multiplied in place, x quantized as for the
+linears); otherwise (another type in any of the three, another device) the layer's experts are dequantized
+at load into the model's dtype, logged as above, and run as float experts.
 """
 
 from __future__ import annotations
@@ -28,9 +34,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagellm.core.errors import ConfigError
+from pagellm.core.moe import PackedMoE
 from pagellm.core.platform import DTYPE_VIEWS, PackedLinear
 from pagellm.core.quant import QuantMethod
-from pagellm.platforms import cpu_gguf
+from pagellm.platforms import cpu_gguf, cpu_gguf_moe
 from pagellm.plugins.hookspecs import hookimpl
 
 logger = logging.getLogger("pagellm")
@@ -182,6 +189,26 @@ class GgufMethod(QuantMethod):
             layer.gguf_paths.append(path)
         layer.gguf_kernel_only = all(path == "kernel" for path in layer.gguf_paths)
         del layer.qweight, layer.qweight_type, layer.gguf_parts
+
+    def pack_gguf_experts(
+        self, blocks: dict[str, tuple[torch.Tensor, int]], activation: str, device: torch.device
+    ) -> PackedMoE | None:
+        """A layer's stacked experts on the CPU kernel that reads their blocks in place
+        (`platforms.cpu_gguf_moe`) when all three projections are of types it reads; None otherwise (the
+        layer dequantizes all three at load, `dequantize_gguf`)."""
+        parts = [blocks[name] for name in ("gate_proj", "up_proj", "down_proj")]
+        types = [type_id for _, type_id in parts]
+        if device.type != "cpu" or not cpu_gguf_moe.runs(types):
+            return None
+        names = ", ".join(_type_name(t) for t in types)
+        return cpu_gguf_moe.pack(*(raw for raw, _ in parts), types, activation, names)
+
+    def dequantize_gguf(self, raw: torch.Tensor, type_id: int, dtype: torch.dtype) -> torch.Tensor:
+        """What stays no block here, widened once as gguf-py does; logged once per type that has no kernel
+        (a type that has one is here for another projection's type, or the device, which is logged)."""
+        if cpu_gguf.has_kernel(type_id):
+            return cpu_gguf.dequantize(raw, type_id).to(dtype)
+        return _dequantize_at_load(raw, type_id, dtype)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         weights = [getattr(layer, f"qweight_{shard}") for shard in range(len(layer.qweight_types))]

@@ -223,11 +223,12 @@ class ModelRunner:
                 lm_head.use_packed(packed)
 
     def _pack_experts(self, model) -> None:
-        """Hand every MoE layer's stacked experts to the platform's kernel (`Platform.pack_moe`); a layer
-        the platform packs nothing for runs `fused_experts_reference`. Says once which runs them."""
+        """Hand every MoE layer's stacked experts to the platform's kernel (`Platform.pack_moe`), unless the
+        quantization method's kernel runs them already (GGUF blocks); a layer the platform packs nothing for
+        runs `fused_experts_reference`. Says once which runs them."""
         layers = [m for m in model.modules() if isinstance(m, FusedMoE)]
         paths = set()
-        for layer in layers:
+        for layer in (m for m in layers if m.packed is None):
             layer.use_packed(
                 self.setup.platform.pack_moe(
                     layer.w13,
@@ -239,6 +240,7 @@ class ModelRunner:
                     w2_scale=layer.w2_scale,
                 )
             )
+        for layer in layers:
             paths.add(layer.packed.description if layer.packed is not None else "the PyTorch reference")
         if layers:
             logger.info("MoE experts of %d layers run on %s", len(layers), ", ".join(sorted(paths)))

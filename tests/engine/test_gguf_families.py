@@ -86,11 +86,13 @@ def test_q8_0_gguf_kept_packed_gives_the_dequantized_tokens(family, tmp_path, mo
 
 
 @pytest.mark.slow
-def test_q8_0_moe_gguf_dequantizes_the_experts(tmp_path, monkeypatch):
-    """Qwen3-MoE in Q8_0 under `--quantization gguf`: attention kept packed, the float32 routers and the
-    stacked Q8_0 experts loaded as floats (the experts dequantized at load); the tokens of the file
+def test_q8_0_moe_gguf_keeps_the_experts_packed(tmp_path, monkeypatch):
+    """Qwen3-MoE in Q8_0 under `--quantization gguf`: attention and the stacked Q8_0 experts kept packed
+    (the experts on `pagellm::gguf_moe`), the float32 routers loaded as floats; the tokens of the file
     dequantized whole. (How near the dequantized experts are to the original ones:
-    tests/models/test_models_gguf.py.)"""
+    tests/models/test_models_gguf.py; K-quant experts: tests/engine/test_gguf_moe_experts.py.)"""
+    from pagellm.platforms import cpu_gguf
+
     monkeypatch.setenv("PAGELLM_CACHE_DIR", str(tmp_path / "cache"))
     _, gguf = _gguf("qwen3_moe", tmp_path, "q8_0")
     prompts = mixed_prompts(300, seed=3)[8:14]
@@ -105,6 +107,8 @@ def test_q8_0_moe_gguf_dequantizes_the_experts(tmp_path, monkeypatch):
         if quantization == "gguf":
             layer = llm.engine.runner.model.model.layers[0]
             assert layer.self_attn.qkv_proj.qweight_types == [8, 8, 8]  # q, k, v kept packed
+            if cpu_gguf.available():
+                assert "GGUF blocks (Q8_0, Q8_0, Q8_0)" in layer.mlp.experts.packed.description
     assert outputs["gguf"] == outputs[None]
 
 

@@ -1,5 +1,6 @@
-"""The kernels' plain C++ paths (what a CPU without AVX2 runs) pass the GGUF kernel tests: the library built
-with PAGELLM_CPU_KERNELS_ARCH=x86-64, in a process of its own (one build of the kernels: slow)."""
+"""The kernels' plain C++ paths (what a CPU without AVX2 runs) pass the GGUF kernel tests (linears and
+experts): the library built with PAGELLM_CPU_KERNELS_ARCH=x86-64, in a process of its own (one build of
+the kernels: slow)."""
 
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ def test_gguf_kernels_without_avx2(tmp_path):
             "-p",
             "no:cacheprovider",
             str(HERE / "test_cpu_gguf.py"),
+            str(HERE / "test_cpu_gguf_moe.py"),
         ],
         env=env,
         capture_output=True,

@@ -44,6 +44,7 @@
 #include <vector>
 
 #include "kernels.h"
+#include "moe_routing.h"
 #include "panels.h"
 
 namespace {
@@ -54,33 +55,6 @@ constexpr int64_t kBufferFloats = int64_t(1) << 23;  // float32 buffers per chun
 // step: a second region's wake-up and barrier cost more than a decode step's work on a busy machine);
 // with fewer, they share each GEMM's panels (two regions).
 constexpr int64_t kExpertsPerThread = 4;
-
-enum Activation { kSilu, kSwigluOai, kGeluTanh };
-
-struct ActParams {
-  Activation kind;
-  float alpha, limit;
-};
-
-inline float sigmoid(float x) { return 1.f / (1.f + std::exp(-x)); }
-
-constexpr float kGeluC = 0.7978845608028654f;  // sqrt(2 / pi)
-
-// The activation of one gate/up pair (core/moe.py `activate`). gelu_tanh's 0.5 (1 + tanh(z)) is written
-// as sigmoid(2z), the same function.
-inline float activate(float gate, float up, const ActParams& a) {
-  switch (a.kind) {
-    case kSilu:
-      return gate * sigmoid(gate) * up;
-    case kGeluTanh:
-      return gate * sigmoid(2.f * kGeluC * (gate + 0.044715f * gate * gate * gate)) * up;
-    case kSwigluOai: {
-      const float g = std::min(gate, a.limit), u = std::min(std::max(up, -a.limit), a.limit);
-      return (u + 1.f) * g * sigmoid(a.alpha * g);
-    }
-  }
-  return 0.f;
-}
 
 #if PL_PANEL_AVX2
 // e^x, x clamped to [-87, 88] (beyond, sigmoid is 0 or 1 in float32 anyway); relative error ~1e-7.
@@ -196,44 +170,6 @@ struct Down {
     static void run(Args&&... args) { down_block<kRows, kFormat>(args...); }
   };
 };
-
-// The step's pairs of one chunk of tokens, sorted by expert (stable: token order within an expert).
-struct Routing {
-  std::vector<int64_t> token;     // [pairs] the token of sorted pair s
-  std::vector<float> weight;      // [pairs] its routing weight
-  std::vector<int64_t> position;  // [pairs] sorted position of pair (t, k), t local to the chunk
-  std::vector<int64_t> experts, start, count;  // the chosen experts, their first sorted pair and pair count
-};
-
-Routing sort_pairs(const int64_t* ids, const float* weights, int64_t tokens, int64_t top_k, int64_t num_experts) {
-  const int64_t pairs = tokens * top_k;
-  std::vector<int64_t> offset(num_experts + 1, 0);
-  for (int64_t i = 0; i < pairs; ++i) {
-    TORCH_CHECK(ids[i] >= 0 && ids[i] < num_experts, "cpu_fused_moe: expert id ", ids[i], " out of range [0, ",
-                num_experts, ")");
-    ++offset[ids[i] + 1];
-  }
-  Routing r;
-  for (int64_t e = 0; e < num_experts; ++e) {
-    if (offset[e + 1] > 0) r.experts.push_back(e), r.start.push_back(offset[e]), r.count.push_back(offset[e + 1]);
-    offset[e + 1] += offset[e];
-  }
-  r.token.resize(pairs), r.weight.resize(pairs), r.position.resize(pairs);
-  for (int64_t i = 0; i < pairs; ++i) {
-    const int64_t s = offset[ids[i]]++;
-    r.token[s] = i / top_k, r.weight[s] = weights[i], r.position[i] = s;
-  }
-  return r;
-}
-
-Activation parse_activation(c10::string_view name) {
-  const std::string s(name.data(), name.size());
-  if (s == "silu") return kSilu;
-  if (s == "swiglu_oai") return kSwigluOai;
-  if (s == "gelu_pytorch_tanh") return kGeluTanh;
-  TORCH_CHECK(false, "cpu_fused_moe: unknown activation ", s);
-  return kSilu;
-}
 
 // A packed per-column float32 vector (bias or scale) of every expert, or nullptr where there is none.
 const float* optional_bias(const c10::optional<at::Tensor>& bias, int64_t experts, int64_t width, const char* name) {
@@ -377,7 +313,7 @@ at::Tensor cpu_fused_moe(const at::Tensor& hidden, const at::Tensor& topk_weight
   const float* s2 = optional_bias(w2_scale, num_experts, p2 * kPanel, "w2_scale");
   TORCH_CHECK(is_quantized(format) == (s13 != nullptr) && is_quantized(format) == (s2 != nullptr),
               "cpu_fused_moe: int8 and float8_e4m3fn weights take both scales, float weights none");
-  const ActParams act_params{parse_activation(activation), static_cast<float>(swiglu_alpha), static_cast<float>(swiglu_limit)};
+  const ActParams act_params{parse_activation(activation, "cpu_fused_moe"), static_cast<float>(swiglu_alpha), static_cast<float>(swiglu_limit)};
   auto out = hidden.new_empty({tokens, h});
   const int64_t top_k = topk_ids.size(1);
   if (tokens == 0 || h == 0) return out;
@@ -396,7 +332,7 @@ at::Tensor cpu_fused_moe(const at::Tensor& hidden, const at::Tensor& topk_weight
   for (int64_t t0 = 0; t0 < tokens; t0 += chunk) {
     const int64_t n = std::min(chunk, tokens - t0);
     const Routing routing = sort_pairs(ids.data_ptr<int64_t>() + t0 * top_k, weights.data_ptr<float>() + t0 * top_k,
-                                       n, top_k, num_experts);
+                                       n, top_k, num_experts, "cpu_fused_moe");
     const float* xs = x.data_ptr<float>() + t0 * h;
     switch (format) {
       case kF32: run_chunk<kF32>(xs, h, routing, experts, inter, act_params, act.get(), y.get()); break;

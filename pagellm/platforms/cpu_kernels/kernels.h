@@ -42,6 +42,11 @@ at::Tensor gguf_dequantize(const at::Tensor& raw, int64_t type);
 bool gguf_kernel_type(int64_t type);
 at::Tensor gguf_embedding(const at::Tensor& ids, const at::Tensor& table, int64_t type);
 
+// gguf_moe.cpp
+at::Tensor gguf_moe(const at::Tensor& hidden, const at::Tensor& topk_weights, const at::Tensor& topk_ids,
+                    const at::Tensor& gate, const at::Tensor& up, const at::Tensor& down, at::IntArrayRef types,
+                    c10::string_view activation, double swiglu_alpha, double swiglu_limit);
+
 // linear_panels.cpp
 at::Tensor cpu_panel_linear(const at::Tensor& input, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
                             int64_t out_features, bool fixed_order, const c10::optional<at::Tensor>& scale);

@@ -102,13 +102,14 @@ at::Tensor cpu_attention(const at::Tensor& q, const at::Tensor& k, const at::Ten
 
 // The compiled graph reaches these through the dispatcher; their schemas, with the fake implementations
 // torch.compile traces, are defined in Python (platforms/cpu.py, platforms/cpu_moe.py,
-// platforms/cpu_linear.py, platforms/cpu_gguf.py, attention_backends/cpu_attn.py), so this build only adds the CPU implementations.
+// platforms/cpu_linear.py, platforms/cpu_gguf.py, platforms/cpu_gguf_moe.py, attention_backends/cpu_attn.py), so this build only adds the CPU implementations.
 TORCH_LIBRARY_IMPL(pagellm, CPU, m) {
   m.impl("amx_linear", TORCH_FN(amx_linear));
   m.impl("cpu_fused_moe", TORCH_FN(cpu_fused_moe));
   m.impl("cpu_panel_linear", TORCH_FN(cpu_panel_linear));
   m.impl("gguf_linear", TORCH_FN(gguf_linear));
   m.impl("gguf_embedding", TORCH_FN(gguf_embedding));
+  m.impl("gguf_moe", TORCH_FN(gguf_moe));
   m.impl("cpu_attention", TORCH_FN(cpu_attention));
 }
 

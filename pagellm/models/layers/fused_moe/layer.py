@@ -13,6 +13,11 @@ a float32 scale per output row (`w13_scale`, `w2_scale`; weight-only): float che
 quantized one expert part at a time as they load, quantized ones (`weight` in that dtype with its
 `weight_scale`, as the dense layers read them) are copied. Sharded by width, a rank quantizes its own
 columns of `w2`, so its row scales are its own.
+
+Under a method that `loads_gguf_blocks` (`--quantization gguf` on a GGUF file) the experts arrive as the
+file's stacked tensors (`gguf_experts.py`); the method's kernel may run them as they are (then they are the
+layer's buffers `gguf_gate_proj`, `gguf_up_proj`, `gguf_down_proj` and `w13`/`w2` are never allocated), or
+they are dequantized expert by expert into `w13`/`w2`, allocated only then.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from pagellm.core.errors import ConfigError
 from pagellm.core.moe import ACTIVATIONS, QUANTIZED_DTYPES, SILU, PackedMoE, fused_experts_reference
 from pagellm.core.quant import QuantMethod
 from pagellm.distributed import Group
+from pagellm.models.layers.fused_moe.gguf_experts import GgufExpertBlocks
 from pagellm.models.loader import CheckpointSlice
 
 PER_EXPERT = {
@@ -94,8 +100,15 @@ class FusedMoE(nn.Module):
         self.bias_rank = tp.rank == 0 or self.expert_parallel
         """Whether this rank adds `w2_bias`: a sharded layer's partial sums are added up, so only one does."""
         e, h = self.num_local_experts, hidden_size
-        self.w13 = _parameter(torch.empty(e, 2 * width, h, dtype=weight_dtype))
-        self.w2 = _parameter(torch.empty(e, h, width, dtype=weight_dtype))
+        self.gguf = quant_method if quant_method is not None and quant_method.loads_gguf_blocks else None
+        """The method whose GGUF experts this layer may keep as the file's blocks (`gguf_experts.py`)."""
+        self.gguf_blocks = GgufExpertBlocks() if self.gguf is not None else None
+        self.gguf_expert_bytes: int | None = None
+        """The bytes of one expert's GGUF blocks once the layer keeps them (the benchmark floor reads it)."""
+        self._shapes = {"w13": (e, 2 * width, h), "w2": (e, h, width)}
+        # a GGUF file's experts may stay its blocks: the float ones are allocated when float weights arrive
+        self.w13 = _parameter(torch.empty(0 if self.gguf else self._shapes["w13"], dtype=weight_dtype))
+        self.w2 = _parameter(torch.empty(0 if self.gguf else self._shapes["w2"], dtype=weight_dtype))
         quantized = self.quantizer is not None
         self.w13_scale = _parameter(torch.empty(e, 2 * width, dtype=torch.float32)) if quantized else None
         self.w2_scale = _parameter(torch.empty(e, h, dtype=torch.float32)) if quantized else None
@@ -153,10 +166,35 @@ class FusedMoE(nn.Module):
         head, _, rest = name.partition(".")
         if head.isdigit():
             self._load_expert(int(head), rest, tensor)
+        elif self.gguf_blocks is not None and name.endswith((".qweight", ".qweight_type")):
+            if self.gguf_blocks.add(name, tensor):
+                self._load_gguf_blocks()
         elif name in ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias"):
             self._load_fused(name, tensor)
         else:
             raise ConfigError(f"checkpoint tensor experts.{name} has no counterpart in {type(self).__name__}")
+
+    def _load_gguf_blocks(self) -> None:
+        """The three stacked tensors of a GGUF file's experts, all here: kept as they are on the method's
+        kernel (registered as buffers `gguf_gate_proj`, ..., so the model's bytes count them) where it has
+        one for their types and this rank holds the layer whole, else dequantized expert by expert."""
+        blocks, self.gguf_blocks = self.gguf_blocks.blocks, None
+        whole = tuple(blocks["gate_proj"][0].shape[:2]) == (self.num_local_experts, self.width)
+        packed = (
+            self.gguf.pack_gguf_experts(blocks, self.activation, self.w13.device)
+            if whole and not self.has_bias
+            else None
+        )
+        if packed is not None:
+            for module, (raw, _) in blocks.items():
+                self.register_buffer(f"gguf_{module}", raw)
+            self.gguf_expert_bytes = sum(raw[0].numel() for raw, _ in blocks.values())
+            self.use_packed(packed)
+            return
+        for module, (raw, type_id) in blocks.items():
+            for expert in range(self.first_expert, self.first_expert + self.num_local_experts):
+                weight = self.gguf.dequantize_gguf(raw[expert], type_id, self.weight_dtype)
+                self._load_expert(expert, f"{module}.weight", weight)
 
     def _load_expert(self, expert: int, name: str, tensor: torch.Tensor | CheckpointSlice) -> None:
         module, _, kind = name.partition(".")
@@ -184,6 +222,8 @@ class FusedMoE(nn.Module):
         """Copy `tensor` into `param`[index]: as it is, or quantized row by row into quantized experts,
         filling their scales too (returns True then; quantized checkpoint values are copied as they are
         and their scales come separately)."""
+        if getattr(self, param).numel() == 0:  # held empty for GGUF blocks that did not come
+            setattr(self, param, _parameter(self.w13.new_empty(self._shapes[param])))
         target = getattr(self, param).data[index]
         if self.quantizer is None or tensor.dtype == self.weight_dtype:
             _copy(target, tensor, name)

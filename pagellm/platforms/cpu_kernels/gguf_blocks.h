@@ -1,0 +1,772 @@
+// llama.cpp's block formats (GGUF) read in place, the machinery the GGUF kernels share (gguf_linear.cpp's
+// linear layers, gguf_moe.cpp's experts): the weight stays the file's bytes, one row of blocks per output
+// feature ([N, bytes per row] uint8), and is never widened in memory.
+//
+// bfloat16 x is quantized to int8 in groups of 32 (a float32 scale max|x| / 127 per group, as llama.cpp
+// quantizes activations for its quantized matmuls; bfloat16 has 8 bits of mantissa to begin with) and
+// multiplied with each weight group in integer sums: 32 weights' products in three AVX2 instructions
+// (maddubs, madd, convert) instead of widening the weights to float for FMAs, which at batch 1 made the step
+// compute-bound (two cores unpack ~25 G weights/s into floats, against ~30 G/s of Q4 weights that memory
+// delivers). float32 x keeps its values and takes the float products (the results of x @ the dequantized
+// weights up to the order of the sums), for runs that asked for float32's precision.
+//
+// Every format is described by the same per-group form, so one loop serves them all:
+//
+//   sum over a group of 32:  a_lo * S_lo + a_hi * S_hi + b_lo * X_lo + b_hi * X_hi
+//
+// where S_lo / S_hi are the sums of the weights' codes times x over the group's first and second 16
+// elements (int8 x: dx times the integer sums), a_* the weight scales of those halves, b_* the weight
+// offsets (a Q4_0 code c means (c - 8) d: b = -8 d; Q4_K's minimum: b = -dmin m) and X_* the sums of x over
+// the halves, computed once per call. Q8_0's codes are signed: its integer products take the sign trick
+// (|w| times x with w's sign) and no offset.
+//
+// A weight row times x rows (`row_times_x`): one int8 x row straight from the blocks (`dot_one_row`), else
+// the row unpacked once into codes and per-half scales (L1) and multiplied with every x row, kTile x rows
+// at a time; from kSlabRows x rows, dequantized slabs of weight rows through torch's GEMM (`slab_matmul`). `dequantize_block` widens a block to float32 exactly as gguf-py's numpy code does (the same
+// float32 operations in the same order, no fused multiply-adds).
+#pragma once
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define GG_AVX2 1
+#else
+#define GG_AVX2 0
+#endif
+
+namespace {
+
+// GGML type numbers (gguf.GGMLQuantizationType).
+enum Type : int64_t {
+  kF32 = 0, kF16 = 1, kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8,
+  kQ2_K = 10, kQ3_K = 11, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14, kBF16 = 30,
+};
+
+constexpr int64_t kGroup = 32;  // x is quantized in groups of 32; every block is a whole number of groups
+constexpr int kTile = 4;        // x rows that share one unpacking of a weight group
+// From this many x rows the weights are dequantized to float32, kSlab rows at a time (L2-sized at K = 1024:
+// 1 MB), and multiplied by torch's float32 GEMM (`slab_matmul`): at 128 rows of model S's [3072 x 576] MLP
+// shape the int8 dot products ran ~35 GFLOP/s, the GEMM ~70 on the AVX2 EPYC. The results are x times the
+// dequantized weights, as float32 x gets on the one-row path, whatever x's dtype.
+constexpr int64_t kSlabRows = 32;
+constexpr int64_t kSlab = 256;
+
+struct Layout {
+  int64_t block;  // weights per block
+  int64_t bytes;  // bytes per block
+};
+
+bool layout_of(int64_t type, Layout* out) {
+  switch (type) {
+    case kF32: *out = {1, 4}; return true;
+    case kF16: *out = {1, 2}; return true;
+    case kBF16: *out = {1, 2}; return true;
+    case kQ4_0: *out = {32, 18}; return true;
+    case kQ4_1: *out = {32, 20}; return true;
+    case kQ5_0: *out = {32, 22}; return true;
+    case kQ5_1: *out = {32, 24}; return true;
+    case kQ8_0: *out = {32, 34}; return true;
+    case kQ2_K: *out = {256, 84}; return true;
+    case kQ3_K: *out = {256, 110}; return true;
+    case kQ4_K: *out = {256, 144}; return true;
+    case kQ5_K: *out = {256, 176}; return true;
+    case kQ6_K: *out = {256, 210}; return true;
+    default: return false;
+  }
+}
+
+// Types the integer kernel reads (the float ones and Q2_K/Q3_K are dequantized by the caller instead).
+bool has_kernel(int64_t type) {
+  switch (type) {
+    case kQ4_0: case kQ4_1: case kQ5_0: case kQ5_1: case kQ8_0: case kQ4_K: case kQ5_K: case kQ6_K: return true;
+    default: return false;
+  }
+}
+
+inline float half_to_float(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  // IEEE half -> float, exact (subnormals, infinities and NaN included)
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16;
+  uint32_t exp = (h >> 10) & 0x1f, mant = h & 0x3ff, bits;
+  if (exp == 0) {
+    if (mant == 0) {
+      bits = sign;
+    } else {
+      int e = -1;
+      do { ++e, mant <<= 1; } while (!(mant & 0x400));
+      bits = sign | static_cast<uint32_t>(127 - 15 - e) << 23 | (mant & 0x3ff) << 13;
+    }
+  } else if (exp == 0x1f) {
+    bits = sign | 0x7f800000u | mant << 13;
+  } else {
+    bits = sign | (exp + 127 - 15) << 23 | mant << 13;
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+inline float bf16_bits_to_float(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  const uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+// Q4_K / Q5_K: the 8 six-bit scales and minimums packed in 12 bytes.
+inline void k4_scales(const uint8_t* s, uint8_t sc[8], uint8_t mn[8]) {
+  for (int j = 0; j < 4; ++j) {
+    sc[j] = s[j] & 63, mn[j] = s[j + 4] & 63;
+    sc[j + 4] = (s[j + 8] & 0xf) | ((s[j] >> 6) << 4);
+    mn[j + 4] = (s[j + 8] >> 4) | ((s[j + 4] >> 6) << 4);
+  }
+}
+
+// Q3_K: 16 six-bit scales (biased by 32) packed in 12 bytes.
+inline void k3_scales(const uint8_t* s, int8_t out[16]) {
+  for (int j = 0; j < 16; ++j) {
+    const int low = (s[j % 8] >> (4 * (j / 8))) & 0xf;
+    const int high = (s[8 + j % 4] >> (2 * (j / 4))) & 3;
+    out[j] = static_cast<int8_t>((low | high << 4) - 32);
+  }
+}
+
+// ---- exact dequantization (gguf-py's numpy order) ---------------------------------------------------------
+
+// One block's weights as float32. The products are kept apart from the sums (volatile temporaries would be
+// slower; the attribute stops GCC from fusing them into FMAs, which would round once instead of twice).
+__attribute__((optimize("fp-contract=off"))) void dequantize_block(int64_t type, const uint8_t* b, float* y) {
+  switch (type) {
+    case kF32: std::memcpy(y, b, 4); return;
+    case kF16: y[0] = half_to_float(b); return;
+    case kBF16: y[0] = bf16_bits_to_float(b); return;
+    case kQ4_0: {
+      const float d = half_to_float(b);
+      for (int l = 0; l < 16; ++l) {
+        y[l] = d * static_cast<float>((b[2 + l] & 0xf) - 8);
+        y[l + 16] = d * static_cast<float>((b[2 + l] >> 4) - 8);
+      }
+      return;
+    }
+    case kQ4_1: {
+      const float d = half_to_float(b), m = half_to_float(b + 2);
+      for (int l = 0; l < 16; ++l) {
+        y[l] = d * static_cast<float>(b[4 + l] & 0xf) + m;
+        y[l + 16] = d * static_cast<float>(b[4 + l] >> 4) + m;
+      }
+      return;
+    }
+    case kQ5_0: case kQ5_1: {
+      const bool q51 = type == kQ5_1;
+      const float d = half_to_float(b), m = q51 ? half_to_float(b + 2) : 0.f;
+      uint32_t qh;
+      std::memcpy(&qh, b + (q51 ? 4 : 2), 4);
+      const uint8_t* qs = b + (q51 ? 8 : 6);
+      for (int l = 0; l < 16; ++l) {
+        const int lo = (qs[l] & 0xf) | ((qh >> l) & 1) << 4, hi = (qs[l] >> 4) | ((qh >> (l + 16)) & 1) << 4;
+        if (q51) {
+          y[l] = d * static_cast<float>(lo) + m, y[l + 16] = d * static_cast<float>(hi) + m;
+        } else {
+          y[l] = d * static_cast<float>(lo - 16), y[l + 16] = d * static_cast<float>(hi - 16);
+        }
+      }
+      return;
+    }
+    case kQ8_0: {
+      const float d = half_to_float(b);
+      for (int l = 0; l < 32; ++l) y[l] = static_cast<float>(static_cast<int8_t>(b[2 + l])) * d;
+      return;
+    }
+    case kQ2_K: {  // scales[16], qs[64], d, dmin
+      const float d = half_to_float(b + 80), dmin = half_to_float(b + 82);
+      for (int g = 0; g < 16; ++g) {
+        const float dl = d * static_cast<float>(b[g] & 0xf), ml = dmin * static_cast<float>(b[g] >> 4);
+        // element 16 g + l: qs byte 32 (g / 8) + 16 (g % 2) + l, bits 2 ((g / 2) % 4)
+        const uint8_t* qs = b + 16 + 32 * (g / 8) + 16 * (g % 2);
+        const int shift = 2 * ((g / 2) % 4);
+        for (int l = 0; l < 16; ++l) y[16 * g + l] = dl * static_cast<float>((qs[l] >> shift) & 3) - ml;
+      }
+      return;
+    }
+    case kQ3_K: {  // hmask[32], qs[64], scales[12], d
+      const float d = half_to_float(b + 108);
+      int8_t sc[16];
+      k3_scales(b + 96, sc);
+      for (int g = 0; g < 16; ++g) {
+        const float dl = d * static_cast<float>(sc[g]);
+        const uint8_t* qs = b + 32 + 32 * (g / 8) + 16 * (g % 2);
+        const int shift = 2 * ((g / 2) % 4);
+        for (int l = 0; l < 16; ++l) {
+          const int e = 16 * (g % 2) + l;  // hmask byte; its bit is the element's 32-group
+          const int high = (b[e] >> (g / 2)) & 1;
+          const int q = ((qs[l] >> shift) & 3) - (high ? 0 : 4);
+          y[16 * g + l] = dl * static_cast<float>(q);
+        }
+      }
+      return;
+    }
+    case kQ4_K: case kQ5_K: {  // d, dmin, scales[12], (Q5_K: qh[32]), qs[128]
+      const bool q5 = type == kQ5_K;
+      const float d = half_to_float(b), dmin = half_to_float(b + 2);
+      uint8_t sc[8], mn[8];
+      k4_scales(b + 4, sc, mn);
+      const uint8_t* qh = b + 16;
+      const uint8_t* qs = b + (q5 ? 48 : 16);
+      for (int g = 0; g < 8; ++g) {
+        const float dl = d * static_cast<float>(sc[g]), ml = dmin * static_cast<float>(mn[g]);
+        for (int l = 0; l < 32; ++l) {
+          int q = (qs[32 * (g / 2) + l] >> (4 * (g % 2))) & 0xf;
+          if (q5) q |= ((qh[l] >> g) & 1) << 4;
+          y[32 * g + l] = dl * static_cast<float>(q) - ml;
+        }
+      }
+      return;
+    }
+    case kQ6_K: {  // ql[128], qh[64], scales[16] (int8), d
+      const float d = half_to_float(b + 208);
+      for (int g = 0; g < 8; ++g) {
+        const int h = g / 4, u = g % 4;
+        const uint8_t* ql = b + 64 * h + 32 * (u % 2);
+        const uint8_t* qh = b + 128 + 32 * h;
+        for (int l = 0; l < 32; ++l) {
+          const int q = (((ql[l] >> (4 * (u / 2))) & 0xf) | ((qh[l] >> (2 * u)) & 3) << 4) - 32;
+          const float dl = d * static_cast<float>(static_cast<int8_t>(b[192 + 2 * g + l / 16]));
+          y[32 * g + l] = dl * static_cast<float>(q);
+        }
+      }
+      return;
+    }
+  }
+}
+
+// ---- the weights as codes, scales and offsets, one group of 32 at a time ---------------------------------
+
+// One group's description (see the top of the file): its 32 codes (unsigned, or signed for Q8_0), and the
+// scale and offset of each half.
+struct Group {
+  uint8_t codes[kGroup];
+  float a[2], b[2];
+};
+
+// A block's groups, for the plain C++ path (and the reference the AVX2 path follows).
+int block_groups(int64_t type, const uint8_t* blk, Group* out) {
+  switch (type) {
+    case kQ4_0: case kQ4_1: {
+      const float d = half_to_float(blk), off = type == kQ4_0 ? -8.f * d : half_to_float(blk + 2);
+      const uint8_t* qs = blk + (type == kQ4_0 ? 2 : 4);
+      for (int l = 0; l < 16; ++l) out->codes[l] = qs[l] & 0xf, out->codes[l + 16] = qs[l] >> 4;
+      out->a[0] = out->a[1] = d, out->b[0] = out->b[1] = off;
+      return 1;
+    }
+    case kQ5_0: case kQ5_1: {
+      const bool q51 = type == kQ5_1;
+      const float d = half_to_float(blk), off = q51 ? half_to_float(blk + 2) : -16.f * d;
+      uint32_t qh;
+      std::memcpy(&qh, blk + (q51 ? 4 : 2), 4);
+      const uint8_t* qs = blk + (q51 ? 8 : 6);
+      for (int l = 0; l < 16; ++l) {
+        out->codes[l] = (qs[l] & 0xf) | ((qh >> l) & 1) << 4;
+        out->codes[l + 16] = (qs[l] >> 4) | ((qh >> (l + 16)) & 1) << 4;
+      }
+      out->a[0] = out->a[1] = d, out->b[0] = out->b[1] = off;
+      return 1;
+    }
+    case kQ8_0:
+      std::memcpy(out->codes, blk + 2, 32);
+      out->a[0] = out->a[1] = half_to_float(blk), out->b[0] = out->b[1] = 0.f;
+      return 1;
+    case kQ4_K: case kQ5_K: {
+      const bool q5 = type == kQ5_K;
+      const float d = half_to_float(blk), dmin = half_to_float(blk + 2);
+      uint8_t sc[8], mn[8];
+      k4_scales(blk + 4, sc, mn);
+      const uint8_t* qh = blk + 16;
+      const uint8_t* qs = blk + (q5 ? 48 : 16);
+      for (int g = 0; g < 8; ++g) {
+        Group& o = out[g];
+        for (int l = 0; l < 32; ++l) {
+          int q = (qs[32 * (g / 2) + l] >> (4 * (g % 2))) & 0xf;
+          if (q5) q |= ((qh[l] >> g) & 1) << 4;
+          o.codes[l] = static_cast<uint8_t>(q);
+        }
+        o.a[0] = o.a[1] = d * sc[g], o.b[0] = o.b[1] = -(dmin * mn[g]);
+      }
+      return 8;
+    }
+    case kQ6_K: {
+      const float d = half_to_float(blk + 208);
+      for (int g = 0; g < 8; ++g) {
+        Group& o = out[g];
+        const int h = g / 4, u = g % 4;
+        const uint8_t* ql = blk + 64 * h + 32 * (u % 2);
+        const uint8_t* qh = blk + 128 + 32 * h;
+        for (int l = 0; l < 32; ++l)
+          o.codes[l] = static_cast<uint8_t>(((ql[l] >> (4 * (u / 2))) & 0xf) | ((qh[l] >> (2 * u)) & 3) << 4);
+        for (int half = 0; half < 2; ++half) {
+          o.a[half] = d * static_cast<int8_t>(blk[192 + 2 * g + half]);
+          o.b[half] = -32.f * o.a[half];
+        }
+      }
+      return 8;
+    }
+  }
+  return 0;
+}
+
+// ---- x quantized ------------------------------------------------------------------------------------------
+
+// x's rows as the dot products read them. Quantized (bfloat16 x): int8 codes [m, k], per group the scale dx
+// [m, k / 32], and per half group dx times the sum of its codes [m, k / 16] (the offsets' factor). Float
+// (float32 x: `floats` set): the rows as they are, and each half group's sum [m, k / 16].
+struct Rows {
+  int64_t k;
+  const float* floats = nullptr;
+  std::vector<int8_t> codes;
+  std::vector<float> scales, half_sums, group_sums;
+  const int8_t* row(int64_t r) const { return codes.data() + r * k; }
+  const float* float_row(int64_t r) const { return floats + r * k; }
+  const float* scale(int64_t r) const { return scales.data() + r * (k / kGroup); }
+  const float* sums(int64_t r) const { return half_sums.data() + r * (k / 16); }
+  const float* whole_sums(int64_t r) const { return group_sums.data() + r * (k / kGroup); }  // quantized only
+};
+
+inline float to_float(float v) { return v; }
+inline float to_float(c10::BFloat16 v) { return static_cast<float>(v); }
+
+// Round to nearest even, as torch does; NaN stays NaN.
+inline c10::BFloat16 round_to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  const uint16_t bits = (u & 0x7fffffffu) > 0x7f800000u ? (u >> 16) | 0x40 : (u + 0x7fffu + ((u >> 16) & 1)) >> 16;
+  return c10::BFloat16(bits, c10::BFloat16::from_bits());
+}
+
+template <typename In>
+void quantize_rows(const In* x, int64_t m, int64_t k, Rows& q) {
+  const int64_t groups = k / kGroup;
+  q.k = k;
+  q.codes.resize(m * k), q.scales.resize(m * groups), q.half_sums.resize(m * groups * 2);
+  q.group_sums.resize(m * groups);
+  at::parallel_for(0, m * groups, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      float v[kGroup];
+      for (int l = 0; l < kGroup; ++l) v[l] = to_float(x[i * kGroup + l]);
+      float amax = 0.f;
+      for (int l = 0; l < kGroup; ++l) amax = std::max(amax, std::fabs(v[l]));
+      const float d = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+      int8_t* c = q.codes.data() + i * kGroup;
+      int sums[2] = {0, 0};
+      for (int l = 0; l < kGroup; ++l) {
+        const int code = static_cast<int>(std::nearbyint(v[l] * inv));
+        c[l] = static_cast<int8_t>(code);
+        sums[l / 16] += code;
+      }
+      q.scales[i] = d;
+      q.half_sums[2 * i] = d * static_cast<float>(sums[0]);
+      q.half_sums[2 * i + 1] = d * static_cast<float>(sums[1]);
+      q.group_sums[i] = d * static_cast<float>(sums[0] + sums[1]);
+    }
+  });
+}
+
+void float_rows(const float* x, int64_t m, int64_t k, Rows& q) {
+  q.k = k, q.floats = x;
+  q.half_sums.resize(m * (k / 16));
+  for (int64_t i = 0; i < m * (k / 16); ++i) {
+    float sum = 0.f;
+    for (int l = 0; l < 16; ++l) sum += x[16 * i + l];
+    q.half_sums[i] = sum;
+  }
+}
+
+// ---- the dot products -------------------------------------------------------------------------------------
+
+// A weight row is first unpacked, group by group, into its 32 codes and the scales and offsets of its
+// halves (`Unpacked`, per thread, L1-sized for the K of LLM layers); the dot products then read that for
+// every x row, so the unpacking is paid once per weight row whatever the number of x rows.
+struct Unpacked {
+  uint8_t* codes;  // [groups, 32]
+  float* a;        // [groups, 2]
+  float* b;        // [groups, 2]
+};
+
+// The unpacked row on the stack up to this many groups (K = 16384), else on the heap.
+constexpr int64_t kStackGroups = 512;
+
+#if GG_AVX2
+
+inline float half_at(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+}
+
+inline __m256i nibbles(const uint8_t* qs) {  // 16 bytes -> 32 codes: low nibbles, then high nibbles
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+  const __m128i mask = _mm_set1_epi8(0x0f);
+  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), mask), _mm_and_si128(v, mask));
+}
+
+// bit l of `bits` -> 0x10 in byte l (the fifth bit of Q5 codes)
+inline __m256i fifth_bits(uint32_t bits) {
+  const __m256i spread = _mm256_shuffle_epi8(
+      _mm256_set1_epi32(static_cast<int>(bits)),
+      _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0x0000000000000000));
+  const __m256i select = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ull));
+  const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, select), select);
+  return _mm256_and_si256(set, _mm256_set1_epi8(0x10));
+}
+
+inline void store_codes(uint8_t* dst, __m256i v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), v); }
+
+// Two floats in one 8-byte store: the dot products read them with one 8-byte load, which a store of each
+// float apart could not forward (the load would wait for both stores to reach L1).
+inline void store_pair(float* dst, float lo, float hi) {
+  _mm_store_sd(reinterpret_cast<double*>(dst), _mm_castps_pd(_mm_setr_ps(lo, hi, 0.f, 0.f)));
+}
+
+template <int64_t T>
+void unpack_row(const uint8_t* w, int64_t blocks, Unpacked& u) {
+  const __m256i low4 = _mm256_set1_epi8(0x0f);
+  for (int64_t i = 0; i < blocks; ++i) {
+    if constexpr (T == kQ4_0 || T == kQ4_1 || T == kQ5_0 || T == kQ5_1 || T == kQ8_0) {
+      constexpr int64_t kBytes = T == kQ4_0 ? 18 : T == kQ4_1 ? 20 : T == kQ5_0 ? 22 : T == kQ5_1 ? 24 : 34;
+      const uint8_t* blk = w + i * kBytes;
+      const float d = half_at(blk);
+      float off = 0.f;
+      __m256i codes;
+      if constexpr (T == kQ4_0) {
+        off = -8.f * d, codes = nibbles(blk + 2);
+      } else if constexpr (T == kQ4_1) {
+        off = half_at(blk + 2), codes = nibbles(blk + 4);
+      } else if constexpr (T == kQ5_0 || T == kQ5_1) {
+        uint32_t qh;
+        std::memcpy(&qh, blk + (T == kQ5_1 ? 4 : 2), 4);
+        off = T == kQ5_0 ? -16.f * d : half_at(blk + 2);
+        codes = _mm256_or_si256(nibbles(blk + (T == kQ5_1 ? 8 : 6)), fifth_bits(qh));
+      } else {
+        codes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
+      }
+      store_codes(&u.codes[i * kGroup], codes);
+      store_pair(&u.a[2 * i], d, d), store_pair(&u.b[2 * i], off, off);
+    } else if constexpr (T == kQ4_K || T == kQ5_K) {
+      const uint8_t* blk = w + i * (T == kQ4_K ? 144 : 176);
+      const float d = half_at(blk), dmin = half_at(blk + 2);
+      uint8_t sc[8], mn[8];
+      k4_scales(blk + 4, sc, mn);
+      const uint8_t* qs = blk + (T == kQ5_K ? 48 : 16);
+      const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16));
+      for (int g = 0; g < 8; ++g) {
+        __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * (g / 2)));
+        q = _mm256_and_si256(g % 2 ? _mm256_srli_epi16(q, 4) : q, low4);
+        if constexpr (T == kQ5_K) {
+          const __m256i bit = _mm256_and_si256(_mm256_srli_epi16(qh, g), _mm256_set1_epi8(1));
+          q = _mm256_or_si256(q, _mm256_slli_epi16(bit, 4));
+        }
+        const int64_t group = i * 8 + g;
+        store_codes(&u.codes[group * kGroup], q);
+        const float a = d * sc[g], b = -(dmin * mn[g]);
+        store_pair(&u.a[2 * group], a, a), store_pair(&u.b[2 * group], b, b);
+      }
+    } else {  // Q6_K
+      const uint8_t* blk = w + i * 210;
+      const float d = half_at(blk + 208);
+      for (int g = 0; g < 8; ++g) {
+        const int h = g / 4, part = g % 4;
+        __m256i ql = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * h + 32 * (part % 2)));
+        ql = _mm256_and_si256(part / 2 ? _mm256_srli_epi16(ql, 4) : ql, low4);
+        const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 32 * h));
+        const __m256i high = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * part), _mm256_set1_epi8(3));
+        const int64_t group = i * 8 + g;
+        store_codes(&u.codes[group * kGroup], _mm256_or_si256(ql, _mm256_slli_epi16(high, 4)));
+        const float a0 = d * static_cast<int8_t>(blk[192 + 2 * g]), a1 = d * static_cast<int8_t>(blk[193 + 2 * g]);
+        store_pair(&u.a[2 * group], a0, a1), store_pair(&u.b[2 * group], -32.f * a0, -32.f * a1);
+      }
+    }
+  }
+}
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+// R x rows times an unpacked weight row. kSigned: Q8_0's signed codes (no offsets); kFloat: float32 x.
+// Groups go in pairs onto two accumulator chains per row, so the FMA latency does not set the pace.
+template <int R, bool kSigned, bool kFloat>
+void dot_unpacked(const Unpacked& u, int64_t groups, const Rows& x, int64_t r0, float* out) {
+  __m256 acc[2][R];
+  __m128 off[2][R];  // the offsets' sums, two halves a lane
+  for (int c = 0; c < 2; ++c)
+    for (int r = 0; r < R; ++r) acc[c][r] = _mm256_setzero_ps(), off[c][r] = _mm_setzero_ps();
+  const __m256i ones = _mm256_set1_epi16(1);
+  auto group_step = [&](int64_t g, int c) {
+    const __m256i codes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(&u.codes[g * kGroup]));
+    const float* a = &u.a[2 * g];
+    const __m128 b = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(&u.b[2 * g])));
+    if constexpr (kFloat) {
+      const __m128i lo = _mm256_castsi256_si128(codes), hi = _mm256_extracti128_si256(codes, 1);
+      const auto widen = [](__m128i v) {
+        return _mm256_cvtepi32_ps(kSigned ? _mm256_cvtepi8_epi32(v) : _mm256_cvtepu8_epi32(v));
+      };
+      const __m256 w0 = widen(lo), w1 = widen(_mm_srli_si128(lo, 8)), w2 = widen(hi), w3 = widen(_mm_srli_si128(hi, 8));
+      const __m256 a_lo = _mm256_broadcast_ss(a), a_hi = _mm256_broadcast_ss(a + 1);
+      for (int r = 0; r < R; ++r) {
+        const float* xr = x.float_row(r0 + r) + g * kGroup;
+        const __m256 s_lo = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xr + 8), _mm256_mul_ps(w0, _mm256_loadu_ps(xr)));
+        const __m256 s_hi = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xr + 24), _mm256_mul_ps(w2, _mm256_loadu_ps(xr + 16)));
+        acc[c][r] = _mm256_fmadd_ps(s_hi, a_hi, _mm256_fmadd_ps(s_lo, a_lo, acc[c][r]));
+        if constexpr (!kSigned) {
+          const __m128 hs = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(x.sums(r0 + r) + 2 * g)));
+          off[c][r] = _mm_fmadd_ps(b, hs, off[c][r]);
+        }
+      }
+    } else {
+      const __m256 scale = _mm256_set_m128(_mm_broadcast_ss(a + 1), _mm_broadcast_ss(a));
+      const __m256i w_abs = kSigned ? _mm256_sign_epi8(codes, codes) : codes;
+      for (int r = 0; r < R; ++r) {
+        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.row(r0 + r) + g * kGroup));
+        const __m256i xs = kSigned ? _mm256_sign_epi8(xv, codes) : xv;
+        const __m256 sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(w_abs, xs), ones));
+        const __m256 dx = _mm256_broadcast_ss(x.scale(r0 + r) + g);
+        acc[c][r] = _mm256_fmadd_ps(sums, _mm256_mul_ps(scale, dx), acc[c][r]);
+        if constexpr (!kSigned) {
+          const __m128 hs = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(x.sums(r0 + r) + 2 * g)));
+          off[c][r] = _mm_fmadd_ps(b, hs, off[c][r]);
+        }
+      }
+    }
+  };
+  int64_t g = 0;
+  for (; g + 2 <= groups; g += 2) group_step(g, 0), group_step(g + 1, 1);
+  if (g < groups) group_step(g, 0);
+  for (int r = 0; r < R; ++r) {
+    const __m128 o = _mm_add_ps(off[0][r], off[1][r]);
+    out[r] = hsum(_mm256_add_ps(acc[0][r], acc[1][r])) + (_mm_cvtss_f32(o) + _mm_cvtss_f32(_mm_movehdup_ps(o)));
+  }
+}
+
+// One int8 x row times one weight row, straight from the blocks: the decode step's case, where unpacking
+// into a buffer first cost about as much as the products (model S's Q4_1 [49152 x 512]: 6.2 GB/s through
+// the buffer). Per group: the codes, their integer sums with x, one FMA with d * dx, the offset's term.
+template <int64_t T>
+float dot_one_row(const uint8_t* w, int64_t blocks, const Rows& x, int64_t r) {
+  const int8_t* xq = x.row(r);
+  const float* dx = x.scale(r);
+  const float* whole = x.whole_sums(r);
+  const float* halves = x.sums(r);
+  const __m256i ones = _mm256_set1_epi16(1), low4 = _mm256_set1_epi8(0x0f);
+  __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+  float off[2] = {0.f, 0.f};
+  const auto products = [&](__m256i codes, int64_t g) {
+    const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + g * kGroup));
+    const __m256i p = T == kQ8_0 ? _mm256_maddubs_epi16(_mm256_sign_epi8(codes, codes), _mm256_sign_epi8(xv, codes))
+                                 : _mm256_maddubs_epi16(codes, xv);
+    return _mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones));
+  };
+  if constexpr (T == kQ4_0 || T == kQ4_1 || T == kQ5_0 || T == kQ5_1 || T == kQ8_0) {
+    constexpr int64_t kBytes = T == kQ4_0 ? 18 : T == kQ4_1 ? 20 : T == kQ5_0 ? 22 : T == kQ5_1 ? 24 : 34;
+    const auto block = [&](int64_t i, int c) {
+      const uint8_t* blk = w + i * kBytes;
+      const float d = half_at(blk);
+      __m256i codes;
+      float b = 0.f;
+      if constexpr (T == kQ4_0) {
+        codes = nibbles(blk + 2), b = -8.f * d;
+      } else if constexpr (T == kQ4_1) {
+        codes = nibbles(blk + 4), b = half_at(blk + 2);
+      } else if constexpr (T == kQ5_0 || T == kQ5_1) {
+        uint32_t qh;
+        std::memcpy(&qh, blk + (T == kQ5_1 ? 4 : 2), 4);
+        codes = _mm256_or_si256(nibbles(blk + (T == kQ5_1 ? 8 : 6)), fifth_bits(qh));
+        b = T == kQ5_0 ? -16.f * d : half_at(blk + 2);
+      } else {
+        codes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
+      }
+      acc[c] = _mm256_fmadd_ps(products(codes, i), _mm256_set1_ps(d * dx[i]), acc[c]);
+      if constexpr (T != kQ8_0) off[c] += b * whole[i];
+    };
+    int64_t i = 0;
+    for (; i + 2 <= blocks; i += 2) block(i, 0), block(i + 1, 1);
+    if (i < blocks) block(i, 0);
+  } else if constexpr (T == kQ4_K || T == kQ5_K) {
+    for (int64_t i = 0; i < blocks; ++i) {
+      const uint8_t* blk = w + i * (T == kQ4_K ? 144 : 176);
+      const float d = half_at(blk), dmin = half_at(blk + 2);
+      uint8_t sc[8], mn[8];
+      k4_scales(blk + 4, sc, mn);
+      const uint8_t* qs = blk + (T == kQ5_K ? 48 : 16);
+      const __m256i qh = T == kQ5_K ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16)) : ones;
+      for (int j = 0; j < 4; ++j) {  // 64 weights: the low nibbles are group 2j, the high ones 2j + 1
+        const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * j));
+        for (int h = 0; h < 2; ++h) {
+          const int g = 2 * j + h;
+          __m256i codes = _mm256_and_si256(h ? _mm256_srli_epi16(q, 4) : q, low4);
+          if constexpr (T == kQ5_K)
+            codes = _mm256_or_si256(
+                codes, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, g), _mm256_set1_epi8(1)), 4));
+          const int64_t group = i * 8 + g;
+          acc[h] = _mm256_fmadd_ps(products(codes, group), _mm256_set1_ps(d * sc[g] * dx[group]), acc[h]);
+          off[h] -= dmin * mn[g] * whole[group];
+        }
+      }
+    }
+  } else {  // Q6_K
+    for (int64_t i = 0; i < blocks; ++i) {
+      const uint8_t* blk = w + i * 210;
+      const float d = half_at(blk + 208);
+      for (int h = 0; h < 2; ++h) {
+        const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 32 * h));
+        const __m256i ql0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * h));
+        const __m256i ql1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * h + 32));
+        for (int part = 0; part < 4; ++part) {
+          const int g = 4 * h + part;
+          const __m256i ql = part % 2 ? ql1 : ql0;
+          const __m256i low = _mm256_and_si256(part / 2 ? _mm256_srli_epi16(ql, 4) : ql, low4);
+          const __m256i high = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * part), _mm256_set1_epi8(3));
+          const __m256i codes = _mm256_or_si256(low, _mm256_slli_epi16(high, 4));
+          const int64_t group = i * 8 + g;
+          const float a0 = d * static_cast<int8_t>(blk[192 + 2 * g]), a1 = d * static_cast<int8_t>(blk[193 + 2 * g]);
+          const __m256 scale = _mm256_set_m128(_mm_set1_ps(a1 * dx[group]), _mm_set1_ps(a0 * dx[group]));
+          acc[part % 2] = _mm256_fmadd_ps(products(codes, group), scale, acc[part % 2]);
+          off[part % 2] -= 32.f * (a0 * halves[2 * group] + a1 * halves[2 * group + 1]);
+        }
+      }
+    }
+  }
+  return hsum(_mm256_add_ps(acc[0], acc[1])) + (off[0] + off[1]);
+}
+
+#else
+
+template <int64_t T>
+void unpack_row(const uint8_t* w, int64_t blocks, Unpacked& u) {
+  Layout layout;
+  layout_of(T, &layout);
+  Group groups[8];
+  for (int64_t i = 0; i < blocks; ++i) {
+    const int n = block_groups(T, w + i * layout.bytes, groups);
+    for (int g = 0; g < n; ++g) {
+      const int64_t group = i * n + g;
+      std::memcpy(&u.codes[group * kGroup], groups[g].codes, kGroup);
+      for (int half = 0; half < 2; ++half) u.a[2 * group + half] = groups[g].a[half], u.b[2 * group + half] = groups[g].b[half];
+    }
+  }
+}
+
+template <int R, bool kSigned, bool kFloat>
+void dot_unpacked(const Unpacked& u, int64_t groups, const Rows& x, int64_t r0, float* out) {
+  for (int r = 0; r < R; ++r) {
+    float acc = 0.f;
+    for (int64_t g = 0; g < groups; ++g) {
+      float halves[2] = {0.f, 0.f};
+      int sums[2] = {0, 0};
+      for (int l = 0; l < kGroup; ++l) {
+        const uint8_t byte = u.codes[g * kGroup + l];
+        const int code = kSigned ? static_cast<int8_t>(byte) : byte;
+        if constexpr (kFloat) {
+          halves[l / 16] += static_cast<float>(code) * x.float_row(r0 + r)[g * kGroup + l];
+        } else {
+          sums[l / 16] += code * x.row(r0 + r)[g * kGroup + l];
+        }
+      }
+      if constexpr (!kFloat) {
+        const float dx = x.scale(r0 + r)[g];
+        halves[0] = dx * static_cast<float>(sums[0]), halves[1] = dx * static_cast<float>(sums[1]);
+      }
+      const float* hs = x.sums(r0 + r) + 2 * g;
+      acc += u.a[2 * g] * halves[0] + u.a[2 * g + 1] * halves[1];
+      if (!kSigned) acc += u.b[2 * g] * hs[0] + u.b[2 * g + 1] * hs[1];
+    }
+    out[r] = acc;
+  }
+}
+
+#endif
+
+// A weight row against x rows first..first + m - 1 (out[r * stride] for row first + r): unpacked once, then
+// in tiles of x rows.
+template <int64_t T, bool kFloat>
+void row_times_x(const uint8_t* w, int64_t blocks, const Rows& x, int64_t first, int64_t m, float* out,
+                 int64_t stride) {
+  constexpr bool kSigned = T == kQ8_0;
+#if GG_AVX2
+  if constexpr (!kFloat) {
+    if (m == 1) {
+      out[0] = dot_one_row<T>(w, blocks, x, first);
+      return;
+    }
+  }
+#endif
+  const int64_t groups = x.k / kGroup;
+  alignas(64) uint8_t codes[kStackGroups * kGroup];
+  alignas(64) float a[kStackGroups * 2], b[kStackGroups * 2];
+  std::vector<uint8_t> heap_codes;
+  std::vector<float> heap_scales;
+  Unpacked u{codes, a, b};
+  if (groups > kStackGroups) {
+    heap_codes.resize(groups * kGroup), heap_scales.resize(groups * 4);
+    u = {heap_codes.data(), heap_scales.data(), heap_scales.data() + groups * 2};
+  }
+  unpack_row<T>(w, blocks, u);
+  float tile[kTile];
+  for (int64_t r0 = 0; r0 < m;) {
+    const int64_t rows = std::min<int64_t>(kTile, m - r0);
+    switch (rows) {
+      case 1: dot_unpacked<1, kSigned, kFloat>(u, groups, x, first + r0, tile); break;
+      case 2: dot_unpacked<2, kSigned, kFloat>(u, groups, x, first + r0, tile); break;
+      case 3: dot_unpacked<3, kSigned, kFloat>(u, groups, x, first + r0, tile); break;
+      default: dot_unpacked<4, kSigned, kFloat>(u, groups, x, first + r0, tile);
+    }
+    for (int64_t r = 0; r < rows; ++r) out[(r0 + r) * stride] = tile[r];
+    r0 += rows;
+  }
+}
+
+// x float32 [m, K] times `rows` weight rows from `w` (GGML type `type`) -> out [m, rows] (a view): slabs of
+// kSlab rows dequantized (threads over their blocks), each through torch's float32 GEMM.
+inline void slab_matmul(const at::Tensor& x, const uint8_t* w, int64_t rows, int64_t type, at::Tensor out) {
+  Layout layout;
+  layout_of(type, &layout);
+  const int64_t k = x.size(1), blocks = k / layout.block, row_bytes = blocks * layout.bytes;
+  at::Tensor slab = x.new_empty({std::min(kSlab, rows), k});
+  for (int64_t r0 = 0; r0 < rows; r0 += kSlab) {
+    const int64_t count = std::min(kSlab, rows - r0);
+    float* dst = slab.data_ptr<float>();
+    at::parallel_for(0, count * blocks, 256, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i)
+        dequantize_block(type, w + r0 * row_bytes + i * layout.bytes, dst + i * layout.block);
+    });
+    out.narrow(1, r0, count).copy_(x.mm(slab.narrow(0, 0, count).t()));
+  }
+}
+
+using RowFn = void (*)(const uint8_t*, int64_t, const Rows&, int64_t, int64_t, float*, int64_t);
+
+template <bool kFloat>
+RowFn row_fn(int64_t type) {
+  switch (type) {
+    case kQ4_0: return row_times_x<kQ4_0, kFloat>;
+    case kQ4_1: return row_times_x<kQ4_1, kFloat>;
+    case kQ5_0: return row_times_x<kQ5_0, kFloat>;
+    case kQ5_1: return row_times_x<kQ5_1, kFloat>;
+    case kQ8_0: return row_times_x<kQ8_0, kFloat>;
+    case kQ4_K: return row_times_x<kQ4_K, kFloat>;
+    case kQ5_K: return row_times_x<kQ5_K, kFloat>;
+    default: return row_times_x<kQ6_K, kFloat>;
+  }
+}
+
+}  // namespace

@@ -1,0 +1,194 @@
+// Mixture-of-experts layers on llama.cpp's block formats (GGUF), read in place: each projection's experts
+// stay the file's stacked tensor (`ffn_gate_exps` / `ffn_up_exps` uint8 [E, I, bytes per row of H],
+// `ffn_down_exps` [E, H, bytes per row of I]), so a Q4_K_M model's experts take their file size instead of
+// three times it widened to bfloat16.
+//
+// A step, per chunk of tokens (bounding the float32 buffers): the (token, expert) pairs sorted by expert
+// (moe_routing.h), each pair's x row gathered in that order and quantized once (bfloat16 x: int8 groups of
+// 32; float32 x: kept, float products), so the rows sharing an expert are consecutive and each expert
+// weight row is multiplied with all of them at once (gguf_blocks.h's `row_times_x`: one x row straight from
+// the blocks at decode, else the row unpacked once for its x rows; an expert with kSlabRows pairs or more,
+// in a prefill chunk, takes slabs of its dequantized rows through torch's float32 GEMM, as gguf_linear.cpp
+// does for many rows); then gate/up -> activation in float32, the activations quantized the same way, the
+// down projection, and per token the routing-weighted sum of its top-k rows, rounded to x's dtype once.
+//
+// Work split: threads take contiguous runs of output rows, the same rows of every chosen expert (gate and
+// up row i together, so the activation needs no second pass), as gguf_linear.cpp splits a linear's rows;
+// each thread streams its rows of each expert's blocks in memory order.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#include "gguf_blocks.h"
+#include "kernels.h"
+#include "moe_routing.h"
+
+namespace {
+
+constexpr int64_t kRowGrain = 16;                   // output rows per thread at least
+constexpr int64_t kChunkFloats = int64_t(1) << 23;  // the activations and down outputs per chunk (32 MB)
+
+// One projection's stacked experts: uint8 [E, rows, bytes per row] of one GGML type, and its row product.
+struct Stack {
+  const uint8_t* data;
+  int64_t type, rows, blocks, row_bytes;
+  RowFn fn;
+  const uint8_t* row(int64_t expert, int64_t r) const { return data + (expert * rows + r) * row_bytes; }
+};
+
+Stack stack_of(const at::Tensor& w, int64_t type, int64_t experts, int64_t columns, bool floats, const char* name) {
+  Layout layout;
+  TORCH_CHECK(has_kernel(type) && layout_of(type, &layout), "gguf_moe: ", name, "'s GGML type ", type,
+              " has no kernel (dequantize it instead)");
+  const int64_t row_bytes = columns / layout.block * layout.bytes;
+  TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 3 && w.is_contiguous() && w.size(0) == experts &&
+                  columns % layout.block == 0 && w.size(2) == row_bytes,
+              "gguf_moe: ", name, " must be uint8 [", experts, ", rows, ", row_bytes, "] (GGML type ", type, ", ",
+              columns, " columns)");
+  return {static_cast<const uint8_t*>(w.data_ptr()), type, w.size(1), columns / layout.block, row_bytes,
+          floats ? row_fn<true>(type) : row_fn<false>(type)};
+}
+
+// Rows [m, k] as the row products read them: kept as float32 where `floats` (a float32 step), else quantized
+// to int8 groups (a bfloat16 step's x, and its float32 activations).
+template <typename In>
+void prepare_rows(const In* x, int64_t m, int64_t k, bool floats, Rows& q) {
+  if constexpr (std::is_same_v<In, float>) {
+    if (floats) return float_rows(x, m, k, q);
+  }
+  quantize_rows(x, m, k, q);
+}
+
+// One chunk's experts: y[s] = down(act(gate x_s, up x_s)) of sorted pair s, unweighted, float32 [pairs, h].
+// Experts with kSlabRows pairs or more take slabs of dequantized rows through torch's GEMM (float x, as
+// gguf_linear.cpp's prefill path), one expert at a time; the others share one parallel region per
+// projection, threads over output rows.
+void run_chunk(const at::Tensor& xs, const Routing& routing, const Stack& gate, const Stack& up, const Stack& down,
+               const ActParams& a, at::Tensor& act, at::Tensor& y) {
+  const int64_t pairs = xs.size(0), h = xs.size(1), inter = gate.rows;
+  const bool floats = xs.scalar_type() == at::kFloat;
+  std::vector<int64_t> small, large;
+  for (int64_t c = 0; c < static_cast<int64_t>(routing.experts.size()); ++c)
+    (routing.count[c] >= kSlabRows ? large : small).push_back(c);
+  float* acts = act.data_ptr<float>();
+  for (const int64_t c : large) {
+    const int64_t e = routing.experts[c], s0 = routing.start[c], m = routing.count[c];
+    const at::Tensor x = xs.narrow(0, s0, m).to(at::kFloat);
+    at::Tensor sums = x.new_empty({m, 2 * inter});
+    slab_matmul(x, gate.row(e, 0), inter, gate.type, sums.narrow(1, 0, inter));
+    slab_matmul(x, up.row(e, 0), inter, up.type, sums.narrow(1, inter, inter));
+    const float* gu = sums.data_ptr<float>();
+    at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r)
+        for (int64_t i = 0; i < inter; ++i)
+          acts[(s0 + r) * inter + i] = activate(gu[r * 2 * inter + i], gu[r * 2 * inter + inter + i], a);
+    });
+  }
+  if (!small.empty()) {
+    int64_t most = 0;
+    for (const int64_t c : small) most = std::max(most, routing.count[c]);
+    Rows xq;
+    if (floats) {
+      prepare_rows(xs.data_ptr<float>(), pairs, h, true, xq);
+    } else {
+      prepare_rows(xs.data_ptr<c10::BFloat16>(), pairs, h, false, xq);
+    }
+    at::parallel_for(0, inter, kRowGrain, [&](int64_t begin, int64_t end) {
+      const int64_t n = end - begin;
+      std::vector<float> g(most * n), u(most * n);  // this thread's gate and up sums of one expert's rows
+      for (const int64_t c : small) {
+        const int64_t e = routing.experts[c], s0 = routing.start[c], m = routing.count[c];
+        for (int64_t i = begin; i < end; ++i) {
+          gate.fn(gate.row(e, i), gate.blocks, xq, s0, m, g.data() + (i - begin), n);
+          up.fn(up.row(e, i), up.blocks, xq, s0, m, u.data() + (i - begin), n);
+        }
+        for (int64_t r = 0; r < m; ++r)
+          for (int64_t i = 0; i < n; ++i) acts[(s0 + r) * inter + begin + i] = activate(g[r * n + i], u[r * n + i], a);
+      }
+    });
+  }
+  for (const int64_t c : large) {
+    const int64_t e = routing.experts[c], s0 = routing.start[c], m = routing.count[c];
+    slab_matmul(act.narrow(0, s0, m), down.row(e, 0), h, down.type, y.narrow(0, s0, m));
+  }
+  if (small.empty()) return;
+  // the activations are quantized as x is (int8 groups where x is bfloat16), as llama.cpp quantizes them
+  Rows aq;
+  prepare_rows(acts, pairs, inter, floats, aq);
+  float* ys = y.data_ptr<float>();
+  at::parallel_for(0, h, kRowGrain, [&](int64_t begin, int64_t end) {
+    for (const int64_t c : small) {
+      const int64_t e = routing.experts[c], s0 = routing.start[c], m = routing.count[c];
+      for (int64_t j = begin; j < end; ++j) down.fn(down.row(e, j), down.blocks, aq, s0, m, ys + s0 * h + j, h);
+    }
+  });
+}
+
+}  // namespace
+
+// hidden [T, H] (float32 or bfloat16), topk_weights [T, K], topk_ids [T, K]; gate and up uint8 [E, I, bytes
+// per row of H], down uint8 [E, H, bytes per row of I], of GGML types types[0..2] -> [T, H] in hidden's
+// dtype: sum over k of topk_weights[t, k] * down(act(gate x, up x)) of expert topk_ids[t, k].
+at::Tensor gguf_moe(const at::Tensor& hidden, const at::Tensor& topk_weights, const at::Tensor& topk_ids,
+                    const at::Tensor& gate, const at::Tensor& up, const at::Tensor& down, at::IntArrayRef types,
+                    c10::string_view activation, double swiglu_alpha, double swiglu_limit) {
+  TORCH_CHECK(hidden.dim() == 2 && (hidden.scalar_type() == at::kFloat || hidden.scalar_type() == at::kBFloat16),
+              "gguf_moe: hidden must be float32 or bfloat16 [tokens, hidden]");
+  TORCH_CHECK(types.size() == 3, "gguf_moe: one GGML type each for gate, up and down");
+  TORCH_CHECK(gate.dim() == 3 && down.dim() == 3, "gguf_moe: stacked experts [E, rows, bytes per row]");
+  const int64_t tokens = hidden.size(0), h = hidden.size(1), num_experts = gate.size(0), inter = gate.size(1);
+  TORCH_CHECK(h % kGroup == 0 && inter % kGroup == 0, "gguf_moe: the hidden and expert widths must be multiples of 32");
+  const bool floats = hidden.scalar_type() == at::kFloat;
+  const Stack g = stack_of(gate, types[0], num_experts, h, floats, "gate");
+  const Stack u = stack_of(up, types[1], num_experts, h, floats, "up");
+  const Stack d = stack_of(down, types[2], num_experts, inter, floats, "down");
+  TORCH_CHECK(u.rows == inter && d.rows == h, "gguf_moe: up must have gate's ", inter, " rows, down ", h);
+  TORCH_CHECK(topk_ids.dim() == 2 && topk_ids.size(0) == tokens && topk_weights.sizes() == topk_ids.sizes(),
+              "gguf_moe: topk_weights and topk_ids must both be [tokens, top_k]");
+  const ActParams a{parse_activation(activation, "gguf_moe"), static_cast<float>(swiglu_alpha),
+                    static_cast<float>(swiglu_limit)};
+  at::Tensor out = hidden.new_empty({tokens, h});
+  const int64_t top_k = topk_ids.size(1);
+  if (tokens == 0) return out;
+  if (top_k == 0) return out.zero_();
+  const at::Tensor x = hidden.contiguous();
+  const at::Tensor ids = topk_ids.to(at::kLong).contiguous();
+  const at::Tensor weights = topk_weights.to(at::kFloat).contiguous();
+  const int64_t chunk = std::max<int64_t>(1, std::min(tokens, kChunkFloats / (top_k * (inter + h))));
+  // uninitialised: every value read is written first
+  at::Tensor act = weights.new_empty({chunk * top_k, inter}), y = weights.new_empty({chunk * top_k, h});
+  for (int64_t t0 = 0; t0 < tokens; t0 += chunk) {
+    const int64_t n = std::min(chunk, tokens - t0);
+    const Routing routing = sort_pairs(ids.data_ptr<int64_t>() + t0 * top_k, weights.data_ptr<float>() + t0 * top_k, n,
+                                       top_k, num_experts, "gguf_moe");
+    at::Tensor order = ids.new_empty({n * top_k});
+    int64_t* row = order.data_ptr<int64_t>();
+    for (int64_t s = 0; s < n * top_k; ++s) row[s] = t0 + routing.token[s];
+    run_chunk(x.index_select(0, order), routing, g, u, d, a, act, y);
+    at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+      std::vector<float> sum(h);
+      for (int64_t t = begin; t < end; ++t) {
+        std::fill(sum.begin(), sum.end(), 0.f);
+        for (int64_t k = 0; k < top_k; ++k) {
+          const int64_t s = routing.position[t * top_k + k];
+          const float w = routing.weight[s];
+          const float* ys = y.data_ptr<float>() + s * h;
+          for (int64_t j = 0; j < h; ++j) sum[j] += w * ys[j];
+        }
+        if (floats) {
+          std::copy(sum.begin(), sum.end(), out.data_ptr<float>() + (t0 + t) * h);
+        } else {
+          c10::BFloat16* dst = out.data_ptr<c10::BFloat16>() + (t0 + t) * h;
+          for (int64_t j = 0; j < h; ++j) dst[j] = round_to_bf16(sum[j]);
+        }
+      }
+    });
+  }
+  return out;
+}
