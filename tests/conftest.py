@@ -44,3 +44,23 @@ def triton_interpreter(monkeypatch):
     pytest.importorskip("triton")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     yield
+
+
+@pytest.fixture(autouse=True)
+def compiled_forwards_of_this_test(tmp_path, monkeypatch):
+    """Each test compiles into a folder of its own: a compiled forward another test (or an earlier run of
+    the suite) saved would be loaded instead of compiled, and the test would check the load, not the compile."""
+    from pagellm.worker import compiled_forward
+
+    folder = tmp_path / "compiled"
+    monkeypatch.setattr(compiled_forward, "compiled_dir", lambda: folder)
+    return folder
+
+
+@pytest.fixture
+def idle_machine(monkeypatch):
+    """The selector's load probe reports an idle machine: tests that check which backend the timings pick
+    would otherwise see the other test workers' load and get the platform's order."""
+    from pagellm.core import selector
+
+    monkeypatch.setattr(selector, "_cpu_load", lambda: lambda: 0.0)

@@ -84,6 +84,8 @@ def serve(
 
     if model_arg and options.get("model") and model_arg != options["model"]:
         raise click.UsageError(f"MODEL {model_arg!r} and --model {options['model']!r} disagree; give one")
+    if options.get("compile_in_background") is None:  # serve answers first and gets faster after
+        options = {**options, "compile_in_background": True}
     config = config_from_options(options, model=model_arg)
     check_tool_choice(enable_auto_tool_choice, tool_call_parser)
     names = served_names(served_model_names, config)

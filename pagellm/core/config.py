@@ -19,11 +19,15 @@ if TYPE_CHECKING:
     from pagellm.core.kv_connector import KVTransferConfig
 
 
+# media items of each kind one prompt may carry unless limit_mm_per_prompt says otherwise: vLLM's default
+MEDIA_ITEMS_PER_PROMPT = 999
+
+
 @dataclass
 class _MediaLimits:
     """The keys `limit_mm_per_prompt` takes."""
 
-    image: int = 1
+    image: int = MEDIA_ITEMS_PER_PROMPT
 
 
 def _opt(default: Any, help: str, **extra: Any) -> Any:
@@ -131,8 +135,8 @@ class EngineConfig:
     )
     limit_mm_per_prompt: dict[str, Any] | str | None = _opt(
         None,
-        "Most media items one prompt may carry, as JSON, e.g. '{\"image\": 4}' (default: 1 image for a model "
-        "that takes images).",
+        "Most media items one prompt may carry, as JSON, e.g. '{\"image\": 4}' (default: 999 images, as "
+        "vLLM's, for a model that takes images).",
         json=True,
     )
     allowed_local_media_path: str | None = _opt(
@@ -155,6 +159,12 @@ class EngineConfig:
         False,
         "Never compile or capture graphs: faster start-up, slower steps.",
         envvar="PAGELLM_ENFORCE_EAGER",
+    )
+    compile_in_background: bool = _opt(
+        False,
+        "Serve on the eager forward at once and compile the model in a process of its own, swapping the "
+        "compiled forward in between two steps when it is ready (default for serve). A compiled forward "
+        "saved by an earlier start is loaded in either case.",
     )
     batch_invariant: bool = _opt(
         False,
@@ -179,7 +189,7 @@ class EngineConfig:
     def image_limit(self) -> int:
         """`limit_mm_per_prompt`'s images per prompt (checked: a ConfigError for a bad value)."""
         limits = json_setting(self.limit_mm_per_prompt, "limit_mm_per_prompt", _MediaLimits, '{"image": 4}')
-        value = (limits or {}).get("image", 1)
+        value = (limits or {}).get("image", MEDIA_ITEMS_PER_PROMPT)
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             raise ConfigError(f"limit_mm_per_prompt.image: must be an integer >= 0, not {value!r}")
         return value

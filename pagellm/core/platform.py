@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
@@ -212,6 +212,15 @@ class Platform:
         """The model's forward made faster for this device (torch.compile, graph capture), or None to run
         it eagerly. Called once after the weights load unless --enforce-eager; the model runner warms the
         result up on dummy steps and falls back to eager, with a warning, if that fails."""
+        return None
+
+    @classmethod
+    def compile_ahead(cls, model: torch.nn.Module, args: tuple[torch.Tensor, ...]) -> Any | None:
+        """The model's forward compiled for `args` before it runs, as an object with
+        `save_compiled_function(path)` that `torch.compiler.load_compiled_function` reads back in another
+        process (torch's AOT precompile: one whole graph, no guards kept), called as `fn(model, *args)`; or
+        None where this device has no such compile (the runner then uses `compile_model`). The caller sets
+        the forward context the trace reads. Raising says the model cannot be compiled this way."""
         return None
 
     @classmethod

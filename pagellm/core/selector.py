@@ -138,14 +138,20 @@ def select_attention_backend(
     timer: Timer | None = None,
     cache: TimingCache | None = None,
     choose_block_size: bool = False,
+    load_probe: Callable[[], Callable[[], float | None]] | None = None,
 ) -> BackendChoice:
     """Pick the attention backend. `timer` measures one backend on `spec` (seconds, lower is better);
     without one, auto takes the first compatible backend in the platform's preference order.
 
     `choose_block_size` (no --block-size given): every candidate is checked and timed with its own
     `preferred_block_size()`, so a backend that needs large blocks (FLASH_ATTN: 256) can win, and the
-    choice's `spec` carries the winner's block size. Otherwise `spec.block_size` binds every candidate."""
+    choice's `spec` carries the winner's block size. Otherwise `spec.block_size` binds every candidate.
+
+    `load_probe()` starts a measure of other processes' CPU use and returns what reads it (default
+    `timing.CpuLoad`): timings taken while the machine was busy pick the platform's order and are not
+    cached."""
     requested = (requested or AUTO).strip()
+    load_probe = load_probe or _cpu_load
     reasons = backend_reasons(registry, platform, spec, choose_block_size)
     compatible = [n for n, r in reasons.items() if not r]
     rejected = {n: r for n, r in reasons.items() if r}
@@ -181,23 +187,24 @@ def select_attention_backend(
     chosen = compatible[0]
     how = "the only compatible backend" if len(compatible) == 1 else "first compatible in preference order"
     if len(compatible) > 1 and timer is not None:
-        for name in compatible:
-            timings[name] = _timed(registry.attention_backends[name], specs[name], platform, timer, cache)
-        fastest = min(timings.values())
-        chosen = next(n for n in compatible if timings[n] <= fastest * (1 + TIMING_MARGIN))
-        how = (
-            (
+        backends = {n: registry.attention_backends[n] for n in compatible}
+        measured, busy = _timed(backends, specs, platform, timer, cache, load_probe)
+        timings = {n: m.best for n, m in measured.items()}
+        shown = ", ".join(
+            f"{n} {t * 1e3:.2f} ms" + (f" (block size {specs[n].block_size})" if choose_block_size else "")
+            for n, t in timings.items()
+        )
+        if busy is not None:
+            how = f"first compatible in preference order: {busy}, so its timings are not trusted ({shown})"
+        else:
+            chosen = _within_margin(compatible, measured)
+            fastest = min(timings.values())
+            why = (
                 "fastest measured"
                 if timings[chosen] == fastest
                 else "first in preference order within 10% of the fastest"
             )
-            + ": "
-            + ", ".join(
-                f"{n} {t * 1e3:.2f} ms"
-                + (f" (block size {specs[n].block_size})" if choose_block_size else "")
-                for n, t in timings.items()
-            )
-        )
+            how = f"{why}: {shown}"
     explanation = [f"attention backend {chosen} (auto: {how})"]
     ranking = list(reasons)
     for name in ranking[: ranking.index(chosen)]:
@@ -222,18 +229,80 @@ def _block_size_line(name: str, specs: dict[str, AttentionSpec], chosen: bool) -
     return f"KV-cache block size {specs[name].block_size} ({why})"
 
 
-def _timed(backend, spec, platform, timer: Timer, cache: TimingCache | None) -> float:
-    key = "|".join([platform.name, platform.device_name(), backend.name, backend.version, spec.shape_key()])
-    if cache is not None and (hit := cache.get(key)) is not None:
-        return hit
-    seconds = timer(backend, spec, platform)
+def _cpu_load() -> Callable[[], float | None]:
+    from pagellm.core.timing import CpuLoad
+
+    return CpuLoad().others
+
+
+TIMING_ROUNDS = 5
+"""Timed steps per backend, taken in rounds that run every candidate once, so that a burst of other work
+slows all of them alike."""
+
+BUSY_SHARE = 0.25
+"""Other processes' share of the machine's CPU time over the timings above which they are not trusted."""
+
+
+@dataclass
+class Measured:
+    best: float  # seconds: the fastest round
+    median: float  # seconds: the middle round
+
+
+def _within_margin(order: list[str], measured: dict[str, Measured]) -> str:
+    """The first backend in preference order that no other beats by more than TIMING_MARGIN both in its
+    fastest round and in its median one: a later backend must be clearly faster, and repeatedly."""
+    fastest = min(m.best for m in measured.values())
+    typical = min(m.median for m in measured.values())
+    return next(
+        n
+        for n in order
+        if measured[n].best <= fastest * (1 + TIMING_MARGIN)
+        or measured[n].median <= typical * (1 + TIMING_MARGIN)
+    )
+
+
+def _timed(
+    backends: dict[str, type[AttentionBackend]],
+    specs: dict[str, AttentionSpec],
+    platform: type[Platform],
+    timer: Timer,
+    cache: TimingCache | None,
+    load_probe: Callable[[], Callable[[], float | None]],
+) -> tuple[dict[str, Measured], str | None]:
+    """Each backend's timing, from the cache or measured in TIMING_ROUNDS interleaved rounds; and why the
+    measurements are not to be trusted (the machine was busy), else None. Only trusted ones are cached."""
+    keys = {
+        n: "|".join([platform.name, platform.device_name(), b.name, b.version, specs[n].shape_key()])
+        for n, b in backends.items()
+    }
+    measured = {n: hit for n in backends if cache is not None and (hit := cache.get(keys[n])) is not None}
+    todo = [n for n in backends if n not in measured]
+    if not todo:
+        return measured, None
+    others = load_probe()
+    rounds: dict[str, list[float]] = {n: [] for n in todo}
+    for _ in range(TIMING_ROUNDS):
+        for name in todo:
+            rounds[name].append(timer(backends[name], specs[name], platform))
+    for name, times in rounds.items():
+        times.sort()
+        measured[name] = Measured(times[0], times[len(times) // 2])
+    share = others()
+    if share is not None and share > BUSY_SHARE:
+        logger.info(
+            "backend timings not cached: other processes used %.0f%% of the CPU meanwhile", 100 * share
+        )
+        return measured, f"other processes used {100 * share:.0f}% of the CPU while timing"
     if cache is not None:
-        cache.put(key, seconds)
-    return seconds
+        for name in todo:
+            cache.put(keys[name], measured[name])
+    return measured, None
 
 
 class TimingCache:
-    """Backend timings on disk (JSON), keyed by platform, device, backend, backend version and shapes."""
+    """Backend timings on disk (JSON), keyed by platform, device, backend, backend version and shapes. An
+    entry of the older format (one number, measured without a check for other work) is measured again."""
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
@@ -244,12 +313,18 @@ class TimingCache:
         except (OSError, ValueError):
             return {}
 
-    def get(self, key: str) -> float | None:
-        return self._load().get(key)
+    def get(self, key: str) -> Measured | None:
+        entry = self._load().get(key)
+        if not isinstance(entry, dict):
+            return None
+        try:
+            return Measured(float(entry["best"]), float(entry["median"]))
+        except (KeyError, TypeError, ValueError):
+            return None
 
-    def put(self, key: str, seconds: float) -> None:
+    def put(self, key: str, measured: Measured) -> None:
         data = self._load()
-        data[key] = seconds
+        data[key] = dataclasses.asdict(measured)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_text(json.dumps(data, indent=1, sort_keys=True))

@@ -70,7 +70,7 @@ def child_environment(size: int, environ: Mapping[str, str] | None = None) -> di
 
 
 def aggregate_stats(stats: Sequence[SchedulerStats], capacities: Sequence[int]) -> SchedulerStats:
-    """Several ranks' SchedulerStats as one: counts (and the cumulative counters) summed, per-position
+    """Several ranks' SchedulerStats as one: counts (and the cumulative counters) summed, flags true when every rank's is, per-position
     counts summed position by position, and `kv_cache_usage` weighted by each rank's KV capacity in tokens,
     i.e. the fraction of all ranks' KV tokens in use (the plain mean when the ranks are alike)."""
     values: dict[str, Any] = {}
@@ -80,6 +80,8 @@ def aggregate_stats(stats: Sequence[SchedulerStats], capacities: Sequence[int]) 
         if f.name == "kv_cache_usage":
             weighted = sum(u * c for u, c in zip(column, capacities, strict=True))
             values[f.name] = weighted / total if total else sum(column) / len(column)
+        elif isinstance(column[0], bool):  # a fact of every rank: true when it holds for all
+            values[f.name] = all(column)
         elif isinstance(column[0], tuple):
             values[f.name] = tuple(sum(c) for c in itertools.zip_longest(*column, fillvalue=0))
         else:

@@ -27,7 +27,7 @@ from pagellm.distributed import RankFailure
 from pagellm.engine.output_processor import OutputProcessor
 from pagellm.engine.outputs import PoolingRequestOutput, RequestOutput
 from pagellm.engine.processor import Processor, make_pooler
-from pagellm.engine.request import RequestStatus
+from pagellm.engine.request import Request, RequestStatus
 from pagellm.engine.scheduler import Scheduler
 from pagellm.engine.setup import resolve_engine
 from pagellm.engine.tokenizer import load_tokenizer
@@ -53,7 +53,7 @@ class LLMEngine:
             logger.info(line)
         self.pooler = make_pooler(self.setup)  # None unless runner="pooling"
         _check_kv_transfer(self.setup)
-        self.tokenizer, weights = _load_tokenizer_and_weights(self.setup)
+        self.tokenizer, weights = load_tokenizer_and_weights(self.setup)
         self.eos_token_ids = _eos_token_ids(self.setup, self.tokenizer)
         self.default_params = _generation_defaults(self.setup) if config.generation_config == "auto" else {}
         self.ranks: Ranks | None = None
@@ -81,7 +81,7 @@ class LLMEngine:
         self.max_model_len = self.setup.max_model_len
         self.processor = Processor(self.setup, self.tokenizer, self.eos_token_ids, self.pooler)
         self.output_processor = OutputProcessor(self.tokenizer)
-        self._ids = itertools.count()
+        self._serials = itertools.count()  # makes each request's engine id unique
         concurrency = self.scheduler.kv_cache_manager.max_concurrency(self.max_model_len)
         if self.runner.state_layers:  # one state slot per running request as well
             concurrency = min(concurrency, self.runner.max_num_seqs)
@@ -154,7 +154,7 @@ class LLMEngine:
             max_model_len=self.setup.max_model_len,
         )
         setup = resolve_engine(draft_config)
-        tokenizer, weights = _load_tokenizer_and_weights(setup)
+        tokenizer, weights = load_tokenizer_and_weights(setup)
         ours, theirs = self.setup.hf_config.vocab_size, setup.hf_config.vocab_size
         if ours != theirs or tokenizer.get_vocab() != self.tokenizer.get_vocab():
             raise ConfigError(
@@ -190,31 +190,36 @@ class LLMEngine:
         lora_request: LoRARequest | None = None,
         kv_transfer_params: dict[str, Any] | None = None,
     ) -> str:
-        """Queue a request; returns its id. Raises ConfigError (nothing queued) for invalid input. With
-        PoolingParams (runner="pooling"), an embedding request. `kv_transfer_params` (or the prompt dict's
-        "kv_transfer_params", how AsyncLLM's callers pass it) is for the KV connector: disaggregated prefill."""
+        """Queue a request; returns its id (`request_id`, or one made here), which its outputs carry and
+        `abort_request` takes. Raises ConfigError (nothing queued) for invalid input. With PoolingParams
+        (runner="pooling"), an embedding request. `kv_transfer_params` (or the prompt dict's
+        "kv_transfer_params", how AsyncLLM's callers pass it) is for the KV connector: disaggregated prefill.
+
+        The scheduler and the runner know the request by an id of the engine's own, `<request_id>-<serial>`
+        (`Request.request_id`), so an id used again as soon as its request finished is a new request there
+        too, whatever of the old one the runner releases at the next step."""
         if not isinstance(params, PoolingParams):
             params = params or self.default_sampling_params()
         processed = self.processor.process(prompt, params, kv_transfer_params)
         if lora_request is not None:
             self.runner.add_lora(lora_request)  # loads it now: a bad adapter fails here, alone
-        request_id = request_id if request_id is not None else str(next(self._ids))
+        serial = next(self._serials)
+        request_id = request_id if request_id is not None else str(serial)
         if self.output_processor.has_request(request_id):
             raise ConfigError(f"request id {request_id!r} is already running")
-        requests = self.processor.make_requests(request_id, processed, priority, arrival_time, lora_request)
-        if not isinstance(params, PoolingParams):
-            self.runner.add_requests({r.request_id: r.sampling_params for r in requests})
+        requests = self.processor.make_requests(
+            f"{request_id}-{serial}", processed, priority, arrival_time, lora_request, request_id
+        )
         self.output_processor.add(request_id, processed.prompt, requests, processed.params)
         for request in requests:
             self.scheduler.add_request(request)
         return request_id
 
     def abort_request(self, request_id: str) -> RequestOutput | PoolingRequestOutput | None:
-        """Abort a request (all its samples) in any state; its KV blocks are freed at once."""
-        child_ids = self.output_processor.child_ids(request_id)
-        for child_id in child_ids:
+        """Abort a request (all its samples; `request_id`: the caller's) in any state; its KV blocks are freed
+        at once, the runner's state of it at the next step."""
+        for child_id in self.output_processor.child_ids(request_id):
             self.scheduler.abort_request(child_id)
-        self.runner.release_finished(child_ids)
         return self.output_processor.abort(request_id)
 
     def has_unfinished_requests(self) -> bool:
@@ -227,10 +232,8 @@ class LLMEngine:
         if self._failure is not None:
             raise self._failure
         out = self.scheduler.schedule()
-        self.runner.release_preempted(out.preempted)
-        self.runner.release_finished(out.finished_ids)
-        if out.is_empty and out.kv_connector_metadata is None:
-            return []
+        if out.is_empty and out.kv_connector_metadata is None and not (out.finished_ids or out.preempted):
+            return []  # nothing to run, and nothing the runner must hear of
         try:
             result = self.runner.execute(out)
         except Exception as exc:
@@ -238,7 +241,7 @@ class LLMEngine:
             logger.exception("a step of %d requests failed; running them one at a time", len(out.scheduled))
             return self._step_one_by_one(out)
         outputs = self._update(out, result)
-        if out.is_empty and not result.kv_connector_output:
+        if out.is_empty and out.kv_connector_metadata is not None and not result.kv_connector_output:
             time.sleep(_TRANSFER_POLL_S)  # only transfers in flight, none ended: wait a little, do not spin
         return outputs
 
@@ -249,8 +252,8 @@ class LLMEngine:
         outputs, stopped = self.output_processor.process(updated, result)
         for request_id, stop_string in stopped:
             self.scheduler.finish_request(request_id, RequestStatus.FINISHED_STOPPED, stop_string)
-        if self.scheduler.kv_connector is not None:  # what the connector returned when each finished
-            finished = {r.request_id: r for r in updated if r.is_finished}
+        if self.scheduler.kv_connector is not None:  # what the connector returned when each finished (n = 1)
+            finished = {r.external_request_id: r for r in updated if r.is_finished}
             for output in outputs:
                 if output.finished and output.request_id in finished:
                     output.kv_transfer_params = finished[output.request_id].kv_transfer_output
@@ -281,7 +284,7 @@ class LLMEngine:
                 result = self.runner.execute(alone)
             except Exception as exc:
                 self._check_ranks(exc)
-                outputs.append(self._fail(rid, exc))
+                outputs.append(self._fail(request, exc))
                 continue
             outputs += self._update(alone, result)
         return outputs
@@ -298,8 +301,11 @@ class LLMEngine:
             raise failure from exc
 
     def shutdown(self) -> None:
-        """Stop the model's other ranks, if it has any (an engine without them needs no shutdown), and close
-        the KV connector's sockets and threads."""
+        """Stop the model's other ranks, if it has any (an engine without them needs no shutdown), a
+        background compile still running, and close the KV connector's sockets and threads."""
+        runner = getattr(self, "runner", None)
+        if runner is not None:
+            runner.compiler.stop()
         for connector in (
             getattr(getattr(self, name, None), "kv_connector", None) for name in ("runner", "scheduler")
         ):
@@ -308,9 +314,9 @@ class LLMEngine:
         if self._rank_release is not None:
             self._rank_release()
 
-    def _fail(self, child_id: str, exc: Exception) -> RequestOutput:
+    def _fail(self, request: Request, exc: Exception) -> RequestOutput:
         """End the request a failing sample belongs to (all its samples), saying why in `error`."""
-        parent_id = self.output_processor.parent_id(child_id)
+        parent_id = request.external_request_id
         logger.error("request %s failed in the model runner; ending it alone", parent_id, exc_info=exc)
         output = self.abort_request(parent_id)
         output.error = f"the model runner failed on this request: {exc!r}"
@@ -322,7 +328,11 @@ class LLMEngine:
         return self.scheduler.kv_cache_manager.pool.reset_prefix_cache()
 
     def stats(self) -> Any:
-        return replace(self.scheduler.stats(), num_grammar_matchers_live=self.processor.grammar_matchers_live)
+        return replace(
+            self.scheduler.stats(),
+            num_grammar_matchers_live=self.processor.grammar_matchers_live,
+            forward_compiled=self.runner.forward is not self.runner.model,
+        )
 
 
 class _RankRelease:
@@ -355,8 +365,9 @@ def _start_ranks(setup: EngineSetup) -> Ranks:
     return RankProcesses(setup)
 
 
-def _load_tokenizer_and_weights(setup: EngineSetup):
-
+def load_tokenizer_and_weights(setup: EngineSetup):
+    """The tokenizer and the checkpoint's weights as the model loader reads them (GGUF blocks as they are
+    where the quantization keeps them)."""
     from pagellm.models.loader import iter_checkpoint_weights
 
     source = setup.source

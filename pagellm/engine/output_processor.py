@@ -68,6 +68,9 @@ class _Pooling:
 
 
 class OutputProcessor:
+    """Tracks each unfinished request under the caller's id (`parents`, `pooling`), which its outputs
+    carry, and its samples under the engine's ids (`child_to_parent`), which the step's requests carry."""
+
     def __init__(self, tokenizer: Any):
         self.tokenizer = tokenizer
         self.parents: dict[str, ParentState] = {}
@@ -81,7 +84,8 @@ class OutputProcessor:
         children: list[Request],
         params: SamplingParams | PoolingParams,
     ) -> None:
-        """Track a request's outputs: a generation request's n children, or a pooling request's one."""
+        """Track a request's outputs (`request_id`: the caller's): a generation request's n children, or a
+        pooling request's one."""
         if isinstance(params, PoolingParams):
             self.pooling[request_id] = _Pooling(prompt, children[0])
             return
@@ -101,16 +105,11 @@ class OutputProcessor:
         return request_id in self.parents or request_id in self.pooling
 
     def child_ids(self, request_id: str) -> list[str]:
-        """The ids of the requests the scheduler runs for it (a pooling request's is its own)."""
+        """The engine's ids of the requests the scheduler runs for the caller's `request_id`."""
         if request_id in self.pooling:
-            return [request_id]
+            return [self.pooling[request_id].request.request_id]
         parent = self.parents.get(request_id)
         return [c.request.request_id for c in parent.children] if parent else []
-
-    def parent_id(self, child_id: str) -> str:
-        """The id of the request a child request belongs to (a pooling request is its own)."""
-        entry = self.child_to_parent.get(child_id)
-        return entry[0].request_id if entry is not None else child_id
 
     def process(
         self, updated: list[Request], result: StepResult
@@ -125,8 +124,10 @@ class OutputProcessor:
         pooled: list[PoolingRequestOutput] = []
         for request in updated:
             if request.pooling_params is not None:  # finished with its prompt
-                if request.request_id in self.pooling:
-                    pooled.append(self._pooled(request.request_id, result.pooled.get(request.request_id)))
+                entry = self.pooling.get(request.external_request_id)
+                if entry is not None and entry.request is request:
+                    vector = result.pooled.get(request.request_id)
+                    pooled.append(self._pooled(request.external_request_id, vector))
                 continue
             entry = self.child_to_parent.get(request.request_id)
             if entry is None:

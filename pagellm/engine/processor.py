@@ -234,10 +234,12 @@ class Processor:
         priority: int = 0,
         arrival_time: float | None = None,
         lora_request: LoRARequest | None = None,
+        external_request_id: str | None = None,
     ) -> list[Request]:
         """The requests the scheduler runs: a pooling request's one (no sampling state), or the n samples
         of a generation request, each with its own seed and, for structured output, its grammar (compiling
-        starts now)."""
+        starts now). `request_id` is the engine's (sample i of n > 1 gets `request_id#i`),
+        `external_request_id` the caller's, which every sample's outputs carry."""
         params = processed.params
         salt_of = self.rope_salt_of
         rope_salt = (
@@ -253,6 +255,7 @@ class Processor:
                 priority,
                 lora_request,
                 pooling_params=params,
+                external_request_id=external_request_id,
             )
             request.rope_salt_of, request.rope_salt = salt_of, rope_salt
             return [request]
@@ -271,6 +274,7 @@ class Processor:
                     lora_request,
                     kv_transfer_params=processed.kv_transfer_params,
                     images=processed.images,
+                    external_request_id=external_request_id,
                 )
             )
         mrope = self.images.mrope(processed.prompt_token_ids, processed.images) if self.images else None

@@ -35,6 +35,11 @@ _FINISH_REASONS = {
 class Request:
     """Token ids, progress and status of one request.
 
+    `request_id` is the engine's own id, unique for the engine's lifetime; `external_request_id` is the
+    caller's, which its outputs carry and its aborts name. A caller may use an id again once its request
+    finished, while the runner still holds the old request's state (released at the next step): the two
+    never share an engine id (vLLM v1's internal and external request ids).
+
     `num_computed_tokens` counts the leading tokens whose KV is in the cache; the tokens after it are
     what the next steps must run, followed by any drafts in `spec_token_ids` for the target to verify. `block_hashes` holds the chained hashes of its full blocks, filled
     incrementally by the KV cache manager.
@@ -52,8 +57,10 @@ class Request:
         pooling_params: Any = None,
         kv_transfer_params: dict[str, Any] | None = None,
         images: list[Any] | None = None,
+        external_request_id: str | None = None,
     ):
         self.request_id = request_id
+        self.external_request_id = request_id if external_request_id is None else external_request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params  # None for a pooling request
         # core.pooling.PoolingParams (resolved) for a pooling request: it finishes after its prompt, no tokens

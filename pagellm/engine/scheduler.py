@@ -69,6 +69,7 @@ class SchedulerStats:
     num_lora_requests_running: int = 0  # running requests under a LoRA adapter
     num_loras_active: int = 0  # distinct adapters of those: the device slots the running batch needs
     num_grammar_matchers_live: int = 0  # structured-output matchers not yet freed (LLMEngine.stats adds it)
+    forward_compiled: bool = False  # the steps run the compiled forward, not the eager one (LLMEngine.stats)
 
 
 class _FCFSQueue:

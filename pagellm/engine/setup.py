@@ -169,6 +169,13 @@ def resolve_max_model_len(requested: int | None, hf_config: Any) -> int:
     return requested
 
 
+def release_timing_inputs() -> None:
+    """Free the inputs the backend timings built (tens of MB per candidate)."""
+    from pagellm.core import timing
+
+    timing.release()
+
+
 def _backend_timer():
     if os.environ.get("PAGELLM_ATTENTION_TIMING", "1") == "0":
         return None
@@ -221,6 +228,7 @@ def resolve_engine(config: EngineConfig) -> EngineSetup:
         cache=TimingCache(os.path.join(cache_dir(), "attention_timings.json")),
         choose_block_size=config.block_size is None,
     )
+    release_timing_inputs()
     spec = backend_choice.spec
     config.block_size = spec.block_size  # everything after start-up reads the chosen size from here
     kv_layout = model_kv_layout(import_model_class(model_class_path), hf_config, spec)

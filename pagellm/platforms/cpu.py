@@ -8,7 +8,7 @@ import os
 import platform as pyplatform
 import shutil
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -104,7 +104,7 @@ class CpuPlatform(Platform):
     device_type = "cpu"
     priority = 0
     supported_dtypes = (torch.float32, torch.bfloat16, torch.float16)
-    attention_backends = ("CPU_ATTN", "FLEX_ATTENTION", "TORCH_SDPA")
+    attention_backends = ("CPU_ATTN", "TORCH_SDPA", "FLEX_ATTENTION")
     capabilities = frozenset({FLOAT8, DTYPE_VIEWS})
     """torch's CPU kernels cast float8 and view bytes as other dtypes (no Triton backend, no FP8 matmul)."""
 
@@ -268,6 +268,20 @@ class CpuPlatform(Platform):
             )
             return None
         return torch.compile(model, dynamic=True, options=COMPILE_OPTIONS)
+
+    @classmethod
+    def compile_ahead(cls, model: torch.nn.Module, args: tuple[torch.Tensor, ...]) -> Any | None:
+        """The same inductor graph as `compile_model`, compiled ahead of time as one whole graph. Every guard
+        is dropped (`guard_filter_fn`): what a guard would check is in the artifact's key instead
+        (worker/compiled_forward.py), and a model whose traced code reads per-step state is not compiled
+        this way. Floats stay constants (`specialize_float`): the precompile path cannot restart the trace
+        that turning them into inputs needs."""
+        if shutil.which(os.environ.get("CXX", "c++")) is None:
+            return None
+        options = {**COMPILE_OPTIONS, "guard_filter_fn": lambda entries: [False] * len(entries)}
+        compiled = torch.compile(model.forward, dynamic=True, fullgraph=True, options=options)
+        with torch._dynamo.config.patch(specialize_float=True):
+            return compiled.aot_compile((args, {}))
 
     @classmethod
     def describe(cls) -> dict[str, str]:

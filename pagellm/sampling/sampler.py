@@ -35,7 +35,8 @@ class SamplingRequest:
 
 
 def make_generator(params: SamplingParams, device: torch.device | str) -> torch.Generator | None:
-    """A request's own generator, created once when the request is added; None when it has no seed."""
+    """A request's own generator, created once when the request is first scheduled; None when it has no
+    seed."""
     if params.seed is None:
         return None
     generator = torch.Generator(device=device)

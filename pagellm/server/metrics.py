@@ -44,6 +44,11 @@ class PrometheusStatLogger:
             "grammar_matchers_live",
             "Structured-output grammar matchers in memory (0 when idle: finished requests free theirs).",
         )
+        self.forward_compiled = gauge(
+            "forward_compiled",
+            "1 when steps run the compiled forward, 0 while they run the eager one (before a background "
+            "compile is swapped in, or with --enforce-eager).",
+        )
         self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
         self.preemptions = counter("num_preemptions", "Requests preempted for lack of KV blocks.")
@@ -105,6 +110,7 @@ class PrometheusStatLogger:
         self.lora_requests_running.set(s.num_lora_requests_running)
         self.loras_active.set(s.num_loras_active)
         self.grammar_matchers_live.set(s.num_grammar_matchers_live)
+        self.forward_compiled.set(int(s.forward_compiled))
         for counter, name in self._cumulative:  # cumulative counts; Prometheus counters take increments
             counter.inc(max(0, getattr(s, name) - getattr(last, name)))
         for position, accepted in enumerate(s.spec_accepted_per_position):

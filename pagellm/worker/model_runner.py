@@ -1,6 +1,7 @@
 """The model runner: loads the model, owns the KV cache, and runs one scheduled step.
 
-A step is three jobs, one method each: `_prepare_inputs` brings the persistent `InputBatch` up to date and
+It hears of requests only from each step's `SchedulerOutput` (`_update_states`, first in `execute`). Then a
+step is three jobs, one method each: `_prepare_inputs` brings the persistent `InputBatch` up to date and
 gathers the flat `StepArrays` (token ids, positions, slot mapping, block tables, query offsets) and which
 rows sample, pool or want prompt logprobs (`PreparedStep`); `_run_model` runs the forward on them (every
 rank; a replayed CUDA graph where one fits); then the outputs: pooled vectors, prompt logprobs, and logits
@@ -17,8 +18,7 @@ from __future__ import annotations
 
 import functools
 import logging
-import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 
 import numpy as np
 import torch
@@ -66,6 +66,7 @@ from pagellm.worker.kv_cache import (
 )
 from pagellm.worker.logprobs import LogprobLists, row_logprobs
 from pagellm.worker.pooler import PoolingState
+from pagellm.worker.runner_compile import RunnerCompile, dummy_prefill
 from pagellm.worker.runner_kv_connector import RunnerKVConnector
 from pagellm.worker.runner_lora import RunnerLoRA
 from pagellm.worker.runner_spec_decode import RunnerSpecDecode, make_proposer
@@ -120,6 +121,22 @@ class ModelRunner:
             self.kv_layout,
         )
         self.lora = RunnerLoRA(self.model, config, setup.dtype, self.device) if config.enable_lora else None
+        self.compiler = RunnerCompile(
+            self.model,
+            setup,
+            self.kv_caches,
+            self.layers,
+            self.device,
+            guard_free=not (
+                self.state_layers
+                or getattr(self.model, "supports_images", False)
+                or getattr(self.model, "uses_mrope", False)
+                or self.rope_length_base is not None
+            ),
+            blocks_of_one_request=blocks_per_request(
+                self.kv_windows(), self.block_size, setup.max_model_len + self.block_size, 1
+            ),
+        )
         self.forward = self._compile()
         # a recurrent layer's state slot is its request's row here (core/state.py)
         self.state_caches = allocate_states(self.state_layers, self.max_num_seqs, self.device)
@@ -246,41 +263,12 @@ class ModelRunner:
             logger.info("MoE experts of %d layers run on %s", len(layers), ", ".join(sorted(paths)))
 
     def _compile(self) -> Callable[..., torch.Tensor]:
-        """The forward the platform compiles (`Platform.compile_model`), warmed up; the eager model with
-        --enforce-eager, LoRA (the LoRA terms' row groups change every step) or a split model (collectives
-        stay out of compiled graphs)."""
+        """The compiled forward (`RunnerCompile`); the eager model with --enforce-eager, LoRA (the LoRA
+        terms' row groups change every step) or a split model (collectives stay out of compiled graphs)."""
         config = self.setup.config
         if config.enforce_eager or self.lora is not None or self.parallel.world_size > 1:
             return self.model
-        compiled = self.setup.platform.compile_model(self.model)
-        return self._warm_up(compiled) if compiled is not None else self.model
-
-    @torch.inference_mode()
-    def _warm_up(self, compiled: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-        """Compile now rather than in the first request's step, on a two-token prompt that stores nothing.
-        The token count is marked unbacked, so Dynamo neither specialises one token nor guards on the size:
-        one graph serves every step. That is what batch-invariant mode needs (a lone decode runs the same
-        generated code as a batch; a graph specialised to one token may sum a row in another order), and it
-        is the default because it compiles in two thirds of the time of a one-token graph beside a dynamic
-        one (model S, bfloat16, empty inductor cache, the AVX2 AMD machine: ready in 213-218 s against 333-340 s)
-        with steps as fast (48 tokens alone 1.31-1.64 s against 1.44-1.71 s; 32 requests 7.81-8.75 s
-        against 8.04-9.11 s). Returns the eager model, with a warning, on failure."""
-        from torch._dynamo.decorators import mark_unbacked  # its import sets inductor's folder
-
-        started = time.monotonic()
-        attn = _dummy_prefill(2, self.block_size, self.device)
-        input_ids = torch.zeros(2, dtype=torch.long, device=self.device)
-        positions = torch.arange(2, device=self.device)
-        mark_unbacked(input_ids, 0)
-        mark_unbacked(positions, 0)
-        try:
-            with set_forward_context(self.setup.backend.build_metadata(attn), self.kv_caches, self.layers):
-                compiled(input_ids, positions)
-        except Exception as e:  # an inductor or compiler failure: slower, not broken
-            logger.warning("compiling the model failed, running it eagerly: %s: %s", type(e).__name__, e)
-            return self.model
-        logger.info("model compiled in %.1fs (--enforce-eager turns this off)", time.monotonic() - started)
-        return compiled
+        return self.compiler.forward()
 
     def _check_state_layers(self) -> int:
         """The most sequences at once: --max-num-seqs, which a model with recurrent layers also takes as its
@@ -391,7 +379,7 @@ class ModelRunner:
         platform.synchronize()
         platform.reset_peak_memory(index)
         before = platform.peak_memory_allocated(index)
-        attn = _dummy_prefill(num_tokens, self.block_size, self.device)
+        attn = dummy_prefill(num_tokens, self.block_size, self.device)
         with set_forward_context(
             self.setup.backend.build_metadata(attn), [cache] * len(self.layers), self.layers
         ):
@@ -489,41 +477,40 @@ class ModelRunner:
             raise ConfigError("a request names a LoRA adapter, but LoRA is off; start with enable_lora=True")
         self.lora.add(request)
 
-    def add_requests(self, params: Mapping[str, SamplingParams]) -> None:
-        """Create new requests' own state (a seeded generator) when they are added, not in a step: a
-        failure is then theirs alone and comes before they are queued."""
-        generators = {request_id: make_generator(p, self.device) for request_id, p in params.items()}
-        self.generators.update(generators)
-
-    def release_preempted(self, request_ids: Iterable[str]) -> None:
-        """Drop the step state of preempted requests (their batch row, a pooling request's partial pool: it
-        pools its prompt again); their seeded generator stays, for when they run again."""
-        request_ids = list(request_ids)
-        for request_id in request_ids:
+    def _update_states(self, out: SchedulerOutput) -> None:
+        """Bring the per-request state up to date with the step's `SchedulerOutput`, the one way the runner
+        hears of requests (vLLM v1's `_update_states`), so its state cannot drift from the scheduler's.
+        Finished and aborted requests lose everything; preempted ones their batch row, a pooling request's
+        partial pool (it pools its prompt again) and image outputs, but keep their seeded generator for when
+        they resume. A request scheduled for the first time gets its generator; a resumed one (also in
+        `new_request_ids`) has it already, as has one rerun alone after a failed step. A batch row comes
+        with a request's first `_prepare_inputs`."""
+        gone = [*out.finished_ids, *out.preempted]
+        for request_id in gone:
             self.input_batch.remove(request_id)
             self.pooling_states.pop(request_id, None)
-        if self.encoder_cache is not None:
-            self.encoder_cache.release(request_ids)
-
-    def release_finished(self, request_ids: Iterable[str]) -> None:
-        """Drop everything of finished or aborted requests, their seeded generator included."""
-        request_ids = list(request_ids)
-        for request_id in request_ids:
-            self.input_batch.remove(request_id)
+        for request_id in out.finished_ids:
             self.generators.pop(request_id, None)
-            self.pooling_states.pop(request_id, None)
-        if self.encoder_cache is not None:
-            self.encoder_cache.release(request_ids)
+        if self.encoder_cache is not None and gone:
+            self.encoder_cache.release(gone)
+        for request in out.scheduled:
+            request_id, params = request.request_id, request.sampling_params
+            if request_id in out.new_request_ids and params is not None and request_id not in self.generators:
+                self.generators[request_id] = make_generator(params, self.device)
 
     # -- a step -------------------------------------------------------------------------------------------
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> StepResult:
-        """Run one scheduled step: prepare its inputs, run the model, then pool, compute prompt logprobs
-        and sample (or verify drafts and propose the next ones)."""
+        """Run one scheduled step: take in what it says of requests (`_update_states`), prepare its inputs,
+        run the model, then pool, compute prompt logprobs and sample (or verify drafts and propose the next
+        ones)."""
+        if self.compiler.pending:
+            self.forward = self.compiler.swapped(self.forward)
+        self._update_states(out)
         if self.kv_transfer is not None:
             self.kv_transfer.start_loads(out)
-        if out.is_empty:  # only transfers to run
+        if out.is_empty:  # only transfers to run, or requests to forget
             return StepResult(kv_connector_output=self._kv_transfers_done(out))
         step = self._prepare_inputs(out)
         hidden = self._run_model(step)
@@ -786,19 +773,3 @@ def _by_layer_idx(layers: list) -> list:
     for layer in layers:
         table[layer.layer_idx] = layer
     return table
-
-
-def _dummy_prefill(num_tokens: int, block_size: int, device: torch.device) -> AttentionBatch:
-    """A one-request step of `num_tokens` new tokens that reads no cache and stores nothing (slot -1)."""
-    query_start_loc = torch.tensor([0, num_tokens], dtype=torch.int32)
-    seq_lens = torch.tensor([num_tokens], dtype=torch.int32)
-    return AttentionBatch(
-        query_start_loc=query_start_loc.to(device),
-        seq_lens=seq_lens.to(device),
-        block_tables=torch.zeros(1, -(-num_tokens // block_size), dtype=torch.int32, device=device),
-        slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=device),
-        query_start_loc_cpu=query_start_loc,
-        seq_lens_cpu=seq_lens,
-        max_query_len=num_tokens,
-        max_seq_len=num_tokens,
-    )

@@ -187,7 +187,7 @@ def main(directory: str, rank: int) -> int:
     with open(os.path.join(directory, "start.pkl"), "rb") as f:
         start: RankStart = pickle.load(f)
     logging.basicConfig(level=start.log_level, format=f"%(asctime)s rank {rank} %(levelname)s %(message)s")
-    _exit_with_parent()
+    exit_with_parent()
     try:
         run_rank(start, rank)
     except Exception:
@@ -196,8 +196,9 @@ def main(directory: str, rank: int) -> int:
     return 0
 
 
-def _exit_with_parent() -> None:
-    """End this rank when the driver's process is gone, rather than at the next collective's timeout."""
+def exit_with_parent() -> None:
+    """End this process when its parent is gone: a rank rather than at the next collective's timeout, a
+    compile process (engine/compile_process.py) rather than for nobody."""
     parent = os.getppid()
 
     def watch() -> None:

@@ -87,7 +87,8 @@ class ScheduledRequest(Protocol):
 
 @dataclass
 class SchedulerOutput:
-    """One step's decision: which requests run and how many tokens each."""
+    """One step's decision: which requests run and how many tokens each; also all the runner hears of
+    requests (which are new or resumed, preempted, finished), by the engine's request ids."""
 
     scheduled: list[ScheduledRequest]  # batch order: running requests first, then newly admitted ones
     num_scheduled_tokens: dict[str, int]  # same order

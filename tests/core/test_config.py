@@ -11,6 +11,12 @@ def test_unknown_setting_lists_valid_names():
         EngineConfig.from_kwargs(blok_size=16)
 
 
+def test_images_per_prompt_default_to_vllms_999():
+    assert EngineConfig().image_limit == 999
+    assert EngineConfig(limit_mm_per_prompt="{}").image_limit == 999
+    assert EngineConfig(limit_mm_per_prompt='{"image": 2}').image_limit == 2
+
+
 def test_cli_options_map_to_config_fields():
     import click
 

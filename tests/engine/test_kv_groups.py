@@ -127,7 +127,7 @@ def test_a_long_decode_holds_a_window_not_the_context(mixed_model):
     kv, engine = llm.engine.scheduler.kv_cache_manager, llm.engine
     prompt = mixed_prompts(300, seed=4)[14]  # 256 tokens
     params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
-    rid = engine.add_request({"prompt_token_ids": prompt}, params)
+    [rid] = engine.output_processor.child_ids(engine.add_request({"prompt_token_ids": prompt}, params))
     held = []
     while engine.has_unfinished_requests():
         outputs = engine.step()

@@ -48,7 +48,7 @@ def _weights(model_dir, method: type[QuantMethod], monkeypatch) -> object:
         hf_config=None,
         quant_method=method,
     )
-    _, weights = llm_engine._load_tokenizer_and_weights(fake_setup)
+    _, weights = llm_engine.load_tokenizer_and_weights(fake_setup)
     return weights is packed
 
 

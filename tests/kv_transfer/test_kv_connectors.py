@@ -257,7 +257,8 @@ def test_an_aborted_request_frees_its_blocks_once_its_load_ends(model_dir):
     prefill.shutdown()  # the read will never be answered
     request_id = decode.add_request(prompt, greedy(4), kv_transfer_params=params)
     decode.step()
-    assert decode.scheduler.requests[request_id].status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    [engine_id] = decode.output_processor.child_ids(request_id)  # the scheduler's id of it
+    assert decode.scheduler.requests[engine_id].status == RequestStatus.WAITING_FOR_REMOTE_KVS
     decode.abort_request(request_id)
     assert decode.scheduler.kv_cache_manager.num_free_blocks == NUM_BLOCKS - 1 - 3  # still being filled
     assert_no_leak(decode)

@@ -117,7 +117,9 @@ def test_chat_with_image_parts_equals_the_rendered_prompt(llava, reference):
 
 
 def test_bad_image_inputs_are_refused_and_nothing_is_queued(llava, tiny_text_model):
-    llm = LLM(str(llava), dtype="float32", max_model_len=96, num_kv_blocks=64)
+    llm = LLM(
+        str(llava), dtype="float32", max_model_len=96, num_kv_blocks=64, limit_mm_per_prompt='{"image": 1}'
+    )
     with pytest.raises(ConfigError, match="at most 1"):
         llm.generate([prompt(f"{IMAGE_TOKEN}{IMAGE_TOKEN}", PICTURES[:2])], GREEDY, use_tqdm=False)
     with pytest.raises(ConfigError, match="do not match|placeholders"):

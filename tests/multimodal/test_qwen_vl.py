@@ -61,7 +61,8 @@ def run(llm: LLM, prompts: list[tuple[str, list]]) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def llm(checkpoint):
-    """A 10-token budget cuts the 16-token image across steps; 5 KV blocks of 16 force preemptions."""
+    """A 10-token budget cuts the 16-token image across steps; 5 KV blocks of 16 force preemptions. No
+    limit_mm_per_prompt: two images per prompt are within the default (999, vLLM's)."""
     return LLM(
         str(checkpoint),
         dtype="float32",
@@ -70,7 +71,6 @@ def llm(checkpoint):
         block_size=16,
         max_num_batched_tokens=10,
         max_num_seqs=3,
-        limit_mm_per_prompt='{"image": 2}',
     )
 
 
@@ -115,3 +115,20 @@ def test_chat_with_an_image_part_equals_the_rendered_prompt(llm, reference):
     (out,) = llm.chat(messages, GREEDY, use_tqdm=False)
     text = f"<|im_start|>user\n{IMAGE}what is this<|im_end|>\n<|im_start|>assistant\n"
     assert out.outputs[0].token_ids == reference(text, [WIDE])
+
+
+def test_a_chat_with_two_images_runs_under_the_default_limit(llm, reference):
+    """Two image parts in one message, with limit_mm_per_prompt left at its default."""
+    messages = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "image_pil", "image_pil": WIDE},
+                {"type": "image_pil", "image_pil": SMALL},
+                {"type": "text", "text": "compare"},
+            ],
+        }
+    ]
+    (out,) = llm.chat(messages, GREEDY, use_tqdm=False)
+    text = f"<|im_start|>user\n{IMAGE}{IMAGE}compare<|im_end|>\n<|im_start|>assistant\n"
+    assert out.outputs[0].token_ids == reference(text, [WIDE, SMALL])

@@ -27,7 +27,7 @@ def test_greedy_parity_on_the_vendor_device_and_backend(model):
     assert_greedy_parity(llm, reference, mixed_prompts(300)[:8])
 
 
-def test_auto_backend_on_the_vendor_device(model, monkeypatch):
+def test_auto_backend_on_the_vendor_device(model, monkeypatch, idle_machine):
     path, _ = model
     monkeypatch.setenv("PAGELLM_ATTENTION_TIMING", "0")  # no timing: the platform's first preference
     llm = LLM(str(path), device="vendor_sim", dtype="float32", max_model_len=400)

@@ -19,6 +19,7 @@ from pagellm.server.app import build_app
 
 PROMPTS = ["Hello, world!", "The quick brown fox", "Paged attention", "Once upon a time", "1 2 3"]
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+LONG = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
@@ -77,10 +78,26 @@ def test_invalid_input_raises_at_add(llm):
             await llm.add_request("hello " * 200, GREEDY)
         with pytest.raises(ConfigError, match="empty"):
             await llm.add_request({"prompt_token_ids": []}, GREEDY)
-        stream = await llm.add_request("Hello", GREEDY, request_id="same")
+        # long enough to be still running at the second add (8 tokens may end before it)
+        stream = await llm.add_request("Hello", LONG, request_id="same")
         with pytest.raises(ConfigError, match="same"):
             await llm.add_request("Hello", GREEDY, request_id="same")
-        [o async for o in stream]
+        stream.abort()
+        await wait_idle(llm)
+
+    asyncio.run(run())
+    assert_idle(llm)
+
+
+def test_one_request_id_used_again_and_again(llm):
+    """A caller that labels requests by session reuses an id as soon as its stream ended, before the
+    engine's next step has told the runner that the previous request finished."""
+
+    async def run():
+        for _ in range(40):
+            outputs = [o async for o in llm.generate("Hello", GREEDY, request_id="session")]
+            assert outputs[-1].finished and outputs[-1].request_id == "session"
+            assert len(outputs[-1].outputs[0].token_ids) == 8
 
     asyncio.run(run())
     assert_idle(llm)

@@ -102,6 +102,19 @@ def test_abort_mid_stream_frees_the_blocks(served):
     asyncio.run(run())
 
 
+def test_one_request_id_used_again_and_again(served):
+    """As in-thread (tests/server/test_async_llm.py): an id reused as soon as its stream ended runs again."""
+
+    async def run():
+        for _ in range(40):
+            outputs = [o async for o in served.generate("Hello", GREEDY, request_id="session")]
+            assert outputs[-1].finished and outputs[-1].request_id == "session"
+            assert len(outputs[-1].outputs[0].token_ids) == 8
+        await wait_idle(served)
+
+    asyncio.run(run())
+
+
 def test_a_dead_engine_fails_its_requests_and_health_says_so(tiny_model_dir):
     llm = AsyncLLM(str(tiny_model_dir), **SETTINGS)
     app = build_app(llm, ["tiny"])

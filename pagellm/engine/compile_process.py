@@ -1,0 +1,55 @@
+"""`python -m pagellm.engine.compile_process REQUEST`: the background compile of `--compile-in-background`.
+
+It builds the engine's model as the engine did (its config with the start-up's choices pinned: the attention
+backend and block size, no timings, a KV cache of one request), checks that the model's key is the one the
+engine asked for, compiles the forward ahead of time and saves it where the engine looks
+(worker/compiled_forward.py). It runs niced on one thread, so the serving process keeps the cores, and exits
+when its parent does.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import sys
+import time
+from pathlib import Path
+
+logger = logging.getLogger("pagellm")
+
+
+def main(request_file: str) -> int:
+    import torch
+
+    from pagellm.engine.llm_engine import load_tokenizer_and_weights
+    from pagellm.engine.setup import resolve_engine
+    from pagellm.worker import compiled_forward
+    from pagellm.worker.model_runner import ModelRunner
+    from pagellm.worker.ranks import exit_with_parent
+
+    exit_with_parent()
+    os.nice(10)
+    torch.set_num_threads(1)
+    with open(request_file, "rb") as f:
+        request: compiled_forward.CompileRequest = pickle.load(f)
+    setup = resolve_engine(request.config)
+    _, weights = load_tokenizer_and_weights(setup)
+    runner = ModelRunner(setup, weights, ())
+    key = runner.compiler.key()
+    if key != request.key:
+        logger.error("the model built here has key %s, the engine's %s: not compiled", key, request.key)
+        return 2
+    started = time.monotonic()
+    compiled = runner.compiler.compile_ahead()
+    if compiled is None:
+        logger.error("the platform %s compiles nothing ahead of time", setup.platform.name)
+        return 2
+    compiled_forward.save(compiled, Path(request.path))
+    logger.info("compiled in %.1fs, saved to %s", time.monotonic() - started, request.path)
+    return 0
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s compile %(message)s")
+    sys.exit(main(sys.argv[1]))

@@ -1,0 +1,108 @@
+"""The compiled forward kept on disk (worker/compiled_forward.py): a start compiles and saves it, the next loads
+it instead of compiling, a broken or foreign file is refused, and with compile_in_background the engine serves
+on the eager forward while a process of its own compiles, then swaps the compiled one in between steps with
+the same greedy tokens."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import pytest
+import torch
+from parity import mixed_prompts
+from tiny import make_tiny_checkpoint
+
+from pagellm import LLM, SamplingParams
+from pagellm.worker import compiled_forward
+
+PARAMS = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    return make_tiny_checkpoint("llama", tmp_path_factory.mktemp("llama"))
+
+
+def engine(path, **overrides) -> LLM:
+    settings = dict(dtype="float32", num_kv_blocks=200, max_model_len=256, attention_backend="CPU_ATTN")
+    return LLM(str(path), **{**settings, **overrides})
+
+
+def greedy(llm: LLM, prompts) -> list[list[int]]:
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], PARAMS, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def test_key_follows_every_module_setting_and_tensor_layout():
+    """The artifact keeps no guards, so whatever a guard would have checked must change the key."""
+
+    def model(features=8, eps=1e-6):
+        m = torch.nn.Sequential(torch.nn.Linear(4, features), torch.nn.LayerNorm(features, eps=eps))
+        return m
+
+    facts = {"dtype": "float32"}
+    key = compiled_forward.artifact_key(model(), facts)
+    assert compiled_forward.artifact_key(model(), facts) == key  # weights' values are not part of it
+    assert compiled_forward.artifact_key(model(features=16), facts) != key  # a shape
+    assert compiled_forward.artifact_key(model(eps=1e-5), facts) != key  # a module's setting
+    assert compiled_forward.artifact_key(model(), {"dtype": "bfloat16"}) != key  # an engine choice
+    half = model().to(torch.bfloat16)
+    assert compiled_forward.artifact_key(half, facts) != key  # a dtype
+
+
+def test_agrees_takes_rounding_and_refuses_another_model():
+    eager = torch.randn(3, 16)
+    assert compiled_forward.agrees(eager, eager + 1e-3)
+    assert not compiled_forward.agrees(eager, torch.randn(3, 16))
+    assert not compiled_forward.agrees(eager, eager[:2])
+    assert not compiled_forward.agrees(eager, eager.clone().fill_(float("nan")))
+
+
+def test_the_next_start_loads_the_saved_forward(tiny_llama, compiled_forwards_of_this_test, caplog):
+    """The first start compiles and saves; the second loads the file (no compile) and runs the same tokens."""
+    prompts = mixed_prompts(300)[:3]
+    eager = greedy(engine(tiny_llama), prompts)
+    first = engine(tiny_llama, enforce_eager=False)
+    assert first.engine.runner.forward is not first.engine.runner.model
+    saved = list(compiled_forwards_of_this_test.glob("*.bin"))
+    assert len(saved) == 1
+    assert greedy(first, prompts) == eager
+    with caplog.at_level(logging.INFO, logger="pagellm"):
+        second = engine(tiny_llama, enforce_eager=False)
+    assert "compiled forward loaded" in caplog.text
+    assert "model compiled" not in caplog.text
+    assert greedy(second, prompts) == eager
+    assert second.engine.stats().forward_compiled
+
+
+def test_a_broken_saved_forward_is_replaced(tiny_llama, compiled_forwards_of_this_test, caplog):
+    """A truncated file (a crash while saving, a torch upgrade) is reported, removed, and compiled afresh."""
+    llm = engine(tiny_llama, enforce_eager=False)
+    (path,) = compiled_forwards_of_this_test.glob("*.bin")
+    path.write_bytes(path.read_bytes()[:100])
+    with caplog.at_level(logging.INFO, logger="pagellm"):
+        again = engine(tiny_llama, enforce_eager=False)
+    assert "cannot be used" in caplog.text and "model compiled" in caplog.text
+    assert greedy(again, mixed_prompts(300)[:2]) == greedy(llm, mixed_prompts(300)[:2])
+
+
+def test_background_compile_swaps_in_between_steps_with_the_same_tokens(tiny_llama):
+    """Ready on the eager forward at once; requests stream across the swap and every one's tokens equal the
+    eager engine's."""
+    prompts = mixed_prompts(300)[:2]
+    expected = greedy(engine(tiny_llama), prompts)
+    llm = engine(tiny_llama, enforce_eager=False, compile_in_background=True)
+    runner = llm.engine.runner
+    assert runner.forward is runner.model and runner.compiler.pending
+    assert not llm.engine.stats().forward_compiled
+    paths, deadline = [], time.monotonic() + 600
+    while time.monotonic() < deadline:
+        paths.append(llm.engine.stats().forward_compiled)
+        assert greedy(llm, prompts) == expected
+        if paths[-1]:
+            break
+        time.sleep(0.5)
+    assert paths[0] is False and paths[-1] is True, "the compiled forward was never swapped in"
+    assert not runner.compiler.pending
+    assert greedy(llm, prompts) == expected
