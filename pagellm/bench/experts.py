@@ -105,14 +105,18 @@ def experts_of_model(model: torch.nn.Module) -> Experts | None:
     """The experts of a loaded model's `SparseMoeBlock`s (None without any), from the layers' shapes and
     dtype (or a GGUF file's blocks, as the layer keeps them): the same whether the platform's kernel holds
     them (its packed copy may pad) or the layer does.
+    Layers may differ in their experts' bytes (a Q4_K_M keeps some layers' down projections in more bits):
+    `bytes` is then the mean over layers, which is what a step reads per expert on average.
     Raises ValueError if the MoE layers differ in shape."""
     blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
-    shapes = {_block_experts(b) for b in blocks}
+    facts = [_block_experts(b) for b in blocks]
+    shapes = {(e, k, params, local) for e, k, params, _, local in facts}
     if len(shapes) > 1:
         raise ValueError(f"the model's MoE layers differ in shape: {sorted(shapes, key=str)}")
     if not shapes:
         return None
-    num_experts, top_k, params, nbytes, local = shapes.pop()
+    num_experts, top_k, params, local = shapes.pop()
+    nbytes = round(sum(f[3] for f in facts) / len(facts))
     return Experts(len(blocks), num_experts, top_k, params, nbytes, local)
 
 

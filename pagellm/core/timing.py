@@ -3,7 +3,7 @@ the model's real shapes.
 
 A step is one prefill chunk plus one decode batch. Only `forward` is timed: `build_metadata` runs once
 per step and is shared by all layers, so its cost is small beside theirs. Each call times one step; the
-inputs are built (and the backend warmed up) on a backend's first call, so the selector can time the
+inputs are built on a backend's first call (the selector's untimed one), so the selector can time the
 candidates in interleaved rounds, where a burst of other work slows all of them alike.
 
 `CpuLoad` says how much of the machine other processes used over the timings: a busy machine's timings are
@@ -30,11 +30,11 @@ DECODE_CONTEXT = 512
 
 def time_backend(backend: type[AttentionBackend], spec: AttentionSpec, platform: type[Platform]) -> float:
     """Seconds of one layer's forward over a 512-token prefill chunk plus a 32-request decode batch with 512
-    tokens of context each (the inputs built and one warm-up run on the first call for these shapes)."""
+    tokens of context each (the inputs built on the first call for these shapes, whose time includes
+    whatever the backend compiles on first use: the selector does not count it)."""
     key = (backend, spec, platform)
     if key not in _prepared:
         _prepared[key] = _prepare(backend, spec, platform)
-        _run(platform, *_prepared[key])
     return _run(platform, *_prepared[key])
 
 

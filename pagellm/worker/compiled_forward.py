@@ -143,16 +143,15 @@ def bind(compiled: Any, model: torch.nn.Module) -> Callable[..., torch.Tensor]:
 
 
 def agrees(eager: torch.Tensor, compiled: torch.Tensor) -> bool:
-    """Whether a compiled forward's output is the eager one's up to rounding (a fused kernel rounds bfloat16
-    differently): within a tenth of the output's largest value. An artifact of another model is off by
-    about the values themselves."""
+    """Whether a compiled forward's output is the eager one's up to rounding: within a tenth of it in relative
+    L2 norm. Model S on 32 tokens: float32 2e-6; bfloat16 0.011 (fused kernels round otherwise, and the
+    torch.compile graph drifts as far); an artifact of another model is off by about 1 or more."""
     if eager.shape != compiled.shape or eager.dtype != compiled.dtype:
         return False
     eager, compiled = eager.float(), compiled.float()
-    return (
-        bool(torch.isfinite(compiled).all())
-        and float((eager - compiled).abs().max()) <= 0.1 * float(eager.abs().max()) + 1e-3
-    )
+    if not bool(torch.isfinite(compiled).all()):
+        return False
+    return float((eager - compiled).norm()) <= 0.1 * float(eager.norm()) + 1e-6
 
 
 @dataclass

@@ -121,3 +121,23 @@ def test_loaded_moe_engine_agrees_with_its_config(arch, tmp_path):
     )
     # biases (and DeepSeek-V3's correction bias) are in the engine's bytes only
     assert 0 <= from_model.weight_bytes - from_config.weight_bytes < 0.05 * from_config.weight_bytes
+
+
+def test_layers_whose_experts_take_different_bytes_are_charged_their_mean(tmp_path):
+    """llama-quantize's Q4_K_M keeps some layers' down projections in more bits (model E: Q5_0 in most
+    layers, Q8_0 in some): the floor charges each expert the layers' mean bytes, not a refusal."""
+    from pagellm import LLM
+    from pagellm.bench.experts import experts_of_model
+    from pagellm.models.layers.fused_moe.block import SparseMoeBlock
+
+    llm = LLM(str(make_tiny_checkpoint("qwen3_moe", tmp_path)), dtype="float32", kv_cache_space=0.01)
+    model = llm.engine.runner.model
+    layers = [m.experts for m in model.modules() if isinstance(m, SparseMoeBlock)]
+    assert len(layers) >= 2
+    plain = experts_of_model(model)
+    layers[0].gguf_expert_bytes = 300
+    for layer in layers[1:]:
+        layer.gguf_expert_bytes = 100
+    mixed = experts_of_model(model)
+    assert mixed.params == plain.params and mixed.layers == plain.layers
+    assert mixed.bytes == round((300 + 100 * (len(layers) - 1)) / len(layers))

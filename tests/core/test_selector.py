@@ -152,7 +152,7 @@ def test_auto_backend_times_compatible_ones_and_caches(tmp_path):
     again = select_attention_backend(
         registry(Host), Host, SPEC, timer=timer, cache=TimingCache(tmp_path / "t.json")
     )
-    assert again.backend is Ref and len(calls) == 2 * TIMING_ROUNDS  # served from the on-disk cache
+    assert again.backend is Ref and len(calls) == 2 * (TIMING_ROUNDS + 1)  # served from the on-disk cache
 
 
 def test_named_backend_incompatible_or_unknown_is_an_error_with_reasons():
@@ -362,13 +362,16 @@ def test_timings_alternate_between_backends_round_by_round():
         return 0.001
 
     select_attention_backend(registry(Host), Host, SPEC, timer=timer, cache=None)
-    assert calls == ["SLOW", "REF"] * TIMING_ROUNDS
+    assert calls == ["SLOW", "REF"] * (TIMING_ROUNDS + 1)  # an untimed round first
 
 
 def test_a_later_backend_must_win_repeatedly_not_once():
     """One fast round (the other candidate's round hit by a burst) does not displace the preferred backend:
     it must be faster by the margin in its median round too."""
-    rounds = {"SLOW": iter([0.001] * TIMING_ROUNDS), "REF": iter([0.0005] + [0.001] * (TIMING_ROUNDS - 1))}
+    rounds = {
+        "SLOW": iter([0.001] * (TIMING_ROUNDS + 1)),
+        "REF": iter([9.0, 0.0005] + [0.001] * (TIMING_ROUNDS - 1)),
+    }
     choice = select_attention_backend(
         registry(Host), Host, SPEC, timer=lambda b, s, p: next(rounds[b.name]), cache=None
     )
@@ -412,5 +415,18 @@ def test_a_cached_timing_of_the_old_format_is_measured_again(tmp_path):
     cache.path.write_text(__import__("json").dumps({k: 0.5 for k in data}))  # the format before
     calls.clear()
     choice = select_attention_backend(registry(Host), Host, SPEC, timer=timer, cache=cache)
-    assert len(calls) == 2 * TIMING_ROUNDS and choice.backend is Ref
+    assert len(calls) == 2 * (TIMING_ROUNDS + 1) and choice.backend is Ref
     assert all(isinstance(cache.get(k), Measured) for k in data)
+
+
+def test_the_load_probe_spans_only_the_timed_rounds(monkeypatch):
+    """Each candidate's first, untimed call may build its kernels (child processes of this one, which the
+    probe would count as other work): the probe starts after those calls."""
+    from pagellm.core import selector
+
+    events = []
+    monkeypatch.setattr(selector, "_cpu_load", lambda: events.append("probe") or (lambda: 0.0))
+    select_attention_backend(
+        registry(Host), Host, SPEC, timer=lambda b, s, p: events.append(b.name) or 0.001, cache=None
+    )
+    assert events[:3] == ["SLOW", "REF", "probe"] and events.count("probe") == 1

@@ -54,6 +54,8 @@ def test_key_follows_every_module_setting_and_tensor_layout():
 def test_agrees_takes_rounding_and_refuses_another_model():
     eager = torch.randn(3, 16)
     assert compiled_forward.agrees(eager, eager + 1e-3)
+    assert compiled_forward.agrees(eager, eager * 1.05)  # bfloat16's drift through 30 layers
+    assert not compiled_forward.agrees(eager, eager * 1.5)
     assert not compiled_forward.agrees(eager, torch.randn(3, 16))
     assert not compiled_forward.agrees(eager, eager[:2])
     assert not compiled_forward.agrees(eager, eager.clone().fill_(float("nan")))
