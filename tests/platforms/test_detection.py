@@ -252,7 +252,7 @@ FACTS = {  # device_type, priority, attention backends, capabilities (less trito
     "rocm": ("cuda", 100, GPU_BACKENDS, {"float8", "dtype_views"}),
     "xpu": ("xpu", 90, GPU_BACKENDS, {"dtype_views"}),
     "tpu": ("xla", 80, ("TORCH_SDPA",), set()),
-    "cpu": ("cpu", 0, ("CPU_ATTN", *GPU_BACKENDS[1:]), {"float8", "dtype_views"}),
+    "cpu": ("cpu", 0, ("CPU_ATTN", "TORCH_SDPA", "FLEX_ATTENTION"), {"float8", "dtype_views"}),
 }
 TRITON_BACKENDS = {"cuda", "rocm", "xpu"}
 """Platforms that declare `triton` when the triton package is installed."""
