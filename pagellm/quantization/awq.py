@@ -5,9 +5,11 @@ On disk, per linear layer (read by `matches_checkpoint` from `quantization_confi
   (bits 4i..4i+3) holding column 8c + AWQ_ORDER[i];
 - `qzeros` int32 [in / group, out / 8]: the zero points, packed the same way;
 - `scales` float16 [in / group, out].
-weight[o, i] = (q[i, o] - zero[i // group, o]) * scale[i // group, o]. Compute dequantizes the whole weight
-into the activation dtype for each matmul; on CUDA, batches of up to MAX_TOKENS tokens run the fused
-Triton kernel of `packed_triton` instead.
+weight[o, i] = (q[i, o] - zero[i // group, o]) * scale[i // group, o]. On CPU, where the native kernels are
+built, the weights become GGUF Q4_1 blocks at load (Q4_0 where every zero is 8; `int_blocks`) that the
+GGUF kernel multiplies in place. Elsewhere compute dequantizes the whole weight into the activation dtype
+for each matmul; on CUDA, batches of up to MAX_TOKENS tokens run the fused Triton kernel of
+`packed_triton` instead.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from torch import nn
 from pagellm.core.errors import ConfigError
 from pagellm.core.quant import QuantMethod
 from pagellm.plugins.hookspecs import hookimpl
+from pagellm.quantization import int_blocks
 from pagellm.quantization.packed import add_param, check_divisible, group_size_of, unpack
 from pagellm.quantization.packed_triton import MAX_TOKENS, packed_matmul, triton_runs
 
@@ -67,8 +70,22 @@ class AwqMethod(QuantMethod):
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         layer.triton_gemm = triton_runs(layer.qweight)
+        layer.cpu_block_type = None
+        if int_blocks.runs_here(layer.qweight.device):
+            in_features = layer.qweight.shape[0]
+            blocks = int_blocks.to_blocks(
+                unpack_awq(layer.qweight).t(),
+                unpack_awq(layer.qzeros),
+                layer.scales,
+                torch.arange(in_features) // layer.group_size,
+                BITS,
+            )
+            int_blocks.install_or_say(layer, blocks, "awq", ("qweight", "qzeros", "scales"))
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if layer.cpu_block_type is not None:
+            y = int_blocks.apply(layer, x)
+            return y if bias is None else y + bias
         packed = (layer.qweight, layer.qzeros, layer.scales)
         if layer.triton_gemm and x.numel() // x.shape[-1] <= MAX_TOKENS:
             y = packed_matmul(x, *packed, None, layer.group_size, bits=BITS, zero_offset=0, awq=True)

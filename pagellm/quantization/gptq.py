@@ -7,7 +7,10 @@ On disk, per linear layer (read by `matches_checkpoint` from `quantization_confi
   "gptq" (v1) checkpoint_format stores zero - 1, "gptq_v2" the zero itself;
 - `scales` float16 [groups, out];
 - `g_idx` int32 [in]: the group of each input row (with act-order, `desc_act`, not simply row // group).
-weight[o, i] = (q[i, o] - zero[g_idx[i], o]) * scale[g_idx[i], o]. Compute dequantizes the whole weight
+weight[o, i] = (q[i, o] - zero[g_idx[i], o]) * scale[g_idx[i], o]. On CPU, where the native kernels are
+built, the weights become GGUF blocks at load (4-bit: Q4_1, or Q4_0 where every zero is 8; 8-bit with
+every zero 128: Q8_0; act-order as a permutation of the inputs; `int_blocks`) that the GGUF kernel
+multiplies in place. Elsewhere, and for layouts no block type holds, compute dequantizes the whole weight
 into the activation dtype for each matmul; on CUDA, batches of up to MAX_TOKENS tokens run the fused
 Triton kernel of `packed_triton` instead.
 """
@@ -22,6 +25,7 @@ from torch import nn
 from pagellm.core.errors import ConfigError
 from pagellm.core.quant import QuantMethod
 from pagellm.plugins.hookspecs import hookimpl
+from pagellm.quantization import int_blocks
 from pagellm.quantization.packed import add_param, check_divisible, group_size_of, unpack
 from pagellm.quantization.packed_triton import MAX_TOKENS, packed_matmul, triton_runs
 
@@ -86,8 +90,21 @@ class GptqMethod(QuantMethod):
             raise ConfigError("a gptq g_idx names a group the layer does not have")
         layer.g_idx = nn.Parameter(g_idx[0].clone(), requires_grad=False)
         layer.triton_gemm = triton_runs(layer.qweight)
+        layer.cpu_block_type = None
+        if int_blocks.runs_here(layer.qweight.device):
+            blocks = int_blocks.to_blocks(
+                unpack(layer.qweight, self.bits, dim=0).t(),
+                unpack(layer.qzeros, self.bits, dim=1) + self.zero_offset,
+                layer.scales,
+                layer.g_idx,
+                self.bits,
+            )
+            int_blocks.install_or_say(layer, blocks, "gptq", ("qweight", "qzeros", "scales", "g_idx"))
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if layer.cpu_block_type is not None:
+            y = int_blocks.apply(layer, x)
+            return y if bias is None else y + bias
         packed = (layer.qweight, layer.qzeros, layer.scales, layer.g_idx)
         if layer.triton_gemm and x.numel() // x.shape[-1] <= MAX_TOKENS:
             y = packed_matmul(

@@ -151,6 +151,17 @@ def asymmetric(weight: torch.Tensor, groups: torch.Tensor, num_groups: int, bits
     return q, zeros, scales
 
 
+def symmetric(weight: torch.Tensor, groups: torch.Tensor, num_groups: int, bits: int):
+    """GPTQ's `sym=True`: per (output row, input group) the scale 2 max|w| / maxq and the zero point
+    2^(bits-1), the same (q, zeros, scales) form as `asymmetric`."""
+    maxq = (1 << bits) - 1
+    scales = torch.stack([weight[:, groups == g].abs().amax(dim=1) for g in range(num_groups)])
+    scales = (2 * scales / maxq).clamp(min=1e-5).half()
+    zeros = torch.full(scales.shape, 1 << (bits - 1), dtype=torch.int64)
+    q = torch.clamp(torch.round(weight / scales.float()[groups].t()) + zeros[groups].t(), 0, maxq).long()
+    return q, zeros, scales
+
+
 def awq_quantizer(group_size: int) -> Quantizer:
     def quantize(weight: torch.Tensor):
         in_features = weight.shape[1]
@@ -174,12 +185,17 @@ def act_order(in_features: int, group_size: int) -> torch.Tensor:
     return (torch.argsort(perm) // group_size).int()
 
 
-def gptq_quantizer(bits: int, group_size: int, desc_act: bool, v2: bool) -> Quantizer:
+def gptq_quantizer(bits: int, group_size: int, desc_act: bool, v2: bool, sym: bool = False) -> Quantizer:
     def quantize(weight: torch.Tensor):
         in_features = weight.shape[1]
         g_idx = act_order(in_features, group_size) if desc_act else (torch.arange(in_features) // group_size)
-        # v1 stores zero - 1: a zero of 0 would wrap, so (like symmetric GPTQ) keep zeros >= 1 there
-        q, zeros, scales = asymmetric(weight, g_idx.long(), in_features // group_size, bits, 0 if v2 else 1)
+        if sym:
+            q, zeros, scales = symmetric(weight, g_idx.long(), in_features // group_size, bits)
+        else:
+            # v1 stores zero - 1: a zero of 0 would wrap, so (like symmetric GPTQ) keep zeros >= 1 there
+            q, zeros, scales = asymmetric(
+                weight, g_idx.long(), in_features // group_size, bits, 0 if v2 else 1
+            )
         deq = (q - zeros[g_idx.long()].t()).float() * scales.float()[g_idx.long()].t()
         saved = {
             "qweight": pack_int32(q.t(), bits, dim=0),
@@ -214,6 +230,18 @@ FORMATS = {  # name: (architecture, method, quantizer, quantization_config)
         GptqMethod,
         gptq_quantizer(4, 16, desc_act=True, v2=True),
         dict(GPTQ, bits=4, group_size=16, desc_act=True, checkpoint_format="gptq_v2"),
+    ),
+    "gptq-4bit-sym-act-order": (
+        "qwen2",
+        GptqMethod,
+        gptq_quantizer(4, 32, desc_act=True, v2=False, sym=True),
+        dict(GPTQ, bits=4, group_size=32, desc_act=True, sym=True, checkpoint_format="gptq"),
+    ),
+    "gptq-8bit-sym": (
+        "llama",
+        GptqMethod,
+        gptq_quantizer(8, 64, desc_act=False, v2=False, sym=True),
+        dict(GPTQ, bits=8, group_size=64, desc_act=False, sym=True),
     ),
     "gptq-8bit-act-order": (
         "llama",

@@ -1,6 +1,7 @@
 """int8, fp8, AWQ and GPTQ checkpoints in each format's on-disk layout: the format is detected from
-quantization_config, every quantized layer equals the dequantized weights exactly, and greedy outputs
-equal transformers run on those dequantized weights."""
+quantization_config, every quantized layer equals the dequantized weights (exactly, except the float16
+offsets of AWQ/GPTQ layers kept as Q4_1 blocks on CPU), and greedy outputs equal transformers run on
+those dequantized weights."""
 
 from __future__ import annotations
 
@@ -22,6 +23,8 @@ from tiny import make_tiny_checkpoint  # noqa: E402
 from pagellm import LLM  # noqa: E402
 from pagellm.core.errors import ConfigError  # noqa: E402
 from pagellm.models.llama import STACKED  # noqa: E402
+from pagellm.quantization import int_blocks  # noqa: E402
+from pagellm.quantization.awq import AwqMethod  # noqa: E402
 from pagellm.quantization.gptq import GptqMethod  # noqa: E402
 
 MAX_TOKENS = 8
@@ -50,7 +53,33 @@ def test_each_layer_reproduces_the_dequantized_weights(checkpoint):
         names = [f"{prefix}.{p}.weight" for p in parts] or [f"{layer_name}.weight"]
         expected = torch.cat([reference[n] for n in names])
         got = layer.quant_method.apply(layer, torch.eye(layer.in_features)).t()
-        torch.testing.assert_close(got, expected, rtol=0, atol=0, msg=layer_name)
+        # Q4_1's offset -z s is a float16: off by at most 2^-11 of |z s| <= 16/15 max |w| (int_blocks)
+        q4_1 = getattr(layer, "cpu_block_type", None) == int_blocks.Q4_1
+        atol = 2**-11 * 16 / 15 * float(expected.abs().max()) if q4_1 else 0
+        torch.testing.assert_close(got, expected, rtol=0, atol=atol, msg=layer_name)
+
+
+BLOCKS = {  # format -> the GGUF block type its layers become on CPU (int_blocks); others keep their layout
+    "awq": int_blocks.Q4_1,
+    "gptq-4bit": int_blocks.Q4_1,
+    "gptq-4bit-sym-act-order": int_blocks.Q4_0,
+    "gptq-8bit-sym": int_blocks.Q8_0,
+}
+
+
+def test_cpu_keeps_awq_and_gptq_layers_as_blocks_only(checkpoint):
+    name, quantized, _ = checkpoint
+    _, method_cls, _, config = FORMATS[name]
+    if method_cls not in (AwqMethod, GptqMethod) or not int_blocks.runs_here(torch.device("cpu")):
+        pytest.skip("not an integer format, or no CPU kernels here")
+    bits_per_weight = {int_blocks.Q4_0: 4.5, int_blocks.Q4_1: 5, int_blocks.Q8_0: 8.5}
+    model = load_pagellm(quantized, quant_method=method_cls(config))
+    for layer_name, layer in quantized_layers(model).items():
+        assert layer.cpu_block_type == BLOCKS.get(name), layer_name
+        if name in BLOCKS:
+            assert not hasattr(layer, "qweight") and layer.cpu_blocks.dtype == torch.uint8
+            weights = layer.in_features * layer.cpu_blocks.shape[0]
+            assert layer.cpu_blocks.numel() * 8 == weights * bits_per_weight[layer.cpu_block_type]
 
 
 def test_greedy_outputs_equal_transformers_on_dequantized_weights(checkpoint):
