@@ -58,11 +58,12 @@ def test_float32_rows_equal_x_times_dequantized_weights(ggml_type, rows, two_thr
 @pytest.mark.parametrize("ggml_type", KERNEL_TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("rows", [1, 2, 3, 7])
 def test_bfloat16_rows_equal_int8_x_times_dequantized_weights(ggml_type, rows, two_threads):
-    raw = random_blocks(ggml_type, 40, 512, seed=rows)
+    # 43 weight rows: the two threads' runs of rows of odd lengths
+    raw = random_blocks(ggml_type, 43, 512, seed=rows)
     weight = torch.from_numpy(quants.dequantize(raw, ggml_type)).double()
     x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(1)).bfloat16()
     got = cpu_gguf.linear(x, [torch.from_numpy(raw)], [int(ggml_type)])
-    assert got.dtype == torch.bfloat16 and got.shape == (rows, 40)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, 43)
     expected = quantized_x(x.float()) @ weight.T
     magnitude = quantized_x(x.float()).abs() @ weight.abs().T
     # the kernel's float32 sums, then bfloat16's rounding of the result
