@@ -73,13 +73,8 @@ class LLM:
             sampling_params = self.engine.default_sampling_params()
         params_list = _one_each(sampling_params, SamplingParams, len(prompts), "sampling_params")
         loras = _one_each(lora_request, LoRARequest, len(prompts), "lora_request")
-        self._validate_all(prompts, params_list, loras)
-        ids = [
-            self.engine.add_request(
-                prompt, params, priority=priority[i] if priority else 0, lora_request=loras[i]
-            )
-            for i, (prompt, params) in enumerate(zip(prompts, params_list, strict=True))
-        ]
+        processed = self._process_all(prompts, params_list, loras)
+        ids = [self._add(item, priority[i] if priority else 0, loras[i]) for i, item in enumerate(processed)]
         return self._run(ids, use_tqdm)
 
     def embed(
@@ -102,23 +97,31 @@ class LLM:
             pooling_params or PoolingParams(), PoolingParams, len(prompts), "pooling_params"
         )
         loras = _one_each(lora_request, LoRARequest, len(prompts), "lora_request")
-        self._validate_all(prompts, params_list, loras)
-        ids = [
-            self.engine.add_request(prompt, params, lora_request=loras[i])
-            for i, (prompt, params) in enumerate(zip(prompts, params_list, strict=True))
-        ]
+        processed = self._process_all(prompts, params_list, loras)
+        ids = [self._add(item, 0, loras[i]) for i, item in enumerate(processed)]
         return self._run(ids, use_tqdm)
 
-    def _validate_all(self, prompts: list, params_list: list, loras: list) -> None:
-        """Check every request (and load its adapter) before any is queued: one bad prompt fails the call
-        with nothing queued."""
+    def _process_all(self, prompts: list, params_list: list, loras: list) -> list:
+        """Every request processed (and its adapter loaded) before any is queued, so one bad prompt fails
+        the call with nothing queued. In this process the processing is the validation and its results are
+        queued as they are (`LLMEngine.add_processed`); data-parallel engines process their prompts
+        themselves, so they are checked there first (`DataParallelClient.validate_all`) and sent as given."""
         if isinstance(self.engine, DataParallelClient):
             self.engine.validate_all(prompts, params_list, loras)
-            return
-        for prompt, params in zip(prompts, params_list, strict=True):
-            self.engine.validate(self.engine.tokenize(prompt)[1], params)
+            return list(zip(prompts, params_list, strict=True))
+        processed = [
+            self.engine.process(prompt, params) for prompt, params in zip(prompts, params_list, strict=True)
+        ]
         for lora in {lora for lora in loras if lora is not None}:
             self.engine.runner.add_lora(lora)
+        return processed
+
+    def _add(self, item: Any, priority: int, lora: LoRARequest | None) -> str:
+        """Queue one result of `_process_all`."""
+        if isinstance(self.engine, DataParallelClient):
+            prompt, params = item
+            return self.engine.add_request(prompt, params, priority=priority, lora_request=lora)
+        return self.engine.add_processed(item, priority=priority, lora_request=lora)
 
     def beam_search(
         self,

@@ -26,7 +26,7 @@ from pagellm.core.pooling import PoolingParams
 from pagellm.distributed import RankFailure
 from pagellm.engine.output_processor import OutputProcessor
 from pagellm.engine.outputs import PoolingRequestOutput, RequestOutput
-from pagellm.engine.processor import Processor, make_pooler
+from pagellm.engine.processor import ProcessedPrompt, Processor, make_pooler
 from pagellm.engine.request import Request, RequestStatus
 from pagellm.engine.scheduler import Scheduler
 from pagellm.engine.setup import resolve_engine
@@ -198,9 +198,31 @@ class LLMEngine:
         The scheduler and the runner know the request by an id of the engine's own, `<request_id>-<serial>`
         (`Request.request_id`), so an id used again as soon as its request finished is a new request there
         too, whatever of the old one the runner releases at the next step."""
+        processed = self.process(prompt, params, kv_transfer_params)
+        return self.add_processed(processed, request_id, priority, arrival_time, lora_request)
+
+    def process(
+        self,
+        prompt: str | dict | list[int],
+        params: SamplingParams | PoolingParams | None = None,
+        kv_transfer_params: dict[str, Any] | None = None,
+    ) -> ProcessedPrompt:
+        """The prompt tokenized, its images read and its parameters checked (`Processor.process`): the
+        validation is this processing, so a caller that checks many prompts before queueing any (`LLM`)
+        hands the results to `add_processed` instead of processing each again."""
         if not isinstance(params, PoolingParams):
             params = params or self.default_sampling_params()
-        processed = self.processor.process(prompt, params, kv_transfer_params)
+        return self.processor.process(prompt, params, kv_transfer_params)
+
+    def add_processed(
+        self,
+        processed: ProcessedPrompt,
+        request_id: str | None = None,
+        priority: int = 0,
+        arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
+    ) -> str:
+        """Queue a prompt `process` returned (`add_request` says what the arguments mean)."""
         if lora_request is not None:
             self.runner.add_lora(lora_request)  # loads it now: a bad adapter fails here, alone
         serial = next(self._serials)

@@ -231,3 +231,20 @@ def test_final_only_abort_returns_what_ran(llm):
     assert aborted.finished and aborted.outputs[0].finish_reason == "abort"
     assert len(aborted.outputs[0].token_ids) >= 1
     assert_no_leaks(llm)
+
+
+def test_each_prompt_is_processed_once(llm, monkeypatch):
+    """`LLM.generate` checks every prompt before queueing any, and that check is the processing: each
+    prompt is tokenized (and its grammar checked) once, not once to validate and again to queue."""
+    processor = llm.engine.processor
+    calls = []
+    read_prompt = processor.read_prompt
+    monkeypatch.setattr(processor, "read_prompt", lambda prompt: calls.append(prompt) or read_prompt(prompt))
+    prompts = ["Hello, world!", {"prompt_token_ids": [5, 6, 7]}, "A third prompt"]
+    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
+    assert len(outputs) == 3 and calls == prompts
+    calls.clear()
+    with pytest.raises(ConfigError):  # a bad one among them: nothing queued, the good ones read once
+        llm.generate(["fine", {"prompt_token_ids": [10**9]}], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert calls == ["fine", {"prompt_token_ids": [10**9]}]
+    assert_no_leaks(llm)
