@@ -212,6 +212,10 @@ class EngineConfig:
         2048 (at least one per sequence)."""
         return self.max_num_batched_tokens or max(DEFAULT_MAX_NUM_BATCHED_TOKENS, self.max_num_seqs)
 
+    def step_tokens(self, max_model_len: int) -> int:
+        """The most tokens one step runs (`step_tokens` of this config's budget)."""
+        return step_tokens(self.token_budget, self.enable_chunked_prefill, max_model_len)
+
     def replace(self, **changes: Any) -> EngineConfig:
         return dataclasses.replace(self, **changes)
 
@@ -240,6 +244,13 @@ class EngineConfig:
 
 _TRUE = ("1", "true", "yes", "on")
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+
+
+def step_tokens(token_budget: int, enable_chunked_prefill: bool, max_model_len: int) -> int:
+    """The most tokens one step runs: the token budget, or without chunked prefill a whole prompt of up to
+    max_model_len tokens when that is more. The scheduler schedules by it, and the runner sizes the KV
+    cache and profiles memory with it."""
+    return token_budget if enable_chunked_prefill else max(token_budget, max_model_len)
 
 
 SPECULATIVE_METHODS = ("ngram", "draft_model")

@@ -43,6 +43,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from pagellm.core.config import step_tokens
 from pagellm.core.errors import ConfigError
 from pagellm.core.kv_connector import KVConnector, KVConnectorOutput
 from pagellm.engine.kv_cache_manager import KVCacheManager
@@ -147,9 +148,7 @@ class Scheduler:
                 f"max_num_batched_tokens ({max_num_batched_tokens}) must be >= max_num_seqs ({max_num_seqs}) "
                 "so every running request can decode each step; raise it or lower max_num_seqs"
             )
-        token_budget = (
-            max_num_batched_tokens if enable_chunked_prefill else max(max_num_batched_tokens, max_model_len)
-        )
+        token_budget = step_tokens(max_num_batched_tokens, enable_chunked_prefill, max_model_len)
         kv = KVCacheManager(block_size, num_blocks, enable_prefix_caching, kv_windows)
         if kv.max_blocks_per_request(max_model_len, token_budget) > num_blocks - 1:
             raise ConfigError(

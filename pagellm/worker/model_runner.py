@@ -339,11 +339,11 @@ class ModelRunner:
         if self.state_layers:  # the states' slots come out of the same budget
             self.max_num_seqs = self._state_slots(budget)
             budget -= self.state_bytes()
-        step_tokens = config.token_budget
-        if not config.enable_chunked_prefill:
-            step_tokens = max(step_tokens, self.setup.max_model_len)
         per_request = blocks_per_request(
-            self.kv_windows(), self.block_size, self.setup.max_model_len + self.block_size, step_tokens
+            self.kv_windows(),
+            self.block_size,
+            self.setup.max_model_len + self.block_size,
+            config.step_tokens(self.setup.max_model_len),
         )
         num_blocks = blocks_in_budget(self.setup, budget, self.block_bytes(), self.model_bytes, per_request)
         logger.info(
@@ -366,10 +366,7 @@ class ModelRunner:
         if platform.peak_memory_allocated(index) is None:
             return None
         config = self.setup.config
-        # the scheduler's token budget (LLMEngine._scheduler, Scheduler.token_budget): its largest step
-        num_tokens = config.token_budget
-        if not config.enable_chunked_prefill:
-            num_tokens = max(num_tokens, self.setup.max_model_len)
+        num_tokens = config.step_tokens(self.setup.max_model_len)  # the scheduler's largest step
         shape = kv_cache_shape(self.setup, self.parallel.tp, 1, self.block_size)
         dtype = rank_spec(self.setup, self.parallel.tp).cache_dtype
         cache = torch.zeros(shape, dtype=dtype, device=self.device)  # block 0, read, never written

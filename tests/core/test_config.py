@@ -2,7 +2,7 @@ import pytest
 from click.testing import CliRunner
 
 from pagellm.cli.options import config_from_options
-from pagellm.core.config import EngineConfig
+from pagellm.core.config import EngineConfig, step_tokens
 from pagellm.core.errors import ConfigError
 
 
@@ -60,3 +60,13 @@ def test_device_and_backend_read_their_environment_variables(monkeypatch):
     monkeypatch.setenv("PAGELLM_ATTENTION_BACKEND", "TORCH_SDPA")
     assert CliRunner().invoke(cmd, []).exit_code == 0
     assert (seen["config"].device, seen["config"].attention_backend) == ("cpu", "TORCH_SDPA")
+
+
+@pytest.mark.parametrize(("chunked", "expected"), [(True, 512), (False, 4096)])
+def test_the_step_token_rule_is_the_configs(chunked, expected):
+    """One rule for the most tokens a step runs (the scheduler schedules by it, the runner sizes its KV
+    cache and memory profile with it): the budget, or a whole prompt without chunked prefill."""
+    config = EngineConfig(max_num_batched_tokens=512, enable_chunked_prefill=chunked)
+    assert config.step_tokens(4096) == expected
+    assert step_tokens(512, chunked, 4096) == expected
+    assert EngineConfig(max_num_batched_tokens=8192, enable_chunked_prefill=False).step_tokens(4096) == 8192
