@@ -23,11 +23,15 @@ def keep_compiled_code_in_cache_dir() -> None:
     compiled them all again. The key: inductor's own cache keys do not cover an operator's schema, so after
     an upgrade that adds an argument to one, a graph compiled before called it with the old arguments (its
     C++ wrapper crashed the process). A value equal to inductor's own default was written by inductor (some
-    torch imports do it), not by the user, and is replaced too."""
-    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+    torch imports do it), not by the user, and is replaced too. Inductor is imported only to learn its default
+    when the variable is set (importing it costs a second or two of a start that may never compile)."""
+    current = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if current is not None:
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
-    if os.environ.get("TORCHINDUCTOR_CACHE_DIR") in (None, default_cache_dir()):
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(cache_dir(), "inductor", op_schemas_key())
+        if current != default_cache_dir():
+            return
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(cache_dir(), "inductor", op_schemas_key())
 
 
 def op_schemas_key() -> str:

@@ -42,7 +42,7 @@ from pagellm.engine.data_parallel import DataParallelEngines, check_data_paralle
 from pagellm.engine.llm_engine import LLMEngine
 from pagellm.engine.outputs import PoolingRequestOutput, RequestOutput
 from pagellm.engine.scheduler import SchedulerStats
-from pagellm.engine.tokenizer import load_tokenizer
+from pagellm.engine.tokenizer import import_tokenizers_in_background, load_tokenizer
 from pagellm.lora.request import LoRARequest
 from pagellm.sampling.params import SamplingParams
 
@@ -161,10 +161,13 @@ class AsyncLLM:
         self._ended = threading.Event()  # the core's last turn was delivered
         self.engine: LLMEngine | None = None
         self._process: EngineProcess | DataParallelEngines | None = None
-        if self.config.data_parallel_size > 1:
-            self._process = DataParallelEngines(self.config, self._on_turn, self._on_exit)
-        elif engine_process:
-            self._process = EngineProcess(self.config, self._on_turn, self._on_exit)
+        if self.config.data_parallel_size > 1 or engine_process:
+            importing = import_tokenizers_in_background()
+            if self.config.data_parallel_size > 1:
+                self._process = DataParallelEngines(self.config, self._on_turn, self._on_exit)
+            else:
+                self._process = EngineProcess(self.config, self._on_turn, self._on_exit)
+            importing.join()
         if self._process is not None:
             self.facts = self._process.facts
             self._tokenizer = load_tokenizer(self.facts.tokenizer_path)

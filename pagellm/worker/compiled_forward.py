@@ -11,7 +11,9 @@ With `--compile-in-background` the compile runs in a process of its own (`Compil
 `pagellm.engine.compile_process`), which loads the model again and saves the artifact; this process serves
 on the eager forward meanwhile and swaps the compiled one in between two steps. A process rather than a
 thread: a compile holds the GIL for seconds at a time, and every torch op of an eager step hands the GIL
-back and waits for it, so a compiling thread beside the engine made its steps many times slower.
+back and waits for it, so a compiling thread beside the engine made its steps many times slower. Loading a
+saved artifact does take a thread (`BackgroundLoad`): it holds the GIL for a few seconds once (importing
+inductor, reading the file), where waiting for it at start made every warm start that much later.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import pickle
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import weakref
 from collections.abc import Callable
@@ -206,6 +209,37 @@ class CompileProcess:
 
     def stop(self) -> None:
         self._end()
+
+
+class BackgroundLoad:
+    """A saved forward loaded (`load`) on a daemon thread while the engine serves on the eager one; the runner
+    checks it (`agrees`) and swaps it in between two steps once `poll` says it is there."""
+
+    def __init__(self, path: Path, model: torch.nn.Module):
+        self.path = path
+        self.started = time.monotonic()
+        self.forward: Callable[..., torch.Tensor] | None = None
+        self.error: Exception | None = None
+        self.compiled_now = False  # the file is this run's compile process's, not a start's before
+        self._thread = threading.Thread(
+            target=self._run, args=(model,), name="pagellm-load-compiled", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self, model: torch.nn.Module) -> None:
+        try:
+            self.forward = load(self.path, model)
+        except Exception as e:  # a torch upgrade's format, a truncated file: said by the runner
+            self.error = e
+
+    def poll(self) -> bool | None:
+        """None while it loads; then whether it did."""
+        if self._thread.is_alive():
+            return None
+        return self.forward is not None
+
+    def wait(self) -> None:
+        self._thread.join()
 
 
 def _end(process: subprocess.Popen, request_file: str) -> None:

@@ -9,6 +9,9 @@ block, the KV connector's block dimension) asks `kv_cache_shape` here.
 
 from __future__ import annotations
 
+import math
+import mmap
+
 import torch
 
 from pagellm.core.attention import AttentionSpec
@@ -60,9 +63,25 @@ def allocate_kv_caches(
             continue
         j = layout.tensor_of(i) if layout is not None else i
         if j not in tensors:
-            tensors[j] = torch.zeros(shape, dtype=dtype, device=device)
+            tensors[j] = zeroed(shape, dtype, device)
         caches.append(tensors[j])
     return caches
+
+
+def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A tensor of zeros. On the CPU, an anonymous memory mapping: the kernel hands out zeroed pages on first
+    touch, so a cache of many GiB costs nothing at start-up and memory as it fills (`torch.zeros` wrote every
+    page first: 4.5 s of a 4 GiB cache's start on the AVX2 EPYC). The zeros are the same either way; the
+    caches start zeroed because a backend may read a block's unwritten slots under a mask, and garbage (a
+    NaN) times a zero weight is still NaN."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * itemsize
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    # the tensor keeps the mapping alive (frombuffer holds a reference to it)
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).view(shape)
 
 
 def num_kv_tensors(layers: list, layout: KVCacheLayout | None) -> int:

@@ -2,8 +2,9 @@
 
 Where the platform compiles ahead of time (`Platform.compile_ahead`) and the model's traced code reads nothing
 per step beside its inputs, the forward is loaded from the cache folder when a start before saved it
-(worker/compiled_forward.py), else compiled and saved there; with --compile-in-background a compile process
-makes it while the runner serves on the eager model, and `swapped` hands it over between two steps. Any
+(worker/compiled_forward.py), else compiled and saved there; with --compile-in-background the runner serves on
+the eager model at once while a thread loads the saved forward, or a compile process makes it and then a
+thread loads it, and `swapped` checks it and hands it over between two steps. Any
 other model, or a failure of the ahead-of-time compile, takes `Platform.compile_model`, warmed up on a dummy
 step (`_warm_up`).
 """
@@ -52,11 +53,12 @@ class RunnerCompile:
         self.block_size = setup.config.block_size
         self.guard_free = guard_free
         self.blocks_of_one_request = blocks_of_one_request
-        self.process: compiled_forward.CompileProcess | None = None  # the background compile, until swapped
+        self.process: compiled_forward.CompileProcess | None = None  # the background compile, until it ends
+        self.loading: compiled_forward.BackgroundLoad | None = None  # the saved forward, until swapped in
 
     @property
     def pending(self) -> bool:
-        return self.process is not None
+        return self.process is not None or self.loading is not None
 
     def forward(self) -> Callable[..., torch.Tensor]:
         """The compiled forward, or the eager model (a background compile pending, or compiling failed)."""
@@ -82,28 +84,23 @@ class RunnerCompile:
         return compiled_forward.artifact_key(self.model, facts)
 
     def _ahead_of_time(self) -> Callable[..., torch.Tensor] | None:
-        """The forward from the cache folder when a start before saved it; else, with
-        --compile-in-background, the eager model while a compile process makes it; else compiled here and
-        saved. None where this platform cannot, or the compile fails (said why)."""
+        """With --compile-in-background, the eager model while a thread loads the forward a start before saved,
+        or a compile process makes it. Else the saved forward, or one compiled here and saved. None where this
+        platform cannot, or the compile fails (said why)."""
         path = compiled_forward.artifact_path(self.key())
+        if path.exists() and self.setup.config.compile_in_background:
+            self.loading = compiled_forward.BackgroundLoad(path, self.model)
+            logger.info("loading the compiled forward from %s; serving on the eager forward until then", path)
+            return self.model
+        if self.setup.config.compile_in_background:
+            self._compile_in_background(path)
+            return self.model
         if path.exists():
             started = time.monotonic()
             loaded = self._checked(path)
             if loaded is not None:
                 logger.info("compiled forward loaded in %.1fs from %s", time.monotonic() - started, path)
                 return loaded
-        if self.setup.config.compile_in_background:
-            config = self.setup.config.replace(
-                attention_backend=self.setup.backend.name,
-                block_size=self.block_size,
-                enforce_eager=True,
-                compile_in_background=False,
-                num_kv_blocks=self.blocks_of_one_request,
-            )
-            self.process = compiled_forward.CompileProcess(
-                compiled_forward.CompileRequest(config, str(path), path.stem)
-            )
-            return self.model
         started = time.monotonic()
         try:
             compiled = self.compile_ahead()
@@ -128,6 +125,19 @@ class RunnerCompile:
         )
         return forward
 
+    def _compile_in_background(self, path: Path) -> None:
+        """Start the compile process that saves the forward to `path` (the runner serves eagerly meanwhile)."""
+        config = self.setup.config.replace(
+            attention_backend=self.setup.backend.name,
+            block_size=self.block_size,
+            enforce_eager=True,
+            compile_in_background=False,
+            num_kv_blocks=self.blocks_of_one_request,
+        )
+        self.process = compiled_forward.CompileProcess(
+            compiled_forward.CompileRequest(config, str(path), path.stem)
+        )
+
     @torch.inference_mode()
     def compile_ahead(self) -> Any | None:
         """`Platform.compile_ahead` on the dummy step `_warm_up` runs (the token count unbacked)."""
@@ -140,23 +150,45 @@ class RunnerCompile:
             return self.setup.platform.compile_ahead(self.model, (input_ids, positions))
 
     def swapped(self, current: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-        """Between two steps: the background compile's forward once it is saved, else `current`."""
-        done = self.process.poll()
+        """Between two steps: the compiled forward once it is loaded and checked, else `current`. A compile
+        process that saved it hands over to a load on a thread."""
+        if self.process is not None:
+            done = self.process.poll()
+            if done is None:
+                return current
+            process, self.process = self.process, None
+            if done:
+                logger.info("compile process done in %.1fs", time.monotonic() - process.started)
+                self.loading = compiled_forward.BackgroundLoad(Path(process.request.path), self.model)
+                self.loading.compiled_now = True
+            return current
+        done = self.loading.poll()
         if done is None:
             return current
-        process, self.process = self.process, None
-        forward = self._checked(Path(process.request.path)) if done else None
-        if forward is None:
+        loading, self.loading = self.loading, None
+        if not done:
+            error = loading.error
+            logger.warning(
+                "the saved compiled forward %s cannot be used (%s: %s)",
+                loading.path,
+                type(error).__name__,
+                error,
+            )
+            loading.path.unlink(missing_ok=True)
+            if not loading.compiled_now:  # a file from before (truncated, another torch's): made again
+                self._compile_in_background(loading.path)
             return current
-        logger.info(
-            "compiled forward swapped in, %.1fs after its compile started", time.monotonic() - process.started
-        )
-        return forward
+        if not self._agrees(loading.forward):
+            loading.path.unlink(missing_ok=True)
+            return current
+        logger.info("compiled forward swapped in (loaded in %.1fs)", time.monotonic() - loading.started)
+        return loading.forward
 
     def stop(self) -> None:
         if self.process is not None:
             self.process.stop()
             self.process = None
+        self.loading = None
 
     def _checked(self, path: Path) -> Callable[..., torch.Tensor] | None:
         """A saved forward loaded and checked against the eager one; None (the file removed) if it fails."""

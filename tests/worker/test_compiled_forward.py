@@ -108,3 +108,44 @@ def test_background_compile_swaps_in_between_steps_with_the_same_tokens(tiny_lla
     assert paths[0] is False and paths[-1] is True, "the compiled forward was never swapped in"
     assert not runner.compiler.pending
     assert greedy(llm, prompts) == expected
+
+
+def test_a_warm_start_serves_at_once_and_loads_the_saved_forward_in_the_background(
+    tiny_llama, compiled_forwards_of_this_test, caplog
+):
+    """With compile_in_background a start that finds the saved forward does not wait for it: the eager forward
+    serves while a thread loads the file, the loaded one is checked and swapped in between two steps, and
+    nothing compiles; the tokens are the eager engine's throughout."""
+    prompts = mixed_prompts(300)[:2]
+    expected = greedy(engine(tiny_llama), prompts)
+    engine(tiny_llama, enforce_eager=False)  # compiles and saves
+    with caplog.at_level(logging.INFO, logger="pagellm"):
+        llm = engine(tiny_llama, enforce_eager=False, compile_in_background=True)
+        runner = llm.engine.runner
+        loading = runner.compiler.loading
+        assert runner.forward is runner.model and loading is not None and runner.compiler.process is None
+        assert greedy(llm, prompts) == expected  # may swap it in midway
+        loading.wait()
+        assert greedy(llm, prompts) == expected
+    assert llm.engine.stats().forward_compiled and not runner.compiler.pending
+    assert "compiled forward swapped in" in caplog.text and "compiling the model" not in caplog.text
+
+
+def test_a_broken_saved_forward_found_at_a_warm_start_is_compiled_again_in_the_background(
+    tiny_llama, compiled_forwards_of_this_test, caplog
+):
+    """A truncated file found by a background start is reported and removed, and the compile process makes it
+    again while the eager forward serves."""
+    prompts = mixed_prompts(300)[:2]
+    expected = greedy(engine(tiny_llama), prompts)
+    engine(tiny_llama, enforce_eager=False)
+    (path,) = compiled_forwards_of_this_test.glob("*.bin")
+    path.write_bytes(path.read_bytes()[:100])
+    with caplog.at_level(logging.INFO, logger="pagellm"):
+        llm = engine(tiny_llama, enforce_eager=False, compile_in_background=True)
+        runner = llm.engine.runner
+        runner.compiler.loading.wait()
+        assert greedy(llm, prompts) == expected
+    assert "cannot be used" in caplog.text and "compiling the model in a separate process" in caplog.text
+    assert runner.compiler.process is not None and not llm.engine.stats().forward_compiled
+    runner.compiler.stop()
