@@ -25,7 +25,13 @@ def tiny_llama(tmp_path_factory):
 
 
 def engine(path, **overrides) -> LLM:
-    settings = dict(dtype="float32", num_kv_blocks=200, max_model_len=256, attention_backend="CPU_ATTN")
+    settings = dict(
+        dtype="float32",
+        num_kv_blocks=200,
+        max_model_len=256,
+        attention_backend="CPU_ATTN",
+        enforce_eager=True,
+    )
     return LLM(str(path), **{**settings, **overrides})
 
 
@@ -89,15 +95,21 @@ def test_a_broken_saved_forward_is_replaced(tiny_llama, compiled_forwards_of_thi
     assert greedy(again, mixed_prompts(300)[:2]) == greedy(llm, mixed_prompts(300)[:2])
 
 
-def test_background_compile_swaps_in_between_steps_with_the_same_tokens(tiny_llama):
+def test_background_compile_swaps_in_between_steps_with_the_same_tokens(
+    tiny_llama, compiled_forwards_of_this_test, monkeypatch
+):
     """Ready on the eager forward at once; requests stream across the swap and every one's tokens equal the
     eager engine's."""
     prompts = mixed_prompts(300)[:2]
     expected = greedy(engine(tiny_llama), prompts)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)  # a two-core machine's engine
+    threads = []
+    monkeypatch.setattr(torch, "set_num_threads", threads.append)
     llm = engine(tiny_llama, enforce_eager=False, compile_in_background=True)
     runner = llm.engine.runner
     assert runner.forward is runner.model and runner.compiler.pending
     assert not llm.engine.stats().forward_compiled
+    assert threads == [1], "the steps leave the compile process a core"
     paths, deadline = [], time.monotonic() + 600
     while time.monotonic() < deadline:
         paths.append(llm.engine.stats().forward_compiled)
@@ -107,6 +119,7 @@ def test_background_compile_swaps_in_between_steps_with_the_same_tokens(tiny_lla
         time.sleep(0.5)
     assert paths[0] is False and paths[-1] is True, "the compiled forward was never swapped in"
     assert not runner.compiler.pending
+    assert threads == [1, 2], "the core is taken back once the compile ended"
     assert greedy(llm, prompts) == expected
 
 
