@@ -70,7 +70,7 @@ def iter_gguf_weights(
     (a layer's stacked experts likewise, uint8 [E, rows, bytes] under `<mlp>.experts.<projection>.`);
     a token embedding or output projection in a block type comes as floats and also as
     `<prefix>.gguf_table` / `<prefix>.gguf_table_type`, its bytes and type."""
-    return _weights(_open(path), hf_config, raw_linear)
+    return _weights(_open_for_weights(path), hf_config, raw_linear)
 
 
 def _open(path: str | os.PathLike) -> Any:
@@ -95,6 +95,40 @@ def _plain_reader_class() -> type:
             self._plain_data = mapped.view(numpy.ndarray)
 
     return PlainGGUFReader
+
+
+def _open_for_weights(path: str | os.PathLike) -> Any:
+    """A reader of the file's tensors and scalar fields: its arrays (the vocabulary, merges and scores, read
+    from the converted copy's tokenizer) are stepped over, not read, which cut the parse of model M's
+    151k-token file from 3.0 s to a fraction of a second. Their fields hold no items."""
+    return _weights_reader_class()(str(path))
+
+
+@functools.cache
+def _weights_reader_class() -> type:
+    import struct
+
+    import gguf
+
+    class WeightsGGUFReader(_plain_reader_class()):
+        def _get_field_parts(self, orig_offs: int, raw_type: int) -> tuple:
+            if raw_type != gguf.GGUFValueType.ARRAY or self.byte_order == "S":
+                return super()._get_field_parts(orig_offs, raw_type)
+            raw_itype = self._get(orig_offs, np.uint32)
+            alen = self._get(orig_offs + 4, np.uint64)
+            offs, count = orig_offs + 12, int(alen[0])
+            itype = gguf.GGUFValueType(int(raw_itype[0]))
+            if itype == gguf.GGUFValueType.STRING:
+                view = memoryview(self.data)
+                for _ in range(count):  # each item: a u64 length, then its bytes
+                    offs += 8 + struct.unpack_from("<Q", view, offs)[0]
+            elif itype in self.gguf_scalar_to_np:
+                offs += count * np.dtype(self.gguf_scalar_to_np[itype]).itemsize
+            else:  # arrays of arrays: gguf's own walk
+                return super()._get_field_parts(orig_offs, raw_type)
+            return offs - orig_offs, [raw_itype, alen], [], [gguf.GGUFValueType.ARRAY]
+
+    return WeightsGGUFReader
 
 
 _READER_SWAP = threading.Lock()
@@ -128,7 +162,7 @@ def _weights(reader: Any, hf_config, raw_linear: bool) -> Iterator[tuple[str, to
             f"GGUF files, not {architecture!r}; leave --quantization unset to dequantize at load"
         )
     processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=hf_config.to_dict())
-    names = _gguf_to_hf_names(architecture, hf_config)
+    names = _kept_gguf_to_hf_names(architecture, hf_config)
     experts, routers, shared_gates = _moe_tensors(hf_config.num_hidden_layers)
     for tensor in reader.tensors:
         if tensor.name in experts:
@@ -157,7 +191,7 @@ def _weights(reader: Any, hf_config, raw_linear: bool) -> Iterator[tuple[str, to
         data = (
             np.ascontiguousarray(tensor.data).view(np.uint8)
             if raw
-            else dequantize(tensor.data, tensor.tensor_type)
+            else _dequantize(tensor.data, tensor.tensor_type)
         )
         # the llama processor only reorders q/k rows, as valid for rows of packed blocks as for floats; the
         # Gemma one subtracts the 1 llama.cpp adds to norm weights
@@ -179,6 +213,23 @@ def _weights(reader: Any, hf_config, raw_linear: bool) -> Iterator[tuple[str, to
                 torch.from_numpy(np.ascontiguousarray(tensor.data).view(np.uint8).copy()),
             )
             yield prefix + "gguf_table_type", torch.tensor(int(tensor.tensor_type))
+
+
+def _dequantize(data: np.ndarray, type_id: int) -> np.ndarray:
+    """gguf's `dequantize`, through the CPU kernels' `gguf_dequantize` (the same float32 bits, ~10x faster:
+    model M's Q4_K token embedding took 1.2 s in numpy) where this process has them loaded already; never
+    built for this (a GPU start would wait on a CPU build)."""
+    from gguf import dequantize
+
+    from pagellm.platforms import cpu_kernels
+
+    kernels = cpu_kernels.loaded()
+    if kernels is None or int(type_id) in _FLOAT_TYPES or data.dtype != np.uint8 or data.ndim != 2:
+        return dequantize(data, type_id)
+    try:
+        return kernels.gguf_dequantize(torch.from_numpy(np.ascontiguousarray(data)), int(type_id)).numpy()
+    except RuntimeError:  # a type the kernels do not read (Q2_K, IQ formats)
+        return dequantize(data, type_id)
 
 
 # GGUF architectures whose tensor processor leaves linear weight rows intact (gpt2's transposes them; the
@@ -226,10 +277,8 @@ def _experts_prefix(tensor: Any, names: dict[str, str], layer: int) -> str:
 def _split_experts(tensor: Any, prefix: str, module: str) -> Iterator[tuple[str, torch.Tensor]]:
     """One stacked expert tensor as (`<prefix>.{e}.<module>.weight`, float32 [rows, columns]) per expert,
     each expert read and dequantized alone."""
-    from gguf import dequantize
-
     for expert in range(tensor.data.shape[0]):
-        data = dequantize(tensor.data[expert], tensor.tensor_type)
+        data = _dequantize(tensor.data[expert], tensor.tensor_type)
         yield f"{prefix}.{expert}.{module}.weight", torch.from_numpy(np.array(data, dtype=np.float32))
 
 
@@ -242,6 +291,48 @@ def _stacked_experts(tensor: Any, prefix: str, module: str) -> Iterator[tuple[st
         f"{prefix}.{module}.qweight",
         torch.from_numpy(data.reshape(data.shape[0], data.shape[1], -1).copy()),
     )
+
+
+def _kept_gguf_to_hf_names(architecture: str, hf_config) -> dict[str, str]:
+    """`_gguf_to_hf_names`, kept in the cache folder (`gguf/names-<key>.json`) for the next start: building
+    the transformers model on the meta device imports its modelling code, 2.2 s of model M's start. Keyed by
+    what the table depends on: the architecture, the config, and the gguf and transformers versions."""
+    import hashlib
+    import json
+
+    import gguf
+    import transformers
+
+    from pagellm.core.paths import cache_dir
+
+    facts = json.dumps(
+        [
+            architecture,
+            hf_config.to_json_string(use_diff=False),
+            transformers.__version__,
+            _gguf_version(gguf),
+        ]
+    )
+    path = Path(cache_dir()) / "gguf" / f"names-{hashlib.sha256(facts.encode()).hexdigest()[:16]}.json"
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        pass
+    names = _gguf_to_hf_names(architecture, hf_config)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(names))
+    tmp.replace(path)
+    return names
+
+
+def _gguf_version(gguf: Any) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("gguf")
+    except PackageNotFoundError:
+        return getattr(gguf, "__file__", "")
 
 
 def _gguf_to_hf_names(architecture: str, hf_config) -> dict[str, str]:

@@ -204,3 +204,65 @@ def test_the_plain_reader_reads_what_gguf_reads_and_transformers_gets_it_only_wh
     with _plain_gguf_reader():
         assert gguf.GGUFReader is type(plain)
     assert gguf.GGUFReader is type(original)
+
+
+def test_the_weights_reader_steps_over_arrays_and_reads_every_tensor_and_scalar(tmp_path):
+    """iter_gguf_weights' reader skips the arrays (a real vocabulary's took 3 s to parse) and keeps the rest:
+    the same tensors (name, type, shape, bytes) and scalar fields as gguf's reader, arrays' fields empty."""
+    import gguf
+    import numpy as np
+
+    from pagellm.models.gguf_checkpoint import _open_for_weights
+
+    path = tmp_path / "t.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_array("tokenizer.ggml.tokens", [f"tok{i}" * (i % 5) for i in range(300)])
+    writer.add_array("tokenizer.ggml.scores", [float(i) for i in range(300)])
+    writer.add_array("tokenizer.ggml.token_type", list(range(300)))
+    writer.add_uint32("llama.block_count", 2)
+    writer.add_string("general.name", "tiny")
+    q8 = gguf.quantize(
+        np.linspace(-1, 1, 8 * 64, dtype=np.float32).reshape(8, 64), gguf.GGMLQuantizationType.Q8_0
+    )
+    writer.add_tensor("blk.0.attn_q.weight", np.arange(64, dtype=np.float32).reshape(8, 8))
+    writer.add_tensor("blk.0.attn_k.weight", q8, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+    fast, original = _open_for_weights(path), gguf.GGUFReader(str(path))
+    assert fast.fields.keys() == original.fields.keys()
+    for key, field in original.fields.items():
+        if field.types[0] == gguf.GGUFValueType.ARRAY:
+            assert fast.fields[key].data == []
+        else:
+            assert [p.tolist() for p in fast.fields[key].parts] == [p.tolist() for p in field.parts], key
+    assert len(fast.tensors) == len(original.tensors) == 2
+    for mine, theirs in zip(fast.tensors, original.tensors, strict=True):
+        assert (mine.name, mine.tensor_type, list(mine.shape)) == (
+            theirs.name,
+            theirs.tensor_type,
+            list(theirs.shape),
+        )
+        assert np.array_equal(np.asarray(mine.data), np.asarray(theirs.data))
+
+
+def test_the_name_table_is_kept_for_the_next_start(tmp_path, monkeypatch):
+    """The GGUF -> HF name table is built once (a meta model) and read back from the cache folder after."""
+    from pagellm.models import gguf_checkpoint
+
+    monkeypatch.setenv("PAGELLM_CACHE_DIR", str(tmp_path))
+    config = tiny_config("qwen2", vocab_size=len(make_tokenizer()))
+    built = gguf_checkpoint._kept_gguf_to_hf_names("qwen2", config)
+    assert built == _gguf_to_hf_names("qwen2", config)
+    assert len(list((tmp_path / "gguf").glob("names-*.json"))) == 1
+
+    def no_build(*args):
+        raise AssertionError("built again")
+
+    monkeypatch.setattr(gguf_checkpoint, "_gguf_to_hf_names", no_build)
+    assert gguf_checkpoint._kept_gguf_to_hf_names("qwen2", config) == built
+    config.num_hidden_layers += 1  # another config: another table
+    with pytest.raises(AssertionError, match="built again"):
+        gguf_checkpoint._kept_gguf_to_hf_names("qwen2", config)

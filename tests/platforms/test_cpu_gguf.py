@@ -109,3 +109,22 @@ def test_a_type_without_kernel_is_refused():
     with pytest.raises(RuntimeError, match="has no kernel"):
         cpu_gguf.linear(torch.randn(1, 256), [torch.from_numpy(raw)], [int(T.Q2_K)])
     assert not cpu_gguf.has_kernel(int(T.Q2_K)) and cpu_gguf.has_kernel(int(T.Q4_K))
+
+
+def test_the_gguf_loader_widens_block_tensors_with_the_loaded_kernels(monkeypatch):
+    """The GGUF loader's dequantize (models/gguf_checkpoint.py) goes through the kernels once they are loaded,
+    with gguf-py's bits; float tensors stay on gguf-py's code."""
+    from pagellm.models.gguf_checkpoint import _dequantize
+    from pagellm.platforms import cpu_kernels
+
+    kernels = cpu_kernels.loaded()
+    calls = []
+    original = kernels.gguf_dequantize
+    monkeypatch.setattr(kernels, "gguf_dequantize", lambda raw, t: calls.append(t) or original(raw, t))
+    for ggml_type in (T.Q4_K, T.Q6_K, T.Q8_0):
+        raw = random_blocks(ggml_type, 16, 512)
+        got = _dequantize(raw, ggml_type)
+        assert np.array_equal(got.view(np.uint32), quants.dequantize(raw, ggml_type).view(np.uint32))
+    assert calls == [T.Q4_K, T.Q6_K, T.Q8_0]
+    floats = np.random.default_rng(0).standard_normal((4, 64)).astype(np.float32)
+    assert np.array_equal(_dequantize(floats, T.F32), floats) and len(calls) == 3

@@ -95,6 +95,12 @@ def load() -> SimpleNamespace | None:
         return kernels
 
 
+def loaded() -> SimpleNamespace | None:
+    """The kernels if this process has loaded them already, else None: for callers that would use them but
+    must not start a build."""
+    return _loaded.get("kernels")
+
+
 def _build() -> tuple[SimpleNamespace | None, str | None]:
     if os.environ.get(ENV_SWITCH, "1") == "0":
         return None, f"{ENV_SWITCH}=0"
