@@ -197,11 +197,14 @@ class CompiledFlex:
     Dynamo keeps compiled graphs, and counts recompiles against `recompile_limit` (8), per code object: one
     compiled flex_attention shared by every variant fell back to eager after the eighth graph. Each variant
     here compiles its own copy of `_call_flex`'s code, named after the variant (Dynamo's logs show it), so
-    variants never evict one another. Within a variant `dynamic=True` keeps most size changes in one
-    graph, but flex_attention still specialises some (block counts of 1, batch 1, storage offsets), so a
-    variant's calls run under `RECOMPILE_LIMIT` rather than 8. The first call compiles and is timed in the
-    log. Should compiling fail or a limit be hit anyway (`fullgraph=True` makes that an error, not a
-    silent fallback), the variant warns once and runs eagerly from then on.
+    variants never evict one another. Within a variant `dynamic=True` keeps size changes in one graph, as
+    long as Dynamo neither specialises sizes of 0 and 1 nor unites sizes that happened to be equal on the
+    first call (`_one_graph_for_all_sizes`): on an H200 a decode variant first traced at batch 1 compiled
+    four more times (5-8 s each) over its first dozen steps. Should a size-oblivious trace fail, the variant
+    traces with Dynamo's defaults (a graph per 0/1 pattern) under `RECOMPILE_LIMIT` rather than 8. The
+    first call compiles and is timed in the log. Should compiling fail or a limit be hit anyway
+    (`fullgraph=True` makes that an error, not a silent fallback), the variant warns once and runs eagerly
+    from then on.
     """
 
     compiled_count = 0
@@ -214,15 +217,26 @@ class CompiledFlex:
         entry = types.FunctionType(code, _call_flex.__globals__, code.co_name)
         self._compiled = torch.compile(entry, dynamic=True, fullgraph=True)
         self._warm = False
+        self._size_oblivious = True
 
     def __call__(self, *args, **kwargs) -> torch.Tensor:
         if self._compiled is None:
             return _eager(*args, **kwargs)
         start = time.perf_counter()
         try:
-            with _recompile_limit():
+            with _recompile_limit(), _one_graph_for_all_sizes(self._size_oblivious):
                 out = self._compiled(*args, **kwargs)
         except _compile_errors() as exc:
+            if self._size_oblivious:
+                logger.info(
+                    "FLEX_ATTENTION: flex_attention for %s traced for all sizes failed (%s: %s); traced "
+                    "again with sizes 0 and 1 specialised",
+                    self.name,
+                    type(exc).__name__,
+                    next(iter(str(exc).splitlines()), ""),
+                )
+                self._size_oblivious = False
+                return self(*args, **kwargs)
             logger.warning(
                 "FLEX_ATTENTION: flex_attention for %s could not be compiled and runs eagerly from now on "
                 "(slower: it materialises the scores): %s: %s",
@@ -272,6 +286,17 @@ def _recompile_limit():
 
     name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
     return config.patch(**{name: RECOMPILE_LIMIT})
+
+
+def _one_graph_for_all_sizes(on: bool):
+    """Dynamo's shape settings for one call: with `on`, sizes of 0 and 1 are reasoned about like any other
+    (`backed_size_oblivious`) and sizes equal by chance are not made one symbol (`use_duck_shape`), so a
+    batch of one, a one-token query or a one-block mask does not pin the graph it is traced with. Settings
+    this torch lacks are left out."""
+    from torch.fx.experimental import _config as shapes
+
+    wanted = {"backed_size_oblivious": True, "use_duck_shape": False} if on else {}
+    return shapes.patch(**{name: value for name, value in wanted.items() if hasattr(shapes, name)})
 
 
 def _compile_errors() -> tuple[type[BaseException], ...]:

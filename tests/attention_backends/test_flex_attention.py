@@ -191,7 +191,8 @@ def test_a_failed_compile_warns_once_and_runs_eagerly(monkeypatch, caplog, fresh
     warnings_ = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings_) == 3 and all("runs eagerly from now on" in w for w in warnings_)
     assert "FailOnRecompileLimitHit" in warnings_[0]
-    assert set(compile_.calls.values()) == {1}  # each variant tried once, then eager
+    # each variant tried for all sizes, then with Dynamo's defaults, then eager
+    assert set(compile_.calls.values()) == {2}
 
 
 def test_cpu_runs_eagerly_without_compiling(monkeypatch, fresh_variants):
@@ -246,3 +247,83 @@ def test_real_dynamo_traces_the_sink_variant(monkeypatch, caplog, fresh_variants
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
     compiled = [r.getMessage() for r in caplog.records if "compiled flex_attention" in r.getMessage()]
     assert compiled and all(" softcap5" in m and " lse in " in m for m in compiled)
+
+
+def test_real_dynamo_traces_each_variant_once_for_all_sizes(monkeypatch, fresh_variants):
+    """On an H200 a decode variant first traced at batch 1 (one block, one query token) compiled four more
+    times over its first steps, 5-8 s each: Dynamo pinned the sizes that were 1, or equal, in the first call.
+    Traced size-obliviously, each variant compiles once however the batch, query and context sizes move
+    through 1 (Dynamo's "eager" backend, counting the graphs it is handed)."""
+    import torch._dynamo
+
+    graphs = {}
+
+    def compile_(fn, **options):
+        name = fn.__code__.co_name
+        if name.startswith("flex_attention_"):
+            graphs[name] = 0
+
+            def backend(gm, example_inputs):
+                graphs[name] += 1
+                return gm.forward
+
+            options["backend"] = backend
+        return REAL_COMPILE(fn, **options)
+
+    monkeypatch.setattr(flex_attention, "_compiles", lambda device_type: True)
+    monkeypatch.setattr(torch, "compile", compile_)
+    spec = AttentionSpec(4, 2, 16, torch.float32)
+    steps = [
+        ([5], [1]),  # decode, batch 1
+        ([9, 34, 3, 2, 7, 12], [1] * 6),  # decode, batch 6
+        ([1], [1]),  # causal, one token
+        ([7], [7]),
+        ([2], [2]),
+        ([40], [8]),  # prefill over context
+        ([3], [1]),
+        ([20], [3]),
+    ]
+    try:
+        for step in steps:
+            assert check_backend(FlexAttentionBackend, spec, "cpu", [step]) < 1e-5
+    finally:
+        torch._dynamo.reset()
+    assert graphs == {
+        "flex_attention_cpu_float32_d16_decode": 1,
+        "flex_attention_cpu_float32_d16_causal_gqa": 1,
+        "flex_attention_cpu_float32_d16_prefill_gqa": 1,
+    }
+
+
+def test_a_failed_size_oblivious_trace_traces_again_with_dynamo_defaults(monkeypatch, caplog, fresh_variants):
+    from torch._dynamo.exc import TorchRuntimeError
+    from torch.fx.experimental import _config as shapes
+
+    seen = {}
+
+    def compile_(fn, **options):
+        tries = seen.setdefault(fn.__code__.co_name, [])
+
+        def run(*args, **kwargs):
+            tries.append(shapes.backed_size_oblivious)
+            if shapes.backed_size_oblivious:
+                raise TorchRuntimeError("size-oblivious reasoning failed")
+            return flex_attention._eager(*args, **kwargs)
+
+        return run if fn.__code__.co_name.startswith("flex_attention_") else REAL_COMPILE(fn, **options)
+
+    monkeypatch.setattr(flex_attention, "_compiles", lambda device_type: True)
+    monkeypatch.setattr(torch, "compile", compile_)
+    with caplog.at_level(logging.INFO, logger="pagellm"):
+        spec = AttentionSpec(4, 2, 32, torch.float32)
+        assert check_backend(FlexAttentionBackend, spec, "cpu", [([5, 3], [1, 1]), ([6], [1])]) < 1e-5
+    variants = {name: tries for name, tries in seen.items() if name.startswith("flex_attention_")}
+    assert sorted(variants) == [
+        "flex_attention_cpu_float32_d32_causal_gqa",
+        "flex_attention_cpu_float32_d32_decode",
+    ]
+    # one failed size-oblivious try each, then Dynamo's defaults for good
+    assert all(tries[0] and len(tries) > 2 and not any(tries[1:]) for tries in variants.values())
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    retried = [r.getMessage() for r in caplog.records if "traced again with sizes 0 and 1" in r.getMessage()]
+    assert len(retried) == 2
