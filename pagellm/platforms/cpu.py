@@ -174,14 +174,17 @@ class CpuPlatform(Platform):
     def pack_linear(cls, weight: torch.Tensor, batch_invariant: bool = False) -> PackedLinear | None:
         """bfloat16 on a CPU with AMX: pagellm's AMX kernel (platforms/cpu_kernels/linear_amx.cpp), which
         streams the weights at up to 1.35x oneDNN's rate at decode batch sizes and matches it (within 5%)
-        at 2048 rows. Otherwise oneDNN with the weight reordered once into its blocked layout: F.linear
-        reorders it on every call, which at decode batch sizes costs as much as the GEMM (1.3-1.9x faster
-        at 1-64 rows, same bits). Where oneDNN cannot pack bfloat16 (AVX2-only CPUs, `onednn_packs`), and
-        for float32 on AVX2-only CPUs: pagellm's panel kernel (platforms/cpu_kernels/linear_panels.cpp),
-        since there F.linear widens a bfloat16 weight every call (~10x slower at 16 rows) and MKL's float32
-        GEMM, which AVX2-only AMD CPUs get, is 1.1-4x slower at 1-64 rows (docs/backends.md). float32 on
-        AVX-512 CPUs keeps F.linear; so does any dtype where the kernels cannot be had. Batch-invariant: the
-        panel kernel in its fixed order, for every float32 and bfloat16 weight on any CPU."""
+        at 2048 rows. bfloat16 on a CPU with AVX-512 BF16 but no AMX (AMD Zen 4 and 5): pagellm's pair
+        kernel (platforms/cpu_kernels/linear_bf16_pairs.cpp, vdpbf16ps), which on a 2-core Zen 4 streamed
+        model S's weights at 32 GB/s a decode step against oneDNN's 19 and matched it at 64 rows.
+        Otherwise oneDNN with the weight reordered once into its blocked layout: F.linear reorders it on
+        every call, which at decode batch sizes costs as much as the GEMM (1.3-1.9x faster at 1-64 rows,
+        same bits). Where oneDNN cannot pack bfloat16 (AVX2-only CPUs, `onednn_packs`), and for float32 on
+        AVX2-only CPUs: pagellm's panel kernel (platforms/cpu_kernels/linear_panels.cpp), since there
+        F.linear widens a bfloat16 weight every call (~10x slower at 16 rows) and MKL's float32 GEMM, which
+        AVX2-only AMD CPUs get, is 1.1-4x slower at 1-64 rows (docs/backends.md). float32 on AVX-512 CPUs
+        keeps F.linear; so does any dtype where the kernels cannot be had. Batch-invariant: the panel
+        kernel in its fixed order, for every float32 and bfloat16 weight on any CPU."""
         kernels = _kernels()
         if batch_invariant:
             return cpu_linear.pack(weight, fixed_order=True)
@@ -192,6 +195,12 @@ class CpuPlatform(Platform):
             return None
         if _amx_kernels() is not None and weight.dtype == torch.bfloat16:
             return PackedLinear(kernels.amx_pack(weight), _AmxLinear(weight.shape[0]))
+        if (
+            weight.dtype == torch.bfloat16
+            and _bf16_pair_kernels() is not None
+            and cpu_linear.worth_packing(weight)
+        ):
+            return cpu_linear.pack_pairs(weight)
         if onednn_packs(weight.dtype):
             packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACKED_LINEAR_BATCH_HINT)
             return PackedLinear(packed, _onednn_linear)
@@ -363,6 +372,13 @@ def _amx_kernels():
     if kernels is None or not kernels.amx_available():
         return None
     return kernels
+
+
+def _bf16_pair_kernels():
+    """The native kernels when they run the AVX-512 BF16 pair linear here (built for a CPU with it), else
+    None."""
+    kernels = _kernels()
+    return kernels if kernels is not None and kernels.bf16_pairs_available() else None
 
 
 @functools.cache

@@ -1,5 +1,9 @@
-"""Dense linear layers on the native panel kernel (`cpu_kernels/linear_panels.cpp`): bfloat16 weights on
-CPUs where neither pagellm's AMX kernel nor oneDNN multiplies them fast (AVX2-only CPUs).
+"""Dense linear layers on the native panel kernels: bfloat16 weights on CPUs without AMX, where oneDNN
+multiplies them slowly at decode batch sizes or not at all.
+
+On CPUs with AVX-512 BF16 (AMD Zen 4 and 5), `pack_pairs` lays the weight out for
+`cpu_kernels/linear_bf16_pairs.cpp`'s `pagellm::cpu_bf16_pair_linear`, which multiplies bfloat16 pairs with
+vdpbf16ps. On AVX2-only CPUs, `pack` lays it out for `cpu_kernels/linear_panels.cpp`.
 
 The weight is packed once into 16-column panels, the layout of the fused-MoE kernel's down projection
 (`cpu_moe.pack_w2` of a single expert), and stays bfloat16; the op, `pagellm::cpu_panel_linear`, is defined
@@ -30,6 +34,16 @@ def _(
     return x.new_empty((*x.shape[:-1], out_features))
 
 
+torch.library.define(
+    "pagellm::cpu_bf16_pair_linear", "(Tensor x, Tensor weight, Tensor? bias, int out_features) -> Tensor"
+)
+
+
+@torch.library.register_fake("pagellm::cpu_bf16_pair_linear")
+def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], out_features))
+
+
 class PanelLinear:
     """x @ W^T + bias with W in the panel layout (out_features kept: the layout pads it to 16).
 
@@ -41,6 +55,25 @@ class PanelLinear:
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return torch.ops.pagellm.cpu_panel_linear(x, weight, bias, self.out_features, self.fixed_order)
+
+
+class PairLinear:
+    """x @ W^T + bias, x bfloat16, with W laid out by `pack_pairs`."""
+
+    def __init__(self, out_features: int):
+        self.out_features = out_features
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return torch.ops.pagellm.cpu_bf16_pair_linear(x, weight, bias, self.out_features)
+
+
+def pack_pairs(weight: torch.Tensor) -> PackedLinear:
+    """A bfloat16 weight [out, in] as [ceil(out/16), ceil(in/2), 16, 2]: 16-column panels, in each the
+    weights of inputs 2i and 2i + 1 side by side, zero-padded (the caller has loaded the kernels)."""
+    out_features, in_features = weight.shape
+    padded = torch.nn.functional.pad(weight, (0, -in_features % 2, 0, -out_features % cpu_moe.PANEL))
+    panels = padded.reshape(-1, cpu_moe.PANEL, padded.shape[1] // 2, 2).permute(0, 2, 1, 3).contiguous()
+    return PackedLinear(panels, PairLinear(out_features))
 
 
 def worth_packing(weight: torch.Tensor) -> bool:

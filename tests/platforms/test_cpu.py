@@ -135,10 +135,17 @@ def test_check_and_update_config_refuses_empty_kv_cache():
         CpuPlatform.check_and_update_config(EngineConfig(kv_cache_space=0))
 
 
-@pytest.fixture(params=["amx", "onednn", "panel"])
+@pytest.fixture(params=["amx", "pairs", "onednn", "panel"])
 def matmul_impl(request, monkeypatch):
-    """Each packed matmul the CPU platform has for bfloat16: pagellm's AMX kernel (AMX CPUs), oneDNN, and
-    pagellm's panel kernel (where oneDNN cannot pack bfloat16; forced here wherever the kernels build)."""
+    """Each packed matmul the CPU platform has for bfloat16: pagellm's AMX kernel (AMX CPUs), its AVX-512
+    BF16 pair kernel (CPUs with it), oneDNN, and pagellm's panel kernel (where oneDNN cannot pack bfloat16;
+    forced here wherever the kernels build)."""
+    if request.param == "pairs":
+        if cpu._bf16_pair_kernels() is None:
+            pytest.skip("no AVX-512 BF16 pair kernel here (CPU without AVX-512 BF16, or no compiler)")
+        monkeypatch.setattr(cpu, "_amx_kernels", lambda: None)
+        return request.param
+    monkeypatch.setattr(cpu, "_bf16_pair_kernels", lambda: None)
     if request.param == "panel":
         if cpu._kernels() is None:
             pytest.skip("no native kernels here")
@@ -166,6 +173,7 @@ def test_packed_linear_matches_f_linear(matmul_impl, rows, bias, out_features, i
     b = torch.randn(out_features, generator=gen).bfloat16() if bias else None
     packed = CpuPlatform.pack_linear(weight)
     assert isinstance(packed.matmul, cpu._AmxLinear) == (matmul_impl == "amx")
+    assert isinstance(packed.matmul, cpu_linear.PairLinear) == (matmul_impl == "pairs")
     x = torch.randn(2, rows, in_features, generator=gen).bfloat16()[1]  # a view with an offset
     out = packed.matmul(x, packed.weight, b)
     expected = torch.nn.functional.linear(x.float(), weight.float(), None if b is None else b.float())

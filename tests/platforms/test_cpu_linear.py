@@ -1,6 +1,6 @@
-"""The native panel linear (platforms/cpu_kernels/linear_panels.cpp via platforms/cpu_linear.py): bfloat16
-weights on CPUs where oneDNN cannot pack them, checked against F.linear in float32 on the same values; the
-platform's choice of it. (Its op under torch.compile: test_cpu.py's test_packed_linear_compiles.)"""
+"""The native panel linears (platforms/cpu_kernels/linear_panels.cpp and linear_bf16_pairs.cpp via
+platforms/cpu_linear.py): bfloat16 weights on CPUs where oneDNN cannot pack them or AVX-512 BF16 multiplies
+them faster, checked against F.linear in float32 on the same values; the platform's choice of each. (Its op under torch.compile: test_cpu.py's test_packed_linear_compiles.)"""
 
 from __future__ import annotations
 
@@ -53,6 +53,7 @@ def test_leading_dims_and_empty_input():
 
 def test_bfloat16_weights_take_it_where_onednn_cannot_pack_them(monkeypatch):
     monkeypatch.setattr(cpu, "_amx_kernels", lambda: None)
+    monkeypatch.setattr(cpu, "_bf16_pair_kernels", lambda: None)
     monkeypatch.setattr(cpu, "onednn_packs", lambda dtype: False)
     packed = CpuPlatform.pack_linear(torch.randn(32, 64).bfloat16())
     assert isinstance(packed.matmul, cpu_linear.PanelLinear) and packed.weight.dtype == torch.bfloat16
@@ -148,3 +149,66 @@ def test_weight_only_says_once_at_load_why_prefills_are_no_faster(caplog, monkey
         for r in caplog.records
     )
     cpu._explain_weight_only.cache_clear()
+
+
+def test_pair_layout_puts_each_columns_input_pairs_side_by_side():
+    """`pack_pairs` runs anywhere (torch only): panel p, pair i, column c holds W[16p + c, 2i : 2i + 2],
+    zeros past N and K."""
+    weight = torch.arange(37 * 7, dtype=torch.float32).reshape(37, 7).bfloat16()
+    panels = cpu_linear.pack_pairs(weight).weight
+    assert panels.shape == (3, 4, 16, 2) and panels.dtype == torch.bfloat16
+    assert torch.equal(panels[1, 2, 5], weight[21, 4:6])
+    assert torch.equal(panels[0, 3, 0], torch.tensor([weight[0, 6], 0]).bfloat16())  # K odd: a zero
+    assert not panels[2, :, 5:].any()  # columns 37-47 are padding
+
+
+def pair_kernels():
+    if cpu._bf16_pair_kernels() is None:
+        pytest.skip("no AVX-512 BF16 pair kernel here (CPU without AVX-512 BF16, or no compiler)")
+
+
+# register blocks of 1-8 rows (1 and 2 with two more chains of sums), several blocks, one or two panels
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 9, 21])
+@pytest.mark.parametrize(("out_features", "in_features"), [(37, 101), (64, 48), (16, 1), (48, 6)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_pair_kernel_matches_f_linear(rows, out_features, in_features, bias):
+    pair_kernels()
+    gen = torch.Generator().manual_seed(rows * out_features + in_features)
+    weight = torch.randn(out_features, in_features, generator=gen).bfloat16()
+    b = torch.randn(out_features, generator=gen).bfloat16() if bias else None
+    x = torch.randn(2, rows, in_features, generator=gen).bfloat16()[1]  # a view with an offset
+    packed = cpu_linear.pack_pairs(weight)
+    out = packed.matmul(x, packed.weight, b)
+    expected = F.linear(x.float(), weight.float(), None if b is None else b.float())
+    assert out.dtype == torch.bfloat16 and out.shape == (rows, out_features)
+    # float32 sums of the same products, one rounding at the end
+    torch.testing.assert_close(out.float(), expected, rtol=2**-8, atol=1e-5)
+
+
+def test_pair_kernel_leading_dims_empty_input_and_wrong_inputs():
+    pair_kernels()
+    weight = torch.randn(20, 8).bfloat16()
+    packed = cpu_linear.pack_pairs(weight)
+    x = torch.randn(2, 3, 8).bfloat16()
+    out = packed.matmul(x, packed.weight, None)
+    assert out.shape == (2, 3, 20)
+    torch.testing.assert_close(out.float(), F.linear(x.float(), weight.float()), rtol=2**-8, atol=1e-5)
+    assert packed.matmul(x[:, :0], packed.weight, None).shape == (2, 0, 20)
+    with pytest.raises(RuntimeError, match="bfloat16 x"):
+        packed.matmul(x.float(), packed.weight, None)
+    with pytest.raises(RuntimeError, match="packed by platforms/cpu_linear.py for 20 x 10"):
+        packed.matmul(torch.randn(3, 10).bfloat16(), packed.weight, None)
+
+
+def test_bfloat16_weights_take_the_pair_kernel_where_avx512_bf16_runs_it(monkeypatch):
+    """Ahead of oneDNN and the panel kernel, behind AMX; bfloat16 only, and not for a weight narrower than
+    a panel."""
+    pair_kernels()
+    monkeypatch.setattr(cpu, "_amx_kernels", lambda: None)
+    packed = CpuPlatform.pack_linear(torch.randn(32, 64).bfloat16())
+    assert isinstance(packed.matmul, cpu_linear.PairLinear) and packed.weight.shape == (2, 32, 16, 2)
+    assert not isinstance(getattr(CpuPlatform.pack_linear(torch.randn(15, 64).bfloat16()), "matmul", None),
+                          cpu_linear.PairLinear)  # fmt: skip
+    half = CpuPlatform.pack_linear(torch.randn(32, 64).half())
+    assert half is None or not isinstance(half.matmul, cpu_linear.PairLinear)
+    assert CpuPlatform.pack_linear(torch.randn(32, 64)) is None  # float32 on AVX-512: F.linear

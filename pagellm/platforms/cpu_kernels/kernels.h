@@ -51,6 +51,11 @@ at::Tensor gguf_moe(const at::Tensor& hidden, const at::Tensor& topk_weights, co
 at::Tensor cpu_panel_linear(const at::Tensor& input, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
                             int64_t out_features, bool fixed_order, const c10::optional<at::Tensor>& scale);
 
+// linear_bf16_pairs.cpp
+bool bf16_pairs_available();
+at::Tensor cpu_bf16_pair_linear(const at::Tensor& input, const at::Tensor& packed,
+                                const c10::optional<at::Tensor>& bias, int64_t out_features);
+
 // recurrent.cpp
 at::Tensor gated_delta_rule_update(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
                                    const at::Tensor& beta, at::Tensor states, const at::Tensor& slots);

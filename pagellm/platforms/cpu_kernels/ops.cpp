@@ -107,6 +107,7 @@ TORCH_LIBRARY_IMPL(pagellm, CPU, m) {
   m.impl("amx_linear", TORCH_FN(amx_linear));
   m.impl("cpu_fused_moe", TORCH_FN(cpu_fused_moe));
   m.impl("cpu_panel_linear", TORCH_FN(cpu_panel_linear));
+  m.impl("cpu_bf16_pair_linear", TORCH_FN(cpu_bf16_pair_linear));
   m.impl("gguf_linear", TORCH_FN(gguf_linear));
   m.impl("gguf_embedding", TORCH_FN(gguf_embedding));
   m.impl("gguf_moe", TORCH_FN(gguf_moe));
@@ -130,6 +131,7 @@ TORCH_LIBRARY(TORCH_EXTENSION_NAME, m) {
   m.def("argmax_rows(Tensor logits) -> Tensor", TORCH_FN(argmax_rows));
   m.def("store_kv(Tensor(a!) kv_cache, Tensor k, Tensor v, Tensor slots) -> ()", TORCH_FN(store_kv));
   m.def("isa() -> str", TORCH_FN(isa));
+  m.def("bf16_pairs_available() -> bool", TORCH_FN(bf16_pairs_available));
   m.def("gguf_dequantize(Tensor raw, int type) -> Tensor", TORCH_FN(gguf_dequantize));
   m.def("gguf_kernel_type(int type) -> bool", TORCH_FN(gguf_kernel_type));
   m.def("fused_moe_isa() -> str", TORCH_FN(fused_moe_isa));

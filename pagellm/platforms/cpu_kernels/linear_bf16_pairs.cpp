@@ -1,0 +1,170 @@
+// bfloat16 linear layers on CPUs with AVX-512 BF16 (AMD Zen 4 and 5, Intel Cooper Lake; those with AMX take
+// linear_amx.cpp): vdpbf16ps multiplies 16 columns' pairs of bfloat16 weights by a pair of x's bfloat16
+// values and adds both products to 16 float32 sums, 32 multiply-adds in one instruction, the weights never
+// widened. oneDNN's prepacked bfloat16 GEMM, which these CPUs took before, streamed model S's decode-step
+// weights at ~18 GB/s of the ~35 GB/s the 2-core AMD EPYC Zen 4 reads; the AVX2 panel kernel, widening
+// in registers, at ~26 GB/s.
+//
+// Layout (packed by platforms/cpu_linear.py, `pack_pairs`): [ceil(N/16), ceil(K/2), 16, 2] bfloat16, panels of
+// 16 output columns, in each the weights of input rows 2i and 2i+1 of a column side by side (one 32-bit
+// lane), zero-padded past N and K. A call splits the panels between threads in contiguous runs of pairs of
+// panels; for each pair of panels every block of up to kRows x rows runs the whole K, two 16-column sums
+// per row in registers (the panel pair streams from memory for the first block, from L2 for the next),
+// then bias, then rounding to bfloat16. x must be bfloat16 (an odd K is padded with a zero column).
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "kernels.h"
+#include "panels.h"
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define PL_BF16_PAIRS 1
+#else
+#define PL_BF16_PAIRS 0
+#endif
+
+namespace {
+
+constexpr int64_t kCols = 16;  // columns per panel
+#if PL_BF16_PAIRS
+constexpr int kRows = 8;       // x rows per register block: 2 panels x 8 rows = 16 of the 32 zmm registers
+
+// y[r][0..32) (or [0..16) with one panel) = x[r] . (panel pair) + bias, rounded to bfloat16, `cols` valid.
+template <int R, bool kTwo>
+void pair_block(const uint16_t* const* x, const uint16_t* p0, const uint16_t* p1, int64_t pairs, const float* bias,
+                uint16_t* const* y, int64_t cols) {
+  __m512 acc0[R], acc1[R];
+  for (int r = 0; r < R; ++r) acc0[r] = _mm512_setzero_ps(), acc1[r] = _mm512_setzero_ps();
+  int64_t i = 0;
+  if constexpr (R <= 2) {  // few rows: two more chains of sums, so the adds' latency does not set the pace
+    __m512 odd0[R], odd1[R];
+    for (int r = 0; r < R; ++r) odd0[r] = _mm512_setzero_ps(), odd1[r] = _mm512_setzero_ps();
+    for (; i + 2 <= pairs; i += 2) {
+      const __m512bh w0 = (__m512bh)_mm512_loadu_si512(p0 + i * 2 * kCols);
+      const __m512bh v0 = (__m512bh)_mm512_loadu_si512(p0 + (i + 1) * 2 * kCols);
+      __m512bh w1, v1;
+      if constexpr (kTwo) {
+        w1 = (__m512bh)_mm512_loadu_si512(p1 + i * 2 * kCols);
+        v1 = (__m512bh)_mm512_loadu_si512(p1 + (i + 1) * 2 * kCols);
+      }
+      for (int r = 0; r < R; ++r) {
+        int32_t both[2];
+        std::memcpy(both, x[r] + 2 * i, 8);
+        const __m512bh xa = (__m512bh)_mm512_set1_epi32(both[0]), xb = (__m512bh)_mm512_set1_epi32(both[1]);
+        acc0[r] = _mm512_dpbf16_ps(acc0[r], xa, w0);
+        odd0[r] = _mm512_dpbf16_ps(odd0[r], xb, v0);
+        if constexpr (kTwo) {
+          acc1[r] = _mm512_dpbf16_ps(acc1[r], xa, w1);
+          odd1[r] = _mm512_dpbf16_ps(odd1[r], xb, v1);
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) acc0[r] = _mm512_add_ps(acc0[r], odd0[r]), acc1[r] = _mm512_add_ps(acc1[r], odd1[r]);
+  }
+  for (; i < pairs; ++i) {
+    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(p0 + i * 2 * kCols);
+    __m512bh w1;
+    if constexpr (kTwo) w1 = (__m512bh)_mm512_loadu_si512(p1 + i * 2 * kCols);
+    for (int r = 0; r < R; ++r) {
+      int32_t both;
+      std::memcpy(&both, x[r] + 2 * i, 4);
+      const __m512bh xv = (__m512bh)_mm512_set1_epi32(both);
+      acc0[r] = _mm512_dpbf16_ps(acc0[r], xv, w0);
+      if constexpr (kTwo) acc1[r] = _mm512_dpbf16_ps(acc1[r], xv, w1);
+    }
+  }
+  const __m512 b0 = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
+  const __m512 b1 = bias && kTwo ? _mm512_loadu_ps(bias + kCols) : _mm512_setzero_ps();
+  for (int r = 0; r < R; ++r) {
+    alignas(64) uint16_t out[2 * kCols];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(out), (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc0[r], b0)));
+    if constexpr (kTwo)
+      _mm256_store_si256(reinterpret_cast<__m256i*>(out + kCols),
+                         (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc1[r], b1)));
+    std::memcpy(y[r], out, cols * 2);
+  }
+}
+
+template <bool kTwo>
+void rows_block(int rows, const uint16_t* const* x, const uint16_t* p0, const uint16_t* p1, int64_t pairs,
+                const float* bias, uint16_t* const* y, int64_t cols) {
+  switch (rows) {
+    case 1: return pair_block<1, kTwo>(x, p0, p1, pairs, bias, y, cols);
+    case 2: return pair_block<2, kTwo>(x, p0, p1, pairs, bias, y, cols);
+    case 3: return pair_block<3, kTwo>(x, p0, p1, pairs, bias, y, cols);
+    case 4: return pair_block<4, kTwo>(x, p0, p1, pairs, bias, y, cols);
+    case 5: return pair_block<5, kTwo>(x, p0, p1, pairs, bias, y, cols);
+    case 6: return pair_block<6, kTwo>(x, p0, p1, pairs, bias, y, cols);
+    case 7: return pair_block<7, kTwo>(x, p0, p1, pairs, bias, y, cols);
+    default: return pair_block<8, kTwo>(x, p0, p1, pairs, bias, y, cols);
+  }
+}
+#endif
+
+}  // namespace
+
+bool bf16_pairs_available() { return PL_BF16_PAIRS; }
+
+// x [..., K] bfloat16 @ W^T (+ bias) -> [..., N] bfloat16; W [N, K] packed as the top of this file says,
+// bias [N] of any float dtype (added in float32).
+at::Tensor cpu_bf16_pair_linear(const at::Tensor& input, const at::Tensor& packed,
+                                const c10::optional<at::Tensor>& bias, int64_t out_features) {
+  TORCH_CHECK(PL_BF16_PAIRS, "cpu_bf16_pair_linear: this build has no AVX-512 BF16 path");
+  TORCH_CHECK(input.dim() >= 1 && input.scalar_type() == at::kBFloat16, "cpu_bf16_pair_linear: bfloat16 x [..., K]");
+  const int64_t k = input.size(-1), n = out_features, panels = (n + kCols - 1) / kCols, pairs = (k + 1) / 2;
+  TORCH_CHECK(packed.dim() == 4 && packed.size(0) == panels && packed.size(1) == pairs && packed.size(2) == kCols &&
+                  packed.size(3) == 2 && packed.is_contiguous() && packed.scalar_type() == at::kBFloat16,
+              "cpu_bf16_pair_linear: the weight must be packed by platforms/cpu_linear.py for ", n, " x ", k);
+  std::vector<float> bias_f32;  // zero-padded to whole panels: the blocks read 16 or 32
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->numel() == n, "cpu_bf16_pair_linear: a bias of ", n, " values");
+    const at::Tensor values = bias->to(at::kFloat).contiguous();
+    bias_f32.assign(panels * kCols, 0.f);
+    std::copy(values.data_ptr<float>(), values.data_ptr<float>() + n, bias_f32.begin());
+  }
+  std::vector<int64_t> shape(input.sizes().begin(), input.sizes().end());
+  shape.back() = n;
+  auto out = input.new_empty(shape);
+  const at::Tensor x = input.reshape({-1, k}).contiguous();
+  const int64_t m = x.size(0);
+  if (m == 0 || n == 0) return out;
+#if PL_BF16_PAIRS
+  const auto* xs = reinterpret_cast<const uint16_t*>(x.data_ptr());
+  std::vector<uint16_t> padded;  // an odd K: each row and a zero, the last pair's second value
+  if (k % 2) {
+    padded.assign(m * (k + 1), 0);
+    for (int64_t r = 0; r < m; ++r) std::copy(xs + r * k, xs + (r + 1) * k, padded.begin() + r * (k + 1));
+    xs = padded.data();
+  }
+  const auto* w = reinterpret_cast<const uint16_t*>(packed.data_ptr());
+  auto* ys = reinterpret_cast<uint16_t*>(out.data_ptr());
+  const float* b = bias_f32.empty() ? nullptr : bias_f32.data();
+  const int64_t panel_elems = pairs * 2 * kCols, x_stride = 2 * pairs, units = (panels + 1) / 2;
+  parallel_balanced(
+      units, [](int64_t) { return int64_t(1); },
+      [&](int64_t u) {
+        const int64_t p = 2 * u;
+        const bool two = p + 1 < panels;
+        const uint16_t* p0 = w + p * panel_elems;
+        const uint16_t* p1 = two ? p0 + panel_elems : nullptr;
+        const int64_t cols = std::min<int64_t>(two ? 2 * kCols : kCols, n - p * kCols);
+        const float* bp = b ? b + p * kCols : nullptr;
+        for (int64_t r0 = 0; r0 < m; r0 += kRows) {
+          const int rows = static_cast<int>(std::min<int64_t>(kRows, m - r0));
+          const uint16_t* xr[kRows];
+          uint16_t* yr[kRows];
+          for (int r = 0; r < rows; ++r) xr[r] = xs + (r0 + r) * x_stride, yr[r] = ys + (r0 + r) * n + p * kCols;
+          two ? rows_block<true>(rows, xr, p0, p1, pairs, bp, yr, cols)
+              : rows_block<false>(rows, xr, p0, p1, pairs, bp, yr, cols);
+        }
+      });
+#endif
+  return out;
+}
