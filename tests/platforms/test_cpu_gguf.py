@@ -35,12 +35,16 @@ def test_dequantize_is_bit_for_bit_gguf_py(ggml_type):
 
 
 def quantized_x(x: torch.Tensor) -> torch.Tensor:
-    """x as the kernel sees it: int8 codes in groups of 32 times max|x| / 127, in float64."""
-    groups = x.double().reshape(*x.shape[:-1], -1, 32)
-    amax = groups.abs().amax(-1, keepdim=True).float()
-    scale = (amax / 127).double()
-    codes = torch.round(groups.float() * torch.where(amax > 0, 127 / amax, 0)).double()
-    return (codes * scale).reshape(x.shape)
+    """x as the kernel sees it: int8 codes in groups of 32 times max|x| / 127, in float64. The codes are
+    x * (127 / max|x|) rounded half to even, each operation in float32 as the kernel does it (numpy's: torch's
+    `127 / tensor` is not the correctly rounded quotient, and moved a product at a tie to the other code)."""
+    groups = x.float().numpy().reshape(*x.shape[:-1], -1, 32)
+    amax = np.abs(groups).max(-1, keepdims=True)
+    with np.errstate(divide="ignore"):
+        inv = np.where(amax > 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
+    codes = np.rint(groups * inv).astype(np.float64)
+    scale = (amax / np.float32(127)).astype(np.float64)
+    return torch.from_numpy(codes * scale).reshape(x.shape)
 
 
 @pytest.mark.parametrize("ggml_type", KERNEL_TYPES, ids=lambda t: t.name)
@@ -56,9 +60,10 @@ def test_float32_rows_equal_x_times_dequantized_weights(ggml_type, rows, two_thr
 
 
 @pytest.mark.parametrize("ggml_type", KERNEL_TYPES, ids=lambda t: t.name)
-@pytest.mark.parametrize("rows", [1, 2, 3, 7])
+@pytest.mark.parametrize("rows", [1, 2, 3, 7, 9, 17, 31])
 def test_bfloat16_rows_equal_int8_x_times_dequantized_weights(ggml_type, rows, two_threads):
-    # 43 weight rows: the two threads' runs of rows of odd lengths
+    # one row straight from the blocks, from two rows tiles of eight x rows (9, 17, 31: partial last tiles);
+    # 43 weight rows: the two threads' runs of rows of odd lengths, a last weight row without a pair
     raw = random_blocks(ggml_type, 43, 512, seed=rows)
     weight = torch.from_numpy(quants.dequantize(raw, ggml_type)).double()
     x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(1)).bfloat16()
@@ -75,18 +80,32 @@ def test_bfloat16_rows_equal_int8_x_times_dequantized_weights(ggml_type, rows, t
 
 
 @pytest.mark.parametrize("ggml_type", KERNEL_TYPES, ids=lambda t: t.name)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_many_rows_multiply_the_dequantized_weights(ggml_type, dtype, two_threads):
-    """From 32 rows (prefill chunks, large batches) the weights are dequantized a slab at a time for a
-    float32 GEMM: x (not int8) times the dequantized weights, for any x dtype; 300 rows span two slabs."""
+def test_many_float32_rows_multiply_the_dequantized_weights(ggml_type, two_threads):
+    """From 32 float32 rows the weights are dequantized a slab at a time for a float32 GEMM: x times the
+    dequantized weights to float32 rounding; 300 rows span two slabs."""
     raw = random_blocks(ggml_type, 300, 512, seed=3)
     weight = torch.from_numpy(quants.dequantize(raw, ggml_type)).double()
-    x = torch.randn(40, 512, generator=torch.Generator().manual_seed(4)).to(dtype)
+    x = torch.randn(40, 512, generator=torch.Generator().manual_seed(4))
     got = cpu_gguf.linear(x, [torch.from_numpy(raw)], [int(ggml_type)])
-    assert got.dtype == dtype and got.shape == (40, 300)
+    assert got.dtype == torch.float32 and got.shape == (40, 300)
     expected = x.double() @ weight.T
-    rounding = 0 if dtype == torch.float32 else expected.abs() / 128
-    assert ((got.double() - expected).abs() <= 1e-5 * (x.double().abs() @ weight.abs().T) + rounding).all()
+    assert ((got.double() - expected).abs() <= 1e-5 * (x.double().abs() @ weight.abs().T)).all()
+
+
+@pytest.mark.parametrize("ggml_type", KERNEL_TYPES, ids=lambda t: t.name)
+def test_a_prefill_chunk_of_bfloat16_rows(ggml_type, two_threads):
+    """A prefill chunk's bfloat16 rows take the int8 tiles as a batch does: 130 rows (seventeen tiles, the
+    last of two rows) of K = 4864, whose x codes are taken a few tiles per pass over the weight rows."""
+    raw = random_blocks(ggml_type, 37, 4864, seed=5)
+    weight = torch.from_numpy(quants.dequantize(raw, ggml_type)).double()
+    x = torch.randn(130, 4864, generator=torch.Generator().manual_seed(6)).bfloat16()
+    got = cpu_gguf.linear(x, [torch.from_numpy(raw)], [int(ggml_type)])
+    assert got.dtype == torch.bfloat16 and got.shape == (130, 37)
+    xq = quantized_x(x.float())
+    expected = xq @ weight.T
+    assert (
+        (got.double() - expected).abs() <= 1e-5 * (xq.abs() @ weight.abs().T) + expected.abs() / 128
+    ).all()
 
 
 def test_fused_parts_of_mixed_types_and_bfloat16_rows(two_threads):

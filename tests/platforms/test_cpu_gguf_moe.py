@@ -1,8 +1,9 @@
 """The GGUF experts kernel (`cpu_kernels/gguf_moe.cpp`) against the dequantized reference: gguf-py's
 dequantized experts run by `fused_experts_reference`'s arithmetic in float64, with x (and the activations)
 as the kernel sees them: float32 as they are, bfloat16 quantized to int8 groups of 32. Every kernel type,
-one token (decode: each expert's one-row path) and several (experts shared by several tokens: the
-multi-row path), top-k > 1, a layer with a type per projection as llama.cpp's Q4_K_M files mix them."""
+one token (decode: each expert's one-row path) and several (experts shared by several tokens: tiles of
+eight x rows for bfloat16, the row products or slabs for float32), top-k > 1, a layer with a type per
+projection as llama.cpp's Q4_K_M files mix them."""
 
 from __future__ import annotations
 
@@ -113,32 +114,39 @@ def test_bfloat16_x_equals_int8_x_times_the_dequantized_experts(ggml_type, token
 
 def test_a_type_per_projection_and_many_tokens(two_threads):
     """Q4_K gate and up with a Q6_K down projection (as llama.cpp's Q4_K_M writes experts), 12 tokens, so
-    each expert multiplies several rows at once (fewer than 32: the unpacked-row path)."""
+    each expert multiplies several rows at once (a tile of x rows)."""
     got, expected, bound = run([T.Q4_K, T.Q4_K, T.Q6_K], 12, top_k=2, dtype=torch.bfloat16, seed=5)
     assert ((got - expected).abs() <= bound + expected.abs() / 128).all()
     assert (got - expected).norm() / expected.norm() < 0.004
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_experts_with_many_tokens_multiply_the_dequantized_weights(dtype, two_threads):
-    """From 32 pairs an expert (a prefill chunk's) takes slabs of dequantized rows through a float32 GEMM:
-    x and the activations unquantized, for any x dtype (here every expert has more than 32 pairs)."""
+def test_experts_with_many_tokens(dtype, two_threads):
+    """A prefill chunk's experts, each with more than 32 pairs: float32 x takes slabs of dequantized rows
+    through a float32 GEMM (x and the activations as they are); bfloat16 x the int8 tiles, several tiles an
+    expert, as it does from two pairs."""
     assert min(torch.bincount(routing(100, 2, seed=7)[1].flatten(), minlength=EXPERTS)) >= 32
+    floats = dtype == torch.float32
     got, expected, bound = run(
-        [T.Q4_K, T.Q5_0, T.Q6_K], 100, top_k=2, dtype=dtype, seed=7, as_kernel=torch.Tensor.double
+        [T.Q4_K, T.Q5_0, T.Q6_K],
+        100,
+        top_k=2,
+        dtype=dtype,
+        seed=7,
+        as_kernel=torch.Tensor.double if floats else None,
     )
-    rounding = 0 if dtype == torch.float32 else expected.abs() / 128
-    assert ((got - expected).abs() <= bound + rounding).all()
-    # bfloat16's rounding alone (int8 x and activations would be ~0.01 away)
-    assert (got - expected).norm() / expected.norm() < 0.004
+    assert ((got - expected).abs() <= bound + (0 if floats else expected.abs() / 128)).all()
+    assert (got - expected).norm() / expected.norm() < (1e-6 if floats else 0.004)
 
 
-def test_one_expert_with_many_tokens_beside_experts_with_few(two_threads):
-    """Every one of 40 tokens chooses expert 0 (the GEMM path) and one other (the row products)."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_one_expert_with_many_tokens_beside_experts_with_few(dtype, two_threads):
+    """Every one of 40 tokens chooses expert 0 (float32: the GEMM path; bfloat16: five tiles) and one other
+    (the row products, or tiles of a few rows)."""
     others = torch.randint(1, EXPERTS, (40, 1), generator=torch.Generator().manual_seed(8))
     ids = torch.cat([torch.zeros(40, 1, dtype=torch.long), others], dim=1)
-    got, expected, bound = run([T.Q8_0, T.Q4_1, T.Q5_K], 40, top_k=2, dtype=torch.float32, seed=9, ids=ids)
-    assert ((got - expected).abs() <= bound).all()
+    got, expected, bound = run([T.Q8_0, T.Q4_1, T.Q5_K], 40, top_k=2, dtype=dtype, seed=9, ids=ids)
+    assert ((got - expected).abs() <= bound + (0 if dtype == torch.float32 else expected.abs() / 128)).all()
 
 
 def test_unchosen_experts_and_types_without_kernel():

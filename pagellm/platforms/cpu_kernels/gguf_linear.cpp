@@ -2,8 +2,9 @@
 // is multiplied).
 //
 // Work split: output features in one contiguous run per thread (each thread streams its rows of blocks in
-// memory order); each weight row is multiplied with every x row (a prefill chunk's quantized rows fit L2).
-// From kSlabRows x rows, slabs of dequantized rows go through torch's float32 GEMM instead.
+// memory order); each weight row is multiplied with every x row. bfloat16 x: one row straight from the
+// blocks (a decode step), several rows in tiles of eight (gguf_tiles.h: a batch, a prefill chunk). float32
+// x: from kSlabRows rows, slabs of dequantized rows through torch's float32 GEMM.
 //
 // `gguf_dequantize` widens rows to float32 exactly as gguf-py's numpy code does, for the tests and for
 // layers that need the float weight; `gguf_embedding` the rows a step looks up.
@@ -16,6 +17,7 @@
 #include <vector>
 
 #include "gguf_blocks.h"
+#include "gguf_tiles.h"
 #include "kernels.h"
 
 bool gguf_kernel_type(int64_t type) { return has_kernel(type); }
@@ -48,7 +50,8 @@ at::Tensor gguf_linear(const at::Tensor& input, at::TensorList parts, at::IntArr
   const int64_t m = rows_in.size(0);
   const bool bf16 = input.scalar_type() == at::kBFloat16;
   if (m == 0 || n == 0) return input.new_empty(shape);
-  if (m >= kSlabRows) {  // a prefill chunk or a large batch: slabs of dequantized rows through sgemm
+  const bool tiles = kTiles && bf16 && m >= kTileRows;
+  if (m >= kSlabRows && !tiles) {  // float32 x of a prefill chunk or a large batch: slabs through sgemm
     const at::Tensor x = rows_in.to(at::kFloat);
     at::Tensor out = x.new_empty({m, n});
     for (size_t p = 0; p < parts.size(); ++p)
@@ -59,7 +62,8 @@ at::Tensor gguf_linear(const at::Tensor& input, at::TensorList parts, at::IntArr
   }
   // float32 x keeps its values (float products: the same sums as x @ the dequantized weights, up to their
   // order); bfloat16 x, already rounded to 8 bits of mantissa, is quantized to int8 groups, read and written
-  // in bfloat16 here (no float32 copies of x and of the output around the call)
+  // in bfloat16 here (no float32 copies of x and of the output around the call), one row straight from the
+  // blocks, several in tiles of eight
   Rows q;
   if (bf16) {
     quantize_rows(rows_in.data_ptr<c10::BFloat16>(), m, k, q);
@@ -67,6 +71,29 @@ at::Tensor gguf_linear(const at::Tensor& input, at::TensorList parts, at::IntArr
     float_rows(rows_in.data_ptr<float>(), m, k, q);
   }
   at::Tensor out = input.new_empty({m, n});
+#if GG_AVX2
+  if (tiles) {
+    XTiles xt;
+    xt.reset(k, tiles_for(m));
+    interleave(q, 0, m, xt, 0);
+    at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+      std::vector<float> sums((end - begin) * m);
+      for (size_t p = 0; p < parts.size(); ++p) {
+        const int64_t lo = std::max(begin, starts[p]), hi = std::min(end, starts[p + 1]);
+        if (lo >= hi) continue;
+        Layout layout;
+        layout_of(types[p], &layout);
+        const int64_t blocks = k / layout.block;
+        tile_fn(types[p])(static_cast<const uint8_t*>(parts[p].data_ptr()), blocks * layout.bytes, blocks,
+                          lo - starts[p], hi - starts[p], xt, 0, m, sums.data() + (lo - begin), end - begin);
+      }
+      c10::BFloat16* y = out.data_ptr<c10::BFloat16>();
+      for (int64_t r = 0; r < m; ++r)
+        for (int64_t j = begin; j < end; ++j) y[r * n + j] = round_to_bf16(sums[r * (end - begin) + j - begin]);
+    });
+    return out.view(shape);
+  }
+#endif
   at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> sums(bf16 ? (end - begin) * m : 0);  // this thread's outputs before rounding
     for (size_t p = 0; p < parts.size(); ++p) {

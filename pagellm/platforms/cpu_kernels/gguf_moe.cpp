@@ -6,11 +6,11 @@
 // A step, per chunk of tokens (bounding the float32 buffers): the (token, expert) pairs sorted by expert
 // (moe_routing.h), each pair's x row gathered in that order and quantized once (bfloat16 x: int8 groups of
 // 32; float32 x: kept, float products), so the rows sharing an expert are consecutive and each expert
-// weight row is multiplied with all of them at once (gguf_blocks.h's `row_times_x`: one x row straight from
-// the blocks at decode, else the row unpacked once for its x rows; an expert with kSlabRows pairs or more,
-// in a prefill chunk, takes slabs of its dequantized rows through torch's float32 GEMM, as gguf_linear.cpp
-// does for many rows); then gate/up -> activation in float32, the activations quantized the same way, the
-// down projection, and per token the routing-weighted sum of its top-k rows, rounded to x's dtype once.
+// weight row is multiplied with all of them at once (bfloat16 x: one row straight from the blocks, several
+// in tiles of eight, gguf_tiles.h; float32 x: gguf_blocks.h's `row_times_x`, and from kSlabRows pairs, in a
+// prefill chunk, slabs of dequantized rows through torch's float32 GEMM, as gguf_linear.cpp does); then
+// gate/up -> activation in float32, the activations quantized the same way, the down projection, and per
+// token the routing-weighted sum of its top-k rows, rounded to x's dtype once.
 //
 // Work split: threads take contiguous runs of output rows, the same rows of every chosen expert (gate and
 // up row i together, so the activation needs no second pass), as gguf_linear.cpp splits a linear's rows;
@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "gguf_blocks.h"
+#include "gguf_tiles.h"
 #include "kernels.h"
 #include "moe_routing.h"
 
@@ -65,17 +66,36 @@ void prepare_rows(const In* x, int64_t m, int64_t k, bool floats, Rows& q) {
   quantize_rows(x, m, k, q);
 }
 
+// x tiles (gguf_tiles.h) of the experts in `tiled`: each expert's rows (consecutive in q) in tiles of their
+// own, first_tile[i] the first of expert tiled[i]'s.
+void tile_experts(const Rows& q, const Routing& routing, const std::vector<int64_t>& tiled,
+                  std::vector<int64_t>& first_tile, XTiles& x) {
+  first_tile.assign(tiled.size(), 0);
+  int64_t total = 0;
+  for (size_t i = 0; i < tiled.size(); ++i) first_tile[i] = total, total += tiles_for(routing.count[tiled[i]]);
+  x.reset(q.k, total);
+  for (size_t i = 0; i < tiled.size(); ++i)
+    interleave(q, routing.start[tiled[i]], routing.count[tiled[i]], x, first_tile[i]);
+}
+
 // One chunk's experts: y[s] = down(act(gate x_s, up x_s)) of sorted pair s, unweighted, float32 [pairs, h].
-// Experts with kSlabRows pairs or more take slabs of dequantized rows through torch's GEMM (float x, as
-// gguf_linear.cpp's prefill path), one expert at a time; the others share one parallel region per
-// projection, threads over output rows.
+// bfloat16 x: an expert's rows in tiles of eight from two rows on (gguf_tiles.h), one row straight from the
+// blocks. float32 x: experts with kSlabRows pairs or more take slabs of dequantized rows through torch's
+// GEMM (as gguf_linear.cpp's float32 prefill), one expert at a time, the others the row products. Both
+// share one parallel region per projection, threads over output rows.
 void run_chunk(const at::Tensor& xs, const Routing& routing, const Stack& gate, const Stack& up, const Stack& down,
                const ActParams& a, at::Tensor& act, at::Tensor& y) {
   const int64_t pairs = xs.size(0), h = xs.size(1), inter = gate.rows;
   const bool floats = xs.scalar_type() == at::kFloat;
-  std::vector<int64_t> small, large;
-  for (int64_t c = 0; c < static_cast<int64_t>(routing.experts.size()); ++c)
-    (routing.count[c] >= kSlabRows ? large : small).push_back(c);
+  const bool tiles = kTiles && !floats;
+  std::vector<int64_t> small, large, tiled;
+  for (int64_t c = 0; c < static_cast<int64_t>(routing.experts.size()); ++c) {
+    if (tiles) {
+      (routing.count[c] >= kTileRows ? tiled : small).push_back(c);
+    } else {
+      (routing.count[c] >= kSlabRows ? large : small).push_back(c);
+    }
+  }
   float* acts = act.data_ptr<float>();
   for (const int64_t c : large) {
     const int64_t e = routing.experts[c], s0 = routing.start[c], m = routing.count[c];
@@ -90,43 +110,68 @@ void run_chunk(const at::Tensor& xs, const Routing& routing, const Stack& gate, 
           acts[(s0 + r) * inter + i] = activate(gu[r * 2 * inter + i], gu[r * 2 * inter + inter + i], a);
     });
   }
-  if (!small.empty()) {
+  if (!small.empty() || !tiled.empty()) {
     int64_t most = 0;
     for (const int64_t c : small) most = std::max(most, routing.count[c]);
+    for (const int64_t c : tiled) most = std::max(most, routing.count[c]);
     Rows xq;
     if (floats) {
       prepare_rows(xs.data_ptr<float>(), pairs, h, true, xq);
     } else {
       prepare_rows(xs.data_ptr<c10::BFloat16>(), pairs, h, false, xq);
     }
+    XTiles xt;
+    std::vector<int64_t> first_tile;
+    if (!tiled.empty()) tile_experts(xq, routing, tiled, first_tile, xt);
     at::parallel_for(0, inter, kRowGrain, [&](int64_t begin, int64_t end) {
       const int64_t n = end - begin;
       std::vector<float> g(most * n), u(most * n);  // this thread's gate and up sums of one expert's rows
+      const auto activate_rows = [&](int64_t s0, int64_t m) {
+        for (int64_t r = 0; r < m; ++r)
+          for (int64_t i = 0; i < n; ++i) acts[(s0 + r) * inter + begin + i] = activate(g[r * n + i], u[r * n + i], a);
+      };
       for (const int64_t c : small) {
         const int64_t e = routing.experts[c], s0 = routing.start[c], m = routing.count[c];
         for (int64_t i = begin; i < end; ++i) {
           gate.fn(gate.row(e, i), gate.blocks, xq, s0, m, g.data() + (i - begin), n);
           up.fn(up.row(e, i), up.blocks, xq, s0, m, u.data() + (i - begin), n);
         }
-        for (int64_t r = 0; r < m; ++r)
-          for (int64_t i = 0; i < n; ++i) acts[(s0 + r) * inter + begin + i] = activate(g[r * n + i], u[r * n + i], a);
+        activate_rows(s0, m);
       }
+#if GG_AVX2
+      for (size_t i = 0; i < tiled.size(); ++i) {
+        const int64_t c = tiled[i], e = routing.experts[c], m = routing.count[c];
+        tile_fn(gate.type)(gate.row(e, 0), gate.row_bytes, gate.blocks, begin, end, xt, first_tile[i], m, g.data(), n);
+        tile_fn(up.type)(up.row(e, 0), up.row_bytes, up.blocks, begin, end, xt, first_tile[i], m, u.data(), n);
+        activate_rows(routing.start[c], m);
+      }
+#endif
     });
   }
   for (const int64_t c : large) {
     const int64_t e = routing.experts[c], s0 = routing.start[c], m = routing.count[c];
     slab_matmul(act.narrow(0, s0, m), down.row(e, 0), h, down.type, y.narrow(0, s0, m));
   }
-  if (small.empty()) return;
+  if (small.empty() && tiled.empty()) return;
   // the activations are quantized as x is (int8 groups where x is bfloat16), as llama.cpp quantizes them
   Rows aq;
   prepare_rows(acts, pairs, inter, floats, aq);
+  XTiles act_tiles;
+  std::vector<int64_t> first_tile;
+  if (!tiled.empty()) tile_experts(aq, routing, tiled, first_tile, act_tiles);
   float* ys = y.data_ptr<float>();
   at::parallel_for(0, h, kRowGrain, [&](int64_t begin, int64_t end) {
     for (const int64_t c : small) {
       const int64_t e = routing.experts[c], s0 = routing.start[c], m = routing.count[c];
       for (int64_t j = begin; j < end; ++j) down.fn(down.row(e, j), down.blocks, aq, s0, m, ys + s0 * h + j, h);
     }
+#if GG_AVX2
+    for (size_t i = 0; i < tiled.size(); ++i) {
+      const int64_t c = tiled[i], e = routing.experts[c], s0 = routing.start[c];
+      tile_fn(down.type)(down.row(e, 0), down.row_bytes, down.blocks, begin, end, act_tiles, first_tile[i], routing.count[c],
+                         ys + s0 * h + begin, h);
+    }
+#endif
   });
 }
 

@@ -1,0 +1,190 @@
+// Several x rows times GGUF weight rows at once (a batch of decodes, a prefill chunk, an expert's tokens),
+// on the int8 codes of gguf_blocks.h: x rows interleaved by eight, so that one 256-bit vector holds four
+// consecutive codes of each of eight x rows, and a weight row's four codes, broadcast to every lane, meet all
+// eight rows in one maddubs. The vector lanes are x rows: each weight group's float work (the integer sums
+// converted, times the weight scale and x's scales, the offsets' term) is one instruction for eight rows
+// instead of one per row, which is what held the row-at-a-time products (gguf_blocks.h's `dot_unpacked`) to
+// ~1/10 of the integer units' rate.
+//
+// Each weight row is unpacked once (`unpack_row`: codes, and per half group the scale and offset) and
+// multiplied with every tile of x rows, two weight rows at a time sharing the x loads. The x tiles are read
+// from L2: rows are taken kTileBytes of x codes at a time (each weight row unpacked again per such run).
+#pragma once
+
+#include "gguf_blocks.h"
+
+namespace {
+
+constexpr int64_t kLanes = 8;  // x rows in a tile: the lanes of a 256-bit vector of int32
+constexpr int64_t kTileRows = 2;  // from this many bfloat16 x rows, tiles (one row: gguf_blocks.h's dot_one_row)
+constexpr bool kTiles = GG_AVX2;  // the tiles are AVX2 code; the plain C++ build keeps the row products
+constexpr int64_t kTileBytes = int64_t(192) << 10;  // x codes multiplied per pass over the weight rows (L2)
+
+// Rows of x interleaved by kLanes (the last tile of a run padded with zero rows). Per tile: codes
+// [k / 4][8 rows][4 codes], then per group the scales dx [k / 32][8] and the offsets' factors: dx times the
+// code sums of each half group [k / 16][8] and of each group [k / 32][8].
+struct XTiles {
+  int64_t k = 0;
+  std::vector<int8_t> codes;
+  std::vector<float> dx, halves, wholes;
+  void reset(int64_t columns, int64_t tiles) {
+    k = columns;
+    codes.assign(tiles * k * kLanes, 0);
+    dx.assign(tiles * (k / kGroup) * kLanes, 0.f);
+    halves.assign(tiles * (k / 16) * kLanes, 0.f);
+    wholes.assign(tiles * (k / kGroup) * kLanes, 0.f);
+  }
+  const int8_t* codes_of(int64_t t) const { return codes.data() + t * k * kLanes; }
+  const float* dx_of(int64_t t) const { return dx.data() + t * (k / kGroup) * kLanes; }
+  const float* halves_of(int64_t t) const { return halves.data() + t * (k / 16) * kLanes; }
+  const float* wholes_of(int64_t t) const { return wholes.data() + t * (k / kGroup) * kLanes; }
+};
+
+inline int64_t tiles_for(int64_t rows) { return (rows + kLanes - 1) / kLanes; }
+
+// Quantized rows first..first + m - 1 of q into tiles t0, t0 + 1, ... of x (reset beforehand, so the padding
+// rows are zeros).
+inline void interleave(const Rows& q, int64_t first, int64_t m, XTiles& x, int64_t t0) {
+  const int64_t k = q.k, groups = k / kGroup;
+  for (int64_t r = 0; r < m; ++r) {
+    const int64_t t = t0 + r / kLanes, lane = r % kLanes;
+    const int8_t* src = q.row(first + r);
+    int8_t* dst = x.codes.data() + t * k * kLanes + lane * 4;
+    for (int64_t c = 0; c < k / 4; ++c) std::memcpy(dst + c * 4 * kLanes, src + 4 * c, 4);
+    const float *scale = q.scale(first + r), *half = q.sums(first + r), *whole = q.whole_sums(first + r);
+    float* dx = x.dx.data() + t * groups * kLanes + lane;
+    float* halves = x.halves.data() + t * groups * 2 * kLanes + lane;
+    float* wholes = x.wholes.data() + t * groups * kLanes + lane;
+    for (int64_t g = 0; g < groups; ++g) {
+      dx[g * kLanes] = scale[g], wholes[g * kLanes] = whole[g];
+      halves[2 * g * kLanes] = half[2 * g], halves[(2 * g + 1) * kLanes] = half[2 * g + 1];
+    }
+  }
+}
+
+#if GG_AVX2
+
+// One chunk (four codes of a weight row, broadcast, times four codes of each of eight x rows) into the
+// int16 pair sums; every kSum chunks the pairs are widened to int32 into `lo`, or `hi` for a group's second
+// half where the halves have their own scales. A pair is at most 2 * 127 times the largest code (4-bit 15,
+// 5-bit 31, Q6_K 63; Q8_0's |w| up to 128: alone), and kSum of them stay within 32767: the widening madd
+// runs on one unit of the AVX2 EPYC (Zen 3) against maddubs' two, so one per chunk halved the rate.
+template <int64_t T, int c>
+inline void tile_chunk(__m256i w, __m256i xv, __m256i ones, __m256i& pairs, __m256i& lo, __m256i& hi) {
+  constexpr bool kSigned = T == kQ8_0, kHalves = T == kQ6_K;
+  constexpr int kSum = kSigned ? 1 : T == kQ6_K ? 2 : (T == kQ5_0 || T == kQ5_1 || T == kQ5_K) ? 4 : 8;
+  const __m256i p =
+      kSigned ? _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(xv, w)) : _mm256_maddubs_epi16(w, xv);
+  pairs = c % kSum == 0 ? p : _mm256_add_epi16(pairs, p);
+  if constexpr (c % kSum == kSum - 1) {
+    const __m256i widened = _mm256_madd_epi16(pairs, ones);
+    if constexpr (kHalves && c >= 4) {
+      hi = _mm256_add_epi32(hi, widened);
+    } else {
+      lo = _mm256_add_epi32(lo, widened);
+    }
+  }
+}
+
+// W unpacked weight rows times tile t of x: out[j] lane r = weight row j . x row r of the tile.
+// Q8_0's codes are signed (|w| times x with w's sign, no offsets); Q6_K has a scale and an offset per half
+// group, the others one per group.
+template <int W, int64_t T>
+inline void tile_dot(const Unpacked* u, int64_t groups, const XTiles& x, int64_t t, __m256* out) {
+  constexpr bool kSigned = T == kQ8_0, kHalves = T == kQ6_K;
+  const int8_t* xc = x.codes_of(t);
+  const float* dx = x.dx_of(t);
+  const float* sums = kHalves ? x.halves_of(t) : x.wholes_of(t);
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[W];
+  for (int j = 0; j < W; ++j) acc[j] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m256i lo[W], hi[W], pairs[W];
+    for (int j = 0; j < W; ++j) lo[j] = hi[j] = pairs[j] = _mm256_setzero_si256();
+    const int8_t* xg = xc + g * kGroup * kLanes;
+    // each half of the group's codes in both 128-bit lanes; a chunk's four codes broadcast from them by
+    // vpshufd (a shuffle unit's work, where a broadcast load per chunk made the loads the bottleneck)
+    __m256i halves[W][2];
+    for (int j = 0; j < W; ++j)
+      for (int h = 0; h < 2; ++h)
+        halves[j][h] = _mm256_broadcastsi128_si256(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(u[j].codes + g * kGroup + 16 * h)));
+#define GG_CHUNK(c)                                                                                                 \
+  {                                                                                                                 \
+    const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xg + (c) * 4 * kLanes));                 \
+    for (int j = 0; j < W; ++j) tile_chunk<T, (c)>(_mm256_shuffle_epi32(halves[j][(c) / 4], ((c) % 4) * 0x55), xv,  \
+                                                  ones, pairs[j], lo[j], hi[j]);                                  \
+  }
+    GG_CHUNK(0) GG_CHUNK(1) GG_CHUNK(2) GG_CHUNK(3) GG_CHUNK(4) GG_CHUNK(5) GG_CHUNK(6) GG_CHUNK(7)
+#undef GG_CHUNK
+    const __m256 dxv = _mm256_loadu_ps(dx + g * kLanes);
+    for (int j = 0; j < W; ++j) {
+      const float* a = u[j].a + 2 * g;
+      const float* b = u[j].b + 2 * g;
+      acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo[j]), _mm256_mul_ps(_mm256_set1_ps(a[0]), dxv), acc[j]);
+      if constexpr (kHalves) {
+        acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi[j]), _mm256_mul_ps(_mm256_set1_ps(a[1]), dxv), acc[j]);
+        acc[j] = _mm256_fmadd_ps(_mm256_set1_ps(b[0]), _mm256_loadu_ps(sums + 2 * g * kLanes), acc[j]);
+        acc[j] = _mm256_fmadd_ps(_mm256_set1_ps(b[1]), _mm256_loadu_ps(sums + (2 * g + 1) * kLanes), acc[j]);
+      } else if constexpr (!kSigned) {
+        acc[j] = _mm256_fmadd_ps(_mm256_set1_ps(b[0]), _mm256_loadu_ps(sums + g * kLanes), acc[j]);
+      }
+    }
+  }
+  for (int j = 0; j < W; ++j) out[j] = acc[j];
+}
+
+// Weight rows [lo, hi) of w (type T, row_bytes a row) times the m x rows of tiles t0.. of x ->
+// out[r * stride + (j - lo)] for x row r and weight row j.
+template <int64_t T>
+void tile_rows(const uint8_t* w, int64_t row_bytes, int64_t blocks, int64_t lo, int64_t hi, const XTiles& x,
+               int64_t t0, int64_t m, float* out, int64_t stride) {
+  const int64_t groups = x.k / kGroup;
+  std::vector<uint8_t> codes(2 * groups * kGroup + 64);
+  std::vector<float> scales(2 * groups * 4);
+  Unpacked u[2] = {{codes.data(), scales.data(), scales.data() + groups * 2},
+                   {codes.data() + groups * kGroup, scales.data() + groups * 4, scales.data() + groups * 6}};
+  const int64_t tiles = tiles_for(m);
+  const int64_t run = std::max<int64_t>(1, kTileBytes / (x.k * kLanes));  // tiles per pass over the rows
+  alignas(32) float lanes[2][kLanes];
+  for (int64_t first = 0; first < tiles; first += run) {
+    const int64_t last = std::min(tiles, first + run);
+    for (int64_t j = lo; j < hi; j += 2) {
+      const int pair = hi - j >= 2 ? 2 : 1;
+      for (int p = 0; p < pair; ++p) unpack_row<T>(w + (j + p) * row_bytes, blocks, u[p]);
+      for (int64_t t = first; t < last; ++t) {
+        __m256 v[2];
+        if (pair == 2) {
+          tile_dot<2, T>(u, groups, x, t0 + t, v);
+        } else {
+          tile_dot<1, T>(u, groups, x, t0 + t, v);
+        }
+        const int64_t rows = std::min(kLanes, m - t * kLanes);
+        for (int p = 0; p < pair; ++p) {
+          _mm256_store_ps(lanes[p], v[p]);
+          for (int64_t r = 0; r < rows; ++r) out[(t * kLanes + r) * stride + (j + p - lo)] = lanes[p][r];
+        }
+      }
+    }
+  }
+}
+
+using TileFn = void (*)(const uint8_t*, int64_t, int64_t, int64_t, int64_t, const XTiles&, int64_t, int64_t, float*,
+                        int64_t);
+
+TileFn tile_fn(int64_t type) {
+  switch (type) {
+    case kQ4_0: return tile_rows<kQ4_0>;
+    case kQ4_1: return tile_rows<kQ4_1>;
+    case kQ5_0: return tile_rows<kQ5_0>;
+    case kQ5_1: return tile_rows<kQ5_1>;
+    case kQ8_0: return tile_rows<kQ8_0>;
+    case kQ4_K: return tile_rows<kQ4_K>;
+    case kQ5_K: return tile_rows<kQ5_K>;
+    default: return tile_rows<kQ6_K>;
+  }
+}
+
+#endif
+
+}  // namespace
