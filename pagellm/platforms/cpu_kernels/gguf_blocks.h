@@ -30,8 +30,10 @@
 //
 // A weight row times x rows (`row_times_x`): one int8 x row straight from the blocks (`dot_one_row`), else
 // the row unpacked once into codes and per-half scales (L1) and multiplied with every x row, kTile x rows
-// at a time; from kSlabRows x rows, dequantized slabs of weight rows through torch's GEMM (`slab_matmul`). `dequantize_block` widens a block to float32 exactly as gguf-py's numpy code does (the same
-// float32 operations in the same order, no fused multiply-adds).
+// at a time (float32 x, and int8 x where the AVX2 tiles of gguf_tiles.h are not built); float32 x from
+// kSlabRows rows: dequantized slabs of weight rows through torch's GEMM (`slab_matmul`).
+// `dequantize_block` widens a block to float32 exactly as gguf-py's numpy code does (the same float32
+// operations in the same order, no fused multiply-adds).
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -60,10 +62,10 @@ enum Type : int64_t {
 
 constexpr int64_t kGroup = 32;  // x is quantized in groups of 32; every block is a whole number of groups
 constexpr int kTile = 4;        // x rows that share one unpacking of a weight group
-// From this many x rows the weights are dequantized to float32, kSlab rows at a time (L2-sized at K = 1024:
-// 1 MB), and multiplied by torch's float32 GEMM (`slab_matmul`): at 128 rows of model S's [3072 x 576] MLP
-// shape the int8 dot products ran ~35 GFLOP/s, the GEMM ~70 on the AVX2 EPYC. The results are x times the
-// dequantized weights, as float32 x gets on the one-row path, whatever x's dtype.
+// From this many float32 x rows the weights are dequantized to float32, kSlab rows at a time (L2-sized at
+// K = 1024: 1 MB), and multiplied by torch's float32 GEMM (`slab_matmul`): at 128 rows of model S's
+// [3072 x 576] MLP shape the unpacked-row int8 products ran ~35 GFLOP/s, the GEMM ~70 on the AVX2 EPYC (the
+// int8 tiles of gguf_tiles.h, which bfloat16 x takes, ~250).
 constexpr int64_t kSlabRows = 32;
 constexpr int64_t kSlab = 256;
 
