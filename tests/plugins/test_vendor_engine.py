@@ -32,14 +32,16 @@ def test_auto_backend_on_the_vendor_device(model, monkeypatch, idle_machine):
     monkeypatch.setenv("PAGELLM_ATTENTION_TIMING", "0")  # no timing: the platform's first preference
     llm = LLM(str(path), device="vendor_sim", dtype="float32", max_model_len=400)
     assert llm.engine.setup.backend.name == "VENDOR_ATTN"
-    monkeypatch.setenv("PAGELLM_ATTENTION_TIMING", "1")  # timed: the fastest compatible one, with the numbers
+    # timed: the first in preference order within 10% of the fastest, with the numbers (two backends a hair
+    # apart, as CPU_ATTN and TORCH_SDPA on this tiny model, keep the preference order)
+    monkeypatch.setenv("PAGELLM_ATTENTION_TIMING", "1")
     choice = LLM(
         str(path), device="vendor_sim", dtype="float32", max_model_len=400
     ).engine.setup.backend_choice
-    assert "VENDOR_ATTN" in choice.timings and choice.backend.name == min(
-        choice.timings, key=choice.timings.get
-    )
-    assert "fastest measured" in choice.explanation[0]
+    fastest = min(choice.timings.values())
+    assert "VENDOR_ATTN" in choice.timings and choice.timings[choice.backend.name] <= 1.1 * fastest
+    why = "fastest measured" if choice.timings[choice.backend.name] == fastest else "within 10% of the fastest"
+    assert why in choice.explanation[0]
 
 
 def test_vendor_quantization_runs_in_the_engine(model):

@@ -460,6 +460,13 @@ inline void store_pair(float* dst, float lo, float hi) {
   _mm_store_sd(reinterpret_cast<double*>(dst), _mm_castps_pd(_mm_setr_ps(lo, hi, 0.f, 0.f)));
 }
 
+// Q6_K: part `part` (0-3) of a 128-weight half's high bits (2 bits a byte of qh, bits 2 part and up) in
+// place as each code's bits 4-5: one shift the right way and a mask, not a shift down, a mask and a shift up.
+inline __m256i q6_high(__m256i qh, int part) {
+  const __m256i bits = part == 2 ? qh : part < 2 ? _mm256_slli_epi16(qh, 4 - 2 * part) : _mm256_srli_epi16(qh, 2);
+  return _mm256_and_si256(bits, _mm256_set1_epi8(0x30));
+}
+
 template <int64_t T>
 void unpack_row(const uint8_t* w, int64_t blocks, Unpacked& u) {
   const __m256i low4 = _mm256_set1_epi8(0x0f);
@@ -511,9 +518,8 @@ void unpack_row(const uint8_t* w, int64_t blocks, Unpacked& u) {
         __m256i ql = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * h + 32 * (part % 2)));
         ql = _mm256_and_si256(part / 2 ? _mm256_srli_epi16(ql, 4) : ql, low4);
         const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 32 * h));
-        const __m256i high = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * part), _mm256_set1_epi8(3));
         const int64_t group = i * 8 + g;
-        store_codes(&u.codes[group * kGroup], _mm256_or_si256(ql, _mm256_slli_epi16(high, 4)));
+        store_codes(&u.codes[group * kGroup], _mm256_or_si256(ql, q6_high(qh, part)));
         const float a0 = d * static_cast<int8_t>(blk[192 + 2 * g]), a1 = d * static_cast<int8_t>(blk[193 + 2 * g]);
         store_pair(&u.a[2 * group], a0, a1), store_pair(&u.b[2 * group], -32.f * a0, -32.f * a1);
       }
@@ -681,8 +687,7 @@ float dot_one_row(const uint8_t* w, int64_t blocks, const Rows& x, int64_t r) {
           const int g = 4 * h + part;
           const __m256i ql = part % 2 ? ql1 : ql0;
           const __m256i low = _mm256_and_si256(part / 2 ? _mm256_srli_epi16(ql, 4) : ql, low4);
-          const __m256i high = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * part), _mm256_set1_epi8(3));
-          const __m256i codes = _mm256_or_si256(low, _mm256_slli_epi16(high, 4));
+          const __m256i codes = _mm256_or_si256(low, q6_high(qh, part));
           // lanes 0-3 the group's first half's scale, 4-7 its second's
           const __m256 scale = _mm256_permutevar8x32_ps(
               scales[h], _mm256_setr_epi32(2 * part, 2 * part, 2 * part, 2 * part, 2 * part + 1, 2 * part + 1,
