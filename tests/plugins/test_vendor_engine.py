@@ -40,7 +40,9 @@ def test_auto_backend_on_the_vendor_device(model, monkeypatch, idle_machine):
     ).engine.setup.backend_choice
     fastest = min(choice.timings.values())
     assert "VENDOR_ATTN" in choice.timings and choice.timings[choice.backend.name] <= 1.1 * fastest
-    why = "fastest measured" if choice.timings[choice.backend.name] == fastest else "within 10% of the fastest"
+    why = (
+        "fastest measured" if choice.timings[choice.backend.name] == fastest else "within 10% of the fastest"
+    )
     assert why in choice.explanation[0]
 
 
