@@ -60,10 +60,10 @@ def test_float32_rows_equal_x_times_dequantized_weights(ggml_type, rows, two_thr
 
 
 @pytest.mark.parametrize("ggml_type", KERNEL_TYPES, ids=lambda t: t.name)
-@pytest.mark.parametrize("rows", [1, 2, 3, 7, 9, 17, 31])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 17, 31])
 def test_bfloat16_rows_equal_int8_x_times_dequantized_weights(ggml_type, rows, two_threads):
-    # one row straight from the blocks, from two rows tiles of eight x rows (9, 17, 31: partial last tiles);
-    # 43 weight rows: the two threads' runs of rows of odd lengths, a last weight row without a pair
+    # up to four rows straight from the blocks, from five tiles of eight x rows (5, 9, 17, 31: partial last
+    # tiles); 43 weight rows: the two threads' runs of rows of odd lengths, a last weight row without a pair
     raw = random_blocks(ggml_type, 43, 512, seed=rows)
     weight = torch.from_numpy(quants.dequantize(raw, ggml_type)).double()
     x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(1)).bfloat16()

@@ -22,13 +22,13 @@
 //
 // One int8 x row (a decode step) is multiplied straight from the blocks, one weight row at a time; the
 // K-quants' per-block scales and minimums are widened and multiplied by x's group scales in vectors, eight
-// groups at once (`dot_one_row`). Tried and slower on the AVX2 EPYC (Zen 3): four weight rows at a time
+// groups at once (`dot_rows`). Tried and slower on the AVX2 EPYC (Zen 3): four weight rows at a time
 // sharing each x group's loads (faster while the weights sit in L3, half the read bandwidth from memory,
 // where every decode step's weights come from, software prefetching or not), the 32-weight blocks' scales
 // eight blocks at a time in one vector (gathered with vpgatherdd, or loaded one by one and widened at once;
 // Q4_0 and Q4_1 lost 20-35%).
 //
-// A weight row times x rows (`row_times_x`): one int8 x row straight from the blocks (`dot_one_row`), else
+// A weight row times x rows (`row_times_x`): one int8 x row straight from the blocks (`dot_rows`), else
 // the row unpacked once into codes and per-half scales (L1) and multiplied with every x row, kTile x rows
 // at a time (float32 x, and int8 x where the AVX2 tiles of gguf_tiles.h are not built); float32 x from
 // kSlabRows rows: dequantized slabs of weight rows through torch's GEMM (`slab_matmul`).
@@ -62,6 +62,7 @@ enum Type : int64_t {
 
 constexpr int64_t kGroup = 32;  // x is quantized in groups of 32; every block is a whole number of groups
 constexpr int kTile = 4;        // x rows that share one unpacking of a weight group
+constexpr int64_t kDirectRows = 4;  // int8 x rows multiplied straight from the blocks (`dot_rows`)
 // From this many float32 x rows the weights are dequantized to float32, kSlab rows at a time (L2-sized at
 // K = 1024: 1 MB), and multiplied by torch's float32 GEMM (`slab_matmul`): at 128 rows of model S's
 // [3072 x 576] MLP shape the unpacked-row int8 products ran ~35 GFLOP/s, the GEMM ~70 on the AVX2 EPYC (the
@@ -588,26 +589,33 @@ void dot_unpacked(const Unpacked& u, int64_t groups, const Rows& x, int64_t r0, 
   }
 }
 
-// One int8 x row times one weight row, straight from the blocks: the decode step's case, where unpacking
-// into a buffer first cost about as much as the products (model S's Q4_1 [49152 x 512]: 6.2 GB/s through
-// the buffer). Per group: the codes, their integer sums with x, one FMA with d * dx, the offset's term.
-template <int64_t T>
-float dot_one_row(const uint8_t* w, int64_t blocks, const Rows& x, int64_t r) {
-  const int8_t* xq = x.row(r);
-  const float* dx = x.scale(r);
-  const float* whole = x.whole_sums(r);
-  const float* halves = x.sums(r);
+// R int8 x rows (first..first + R - 1) times one weight row, straight from the blocks: the decode step's
+// case (R = 1), where unpacking into a buffer first cost about as much as the products (model S's Q4_1
+// [49152 x 512]: 6.2 GB/s through the buffer), and two or three rows (a few decodes, an expert's few
+// tokens), where each group's codes and scales are decoded once for all R and eight-row tiles would leave
+// most lanes empty. Per group and x row: the codes' integer sums with x, one FMA with d * dx, the offset's
+// term. One row keeps two accumulator chains (FMA latency), several rows one each.
+template <int64_t T, int R>
+__attribute__((noinline)) void dot_rows(const uint8_t* w, int64_t blocks, const Rows& x, int64_t first, float* out) {
+  constexpr int C = R == 1 ? 2 : 1;  // accumulator chains per row
+  const int8_t* xq[R];
+  const float *dx[R], *whole[R], *halves[R];
+  for (int r = 0; r < R; ++r)
+    xq[r] = x.row(first + r), dx[r] = x.scale(first + r), whole[r] = x.whole_sums(first + r),
+    halves[r] = x.sums(first + r);
   const __m256i ones = _mm256_set1_epi16(1), low4 = _mm256_set1_epi8(0x0f);
-  __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
-  float off[2] = {0.f, 0.f};
-  const auto products = [&](__m256i codes, int64_t g) {
-    const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + g * kGroup));
+  __m256 acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
+  const auto products = [&](__m256i codes, int r, int64_t g) {
+    const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[r] + g * kGroup));
     const __m256i p = T == kQ8_0 ? _mm256_maddubs_epi16(_mm256_sign_epi8(codes, codes), _mm256_sign_epi8(xv, codes))
                                  : _mm256_maddubs_epi16(codes, xv);
     return _mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones));
   };
   if constexpr (T == kQ4_0 || T == kQ4_1 || T == kQ5_0 || T == kQ5_1 || T == kQ8_0) {
     constexpr int64_t kBytes = T == kQ4_0 ? 18 : T == kQ4_1 ? 20 : T == kQ5_0 ? 22 : T == kQ5_1 ? 24 : 34;
+    float off[R][C] = {};
     const auto block = [&](int64_t i, int c) {
       const uint8_t* blk = w + i * kBytes;
       const float d = half_at(blk);
@@ -625,15 +633,25 @@ float dot_one_row(const uint8_t* w, int64_t blocks, const Rows& x, int64_t r) {
       } else {
         codes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
       }
-      acc[c] = _mm256_fmadd_ps(products(codes, i), _mm256_set1_ps(d * dx[i]), acc[c]);
-      if constexpr (T != kQ8_0) off[c] += b * whole[i];
+      for (int r = 0; r < R; ++r) {
+        acc[r][c] = _mm256_fmadd_ps(products(codes, r, i), _mm256_set1_ps(d * dx[r][i]), acc[r][c]);
+        if constexpr (T != kQ8_0) off[r][c] += b * whole[r][i];
+      }
     };
     int64_t i = 0;
-    for (; i + 2 <= blocks; i += 2) block(i, 0), block(i + 1, 1);
-    if (i < blocks) block(i, 0);
+    if constexpr (C == 2) {
+      for (; i + 2 <= blocks; i += 2) block(i, 0), block(i + 1, 1);
+    }
+    for (; i < blocks; ++i) block(i, 0);
+    for (int r = 0; r < R; ++r) {
+      float sum = hsum(acc[r][0]) + off[r][0];
+      if constexpr (C == 2) sum += hsum(acc[r][1]) + off[r][1];
+      out[r] = sum;
+    }
   } else if constexpr (T == kQ4_K || T == kQ5_K) {
     // per block, the eight groups' scales d sc[g] dx[g] and offsets -dmin mn[g] (x's sum) in vectors
-    __m256 offsets = _mm256_setzero_ps();
+    __m256 offsets[R];
+    for (int r = 0; r < R; ++r) offsets[r] = _mm256_setzero_ps();
     for (int64_t i = 0; i < blocks; ++i) {
       const uint8_t* blk = w + i * (T == kQ4_K ? 144 : 176);
       uint64_t sc, mn;
@@ -641,30 +659,42 @@ float dot_one_row(const uint8_t* w, int64_t blocks, const Rows& x, int64_t r) {
       const auto widen = [](uint64_t bytes) {
         return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<int64_t>(bytes))));
       };
-      const __m256 scale =
-          _mm256_mul_ps(_mm256_mul_ps(widen(sc), _mm256_set1_ps(half_at(blk))), _mm256_loadu_ps(dx + i * 8));
-      offsets = _mm256_fnmadd_ps(_mm256_mul_ps(widen(mn), _mm256_set1_ps(half_at(blk + 2))),
-                                 _mm256_loadu_ps(whole + i * 8), offsets);
+      const __m256 d_sc = _mm256_mul_ps(widen(sc), _mm256_set1_ps(half_at(blk)));
+      const __m256 dmin_mn = _mm256_mul_ps(widen(mn), _mm256_set1_ps(half_at(blk + 2)));
+      __m256 scale[R];
+      for (int r = 0; r < R; ++r) {
+        scale[r] = _mm256_mul_ps(d_sc, _mm256_loadu_ps(dx[r] + i * 8));
+        offsets[r] = _mm256_fnmadd_ps(dmin_mn, _mm256_loadu_ps(whole[r] + i * 8), offsets[r]);
+      }
       const uint8_t* qs = blk + (T == kQ5_K ? 48 : 16);
       const __m256i qh = T == kQ5_K ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16)) : ones;
+#pragma GCC unroll 4
       for (int j = 0; j < 4; ++j) {  // 64 weights: the low nibbles are group 2j, the high ones 2j + 1
         const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * j));
+#pragma GCC unroll 2
         for (int h = 0; h < 2; ++h) {
           const int g = 2 * j + h;
           __m256i codes = _mm256_and_si256(h ? _mm256_srli_epi16(q, 4) : q, low4);
           if constexpr (T == kQ5_K)
             codes = _mm256_or_si256(
                 codes, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, g), _mm256_set1_epi8(1)), 4));
-          const __m256 a = _mm256_permutevar8x32_ps(scale, _mm256_set1_epi32(g));
-          acc[h] = _mm256_fmadd_ps(products(codes, i * 8 + g), a, acc[h]);
+          for (int r = 0; r < R; ++r) {
+            const __m256 a = _mm256_permutevar8x32_ps(scale[r], _mm256_set1_epi32(g));
+            acc[r][h % C] = _mm256_fmadd_ps(products(codes, r, i * 8 + g), a, acc[r][h % C]);
+          }
         }
       }
     }
-    return hsum(_mm256_add_ps(acc[0], acc[1])) + hsum(offsets);
+    for (int r = 0; r < R; ++r) {
+      __m256 sum = _mm256_add_ps(acc[r][0], offsets[r]);
+      if constexpr (C == 2) sum = _mm256_add_ps(sum, acc[r][1]);
+      out[r] = hsum(sum);
+    }
   } else {  // Q6_K
     // per block, the sixteen half-group scales d sc in two vectors (groups 0-3, 4-7: lane 2g + half), times
     // dx for the products; the offsets -32 d sc times x's half sums, in a vector
-    __m256 offsets = _mm256_setzero_ps();
+    __m256 offsets[R];
+    for (int r = 0; r < R; ++r) offsets[r] = _mm256_setzero_ps();
     const __m256i first_halves = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3);
     const __m256i last_halves = _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7);
     for (int64_t i = 0; i < blocks; ++i) {
@@ -674,11 +704,14 @@ float dot_one_row(const uint8_t* w, int64_t blocks, const Rows& x, int64_t r) {
       const __m256 a_lo = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc)));
       const __m256 a_hi = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8))));
       const __m256 minus32 = _mm256_set1_ps(-32.f);
-      offsets = _mm256_fmadd_ps(_mm256_mul_ps(minus32, a_lo), _mm256_loadu_ps(halves + 16 * i), offsets);
-      offsets = _mm256_fmadd_ps(_mm256_mul_ps(minus32, a_hi), _mm256_loadu_ps(halves + 16 * i + 8), offsets);
-      const __m256 dxv = _mm256_loadu_ps(dx + 8 * i);
-      const __m256 scales[2] = {_mm256_mul_ps(a_lo, _mm256_permutevar8x32_ps(dxv, first_halves)),
-                                _mm256_mul_ps(a_hi, _mm256_permutevar8x32_ps(dxv, last_halves))};
+      __m256 scales[R][2];
+      for (int r = 0; r < R; ++r) {
+        offsets[r] = _mm256_fmadd_ps(_mm256_mul_ps(minus32, a_lo), _mm256_loadu_ps(halves[r] + 16 * i), offsets[r]);
+        offsets[r] = _mm256_fmadd_ps(_mm256_mul_ps(minus32, a_hi), _mm256_loadu_ps(halves[r] + 16 * i + 8), offsets[r]);
+        const __m256 dxv = _mm256_loadu_ps(dx[r] + 8 * i);
+        scales[r][0] = _mm256_mul_ps(a_lo, _mm256_permutevar8x32_ps(dxv, first_halves));
+        scales[r][1] = _mm256_mul_ps(a_hi, _mm256_permutevar8x32_ps(dxv, last_halves));
+      }
       for (int h = 0; h < 2; ++h) {
         const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 32 * h));
         const __m256i ql0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * h));
@@ -689,16 +722,21 @@ float dot_one_row(const uint8_t* w, int64_t blocks, const Rows& x, int64_t r) {
           const __m256i low = _mm256_and_si256(part / 2 ? _mm256_srli_epi16(ql, 4) : ql, low4);
           const __m256i codes = _mm256_or_si256(low, q6_high(qh, part));
           // lanes 0-3 the group's first half's scale, 4-7 its second's
-          const __m256 scale = _mm256_permutevar8x32_ps(
-              scales[h], _mm256_setr_epi32(2 * part, 2 * part, 2 * part, 2 * part, 2 * part + 1, 2 * part + 1,
-                                           2 * part + 1, 2 * part + 1));
-          acc[part % 2] = _mm256_fmadd_ps(products(codes, i * 8 + g), scale, acc[part % 2]);
+          const __m256i pick = _mm256_setr_epi32(2 * part, 2 * part, 2 * part, 2 * part, 2 * part + 1, 2 * part + 1,
+                                                 2 * part + 1, 2 * part + 1);
+          for (int r = 0; r < R; ++r) {
+            const __m256 scale = _mm256_permutevar8x32_ps(scales[r][h], pick);
+            acc[r][part % C] = _mm256_fmadd_ps(products(codes, r, i * 8 + g), scale, acc[r][part % C]);
+          }
         }
       }
     }
-    return hsum(_mm256_add_ps(acc[0], acc[1])) + hsum(offsets);
+    for (int r = 0; r < R; ++r) {
+      __m256 sum = _mm256_add_ps(acc[r][0], offsets[r]);
+      if constexpr (C == 2) sum = _mm256_add_ps(sum, acc[r][1]);
+      out[r] = hsum(sum);
+    }
   }
-  return hsum(_mm256_add_ps(acc[0], acc[1])) + (off[0] + off[1]);
 }
 
 #else
@@ -756,8 +794,15 @@ void row_times_x(const uint8_t* w, int64_t blocks, const Rows& x, int64_t first,
   constexpr bool kSigned = T == kQ8_0;
 #if GG_AVX2
   if constexpr (!kFloat) {
-    if (m == 1) {
-      out[0] = dot_one_row<T>(w, blocks, x, first);
+    if (m <= kDirectRows) {
+      float sums[kDirectRows];
+      switch (m) {
+        case 1: dot_rows<T, 1>(w, blocks, x, first, sums); break;
+        case 2: dot_rows<T, 2>(w, blocks, x, first, sums); break;
+        case 3: dot_rows<T, 3>(w, blocks, x, first, sums); break;
+        default: dot_rows<T, 4>(w, blocks, x, first, sums);
+      }
+      for (int64_t r = 0; r < m; ++r) out[r * stride] = sums[r];
       return;
     }
   }

@@ -16,7 +16,7 @@
 namespace {
 
 constexpr int64_t kLanes = 8;  // x rows in a tile: the lanes of a 256-bit vector of int32
-constexpr int64_t kTileRows = 2;  // from this many bfloat16 x rows, tiles (one row: gguf_blocks.h's dot_one_row)
+constexpr int64_t kTileRows = kDirectRows + 1;  // from this many bfloat16 x rows, tiles (fewer: `dot_rows`)
 constexpr bool kTiles = GG_AVX2;  // the tiles are AVX2 code; the plain C++ build keeps the row products
 constexpr int64_t kTileBytes = int64_t(192) << 10;  // x codes multiplied per pass over the weight rows (L2)
 
