@@ -2,7 +2,7 @@
 
 A layer keeps each checkpoint tensor's bytes as the file has them (uint8 [out, bytes per row]) and the op,
 `pagellm::gguf_linear`, multiplies x with them directly: x quantized to int8 in groups of 32, integer dot
-products per weight group (one row straight from the blocks, several in tiles of eight x rows), so the
+products per weight group (up to four rows straight from the blocks, more in tiles of eight x rows), so the
 memory a model takes is its file's size and a decode step reads the file's bytes once. Defined here with a fake implementation and implemented in C++, so under torch.compile
 it is one opaque call. A token embedding stored in a block type stays packed the same way
 (`pagellm::gguf_embedding` dequantizes the rows a step looks up), and a tied output projection multiplies

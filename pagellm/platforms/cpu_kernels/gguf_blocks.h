@@ -20,9 +20,9 @@
 // the halves, computed once per call. Q8_0's codes are signed: its integer products take the sign trick
 // (|w| times x with w's sign) and no offset.
 //
-// One int8 x row (a decode step) is multiplied straight from the blocks, one weight row at a time; the
-// K-quants' per-block scales and minimums are widened and multiplied by x's group scales in vectors, eight
-// groups at once (`dot_rows`). Tried and slower on the AVX2 EPYC (Zen 3): four weight rows at a time
+// Up to four int8 x rows (a decode step, a few) are multiplied straight from the blocks, one weight row at a
+// time, each group decoded once for all of them; the K-quants' per-block scales and minimums are widened
+// and multiplied by x's group scales in vectors, eight groups at once (`dot_rows`). Tried and slower on the AVX2 EPYC (Zen 3): four weight rows at a time
 // sharing each x group's loads (faster while the weights sit in L3, half the read bandwidth from memory,
 // where every decode step's weights come from, software prefetching or not), the 32-weight blocks' scales
 // eight blocks at a time in one vector (gathered with vpgatherdd, or loaded one by one and widened at once;

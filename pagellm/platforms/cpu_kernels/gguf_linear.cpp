@@ -2,8 +2,8 @@
 // is multiplied).
 //
 // Work split: output features in one contiguous run per thread (each thread streams its rows of blocks in
-// memory order); each weight row is multiplied with every x row. bfloat16 x: one row straight from the
-// blocks (a decode step), several rows in tiles of eight (gguf_tiles.h: a batch, a prefill chunk). float32
+// memory order); each weight row is multiplied with every x row. bfloat16 x: up to four rows straight from
+// the blocks (a decode step, a few), more in tiles of eight (gguf_tiles.h: a batch, a prefill chunk). float32
 // x: from kSlabRows rows, slabs of dequantized rows through torch's float32 GEMM.
 //
 // `gguf_dequantize` widens rows to float32 exactly as gguf-py's numpy code does, for the tests and for
@@ -62,8 +62,8 @@ at::Tensor gguf_linear(const at::Tensor& input, at::TensorList parts, at::IntArr
   }
   // float32 x keeps its values (float products: the same sums as x @ the dequantized weights, up to their
   // order); bfloat16 x, already rounded to 8 bits of mantissa, is quantized to int8 groups, read and written
-  // in bfloat16 here (no float32 copies of x and of the output around the call), one row straight from the
-  // blocks, several in tiles of eight
+  // in bfloat16 here (no float32 copies of x and of the output around the call), up to four rows straight
+  // from the blocks, more in tiles of eight
   Rows q;
   if (bf16) {
     quantize_rows(rows_in.data_ptr<c10::BFloat16>(), m, k, q);

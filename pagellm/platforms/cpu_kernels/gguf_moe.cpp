@@ -6,7 +6,7 @@
 // A step, per chunk of tokens (bounding the float32 buffers): the (token, expert) pairs sorted by expert
 // (moe_routing.h), each pair's x row gathered in that order and quantized once (bfloat16 x: int8 groups of
 // 32; float32 x: kept, float products), so the rows sharing an expert are consecutive and each expert
-// weight row is multiplied with all of them at once (bfloat16 x: one row straight from the blocks, several
+// weight row is multiplied with all of them at once (bfloat16 x: up to four rows straight from the blocks, more
 // in tiles of eight, gguf_tiles.h; float32 x: gguf_blocks.h's `row_times_x`, and from kSlabRows pairs, in a
 // prefill chunk, slabs of dequantized rows through torch's float32 GEMM, as gguf_linear.cpp does); then
 // gate/up -> activation in float32, the activations quantized the same way, the down projection, and per
@@ -79,7 +79,7 @@ void tile_experts(const Rows& q, const Routing& routing, const std::vector<int64
 }
 
 // One chunk's experts: y[s] = down(act(gate x_s, up x_s)) of sorted pair s, unweighted, float32 [pairs, h].
-// bfloat16 x: an expert's rows in tiles of eight from two rows on (gguf_tiles.h), one row straight from the
+// bfloat16 x: an expert's rows in tiles of eight from five rows on (gguf_tiles.h), fewer straight from the
 // blocks. float32 x: experts with kSlabRows pairs or more take slabs of dequantized rows through torch's
 // GEMM (as gguf_linear.cpp's float32 prefill), one expert at a time, the others the row products. Both
 // share one parallel region per projection, threads over output rows.

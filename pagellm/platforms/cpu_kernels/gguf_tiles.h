@@ -1,4 +1,4 @@
-// Several x rows times GGUF weight rows at once (a batch of decodes, a prefill chunk, an expert's tokens),
+// Five or more x rows times GGUF weight rows at once (a batch of decodes, a prefill chunk, an expert's tokens),
 // on the int8 codes of gguf_blocks.h: x rows interleaved by eight, so that one 256-bit vector holds four
 // consecutive codes of each of eight x rows, and a weight row's four codes, broadcast to every lane, meet all
 // eight rows in one maddubs. The vector lanes are x rows: each weight group's float work (the integer sums
