@@ -139,6 +139,7 @@ class GgufMethod(QuantMethod):
             ):
                 continue
             dtype = weight.dtype
+            table, type_id = cpu_gguf.interleave(table, type_id)
             packed = PackedLinear(table, _GgufMatmul(type_id))
             if hasattr(module, "use_packed_table"):  # an embedding (pagellm.models.layers.Embedding)
                 module.use_packed_table(table, partial(_lookup, type_id=type_id, dtype=dtype))
@@ -184,6 +185,8 @@ class GgufMethod(QuantMethod):
             path = _compute_path(type_id, device)
             if path == "dense":
                 raw = _dequantize_at_load(raw, type_id, layer.gguf_dtype)
+            elif path == "kernel":
+                raw, type_id = cpu_gguf.interleave(raw, type_id)
             layer.register_buffer(f"qweight_{shard}", raw.to(device))
             layer.qweight_types.append(type_id)
             layer.gguf_paths.append(path)

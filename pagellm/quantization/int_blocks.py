@@ -97,9 +97,10 @@ def install_or_say(
         return
     for name in checkpoint_tensors:
         delattr(layer, name)
-    layer.register_buffer("cpu_blocks", blocks.raw)
+    raw, type_id = cpu_gguf.interleave(blocks.raw, blocks.type_id)
+    layer.register_buffer("cpu_blocks", raw)
     layer.register_buffer("cpu_perm", blocks.perm)
-    layer.cpu_block_type = blocks.type_id
+    layer.cpu_block_type = type_id
 
 
 def apply(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:

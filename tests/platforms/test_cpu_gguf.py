@@ -23,6 +23,23 @@ pytestmark = pytest.mark.skipif(not cpu_gguf.available(), reason="the native CPU
 
 KERNEL_TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K]
 DEQUANT_ONLY = [T.Q2_K, T.Q3_K, T.F32, T.F16, T.BF16]
+INTERLEAVED_TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0]
+# every kernel type as the file has it, and the 32-weight block types interleaved as the loader keeps them
+LAYOUTS = [(t, "file") for t in KERNEL_TYPES] + [(t, "interleaved") for t in INTERLEAVED_TYPES]
+
+
+def layout_id(case) -> str:
+    return case.name if isinstance(case, T) else case
+
+
+def kernel_weight(raw: np.ndarray, ggml_type: T, layout: str) -> tuple[torch.Tensor, int]:
+    """The blocks as the kernel is given them: the file's, or interleaved (`cpu_gguf.interleave`)."""
+    tensor = torch.from_numpy(raw)
+    if layout == "file":
+        return tensor, int(ggml_type)
+    interleaved, type_id = cpu_gguf.interleave(tensor, int(ggml_type))
+    assert type_id == cpu_gguf.INTERLEAVED + int(ggml_type) and interleaved.shape == tensor.shape
+    return interleaved, type_id
 
 
 @pytest.mark.parametrize("ggml_type", KERNEL_TYPES + DEQUANT_ONLY, ids=lambda t: t.name)
@@ -47,27 +64,29 @@ def quantized_x(x: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(codes * scale).reshape(x.shape)
 
 
-@pytest.mark.parametrize("ggml_type", KERNEL_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize(("ggml_type", "layout"), LAYOUTS, ids=layout_id)
 @pytest.mark.parametrize("rows", [1, 2, 3, 7])
-def test_float32_rows_equal_x_times_dequantized_weights(ggml_type, rows, two_threads):
+def test_float32_rows_equal_x_times_dequantized_weights(ggml_type, layout, rows, two_threads):
     raw = random_blocks(ggml_type, 40, 512, seed=rows)
     weight = torch.from_numpy(quants.dequantize(raw, ggml_type)).double()
     x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(1))
-    got = cpu_gguf.linear(x, [torch.from_numpy(raw)], [int(ggml_type)])
+    weight_blocks, type_id = kernel_weight(raw, ggml_type, layout)
+    got = cpu_gguf.linear(x, [weight_blocks], [type_id])
     assert got.dtype == torch.float32 and got.shape == (rows, 40)
     magnitude = x.double().abs() @ weight.abs().T
     assert ((got.double() - x.double() @ weight.T).abs() <= 1e-5 * magnitude).all()
 
 
-@pytest.mark.parametrize("ggml_type", KERNEL_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize(("ggml_type", "layout"), LAYOUTS, ids=layout_id)
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 17, 31])
-def test_bfloat16_rows_equal_int8_x_times_dequantized_weights(ggml_type, rows, two_threads):
+def test_bfloat16_rows_equal_int8_x_times_dequantized_weights(ggml_type, layout, rows, two_threads):
     # up to four rows straight from the blocks, from five tiles of eight x rows (5, 9, 17, 31: partial last
     # tiles); 43 weight rows: the two threads' runs of rows of odd lengths, a last weight row without a pair
     raw = random_blocks(ggml_type, 43, 512, seed=rows)
     weight = torch.from_numpy(quants.dequantize(raw, ggml_type)).double()
     x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(1)).bfloat16()
-    got = cpu_gguf.linear(x, [torch.from_numpy(raw)], [int(ggml_type)])
+    weight_blocks, type_id = kernel_weight(raw, ggml_type, layout)
+    got = cpu_gguf.linear(x, [weight_blocks], [type_id])
     assert got.dtype == torch.bfloat16 and got.shape == (rows, 43)
     expected = quantized_x(x.float()) @ weight.T
     magnitude = quantized_x(x.float()).abs() @ weight.abs().T
@@ -79,33 +98,64 @@ def test_bfloat16_rows_equal_int8_x_times_dequantized_weights(ggml_type, rows, t
     assert relative < 0.02, f"{ggml_type.name}: {relative:.4f} relative error from quantizing x"
 
 
-@pytest.mark.parametrize("ggml_type", KERNEL_TYPES, ids=lambda t: t.name)
-def test_many_float32_rows_multiply_the_dequantized_weights(ggml_type, two_threads):
+@pytest.mark.parametrize(("ggml_type", "layout"), LAYOUTS, ids=layout_id)
+def test_many_float32_rows_multiply_the_dequantized_weights(ggml_type, layout, two_threads):
     """From 32 float32 rows the weights are dequantized a slab at a time for a float32 GEMM: x times the
     dequantized weights to float32 rounding; 300 rows span two slabs."""
     raw = random_blocks(ggml_type, 300, 512, seed=3)
     weight = torch.from_numpy(quants.dequantize(raw, ggml_type)).double()
     x = torch.randn(40, 512, generator=torch.Generator().manual_seed(4))
-    got = cpu_gguf.linear(x, [torch.from_numpy(raw)], [int(ggml_type)])
+    weight_blocks, type_id = kernel_weight(raw, ggml_type, layout)
+    got = cpu_gguf.linear(x, [weight_blocks], [type_id])
     assert got.dtype == torch.float32 and got.shape == (40, 300)
     expected = x.double() @ weight.T
     assert ((got.double() - expected).abs() <= 1e-5 * (x.double().abs() @ weight.abs().T)).all()
 
 
-@pytest.mark.parametrize("ggml_type", KERNEL_TYPES, ids=lambda t: t.name)
-def test_a_prefill_chunk_of_bfloat16_rows(ggml_type, two_threads):
+@pytest.mark.parametrize(("ggml_type", "layout"), LAYOUTS, ids=layout_id)
+def test_a_prefill_chunk_of_bfloat16_rows(ggml_type, layout, two_threads):
     """A prefill chunk's bfloat16 rows take the int8 tiles as a batch does: 130 rows (seventeen tiles, the
     last of two rows) of K = 4864, whose x codes are taken a few tiles per pass over the weight rows."""
     raw = random_blocks(ggml_type, 37, 4864, seed=5)
     weight = torch.from_numpy(quants.dequantize(raw, ggml_type)).double()
     x = torch.randn(130, 4864, generator=torch.Generator().manual_seed(6)).bfloat16()
-    got = cpu_gguf.linear(x, [torch.from_numpy(raw)], [int(ggml_type)])
+    weight_blocks, type_id = kernel_weight(raw, ggml_type, layout)
+    got = cpu_gguf.linear(x, [weight_blocks], [type_id])
     assert got.dtype == torch.bfloat16 and got.shape == (130, 37)
     xq = quantized_x(x.float())
     expected = xq @ weight.T
     assert (
         (got.double() - expected).abs() <= 1e-5 * (xq.abs() @ weight.abs().T) + expected.abs() / 128
     ).all()
+
+
+@pytest.mark.parametrize("ggml_type", INTERLEAVED_TYPES, ids=lambda t: t.name)
+def test_interleaving_keeps_the_bytes_and_the_values(ggml_type, two_threads):
+    """Four blocks at a time rewritten: as many bytes, other bytes, the same weights (dequantized bit for bit
+    as gguf-py does the file's), the same float32 products in the same order; an expert stack [E, N, bytes]
+    interleaved as its rows are."""
+    raw = random_blocks(ggml_type, 24, 1024, seed=7)
+    interleaved, type_id = kernel_weight(raw, ggml_type, "interleaved")
+    assert not torch.equal(interleaved, torch.from_numpy(raw))
+    assert cpu_gguf.has_kernel(type_id) and cpu_gguf.type_name(type_id) == f"{ggml_type.name} (interleaved)"
+    expected = quants.dequantize(raw, ggml_type).astype(np.float32)
+    got = cpu_gguf.dequantize(interleaved, type_id).numpy()
+    assert np.array_equal(got.view(np.uint32), expected.view(np.uint32))
+    x = torch.randn(3, 1024, generator=torch.Generator().manual_seed(8))
+    assert torch.equal(
+        cpu_gguf.linear(x, [interleaved], [type_id]),
+        cpu_gguf.linear(x, [torch.from_numpy(raw)], [int(ggml_type)]),
+    )
+    stack, stack_type = cpu_gguf.interleave(torch.from_numpy(raw).view(2, 12, -1), int(ggml_type))
+    assert stack_type == type_id and torch.equal(stack.view(24, -1), interleaved)
+
+
+def test_rows_that_are_not_whole_super_blocks_stay_as_the_file_has_them():
+    raw = torch.from_numpy(random_blocks(T.Q5_0, 8, 96))  # three blocks a row
+    same, type_id = cpu_gguf.interleave(raw, int(T.Q5_0))
+    assert same is raw and type_id == int(T.Q5_0)
+    k_quant = torch.from_numpy(random_blocks(T.Q4_K, 8, 512))
+    assert cpu_gguf.interleave(k_quant, int(T.Q4_K)) == (k_quant, int(T.Q4_K))
 
 
 def test_fused_parts_of_mixed_types_and_bfloat16_rows(two_threads):

@@ -21,7 +21,7 @@ from pagellm.platforms import cpu_gguf, cpu_gguf_moe
 sys.path.insert(0, str(Path(__file__).parents[1] / "quantization"))
 sys.path.insert(0, str(Path(__file__).parent))
 from quant_formats import random_blocks  # noqa: E402
-from test_cpu_gguf import KERNEL_TYPES, quantized_x  # noqa: E402
+from test_cpu_gguf import LAYOUTS, layout_id, quantized_x  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not cpu_gguf.available(), reason="the native CPU kernels are not built here")
 
@@ -78,7 +78,9 @@ def magnitude(x, weights, ids, gate, up, down):
     return out
 
 
-def run(types, tokens, top_k, dtype, seed=0, as_kernel=None, ids=None):
+def run(types, tokens, top_k, dtype, seed=0, as_kernel=None, ids=None, layout="interleaved"):
+    """The kernel's output, the reference's and the bound between them. layout "interleaved": the experts
+    as `cpu_gguf_moe.pack` keeps them (32-weight block types interleaved); "file": the file's blocks."""
     (gate_raw, gate), (up_raw, up), (down_raw, down) = (
         stacked(types[0], INTER, HIDDEN, seed),
         stacked(types[1], INTER, HIDDEN, seed + 1),
@@ -87,7 +89,10 @@ def run(types, tokens, top_k, dtype, seed=0, as_kernel=None, ids=None):
     x = torch.randn(tokens, HIDDEN, generator=torch.Generator().manual_seed(seed)).to(dtype)
     weights, chosen = routing(tokens, top_k, seed)
     ids = chosen if ids is None else ids
-    kernel = cpu_gguf_moe.GgufExperts(gate_raw, up_raw, down_raw, [int(t) for t in types], "silu")
+    if layout == "interleaved":
+        kernel = cpu_gguf_moe.pack(gate_raw, up_raw, down_raw, [int(t) for t in types], "silu", "")
+    else:
+        kernel = cpu_gguf_moe.GgufExperts(gate_raw, up_raw, down_raw, [int(t) for t in types], "silu")
     got = kernel(x, weights, ids)
     assert got.dtype == dtype and got.shape == (tokens, HIDDEN)
     if as_kernel is None:
@@ -96,17 +101,17 @@ def run(types, tokens, top_k, dtype, seed=0, as_kernel=None, ids=None):
     return got.double(), expected, 1e-5 * magnitude(x, weights, ids, gate, up, down) + steps
 
 
-@pytest.mark.parametrize("ggml_type", KERNEL_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize(("ggml_type", "layout"), LAYOUTS, ids=layout_id)
 @pytest.mark.parametrize("tokens", [1, 5])
-def test_float32_x_equals_the_dequantized_experts(ggml_type, tokens, two_threads):
-    got, expected, bound = run([ggml_type] * 3, tokens, top_k=2, dtype=torch.float32)
+def test_float32_x_equals_the_dequantized_experts(ggml_type, layout, tokens, two_threads):
+    got, expected, bound = run([ggml_type] * 3, tokens, top_k=2, dtype=torch.float32, layout=layout)
     assert ((got - expected).abs() <= bound).all()
 
 
-@pytest.mark.parametrize("ggml_type", KERNEL_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize(("ggml_type", "layout"), LAYOUTS, ids=layout_id)
 @pytest.mark.parametrize("tokens", [1, 5])
-def test_bfloat16_x_equals_int8_x_times_the_dequantized_experts(ggml_type, tokens, two_threads):
-    got, expected, bound = run([ggml_type] * 3, tokens, top_k=3, dtype=torch.bfloat16)
+def test_bfloat16_x_equals_int8_x_times_the_dequantized_experts(ggml_type, layout, tokens, two_threads):
+    got, expected, bound = run([ggml_type] * 3, tokens, top_k=3, dtype=torch.bfloat16, layout=layout)
     # the kernel's float32 sums (and a rare activation code rounded the other way), then bfloat16's rounding
     assert ((got - expected).abs() <= bound + expected.abs() / 128).all()
     assert (got - expected).norm() / expected.norm() < 0.004  # about bfloat16's rounding alone
@@ -147,6 +152,18 @@ def test_one_expert_with_many_tokens_beside_experts_with_few(dtype, two_threads)
     ids = torch.cat([torch.zeros(40, 1, dtype=torch.long), others], dim=1)
     got, expected, bound = run([T.Q8_0, T.Q4_1, T.Q5_K], 40, top_k=2, dtype=dtype, seed=9, ids=ids)
     assert ((got - expected).abs() <= bound + (0 if dtype == torch.float32 else expected.abs() / 128)).all()
+
+
+def test_pack_interleaves_the_32_weight_block_types():
+    gate_raw, _ = stacked(T.Q8_0, INTER, HIDDEN, 0)
+    up_raw, _ = stacked(T.Q5_0, INTER, HIDDEN, 1)
+    down_raw, _ = stacked(T.Q4_K, HIDDEN, INTER, 2)
+    packed = cpu_gguf_moe.pack(
+        gate_raw, up_raw, down_raw, [int(T.Q8_0), int(T.Q5_0), int(T.Q4_K)], "silu", ""
+    )
+    interleaved = cpu_gguf.INTERLEAVED
+    assert packed.run.types == [interleaved + int(T.Q8_0), interleaved + int(T.Q5_0), int(T.Q4_K)]
+    assert [b.shape for b in packed.run.blocks] == [gate_raw.shape, up_raw.shape, down_raw.shape]
 
 
 def test_unchosen_experts_and_types_without_kernel():

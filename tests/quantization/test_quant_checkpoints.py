@@ -23,6 +23,7 @@ from tiny import make_tiny_checkpoint  # noqa: E402
 from pagellm import LLM  # noqa: E402
 from pagellm.core.errors import ConfigError  # noqa: E402
 from pagellm.models.llama import STACKED  # noqa: E402
+from pagellm.platforms import cpu_gguf  # noqa: E402
 from pagellm.quantization import int_blocks  # noqa: E402
 from pagellm.quantization.awq import AwqMethod  # noqa: E402
 from pagellm.quantization.gptq import GptqMethod  # noqa: E402
@@ -54,7 +55,7 @@ def test_each_layer_reproduces_the_dequantized_weights(checkpoint):
         expected = torch.cat([reference[n] for n in names])
         got = layer.quant_method.apply(layer, torch.eye(layer.in_features)).t()
         # Q4_1's offset -z s is a float16: off by at most 2^-11 of |z s| <= 16/15 max |w| (int_blocks)
-        q4_1 = getattr(layer, "cpu_block_type", None) == int_blocks.Q4_1
+        q4_1 = cpu_gguf.base_type(getattr(layer, "cpu_block_type", None) or 0) == int_blocks.Q4_1
         atol = 2**-11 * 16 / 15 * float(expected.abs().max()) if q4_1 else 0
         torch.testing.assert_close(got, expected, rtol=0, atol=atol, msg=layer_name)
 
@@ -75,11 +76,16 @@ def test_cpu_keeps_awq_and_gptq_layers_as_blocks_only(checkpoint):
     bits_per_weight = {int_blocks.Q4_0: 4.5, int_blocks.Q4_1: 5, int_blocks.Q8_0: 8.5}
     model = load_pagellm(quantized, quant_method=method_cls(config))
     for layer_name, layer in quantized_layers(model).items():
-        assert layer.cpu_block_type == BLOCKS.get(name), layer_name
-        if name in BLOCKS:
-            assert not hasattr(layer, "qweight") and layer.cpu_blocks.dtype == torch.uint8
-            weights = layer.in_features * layer.cpu_blocks.shape[0]
-            assert layer.cpu_blocks.numel() * 8 == weights * bits_per_weight[layer.cpu_block_type]
+        if name not in BLOCKS:
+            assert layer.cpu_block_type is None, layer_name
+            continue
+        # rows of whole 128-weight super-blocks interleaved (`cpu_gguf.interleave`), the same bytes
+        interleaved = layer.in_features % 128 == 0
+        assert layer.cpu_block_type == BLOCKS[name] + interleaved * cpu_gguf.INTERLEAVED, layer_name
+        assert not hasattr(layer, "qweight") and layer.cpu_blocks.dtype == torch.uint8
+        weights = layer.in_features * layer.cpu_blocks.shape[0]
+        assert layer.cpu_blocks.numel() * 8 == weights * bits_per_weight[BLOCKS[name]]
+    assert any(layer.in_features % 128 == 0 for layer in quantized_layers(model).values())
 
 
 def test_greedy_outputs_equal_transformers_on_dequantized_weights(checkpoint):

@@ -79,6 +79,8 @@ def test_each_layer_reproduces_the_dequantized_weights(checkpoint):
     layers = quantized_layers(model)
     assert len(layers) == 8
     assert len(set(layers["model.layers.0.self_attn.qkv_proj"].qweight_types)) == 3
+    if cpu_gguf.available():  # Q4_0, Q8_0 and Q4_1 rows of whole 128-weight super-blocks kept interleaved
+        assert any(t > cpu_gguf.INTERLEAVED for layer in layers.values() for t in layer.qweight_types)
     for name, layer in layers.items():
         got = layer.quant_method.apply(layer, torch.eye(layer.in_features)).t()
         assert torch.equal(got, reference.get_submodule(name).weight), name

@@ -60,6 +60,8 @@ OPS = (
     "bf16_pairs_available",
     "gguf_dequantize",
     "gguf_kernel_type",
+    "gguf_interleaved_type",
+    "gguf_interleave",
     "fused_moe_isa",
     "begin_native_step",
     "end_native_step",

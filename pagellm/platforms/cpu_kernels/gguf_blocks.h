@@ -1,6 +1,7 @@
 // llama.cpp's block formats (GGUF) read in place, the machinery the GGUF kernels share (gguf_linear.cpp's
 // linear layers, gguf_moe.cpp's experts): the weight stays the file's bytes, one row of blocks per output
-// feature ([N, bytes per row] uint8), and is never widened in memory.
+// feature ([N, bytes per row] uint8), and is never widened in memory (the 32-weight block types' rows
+// interleaved four blocks at a time at load, the same bytes in another order: `interleave_blocks`).
 //
 // bfloat16 x is quantized to int8 in groups of 32 (a float32 scale max|x| / 127 per group, as llama.cpp
 // quantizes activations for its quantized matmuls; bfloat16 has 8 bits of mantissa to begin with) and
@@ -54,11 +55,19 @@
 
 namespace {
 
-// GGML type numbers (gguf.GGMLQuantizationType).
+// GGML type numbers (gguf.GGMLQuantizationType), and pagellm's own: the 32-weight block types interleaved by
+// four (`interleave_blocks`), numbered kInterleaved + the GGML type.
+constexpr int64_t kInterleaved = 1000;
 enum Type : int64_t {
   kF32 = 0, kF16 = 1, kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8,
   kQ2_K = 10, kQ3_K = 11, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14, kBF16 = 30,
+  kQ4_0x4 = kInterleaved + kQ4_0, kQ4_1x4 = kInterleaved + kQ4_1, kQ5_0x4 = kInterleaved + kQ5_0,
+  kQ5_1x4 = kInterleaved + kQ5_1, kQ8_0x4 = kInterleaved + kQ8_0,
 };
+
+constexpr bool is_x4(int64_t type) { return type > kInterleaved; }
+// The GGML type whose blocks an interleaved type holds (the type itself for the others).
+constexpr int64_t base_of(int64_t type) { return is_x4(type) ? type - kInterleaved : type; }
 
 constexpr int64_t kGroup = 32;  // x is quantized in groups of 32; every block is a whole number of groups
 constexpr int kTile = 4;        // x rows that share one unpacking of a weight group
@@ -90,6 +99,11 @@ bool layout_of(int64_t type, Layout* out) {
     case kQ4_K: *out = {256, 144}; return true;
     case kQ5_K: *out = {256, 176}; return true;
     case kQ6_K: *out = {256, 210}; return true;
+    case kQ4_0x4: *out = {128, 72}; return true;
+    case kQ4_1x4: *out = {128, 80}; return true;
+    case kQ5_0x4: *out = {128, 88}; return true;
+    case kQ5_1x4: *out = {128, 96}; return true;
+    case kQ8_0x4: *out = {128, 136}; return true;
     default: return false;
   }
 }
@@ -98,7 +112,90 @@ bool layout_of(int64_t type, Layout* out) {
 bool has_kernel(int64_t type) {
   switch (type) {
     case kQ4_0: case kQ4_1: case kQ5_0: case kQ5_1: case kQ8_0: case kQ4_K: case kQ5_K: case kQ6_K: return true;
+    case kQ4_0x4: case kQ4_1x4: case kQ5_0x4: case kQ5_1x4: case kQ8_0x4: return true;
     default: return false;
+  }
+}
+
+// ---- four 32-weight blocks interleaved --------------------------------------------------------------------
+
+// Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 rows are rewritten at load, four blocks (128 weights) at a time, into a
+// layout the one-row products read with fewer instructions; the bytes stay as many. A super-block:
+//
+//   the four scales d (float16), then (Q4_1, Q5_1) the four minimums m;
+//   (Q5_0, Q5_1) the fifth bits, 16 bytes: bit j of byte l is block j's code l, bit 4 + j its code 16 + l;
+//   the codes: Q8_0's four blocks of 32 in order; the others' low four bits as two 32-byte vectors, block 2v's
+//   code l in byte l's low nibble of vector v and block 2v + 1's in its high nibble.
+//
+// So the four blocks' scales are one float16 -> float32 conversion and one multiply with x's four group
+// scales, a block's codes one or two instructions from a 32-byte load (the file's order, codes 0-15 in the
+// low nibbles and 16-31 in the high ones, takes a broadcast, a shift and a mask), and the fifth bits two
+// (a shift and a mask, where the file's 32-bit mask per block took six). Rows of 896 weights (Qwen2.5-0.5B's
+// width, whose Q4_K_M puts its attention and MLP in Q5_0) were multiplied at 16.7 GB/s from the file's blocks,
+// 21.2 GB/s interleaved, with two threads of the AVX2 EPYC (Zen 3); Q8_0, read at ~29 GB/s either way, was
+// bound by memory already.
+constexpr int64_t kX4Blocks = 4;
+
+// The interleaved type of GGML type `type`, or -1 where it has none.
+int64_t interleaved_type(int64_t type) {
+  switch (type) {
+    case kQ4_0: case kQ4_1: case kQ5_0: case kQ5_1: case kQ8_0: return kInterleaved + type;
+    default: return -1;
+  }
+}
+
+struct X4Parts {
+  int64_t block_bytes, codes_at, minimums_at, fifth_at, qs_at;  // offsets in a super-block / a file block
+};
+
+constexpr X4Parts x4_parts(int64_t base) {
+  return base == kQ4_0   ? X4Parts{18, 8, -1, -1, 2}
+         : base == kQ4_1 ? X4Parts{20, 16, 8, -1, 4}
+         : base == kQ5_0 ? X4Parts{22, 24, -1, 8, 6}
+         : base == kQ5_1 ? X4Parts{24, 32, 8, 16, 8}
+                         : X4Parts{34, 8, -1, -1, 2};
+}
+
+// Four file blocks of GGML type `base` (one after another at `src`) -> one super-block at `dst`, and back.
+inline void interleave_blocks(int64_t base, const uint8_t* src, uint8_t* dst) {
+  const X4Parts p = x4_parts(base);
+  std::memset(dst, 0, kX4Blocks * p.block_bytes);
+  for (int j = 0; j < kX4Blocks; ++j) {
+    const uint8_t* blk = src + j * p.block_bytes;
+    std::memcpy(dst + 2 * j, blk, 2);
+    if (p.minimums_at >= 0) std::memcpy(dst + p.minimums_at + 2 * j, blk + 2, 2);
+    if (base == kQ8_0) {
+      std::memcpy(dst + p.codes_at + 32 * j, blk + 2, 32);
+      continue;
+    }
+    uint32_t qh = 0;
+    if (p.fifth_at >= 0) std::memcpy(&qh, blk + p.qs_at - 4, 4);
+    for (int l = 0; l < 32; ++l) {
+      const uint8_t low = l < 16 ? blk[p.qs_at + l] & 0xf : blk[p.qs_at + l - 16] >> 4;
+      dst[p.codes_at + 32 * (j / 2) + l] |= static_cast<uint8_t>(low << (4 * (j % 2)));
+      if (p.fifth_at >= 0) dst[p.fifth_at + l % 16] |= static_cast<uint8_t>(((qh >> l) & 1) << (j + 4 * (l / 16)));
+    }
+  }
+}
+
+inline void deinterleave_blocks(int64_t base, const uint8_t* src, uint8_t* dst) {
+  const X4Parts p = x4_parts(base);
+  std::memset(dst, 0, kX4Blocks * p.block_bytes);
+  for (int j = 0; j < kX4Blocks; ++j) {
+    uint8_t* blk = dst + j * p.block_bytes;
+    std::memcpy(blk, src + 2 * j, 2);
+    if (p.minimums_at >= 0) std::memcpy(blk + 2, src + p.minimums_at + 2 * j, 2);
+    if (base == kQ8_0) {
+      std::memcpy(blk + 2, src + p.codes_at + 32 * j, 32);
+      continue;
+    }
+    uint32_t qh = 0;
+    for (int l = 0; l < 32; ++l) {
+      const uint8_t low = (src[p.codes_at + 32 * (j / 2) + l] >> (4 * (j % 2))) & 0xf;
+      blk[p.qs_at + l % 16] |= static_cast<uint8_t>(l < 16 ? low : low << 4);
+      if (p.fifth_at >= 0) qh |= static_cast<uint32_t>((src[p.fifth_at + l % 16] >> (j + 4 * (l / 16))) & 1) << l;
+    }
+    if (p.fifth_at >= 0) std::memcpy(blk + p.qs_at - 4, &qh, 4);
   }
 }
 
@@ -170,6 +267,13 @@ inline void k3_scales(const uint8_t* s, int8_t out[16]) {
 // One block's weights as float32. The products are kept apart from the sums (volatile temporaries would be
 // slower; the attribute stops GCC from fusing them into FMAs, which would round once instead of twice).
 __attribute__((optimize("fp-contract=off"))) void dequantize_block(int64_t type, const uint8_t* b, float* y) {
+  if (is_x4(type)) {  // the four file blocks back, each dequantized
+    const int64_t base = base_of(type), bytes = x4_parts(base).block_bytes;
+    uint8_t blocks[kX4Blocks * 34];
+    deinterleave_blocks(base, b, blocks);
+    for (int j = 0; j < kX4Blocks; ++j) dequantize_block(base, blocks + j * bytes, y + j * kGroup);
+    return;
+  }
   switch (type) {
     case kF32: std::memcpy(y, b, 4); return;
     case kF16: y[0] = half_to_float(b); return;
@@ -284,6 +388,13 @@ struct Group {
 
 // A block's groups, for the plain C++ path (and the reference the AVX2 path follows).
 int block_groups(int64_t type, const uint8_t* blk, Group* out) {
+  if (is_x4(type)) {
+    const int64_t base = base_of(type), bytes = x4_parts(base).block_bytes;
+    uint8_t blocks[kX4Blocks * 34];
+    deinterleave_blocks(base, blk, blocks);
+    for (int j = 0; j < kX4Blocks; ++j) block_groups(base, blocks + j * bytes, out + j);
+    return kX4Blocks;
+  }
   switch (type) {
     case kQ4_0: case kQ4_1: {
       const float d = half_to_float(blk), off = type == kQ4_0 ? -8.f * d : half_to_float(blk + 2);
@@ -468,9 +579,64 @@ inline __m256i q6_high(__m256i qh, int part) {
   return _mm256_and_si256(bits, _mm256_set1_epi8(0x30));
 }
 
+// An interleaved super-block's four blocks of codes (B the GGML type of its blocks), unsigned but for Q8_0's.
+template <int64_t B>
+inline void x4_codes(const uint8_t* sb, __m256i codes[kX4Blocks]) {
+  constexpr X4Parts p = x4_parts(B);
+  const uint8_t* qs = sb + p.codes_at;
+  if constexpr (B == kQ8_0) {
+    for (int j = 0; j < kX4Blocks; ++j) codes[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * j));
+  } else {
+    const __m256i low4 = _mm256_set1_epi8(0x0f);
+    for (int v = 0; v < 2; ++v) {
+      const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * v));
+      codes[2 * v] = _mm256_and_si256(q, low4);
+      codes[2 * v + 1] = _mm256_and_si256(_mm256_srli_epi16(q, 4), low4);
+    }
+    if constexpr (p.fifth_at >= 0) {
+      // the 16 bytes in both lanes, the upper lane's moved down a nibble: bit j of byte l is block j's fifth
+      // bit of code l (lane 0) or 16 + l (lane 1); shifted up to bit 4 and masked (what a byte takes from its
+      // neighbour in the 16-bit shift lands below bit 4)
+      const __m256i fifth = _mm256_srlv_epi64(
+          _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + p.fifth_at))),
+          _mm256_set_epi64x(4, 4, 0, 0));
+      const __m256i bit4 = _mm256_set1_epi8(0x10);
+      codes[0] = _mm256_or_si256(codes[0], _mm256_and_si256(_mm256_slli_epi16(fifth, 4), bit4));
+      codes[1] = _mm256_or_si256(codes[1], _mm256_and_si256(_mm256_slli_epi16(fifth, 3), bit4));
+      codes[2] = _mm256_or_si256(codes[2], _mm256_and_si256(_mm256_slli_epi16(fifth, 2), bit4));
+      codes[3] = _mm256_or_si256(codes[3], _mm256_and_si256(_mm256_slli_epi16(fifth, 1), bit4));
+    }
+  }
+}
+
+// A super-block's four float16 values at p -> float32.
+inline __m128 x4_halves(const uint8_t* p) {
+  return _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+}
+
 template <int64_t T>
 void unpack_row(const uint8_t* w, int64_t blocks, Unpacked& u) {
   const __m256i low4 = _mm256_set1_epi8(0x0f);
+  if constexpr (is_x4(T)) {  // blocks: super-blocks here
+    constexpr int64_t B = base_of(T);
+    constexpr X4Parts p = x4_parts(B);
+    for (int64_t s = 0; s < blocks; ++s) {
+      const uint8_t* sb = w + s * kX4Blocks * p.block_bytes;
+      __m256i codes[kX4Blocks];
+      x4_codes<B>(sb, codes);
+      alignas(16) float d[4], off[4];
+      const __m128 dv = x4_halves(sb);
+      _mm_store_ps(d, dv);
+      _mm_store_ps(off, p.minimums_at >= 0 ? x4_halves(sb + p.minimums_at)
+                                           : _mm_mul_ps(dv, _mm_set1_ps(B == kQ4_0 ? -8.f : B == kQ5_0 ? -16.f : 0.f)));
+      for (int j = 0; j < kX4Blocks; ++j) {
+        const int64_t group = s * kX4Blocks + j;
+        store_codes(&u.codes[group * kGroup], codes[j]);
+        store_pair(&u.a[2 * group], d[j], d[j]), store_pair(&u.b[2 * group], off[j], off[j]);
+      }
+    }
+    return;
+  }
   for (int64_t i = 0; i < blocks; ++i) {
     if constexpr (T == kQ4_0 || T == kQ4_1 || T == kQ5_0 || T == kQ5_1 || T == kQ8_0) {
       constexpr int64_t kBytes = T == kQ4_0 ? 18 : T == kQ4_1 ? 20 : T == kQ5_0 ? 22 : T == kQ5_1 ? 24 : 34;
@@ -609,11 +775,46 @@ __attribute__((noinline)) void dot_rows(const uint8_t* w, int64_t blocks, const 
     for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
   const auto products = [&](__m256i codes, int r, int64_t g) {
     const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[r] + g * kGroup));
-    const __m256i p = T == kQ8_0 ? _mm256_maddubs_epi16(_mm256_sign_epi8(codes, codes), _mm256_sign_epi8(xv, codes))
-                                 : _mm256_maddubs_epi16(codes, xv);
+    const __m256i p = base_of(T) == kQ8_0
+                          ? _mm256_maddubs_epi16(_mm256_sign_epi8(codes, codes), _mm256_sign_epi8(xv, codes))
+                          : _mm256_maddubs_epi16(codes, xv);
     return _mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones));
   };
-  if constexpr (T == kQ4_0 || T == kQ4_1 || T == kQ5_0 || T == kQ5_1 || T == kQ8_0) {
+  if constexpr (is_x4(T)) {
+    // per super-block: the four blocks' d times x's four group scales in one vector, each block's lane
+    // picked for its FMA; the offsets' terms (Q4_0: -8 d, Q5_0: -16 d, Q4_1/Q5_1: m, each times x's group
+    // sum) four at a time, scaled once at the end
+    constexpr int64_t B = base_of(T);
+    constexpr X4Parts p = x4_parts(B);
+    constexpr float kOffset = B == kQ4_0 ? -8.f : B == kQ5_0 ? -16.f : 1.f;
+    __m128 offsets[R];
+    for (int r = 0; r < R; ++r) offsets[r] = _mm_setzero_ps();
+    for (int64_t s = 0; s < blocks; ++s) {
+      const uint8_t* sb = w + s * kX4Blocks * p.block_bytes;
+      const __m128 d = x4_halves(sb);
+      __m256 scale[R];
+      for (int r = 0; r < R; ++r) {
+        scale[r] = _mm256_castps128_ps256(_mm_mul_ps(d, _mm_loadu_ps(dx[r] + kX4Blocks * s)));
+        if constexpr (B != kQ8_0)
+          offsets[r] = _mm_fmadd_ps(p.minimums_at >= 0 ? x4_halves(sb + p.minimums_at) : d,
+                                    _mm_loadu_ps(whole[r] + kX4Blocks * s), offsets[r]);
+      }
+      __m256i codes[kX4Blocks];
+      x4_codes<B>(sb, codes);
+#pragma GCC unroll 4
+      for (int j = 0; j < kX4Blocks; ++j)
+        for (int r = 0; r < R; ++r)
+          acc[r][j % C] = _mm256_fmadd_ps(products(codes[j], r, kX4Blocks * s + j),
+                                          _mm256_permutevar8x32_ps(scale[r], _mm256_set1_epi32(j)), acc[r][j % C]);
+    }
+    for (int r = 0; r < R; ++r) {
+      __m256 sum = acc[r][0];
+      if constexpr (C == 2) sum = _mm256_add_ps(sum, acc[r][1]);
+      __m128 o = _mm_add_ps(offsets[r], _mm_movehl_ps(offsets[r], offsets[r]));
+      o = _mm_add_ss(o, _mm_movehdup_ps(o));
+      out[r] = hsum(sum) + kOffset * _mm_cvtss_f32(o);
+    }
+  } else if constexpr (T == kQ4_0 || T == kQ4_1 || T == kQ5_0 || T == kQ5_1 || T == kQ8_0) {
     constexpr int64_t kBytes = T == kQ4_0 ? 18 : T == kQ4_1 ? 20 : T == kQ5_0 ? 22 : T == kQ5_1 ? 24 : 34;
     float off[R][C] = {};
     const auto block = [&](int64_t i, int c) {
@@ -791,7 +992,7 @@ void dot_unpacked(const Unpacked& u, int64_t groups, const Rows& x, int64_t r0, 
 template <int64_t T, bool kFloat>
 void row_times_x(const uint8_t* w, int64_t blocks, const Rows& x, int64_t first, int64_t m, float* out,
                  int64_t stride) {
-  constexpr bool kSigned = T == kQ8_0;
+  constexpr bool kSigned = base_of(T) == kQ8_0;
 #if GG_AVX2
   if constexpr (!kFloat) {
     if (m <= kDirectRows) {
@@ -862,6 +1063,11 @@ RowFn row_fn(int64_t type) {
     case kQ8_0: return row_times_x<kQ8_0, kFloat>;
     case kQ4_K: return row_times_x<kQ4_K, kFloat>;
     case kQ5_K: return row_times_x<kQ5_K, kFloat>;
+    case kQ4_0x4: return row_times_x<kQ4_0x4, kFloat>;
+    case kQ4_1x4: return row_times_x<kQ4_1x4, kFloat>;
+    case kQ5_0x4: return row_times_x<kQ5_0x4, kFloat>;
+    case kQ5_1x4: return row_times_x<kQ5_1x4, kFloat>;
+    case kQ8_0x4: return row_times_x<kQ8_0x4, kFloat>;
     default: return row_times_x<kQ6_K, kFloat>;
   }
 }

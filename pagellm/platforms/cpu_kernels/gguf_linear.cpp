@@ -118,6 +118,26 @@ at::Tensor gguf_linear(const at::Tensor& input, at::TensorList parts, at::IntArr
   return out.view(shape);
 }
 
+int64_t gguf_interleaved_type(int64_t type) { return interleaved_type(type); }
+
+// uint8 [..., bytes per row] of GGML type `type` (a multiple of four blocks a row) -> the same bytes
+// interleaved four blocks at a time (gguf_blocks.h), of type gguf_interleaved_type(type).
+at::Tensor gguf_interleave(const at::Tensor& raw, int64_t type) {
+  const int64_t to = interleaved_type(type);
+  TORCH_CHECK(to >= 0, "gguf_interleave: GGML type ", type, " has no interleaved layout");
+  const int64_t bytes = kX4Blocks * x4_parts(type).block_bytes;
+  TORCH_CHECK(raw.scalar_type() == at::kByte && raw.dim() >= 1 && raw.is_contiguous() && raw.size(-1) % bytes == 0,
+              "gguf_interleave: uint8 [..., a multiple of ", bytes, " bytes] (four blocks of GGML type ", type,
+              ")");
+  at::Tensor out = raw.new_empty(raw.sizes());
+  const uint8_t* src = raw.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  at::parallel_for(0, raw.numel() / bytes, 1024, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) interleave_blocks(type, src + i * bytes, dst + i * bytes);
+  });
+  return out;
+}
+
 // uint8 [rows, bytes per row] of GGML type `type` -> float32 [rows, columns], bit for bit gguf-py's values.
 at::Tensor gguf_dequantize(const at::Tensor& raw, int64_t type) {
   Layout layout;

@@ -155,9 +155,9 @@ void tile_rows(const uint8_t* w, int64_t row_bytes, int64_t blocks, int64_t lo, 
       for (int64_t t = first; t < last; ++t) {
         __m256 v[2];
         if (pair == 2) {
-          tile_dot<2, T>(u, groups, x, t0 + t, v);
+          tile_dot<2, base_of(T)>(u, groups, x, t0 + t, v);
         } else {
-          tile_dot<1, T>(u, groups, x, t0 + t, v);
+          tile_dot<1, base_of(T)>(u, groups, x, t0 + t, v);
         }
         const int64_t rows = std::min(kLanes, m - t * kLanes);
         for (int p = 0; p < pair; ++p) {
@@ -181,6 +181,11 @@ TileFn tile_fn(int64_t type) {
     case kQ8_0: return tile_rows<kQ8_0>;
     case kQ4_K: return tile_rows<kQ4_K>;
     case kQ5_K: return tile_rows<kQ5_K>;
+    case kQ4_0x4: return tile_rows<kQ4_0x4>;
+    case kQ4_1x4: return tile_rows<kQ4_1x4>;
+    case kQ5_0x4: return tile_rows<kQ5_0x4>;
+    case kQ5_1x4: return tile_rows<kQ5_1x4>;
+    case kQ8_0x4: return tile_rows<kQ8_0x4>;
     default: return tile_rows<kQ6_K>;
   }
 }
