@@ -42,8 +42,7 @@ rows rewritten four blocks at a time (`interleave`), in the kernel's layout (`cp
 def _layout(type_id: int) -> tuple[int, int]:
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-    block, size = GGML_QUANT_SIZES[GGMLQuantizationType(base_type(type_id))]
-    return (4 * block, 4 * size) if type_id > INTERLEAVED else (block, size)
+    return GGML_QUANT_SIZES[GGMLQuantizationType(base_type(type_id))]  # an interleaved row: as many bytes
 
 
 def base_type(type_id: int) -> int:
@@ -74,13 +73,14 @@ def has_kernel(type_id: int) -> bool:
 
 def interleave(raw: torch.Tensor, type_id: int) -> tuple[torch.Tensor, int]:
     """uint8 [..., bytes per row] of GGML type `type_id` in the layout the kernel reads fastest, and its type:
-    Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 rows of a multiple of 128 weights rewritten four blocks at a time (the
-    same bytes, ~2x fewer instructions a weight at one x row); any other tensor as it is."""
+    Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 rows rewritten four blocks at a time (the
+    same bytes, about half the instructions a weight at one x row); any other tensor, or rows whose blocks
+    are not a multiple of four, as they are."""
     kernels = cpu_kernels.load()
     if kernels is None:
         return raw, type_id
     to = int(kernels.gguf_interleaved_type(type_id))
-    if to < 0 or raw.shape[-1] % _layout(to)[1]:
+    if to < 0 or raw.shape[-1] % (4 * _layout(type_id)[1]):
         return raw, type_id
     return kernels.gguf_interleave(raw.contiguous(), type_id), to
 

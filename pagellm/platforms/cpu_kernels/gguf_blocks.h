@@ -99,11 +99,7 @@ bool layout_of(int64_t type, Layout* out) {
     case kQ4_K: *out = {256, 144}; return true;
     case kQ5_K: *out = {256, 176}; return true;
     case kQ6_K: *out = {256, 210}; return true;
-    case kQ4_0x4: *out = {128, 72}; return true;
-    case kQ4_1x4: *out = {128, 80}; return true;
-    case kQ5_0x4: *out = {128, 88}; return true;
-    case kQ5_1x4: *out = {128, 96}; return true;
-    case kQ8_0x4: *out = {128, 136}; return true;
+    case kQ4_0x4: case kQ4_1x4: case kQ5_0x4: case kQ5_1x4: case kQ8_0x4: return layout_of(base_of(type), out);
     default: return false;
   }
 }
@@ -120,7 +116,9 @@ bool has_kernel(int64_t type) {
 // ---- four 32-weight blocks interleaved --------------------------------------------------------------------
 
 // Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 rows are rewritten at load, four blocks (128 weights) at a time, into a
-// layout the one-row products read with fewer instructions; the bytes stay as many. A super-block:
+// layout the one-row products read with fewer instructions; the bytes stay as many. Rows whose blocks are
+// not a multiple of four stay as the file has them (model S's 576 weights: a row that short was read no
+// faster with its last blocks apart). A super-block:
 //
 //   the four scales d (float16), then (Q4_1, Q5_1) the four minimums m;
 //   (Q5_0, Q5_1) the fifth bits, 16 bytes: bit j of byte l is block j's code l, bit 4 + j its code 16 + l;
@@ -267,13 +265,6 @@ inline void k3_scales(const uint8_t* s, int8_t out[16]) {
 // One block's weights as float32. The products are kept apart from the sums (volatile temporaries would be
 // slower; the attribute stops GCC from fusing them into FMAs, which would round once instead of twice).
 __attribute__((optimize("fp-contract=off"))) void dequantize_block(int64_t type, const uint8_t* b, float* y) {
-  if (is_x4(type)) {  // the four file blocks back, each dequantized
-    const int64_t base = base_of(type), bytes = x4_parts(base).block_bytes;
-    uint8_t blocks[kX4Blocks * 34];
-    deinterleave_blocks(base, b, blocks);
-    for (int j = 0; j < kX4Blocks; ++j) dequantize_block(base, blocks + j * bytes, y + j * kGroup);
-    return;
-  }
   switch (type) {
     case kF32: std::memcpy(y, b, 4); return;
     case kF16: y[0] = half_to_float(b); return;
@@ -377,6 +368,23 @@ __attribute__((optimize("fp-contract=off"))) void dequantize_block(int64_t type,
   }
 }
 
+// A row of `blocks` blocks of type `type` as float32 (an interleaved row's super-blocks put back as the
+// file's blocks first).
+inline void dequantize_row(int64_t type, const uint8_t* row, int64_t blocks, float* y) {
+  Layout layout;
+  layout_of(type, &layout);
+  if (!is_x4(type)) {
+    for (int64_t i = 0; i < blocks; ++i) dequantize_block(type, row + i * layout.bytes, y + i * layout.block);
+    return;
+  }
+  uint8_t file_blocks[kX4Blocks * 34];
+  for (int64_t i = 0; i < blocks; i += kX4Blocks) {
+    deinterleave_blocks(base_of(type), row + i * layout.bytes, file_blocks);
+    for (int j = 0; j < kX4Blocks; ++j)
+      dequantize_block(base_of(type), file_blocks + j * layout.bytes, y + (i + j) * layout.block);
+  }
+}
+
 // ---- the weights as codes, scales and offsets, one group of 32 at a time ---------------------------------
 
 // One group's description (see the top of the file): its 32 codes (unsigned, or signed for Q8_0), and the
@@ -388,13 +396,6 @@ struct Group {
 
 // A block's groups, for the plain C++ path (and the reference the AVX2 path follows).
 int block_groups(int64_t type, const uint8_t* blk, Group* out) {
-  if (is_x4(type)) {
-    const int64_t base = base_of(type), bytes = x4_parts(base).block_bytes;
-    uint8_t blocks[kX4Blocks * 34];
-    deinterleave_blocks(base, blk, blocks);
-    for (int j = 0; j < kX4Blocks; ++j) block_groups(base, blocks + j * bytes, out + j);
-    return kX4Blocks;
-  }
   switch (type) {
     case kQ4_0: case kQ4_1: {
       const float d = half_to_float(blk), off = type == kQ4_0 ? -8.f * d : half_to_float(blk + 2);
@@ -617,10 +618,10 @@ inline __m128 x4_halves(const uint8_t* p) {
 template <int64_t T>
 void unpack_row(const uint8_t* w, int64_t blocks, Unpacked& u) {
   const __m256i low4 = _mm256_set1_epi8(0x0f);
-  if constexpr (is_x4(T)) {  // blocks: super-blocks here
+  if constexpr (is_x4(T)) {
     constexpr int64_t B = base_of(T);
     constexpr X4Parts p = x4_parts(B);
-    for (int64_t s = 0; s < blocks; ++s) {
+    for (int64_t s = 0; s < blocks / kX4Blocks; ++s) {
       const uint8_t* sb = w + s * kX4Blocks * p.block_bytes;
       __m256i codes[kX4Blocks];
       x4_codes<B>(sb, codes);
@@ -789,7 +790,7 @@ __attribute__((noinline)) void dot_rows(const uint8_t* w, int64_t blocks, const 
     constexpr float kOffset = B == kQ4_0 ? -8.f : B == kQ5_0 ? -16.f : 1.f;
     __m128 offsets[R];
     for (int r = 0; r < R; ++r) offsets[r] = _mm_setzero_ps();
-    for (int64_t s = 0; s < blocks; ++s) {
+    for (int64_t s = 0; s < blocks / kX4Blocks; ++s) {
       const uint8_t* sb = w + s * kX4Blocks * p.block_bytes;
       const __m128 d = x4_halves(sb);
       __m256 scale[R];
@@ -947,6 +948,18 @@ void unpack_row(const uint8_t* w, int64_t blocks, Unpacked& u) {
   Layout layout;
   layout_of(T, &layout);
   Group groups[8];
+  if constexpr (is_x4(T)) {  // each super-block's four blocks put back as the file's, then as those
+    uint8_t file_blocks[kX4Blocks * 34];
+    for (int64_t i = 0; i < blocks; i += kX4Blocks) {
+      deinterleave_blocks(base_of(T), w + i * layout.bytes, file_blocks);
+      for (int64_t j = i; j < i + kX4Blocks; ++j) {
+        block_groups(base_of(T), file_blocks + (j - i) * layout.bytes, groups);
+        std::memcpy(&u.codes[j * kGroup], groups[0].codes, kGroup);
+        for (int half = 0; half < 2; ++half) u.a[2 * j + half] = groups[0].a[half], u.b[2 * j + half] = groups[0].b[half];
+      }
+    }
+    return;
+  }
   for (int64_t i = 0; i < blocks; ++i) {
     const int n = block_groups(T, w + i * layout.bytes, groups);
     for (int g = 0; g < n; ++g) {
@@ -1043,9 +1056,8 @@ inline void slab_matmul(const at::Tensor& x, const uint8_t* w, int64_t rows, int
   for (int64_t r0 = 0; r0 < rows; r0 += kSlab) {
     const int64_t count = std::min(kSlab, rows - r0);
     float* dst = slab.data_ptr<float>();
-    at::parallel_for(0, count * blocks, 256, [&](int64_t begin, int64_t end) {
-      for (int64_t i = begin; i < end; ++i)
-        dequantize_block(type, w + r0 * row_bytes + i * layout.bytes, dst + i * layout.block);
+    at::parallel_for(0, count, 8, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) dequantize_row(type, w + (r0 + i) * row_bytes, blocks, dst + i * k);
     });
     out.narrow(1, r0, count).copy_(x.mm(slab.narrow(0, 0, count).t()));
   }

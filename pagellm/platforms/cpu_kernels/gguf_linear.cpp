@@ -120,7 +120,7 @@ at::Tensor gguf_linear(const at::Tensor& input, at::TensorList parts, at::IntArr
 
 int64_t gguf_interleaved_type(int64_t type) { return interleaved_type(type); }
 
-// uint8 [..., bytes per row] of GGML type `type` (a multiple of four blocks a row) -> the same bytes
+// uint8 [..., bytes per row] of GGML type `type`, rows of a multiple of four blocks -> the same bytes
 // interleaved four blocks at a time (gguf_blocks.h), of type gguf_interleaved_type(type).
 at::Tensor gguf_interleave(const at::Tensor& raw, int64_t type) {
   const int64_t to = interleaved_type(type);
@@ -128,7 +128,7 @@ at::Tensor gguf_interleave(const at::Tensor& raw, int64_t type) {
   const int64_t bytes = kX4Blocks * x4_parts(type).block_bytes;
   TORCH_CHECK(raw.scalar_type() == at::kByte && raw.dim() >= 1 && raw.is_contiguous() && raw.size(-1) % bytes == 0,
               "gguf_interleave: uint8 [..., a multiple of ", bytes, " bytes] (four blocks of GGML type ", type,
-              ")");
+              " a super-block)");
   at::Tensor out = raw.new_empty(raw.sizes());
   const uint8_t* src = raw.data_ptr<uint8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
@@ -149,8 +149,9 @@ at::Tensor gguf_dequantize(const at::Tensor& raw, int64_t type) {
   at::Tensor out = raw.new_empty({rows, blocks * layout.block}, raw.options().dtype(at::kFloat));
   const uint8_t* src = raw.data_ptr<uint8_t>();
   float* dst = out.data_ptr<float>();
-  at::parallel_for(0, rows * blocks, 256, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) dequantize_block(type, src + i * layout.bytes, dst + i * layout.block);
+  at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i)
+      dequantize_row(type, src + i * raw.size(1), blocks, dst + i * blocks * layout.block);
   });
   return out;
 }
@@ -175,11 +176,8 @@ at::Tensor gguf_embedding(const at::Tensor& ids, const at::Tensor& table, int64_
     TORCH_CHECK(id[i] >= 0 && id[i] < vocab, "gguf_embedding: id ", id[i], " outside the table's ", vocab, " rows");
   const uint8_t* src = table.data_ptr<uint8_t>();
   float* dst = out.data_ptr<float>();
-  at::parallel_for(0, n * blocks, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t j = begin; j < end; ++j) {
-      const int64_t row = j / blocks, b = j % blocks;
-      dequantize_block(type, src + id[row] * row_bytes + b * layout.bytes, dst + row * columns + b * layout.block);
-    }
+  at::parallel_for(0, n, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) dequantize_row(type, src + id[row] * row_bytes, blocks, dst + row * columns);
   });
   return out;
 }
