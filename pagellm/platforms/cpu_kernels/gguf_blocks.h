@@ -783,7 +783,7 @@ __attribute__((noinline)) void dot_rows(const uint8_t* w, int64_t blocks, const 
   };
   if constexpr (is_x4(T)) {
     // per super-block: the four blocks' d times x's four group scales in one vector, each block's lane
-    // picked for its FMA; the offsets' terms (Q4_0: -8 d, Q5_0: -16 d, Q4_1/Q5_1: m, each times x's group
+    // broadcast for its FMA; the offsets' terms (Q4_0: -8 d, Q5_0: -16 d, Q4_1/Q5_1: m, each times x's group
     // sum) four at a time, scaled once at the end
     constexpr int64_t B = base_of(T);
     constexpr X4Parts p = x4_parts(B);
@@ -793,9 +793,9 @@ __attribute__((noinline)) void dot_rows(const uint8_t* w, int64_t blocks, const 
     for (int64_t s = 0; s < blocks / kX4Blocks; ++s) {
       const uint8_t* sb = w + s * kX4Blocks * p.block_bytes;
       const __m128 d = x4_halves(sb);
-      __m256 scale[R];
+      alignas(16) float scale[R][kX4Blocks];  // each block's lane broadcast from here (a load, not a shuffle)
       for (int r = 0; r < R; ++r) {
-        scale[r] = _mm256_castps128_ps256(_mm_mul_ps(d, _mm_loadu_ps(dx[r] + kX4Blocks * s)));
+        _mm_store_ps(scale[r], _mm_mul_ps(d, _mm_loadu_ps(dx[r] + kX4Blocks * s)));
         if constexpr (B != kQ8_0)
           offsets[r] = _mm_fmadd_ps(p.minimums_at >= 0 ? x4_halves(sb + p.minimums_at) : d,
                                     _mm_loadu_ps(whole[r] + kX4Blocks * s), offsets[r]);
@@ -806,7 +806,7 @@ __attribute__((noinline)) void dot_rows(const uint8_t* w, int64_t blocks, const 
       for (int j = 0; j < kX4Blocks; ++j)
         for (int r = 0; r < R; ++r)
           acc[r][j % C] = _mm256_fmadd_ps(products(codes[j], r, kX4Blocks * s + j),
-                                          _mm256_permutevar8x32_ps(scale[r], _mm256_set1_epi32(j)), acc[r][j % C]);
+                                          _mm256_broadcast_ss(&scale[r][j]), acc[r][j % C]);
     }
     for (int r = 0; r < R; ++r) {
       __m256 sum = acc[r][0];
@@ -863,9 +863,9 @@ __attribute__((noinline)) void dot_rows(const uint8_t* w, int64_t blocks, const 
       };
       const __m256 d_sc = _mm256_mul_ps(widen(sc), _mm256_set1_ps(half_at(blk)));
       const __m256 dmin_mn = _mm256_mul_ps(widen(mn), _mm256_set1_ps(half_at(blk + 2)));
-      __m256 scale[R];
+      alignas(32) float scale[R][8];  // each group's lane broadcast from here (a load, not a shuffle)
       for (int r = 0; r < R; ++r) {
-        scale[r] = _mm256_mul_ps(d_sc, _mm256_loadu_ps(dx[r] + i * 8));
+        _mm256_store_ps(scale[r], _mm256_mul_ps(d_sc, _mm256_loadu_ps(dx[r] + i * 8)));
         offsets[r] = _mm256_fnmadd_ps(dmin_mn, _mm256_loadu_ps(whole[r] + i * 8), offsets[r]);
       }
       const uint8_t* qs = blk + (T == kQ5_K ? 48 : 16);
@@ -881,7 +881,7 @@ __attribute__((noinline)) void dot_rows(const uint8_t* w, int64_t blocks, const 
             codes = _mm256_or_si256(
                 codes, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, g), _mm256_set1_epi8(1)), 4));
           for (int r = 0; r < R; ++r) {
-            const __m256 a = _mm256_permutevar8x32_ps(scale[r], _mm256_set1_epi32(g));
+            const __m256 a = _mm256_broadcast_ss(&scale[r][g]);
             acc[r][h % C] = _mm256_fmadd_ps(products(codes, r, i * 8 + g), a, acc[r][h % C]);
           }
         }
