@@ -128,7 +128,7 @@ def _block_experts(block: Any) -> tuple[int, int, int, int, int]:
         block.gate.out_features,
         block.gate.routing.top_k,
         params,
-        layer.gguf_expert_bytes or params * element_size(layer.weight_dtype),
+        layer.expert_block_bytes or params * element_size(layer.weight_dtype),
         layer.num_local_experts,
     )
 

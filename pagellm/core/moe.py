@@ -7,6 +7,9 @@ projection's I rows after them, `w2` [E, H, I], optional biases `w13_bias` [E, 2
 Quantized experts (`QUANTIZED_DTYPES`, weight-only) keep that layout in int8 or float8_e4m3fn with one
 float32 scale per output row, `w13_scale` [E, 2I] and `w2_scale` [E, H]: expert e's weight is
 w13[e] * w13_scale[e, :, None] (symmetric, no zero point).
+MXFP4 experts (GPT-OSS checkpoints, `Mxfp4Experts`) keep the checkpoint's blocks in the same row layout:
+`w13_blocks` uint8 [E, 2I, H/32, 16] with `w13_scales` [E, 2I, H/32], `w2_blocks` [E, H, I/32, 16] with
+`w2_scales` [E, H, I/32] (`pagellm.core.mxfp4` says how they encode the values).
 A step's routing is `topk_weights` [T, K] float32 and `topk_ids` [T, K] int64: token t's output is
 sum_k topk_weights[t, k] * expert(topk_ids[t, k], x_t).
 """
@@ -41,11 +44,28 @@ class PackedMoE:
     run: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
     description: str
     """What runs the experts ("native CPU kernel, AVX2", "Triton"), for the start-up log."""
+    weights: tuple[torch.Tensor, ...] = ()
+    """The tensors the kernel reads where they are what the layer keeps in memory (the layer registers
+    them as its buffers, so the model's bytes count them); empty for a kernel's own repacked copy."""
 
     def __call__(
         self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     ) -> torch.Tensor:
         return self.run(hidden, topk_weights, topk_ids)
+
+
+@dataclass(frozen=True)
+class Mxfp4Experts:
+    """A layer's MXFP4 experts as the checkpoint stores them, in the layout above."""
+
+    w13_blocks: torch.Tensor
+    w13_scales: torch.Tensor
+    w2_blocks: torch.Tensor
+    w2_scales: torch.Tensor
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() for t in (self.w13_blocks, self.w13_scales, self.w2_blocks, self.w2_scales))
 
 
 def activate(

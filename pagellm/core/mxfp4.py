@@ -33,3 +33,23 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
     exponents = scales.to(torch.int32) - SCALE_BIAS
     values = torch.ldexp(values.flatten(-2), exponents.unsqueeze(-1).float())
     return values.flatten(-2).to(dtype)
+
+
+GGML_BLOCK_BYTES = 1 + BLOCK_SIZE // 2
+"""Bytes of one block in GGML's MXFP4 layout (`ggml_rows`): the scale byte, then the 16 code bytes."""
+
+
+def ggml_rows(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """blocks uint8 [..., G, 16] and scales uint8 [..., G] -> uint8 [..., G * 17], the same bytes as GGML's
+    MXFP4 blocks (GGML type 39, what llama.cpp's GGUF files hold and the CPU kernels read): each block's
+    scale byte first, then its codes with element l in byte l's low nibble and l + 16 in its high one,
+    where the checkpoint pairs elements 2l and 2l + 1 in byte l. The values are the same, bit for bit."""
+    if blocks.shape[:-1] != scales.shape or blocks.shape[-1] != BLOCK_SIZE // 2:
+        raise ValueError(
+            f"MXFP4 blocks {tuple(blocks.shape)} and scales {tuple(scales.shape)} do not pair up: blocks "
+            f"must be [..., G, {BLOCK_SIZE // 2}] and scales [..., G]"
+        )
+    codes = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).flatten(-2)  # element order
+    half = BLOCK_SIZE // 2
+    packed = codes[..., :half] | (codes[..., half:] << 4)
+    return torch.cat([scales.unsqueeze(-1), packed], dim=-1).flatten(-2).contiguous()

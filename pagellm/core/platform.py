@@ -17,7 +17,7 @@ from pagellm.core.state import RecurrentKernels
 
 if TYPE_CHECKING:
     from pagellm.core.config import EngineConfig
-    from pagellm.core.moe import PackedMoE
+    from pagellm.core.moe import Mxfp4Experts, PackedMoE
 
 GiB = 1 << 30
 
@@ -192,6 +192,19 @@ class Platform:
         `fused_experts_reference`. Called once per MoE layer after the weights load. Quantized experts
         (int8 or float8_e4m3fn `w13`/`w2`) come with their per-row scales; a platform whose kernel does
         not read them returns None."""
+        return None
+
+    @classmethod
+    def pack_moe_mxfp4(
+        cls,
+        experts: Mxfp4Experts,
+        w13_bias: torch.Tensor | None,
+        w2_bias: torch.Tensor | None,
+        activation: str,
+    ) -> PackedMoE | None:
+        """A fused-MoE layer's MXFP4 experts (GPT-OSS checkpoints' blocks, `pagellm.core.moe` says the
+        layout) on a kernel that reads them packed, or None: the layer then dequantizes them to its dtype
+        and `pack_moe` is asked instead. Called once per such layer after the weights load."""
         return None
 
     @classmethod

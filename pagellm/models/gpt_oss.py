@@ -11,14 +11,15 @@ pipeline parallel split) with GPT-OSS's differences, each as transformers comput
   The checkpoint's fused `gate_up_proj` [E, H, 2I] interleaves gate and up column by column; `FusedMoE`
   de-interleaves it into its stacked layout
 - MXFP4 experts (the released checkpoints, `quantization_config.quant_method` "mxfp4"): each expert
-  projection is `<name>_blocks` and `<name>_scales` (`pagellm.core.mxfp4`), dequantized here at load to
-  the model's dtype (exact), so the experts then run like unquantized ones and take 4x (bf16) the memory
-  of the packed weights; the other layers of those checkpoints are not quantized.
+  projection is `<name>_blocks` and `<name>_scales` (`pagellm.core.mxfp4`), read by `FusedMoE`, which keeps
+  them packed for a platform kernel that reads them (the CPU's: the checkpoint's bytes in memory) or
+  dequantizes them to the model's dtype (exact; 4x the bytes in bf16); the other layers of those
+  checkpoints are not quantized.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from typing import Any, ClassVar
 
 import torch
@@ -27,15 +28,11 @@ from torch import nn
 from pagellm.core.attention import AttentionSpec
 from pagellm.core.errors import ConfigError
 from pagellm.core.moe import SWIGLU_ALPHA, SWIGLU_LIMIT, SWIGLU_OAI
-from pagellm.core.mxfp4 import dequantize_mxfp4
 from pagellm.models.base import ModelInit, head_size
 from pagellm.models.layers.fused_moe.block import SparseMoeBlock
 from pagellm.models.layers.fused_moe.loading import copy_weights_with_experts
 from pagellm.models.layers.fused_moe.routing import SOFTMAX_AFTER_TOPK, Routing
 from pagellm.models.llama import STACKED, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
-from pagellm.models.loader import CheckpointSlice
-
-MXFP4_PARTS = ("_blocks", "_scales")
 
 
 def gpt_oss_attention_spec(
@@ -70,6 +67,7 @@ class GptOssDecoderLayer(LlamaDecoderLayer):
             activation=SWIGLU_OAI,
             expert_bias=True,
             router_bias=True,
+            mxfp4_experts=_quant_method(c) == "mxfp4",
         )
 
 
@@ -82,39 +80,14 @@ class GptOssForCausalLM(LlamaForCausalLM):
     attention_spec = staticmethod(gpt_oss_attention_spec)
     reads_quantization: ClassVar[tuple[str, ...]] = ("mxfp4",)
 
-    def __init__(self, init: ModelInit):
-        super().__init__(init)
-        self.dtype = init.dtype
-
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        return copy_weights_with_experts(self, dequantized_experts(weights, self.dtype), STACKED, self._adapt)
+        return copy_weights_with_experts(self, weights, STACKED, self._adapt)
 
     def _adapt(self, name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor] | None:
         name = name.replace(".self_attn.sinks", ".self_attn.attn.sinks").replace(".mlp.router.", ".mlp.gate.")
         return super()._adapt(name, tensor)
 
 
-def dequantized_experts(
-    weights: Iterable[tuple[str, torch.Tensor | CheckpointSlice]], dtype: torch.dtype
-) -> Iterator[tuple[str, torch.Tensor | CheckpointSlice]]:
-    """The checkpoint's tensors with each MXFP4 pair `<name>_blocks` [E, N, K/32, 16] and `<name>_scales`
-    [E, N, K/32] (for the weight [E, N, K] that GPT-OSS multiplies as x @ W^T) replaced by `<name>` in the
-    layout transformers' unquantized checkpoints keep, [E, K, N] (x @ W), dequantized to `dtype`. The first
-    of a pair is held until its partner comes (they may be in different files); other tensors pass."""
-    pending: dict[str, torch.Tensor] = {}
-    for name, tensor in weights:
-        part = next((p for p in MXFP4_PARTS if name.endswith(p)), None)
-        if part is None:
-            yield name, tensor
-            continue
-        base = name.removesuffix(part)
-        pending[name] = tensor.load() if isinstance(tensor, CheckpointSlice) else tensor
-        blocks, scales = pending.get(base + "_blocks"), pending.get(base + "_scales")
-        if blocks is None or scales is None:
-            continue
-        del pending[base + "_blocks"], pending[base + "_scales"]
-        yield base, dequantize_mxfp4(blocks, scales, dtype).transpose(-1, -2)
-    if pending:
-        raise ConfigError(
-            f"MXFP4 tensors without their blocks or scales in the checkpoint: {sorted(pending)}"
-        )
+def _quant_method(hf_config: Any) -> str | None:
+    config = getattr(hf_config, "quantization_config", None) or {}
+    return config.get("quant_method") if isinstance(config, dict) else getattr(config, "quant_method", None)

@@ -14,10 +14,10 @@ import torch
 
 from pagellm.core.dtypes import dtype_name
 from pagellm.core.errors import ConfigError
-from pagellm.core.moe import PackedMoE
+from pagellm.core.moe import Mxfp4Experts, PackedMoE
 from pagellm.core.platform import DTYPE_VIEWS, FLOAT8, Availability, GiB, PackedLinear, Platform
 from pagellm.core.state import RecurrentKernels
-from pagellm.platforms import cpu_linear, cpu_moe
+from pagellm.platforms import cpu_gguf_moe, cpu_linear, cpu_moe
 from pagellm.platforms._common import classproperty, gib
 from pagellm.plugins.hookspecs import hookimpl
 
@@ -232,6 +232,19 @@ class CpuPlatform(Platform):
         return cpu_moe.pack(
             w13, w2, w13_bias, w2_bias, activation, kernels.fused_moe_isa(), w13_scale, w2_scale
         )
+
+    @classmethod
+    def pack_moe_mxfp4(
+        cls,
+        experts: Mxfp4Experts,
+        w13_bias: torch.Tensor | None,
+        w2_bias: torch.Tensor | None,
+        activation: str,
+    ) -> PackedMoE | None:
+        """GPT-OSS's MXFP4 experts kept packed on the GGUF experts kernel (platforms/cpu_gguf_moe.py: GGML's
+        MXFP4 blocks, the checkpoint's bytes), biases and the clamped SwiGLU included; None where the kernels
+        cannot be had here."""
+        return cpu_gguf_moe.pack_mxfp4(experts, w13_bias, w2_bias, activation)
 
     @classmethod
     def recurrent_kernels(cls) -> RecurrentKernels:

@@ -35,7 +35,7 @@ def _(ids: torch.Tensor, table: torch.Tensor, type_id: int) -> torch.Tensor:
 
 
 INTERLEAVED = 1000
-"""pagellm's own type numbers: INTERLEAVED + a 32-weight block type (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) is that type's
+"""pagellm's own type numbers: INTERLEAVED + a 32-weight block type (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, MXFP4) is that type's
 rows rewritten four blocks at a time (`interleave`), in the kernel's layout (`cpu_kernels/gguf_blocks.h`)."""
 
 
@@ -66,14 +66,14 @@ def available() -> bool:
 @functools.cache
 def has_kernel(type_id: int) -> bool:
     """Whether GGML type `type_id` is multiplied in place here (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K,
-    Q6_K and the interleaved types where the kernels are built)."""
+    Q6_K, MXFP4 and the interleaved types where the kernels are built)."""
     kernels = cpu_kernels.load()
     return kernels is not None and bool(kernels.gguf_kernel_type(type_id))
 
 
 def interleave(raw: torch.Tensor, type_id: int) -> tuple[torch.Tensor, int]:
     """uint8 [..., bytes per row] of GGML type `type_id` in the layout the kernel reads fastest, and its type:
-    Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 rows rewritten four blocks at a time (the
+    Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and MXFP4 rows rewritten four blocks at a time (the
     same bytes, about half the instructions a weight at one x row); any other tensor, or rows whose blocks
     are not a multiple of four, as they are."""
     kernels = cpu_kernels.load()

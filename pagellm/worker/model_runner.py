@@ -32,7 +32,7 @@ from pagellm.distributed import Parallel
 from pagellm.lora.request import LoRARequest
 from pagellm.models.base import ModelInit
 from pagellm.models.context import ImageBatch, LoRABatch, StateBatch, set_forward_context
-from pagellm.models.layers.fused_moe.layer import FusedMoE
+from pagellm.models.layers.fused_moe.layer import FusedMoE, place_mxfp4_experts
 from pagellm.models.layers.linear import Linear
 from pagellm.models.layers.recurrent import RecurrentLayer
 from pagellm.models.layers.rotary import request_length_base
@@ -209,6 +209,7 @@ class ModelRunner:
             model = load_model(setup.model_class_path, init, weights, self.device)
         finally:
             torch.set_default_dtype(torch.float32)
+        place_mxfp4_experts(model, self.setup.platform)  # before counting: what stays in memory
         self.model_bytes += model_weight_bytes(model)
         self._pack_linears(model)
         self._pack_experts(model)
@@ -241,8 +242,8 @@ class ModelRunner:
 
     def _pack_experts(self, model) -> None:
         """Hand every MoE layer's stacked experts to the platform's kernel (`Platform.pack_moe`), unless the
-        quantization method's kernel runs them already (GGUF blocks); a layer the platform packs nothing for
-        runs `fused_experts_reference`. Says once which runs them."""
+        quantization method's kernel runs them already (GGUF blocks, MXFP4 blocks: `place_mxfp4_experts`); a
+        layer the platform packs nothing for runs `fused_experts_reference`. Says once which runs them."""
         layers = [m for m in model.modules() if isinstance(m, FusedMoE)]
         paths = set()
         for layer in (m for m in layers if m.packed is None):

@@ -135,9 +135,9 @@ def test_layers_whose_experts_take_different_bytes_are_charged_their_mean(tmp_pa
     layers = [m.experts for m in model.modules() if isinstance(m, SparseMoeBlock)]
     assert len(layers) >= 2
     plain = experts_of_model(model)
-    layers[0].gguf_expert_bytes = 300
+    layers[0].expert_block_bytes = 300
     for layer in layers[1:]:
-        layer.gguf_expert_bytes = 100
+        layer.expert_block_bytes = 100
     mixed = experts_of_model(model)
     assert mixed.params == plain.params and mixed.layers == plain.layers
     assert mixed.bytes == round((300 + 100 * (len(layers) - 1)) / len(layers))

@@ -36,3 +36,23 @@ def test_blocks_and_scales_that_do_not_pair_up_are_refused():
         dequantize_mxfp4(
             torch.zeros(2, 3, 16, dtype=torch.uint8), torch.zeros(2, 4, dtype=torch.uint8), torch.float32
         )
+
+
+def test_ggml_rows_hold_the_same_values_in_ggmls_block_order():
+    """`ggml_rows` rewrites the checkpoint's blocks as GGML's MXFP4 blocks (type 39): gguf-py's
+    dequantization of them gives the checkpoint's values, every code and scale (GGML writes
+    code 8, FP4's -0.0, as +0.0: equal as values)."""
+    import numpy as np
+    from gguf import GGMLQuantizationType, quants
+
+    from pagellm.core.mxfp4 import GGML_BLOCK_BYTES, ggml_rows
+
+    generator = torch.Generator().manual_seed(1)
+    blocks = torch.randint(0, 256, (2, 256, 3, 16), generator=generator, dtype=torch.uint8)
+    # every scale byte but 255, OCP's NaN (which the two dequantizations spell differently)
+    scales = torch.arange(256, dtype=torch.uint8).clamp(max=254).repeat(2, 3, 1).transpose(1, 2).contiguous()
+    rows = ggml_rows(blocks, scales)
+    assert rows.shape == (2, 256, 3 * GGML_BLOCK_BYTES) and rows.dtype == torch.uint8
+    theirs = quants.dequantize(rows.reshape(512, -1).numpy(), GGMLQuantizationType.MXFP4)
+    ours = dequantize_mxfp4(blocks, scales, torch.float32).reshape(512, -1).numpy()
+    assert np.array_equal(theirs, ours)

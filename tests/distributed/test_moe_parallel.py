@@ -79,6 +79,48 @@ def test_a_rank_reads_and_keeps_only_its_part_of_the_experts(tmp_path, monkeypat
     assert not any(m == "load" and ".mlp.experts." in n for m, n in reads)  # experts: slices only
 
 
+@pytest.mark.parametrize("expert_parallel", [False, True], ids=["sharded", "expert-parallel"])
+def test_a_rank_dequantizes_its_part_of_mxfp4_experts(tmp_path, monkeypatch, expert_parallel):
+    """A split layer does not keep GPT-OSS's MXFP4 blocks (the kernel reads whole layers): each pair is
+    dequantized as it arrives and the rank keeps its part, as transformers dequantizes the whole."""
+    from test_gpt_oss import write_mxfp4_experts
+
+    from pagellm.core.mxfp4 import dequantize_mxfp4
+
+    path = make_tiny_checkpoint("gpt_oss", tmp_path)
+    write_mxfp4_experts(path)
+    full = load_file(str(path / "model.safetensors"))
+    from transformers import AutoConfig
+
+    init = ModelInit(
+        AutoConfig.from_pretrained(path),
+        torch.float32,
+        TorchSDPABackend,
+        parallel=TP1,
+        expert_parallel=expert_parallel,
+    )
+    weights = iter_checkpoint_weights(path, lazy=True)
+    model = load_model("pagellm.models.gpt_oss:GptOssForCausalLM", init, weights, "cpu")
+    layer = next(m for m in model.modules() if isinstance(m, FusedMoE))
+    assert layer.mxfp4 is None
+    prefix = "model.layers.0.mlp.experts."
+    gate_up = dequantize_mxfp4(
+        full[prefix + "gate_up_proj_blocks"], full[prefix + "gate_up_proj_scales"], torch.float32
+    )
+    down = dequantize_mxfp4(
+        full[prefix + "down_proj_blocks"], full[prefix + "down_proj_scales"], torch.float32
+    )
+    gate, up = gate_up[:, 0::2], gate_up[:, 1::2]
+    if expert_parallel:
+        experts = slice(layer.first_expert, layer.first_expert + layer.num_local_experts)
+        expected_w13, expected_w2 = torch.cat([gate, up], 1)[experts], down[experts]
+    else:
+        width = slice(layer.width_start, layer.width_start + layer.width)
+        expected_w13 = torch.cat([gate[:, width], up[:, width]], 1)
+        expected_w2 = down[:, :, width]
+    assert torch.equal(layer.w13, expected_w13) and torch.equal(layer.w2, expected_w2)
+
+
 @pytest.mark.parametrize(
     "settings,overrides,message,param",
     [

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as T
-from gguf import GGUFReader
+from gguf import GGUFReader, quants
 from parity import GGUF_FAMILIES, mixed_prompts
 from tiny import make_tiny_checkpoint
 
@@ -40,7 +40,8 @@ MAX_TOKENS = 8
 
 def expert_encoder(types: dict[str, T]):
     """`reencode_gguf`'s `encode`: each stacked expert tensor [E, rows, columns] in its type of `types`
-    (K-quants by `k_quantize`, Q2_K as random blocks: gguf-py writes neither), the rest left as it is."""
+    (K-quants by `k_quantize`, Q2_K as random blocks: gguf-py writes neither; the 32-weight block types by
+    gguf-py), the rest left as it is."""
 
     def encode(name: str, values: np.ndarray):
         kind = name.split(".")[2] if name.startswith("blk.") else None
@@ -49,6 +50,8 @@ def expert_encoder(types: dict[str, T]):
         experts, rows, columns = values.shape
         if types[kind] == T.Q2_K:
             raw = random_blocks(T.Q2_K, experts * rows, columns, scale=0.002)
+        elif types[kind] not in (T.Q4_K, T.Q5_K, T.Q6_K):  # gguf-py writes the 32-weight block types
+            raw = quants.quantize(values.reshape(experts * rows, columns).astype(np.float32), types[kind])
         else:
             raw = k_quantize(
                 torch.from_numpy(values.reshape(experts * rows, columns).copy()), types[kind]
@@ -94,6 +97,10 @@ def check_packed_tokens(path: Path) -> None:
     # the file's expert bytes, as buffers the model's weight bytes count
     packed = sum(b.numel() for layer in layers for b in layer.buffers() if b.dtype == torch.uint8)
     assert packed == expert_tensor_bytes(path)
+    # ... and those buffers are what the kernel reads: no second copy (the file's order beside an
+    # interleaved one) stays alive
+    for layer in layers:
+        assert all(any(b is t for b in layer.buffers()) for t in layer.packed.run.blocks)
     experts = experts_of_model(llm.engine.runner.model)  # what the benchmark floor reads per expert
     assert experts.bytes * experts.num_experts * experts.layers == packed
     assert greedy(llm) == dequantized
@@ -107,6 +114,13 @@ def test_k_quant_experts_stay_packed_and_give_the_dequantized_tokens(qwen3_moe_q
 def test_other_families_k_quant_experts(family, tmp_path):
     """Qwen2-MoE (with its shared expert, a dense GGUF linear) and Mixtral (a `llama` file)."""
     check_packed_tokens(moe_gguf(tmp_path, family, Q4_K_M))
+
+
+def test_interleaved_block_types_keep_one_copy(tmp_path):
+    """Q8_0, Q5_0 and Q4_0 experts are interleaved when they load (`cpu_gguf.interleave`: a new tensor);
+    the layer keeps that one, not the file's beside it."""
+    types = {"ffn_gate_exps": T.Q8_0, "ffn_up_exps": T.Q5_0, "ffn_down_exps": T.Q4_0}
+    check_packed_tokens(moe_gguf(tmp_path, "qwen3_moe", types))
 
 
 def test_bfloat16_packed_experts_stay_close_to_the_dequantized_model(qwen3_moe_q4_k_m):

@@ -22,6 +22,10 @@ from tiny import make_tiny_checkpoint
 from pagellm import LLM, AsyncLLM
 from pagellm.core import moe
 from pagellm.core.mxfp4 import BLOCK_SIZE
+from pagellm.core.platform import Platform
+from pagellm.models.layers.fused_moe.layer import FusedMoE, place_mxfp4_experts
+from pagellm.platforms import cpu_gguf
+from pagellm.platforms.cpu import CpuPlatform
 from pagellm.server import harmony
 from pagellm.server.app import build_app
 from pagellm.server.protocol import ChatCompletionRequest
@@ -38,9 +42,13 @@ def checkpoint(tmp_path_factory) -> Path:
     return make_tiny_checkpoint("gpt_oss", tmp_path_factory.mktemp("gpt_oss"))
 
 
-def assert_logits_match(path: Path) -> None:
+def assert_logits_match(path: Path, platform: type[Platform] = Platform) -> None:
+    """Logits against transformers' through prefill and four decode steps; MXFP4 experts placed by
+    `platform` as the engine does (the base platform has no MXFP4 kernel: they are dequantized)."""
     reference = load_reference(path)
-    runner = PagedRunner(load_pagellm(path), num_seqs=1)
+    model = load_pagellm(path)
+    place_mxfp4_experts(model, platform)
+    runner = PagedRunner(model, num_seqs=1)
     ids = list(PROMPT)
     got = runner.step({0: ids})[0]
     torch.testing.assert_close(got, reference_logits(reference, ids), atol=ATOL, rtol=0)
@@ -115,16 +123,52 @@ def write_mxfp4_experts(path: Path) -> None:
     (path / "config.json").write_text(json.dumps(config))
 
 
-def test_mxfp4_experts_load_as_transformers_dequantizes_them(tmp_path):
-    """transformers reads the pairs with its own dequantization (on a CPU it dequantizes instead of
-    running MXFP4 kernels); the engine selects no quantization method for them (the model reads them)."""
-    path = make_tiny_checkpoint("gpt_oss", tmp_path)
+@pytest.fixture(scope="module")
+def mxfp4_checkpoint(tmp_path_factory) -> Path:
+    path = make_tiny_checkpoint("gpt_oss", tmp_path_factory.mktemp("gpt_oss_mxfp4"))
     write_mxfp4_experts(path)
-    assert_logits_match(path)
+    return path
 
-    llm = LLM(str(path), dtype="float32", num_kv_blocks=64, max_model_len=256)
-    assert llm.engine.setup.quant_method is None
-    assert_greedy_parity(llm, Reference(path, 8), mixed_prompts(300)[:4])
+
+def test_mxfp4_experts_dequantized_match_transformers(mxfp4_checkpoint):
+    """transformers reads the pairs with its own dequantization (on a CPU it dequantizes instead of
+    running MXFP4 kernels); a platform without an MXFP4 kernel dequantizes them the same way."""
+    assert_logits_match(mxfp4_checkpoint)
+
+
+@pytest.mark.skipif(not cpu_gguf.available(), reason="the native CPU kernels are not built here")
+def test_mxfp4_experts_kept_packed_on_cpu(mxfp4_checkpoint):
+    """On the CPU the experts stay the checkpoint's MXFP4 bytes (GGML's block order) on the GGUF experts
+    kernel, biases and the clamped SwiGLU in it: logits as transformers' to float32 rounding, greedy tokens
+    identical through the engine (batching, chunked prefill), the experts' memory the checkpoint's blocks
+    and scales exactly; in bfloat16 (int8 x) the drift from float32 is printed."""
+    assert_logits_match(mxfp4_checkpoint, CpuPlatform)
+
+    llm = LLM(str(mxfp4_checkpoint), dtype="float32", num_kv_blocks=64, max_model_len=256)
+    assert llm.engine.setup.quant_method is None  # the model reads the format; no method is selected
+    layers = [m for m in llm.engine.runner.model.modules() if isinstance(m, FusedMoE)]
+    assert layers and all("MXFP4" in layer.packed.description for layer in layers)
+    state = load_file(str(mxfp4_checkpoint / "model.safetensors"))
+    checkpoint_bytes = sum(t.numel() for n, t in state.items() if n.endswith(("_blocks", "_scales")))
+    kept = sum(t.numel() * t.element_size() for layer in layers for t in layer.packed.run.blocks)
+    assert kept == checkpoint_bytes
+    assert_greedy_parity(llm, Reference(mxfp4_checkpoint, 8), mixed_prompts(300)[:4])
+
+    # bfloat16: int8 activations on the packed experts against the same model's experts dequantized to
+    # bfloat16 (the tiny random model drifts a lot in bfloat16 either way)
+    reference = reference_logits(load_reference(mxfp4_checkpoint), PROMPT)[-1].log_softmax(-1)
+    top = reference.topk(8).indices
+    drift = {}
+    for name, platform in [("packed", CpuPlatform), ("dequantized", Platform)]:
+        model = load_pagellm(mxfp4_checkpoint, dtype=torch.bfloat16)
+        place_mxfp4_experts(model, platform)
+        logits = PagedRunner(model, num_seqs=1).step({0: PROMPT})[0][-1].float().log_softmax(-1)
+        drift[name] = float((logits[top] - reference[top]).abs().max())
+    print(
+        f"MXFP4 experts in bfloat16, top-8 log-prob drift from float32: packed (int8 activations) "
+        f"{drift['packed']:.4f}, dequantized to bfloat16 {drift['dequantized']:.4f}"
+    )
+    assert drift["packed"] < max(2 * drift["dequantized"], 0.05)
 
 
 def test_harmony_chat_through_the_server_matches_transformers(checkpoint):

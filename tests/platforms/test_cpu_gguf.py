@@ -21,9 +21,9 @@ from quant_formats import random_blocks  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not cpu_gguf.available(), reason="the native CPU kernels are not built here")
 
-KERNEL_TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K]
+KERNEL_TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K, T.MXFP4]
 DEQUANT_ONLY = [T.Q2_K, T.Q3_K, T.F32, T.F16, T.BF16]
-INTERLEAVED_TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0]
+INTERLEAVED_TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.MXFP4]
 # every kernel type as the file has it, and the 32-weight block types interleaved as the loader keeps them
 LAYOUTS = [(t, "file") for t in KERNEL_TYPES] + [(t, "interleaved") for t in INTERLEAVED_TYPES]
 

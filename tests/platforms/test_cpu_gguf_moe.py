@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType as T
 from gguf import quants
 
+from pagellm.core import moe
 from pagellm.platforms import cpu_gguf, cpu_gguf_moe
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "quantization"))
@@ -180,3 +181,41 @@ def test_unchosen_experts_and_types_without_kernel():
     with pytest.raises(RuntimeError, match="has no kernel"):
         q2(x, torch.ones(2, 1), torch.zeros(2, 1, dtype=torch.long))
     assert not cpu_gguf_moe.runs([int(T.Q4_K), int(T.Q3_K), int(T.Q4_K)])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("tokens", [1, 3, 40])
+def test_mxfp4_experts_with_biases_and_the_clamped_swiglu(dtype, tokens, two_threads):
+    """GPT-OSS's experts as the CPU keeps them: MXFP4 blocks, a bias on gate, up and down, the clamped
+    SwiGLU. Against `fused_experts_reference` on the dequantized experts (float64): float32 x to float32's
+    rounding; bfloat16 x (int8 x and activations) within the int8 rounding's usual error. One token: the
+    one-row products; three: a few rows; 40: tiles of eight (bfloat16) or slabs through the GEMM (float32)."""
+    (gate_raw, gate), (up_raw, up), (down_raw, down) = (
+        stacked(T.MXFP4, INTER, HIDDEN, 11),
+        stacked(T.MXFP4, INTER, HIDDEN, 12),
+        stacked(T.MXFP4, HIDDEN, INTER, 13),
+    )
+    g = torch.Generator().manual_seed(14)
+    w13_bias, w2_bias = (
+        torch.randn(EXPERTS, 2 * INTER, generator=g),
+        torch.randn(EXPERTS, HIDDEN, generator=g),
+    )
+    x = torch.randn(tokens, HIDDEN, generator=g).to(dtype)
+    weights, ids = routing(tokens, 2, seed=15)
+    types = [int(T.MXFP4)] * 3
+    kernel = cpu_gguf_moe.pack(gate_raw, up_raw, down_raw, types, moe.SWIGLU_OAI, "", w13_bias, w2_bias)
+    got = kernel(x, weights, ids).double()
+    expected = moe.fused_experts_reference(
+        x.double(),
+        torch.cat([gate, up], dim=1),
+        down,
+        weights,
+        ids,
+        activation=moe.SWIGLU_OAI,
+        w13_bias=w13_bias.double(),
+        w2_bias=w2_bias.double(),
+    ).double()
+    without_biases = cpu_gguf_moe.pack(gate_raw, up_raw, down_raw, types, moe.SWIGLU_OAI, "")(x, weights, ids)
+    assert (got - without_biases.double()).norm() > 0.1 * expected.norm()  # the biases matter here
+    error = (got - expected).norm() / expected.norm()
+    assert error < (1e-5 if dtype == torch.float32 else 0.02), f"relative error {error:.2e}"

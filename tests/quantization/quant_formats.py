@@ -351,6 +351,10 @@ def random_blocks(ggml_type, rows: int, columns: int, seed: int = 0, scale: floa
         values = rng.standard_normal((rows, columns)).astype(np.float32)
         return np.ascontiguousarray(quants.quantize(values, ggml_type)).view(np.uint8)
     raw = rng.integers(0, 256, size=(rows, columns // block, size), dtype=np.uint8)
+    if ggml_type == T.MXFP4:  # the scale byte: 2^(e - 128) around scale / 4 (codes up to 12)
+        center = 128 + int(np.round(np.log2(scale / 4)))
+        raw[..., 0] = rng.integers(center - 2, center + 2, size=(rows, columns // block))
+        return raw.reshape(rows, -1)
     start, count = half_fields[ggml_type]
     halves = (rng.standard_normal((rows, columns // block, count)) * scale).astype(np.float16)
     raw[..., start : start + 2 * count] = halves.view(np.uint8)

@@ -19,7 +19,8 @@
 // elements (int8 x: dx times the integer sums), a_* the weight scales of those halves, b_* the weight
 // offsets (a Q4_0 code c means (c - 8) d: b = -8 d; Q4_K's minimum: b = -dmin m) and X_* the sums of x over
 // the halves, computed once per call. Q8_0's codes are signed: its integer products take the sign trick
-// (|w| times x with w's sign) and no offset.
+// (|w| times x with w's sign) and no offset. MXFP4's nibbles are looked up as twice their FP4 values plus
+// 12 (0-24, unsigned), with an offset of -12 d.
 //
 // Up to four int8 x rows (a decode step, a few) are multiplied straight from the blocks, one weight row at a
 // time, each group decoded once for all of them; the K-quants' per-block scales and minimums are widened
@@ -60,14 +61,33 @@ namespace {
 constexpr int64_t kInterleaved = 1000;
 enum Type : int64_t {
   kF32 = 0, kF16 = 1, kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8,
-  kQ2_K = 10, kQ3_K = 11, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14, kBF16 = 30,
+  kQ2_K = 10, kQ3_K = 11, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14, kBF16 = 30, kMXFP4 = 39,
   kQ4_0x4 = kInterleaved + kQ4_0, kQ4_1x4 = kInterleaved + kQ4_1, kQ5_0x4 = kInterleaved + kQ5_0,
-  kQ5_1x4 = kInterleaved + kQ5_1, kQ8_0x4 = kInterleaved + kQ8_0,
+  kQ5_1x4 = kInterleaved + kQ5_1, kQ8_0x4 = kInterleaved + kQ8_0, kMXFP4x4 = kInterleaved + kMXFP4,
 };
 
 constexpr bool is_x4(int64_t type) { return type > kInterleaved; }
 // The GGML type whose blocks an interleaved type holds (the type itself for the others).
 constexpr int64_t base_of(int64_t type) { return is_x4(type) ? type - kInterleaved : type; }
+// Types whose codes are signed values (no offset): the integer products take the sign trick.
+constexpr bool signed_codes(int64_t type) { return base_of(type) == kQ8_0; }
+
+// MXFP4 (OCP microscaling FP4, GPT-OSS's experts, in GGML's block): an E8M0 exponent byte e, then 16 bytes
+// of E2M1 codes, element l in byte l's low nibble and l + 16 in its high one. A code's value is
+// kMxfp4Values[code] (twice its FP4 value, so an integer) times 2^(e - 128), GGML's half of the scale.
+constexpr int8_t kMxfp4Values[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+// The products read them shifted by 12, unsigned (maddubs takes them as they are, where signed codes need two
+// sign instructions a block), with an offset of -12 d as Q4_0's -8 d.
+constexpr uint8_t kMxfp4Codes[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};
+constexpr float kMxfp4Offset = -12.f;
+
+// 2^(e - 128) as float32, as GGML's ggml_e8m0_to_fp32_half writes it (subnormal for e < 2).
+inline float e8m0_half(uint8_t e) {
+  const uint32_t bits = e < 2 ? 0x00200000u << e : static_cast<uint32_t>(e - 1) << 23;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
 
 constexpr int64_t kGroup = 32;  // x is quantized in groups of 32; every block is a whole number of groups
 constexpr int kTile = 4;        // x rows that share one unpacking of a weight group
@@ -99,7 +119,9 @@ bool layout_of(int64_t type, Layout* out) {
     case kQ4_K: *out = {256, 144}; return true;
     case kQ5_K: *out = {256, 176}; return true;
     case kQ6_K: *out = {256, 210}; return true;
-    case kQ4_0x4: case kQ4_1x4: case kQ5_0x4: case kQ5_1x4: case kQ8_0x4: return layout_of(base_of(type), out);
+    case kMXFP4: *out = {32, 17}; return true;
+    case kQ4_0x4: case kQ4_1x4: case kQ5_0x4: case kQ5_1x4: case kQ8_0x4: case kMXFP4x4:
+      return layout_of(base_of(type), out);
     default: return false;
   }
 }
@@ -108,19 +130,19 @@ bool layout_of(int64_t type, Layout* out) {
 bool has_kernel(int64_t type) {
   switch (type) {
     case kQ4_0: case kQ4_1: case kQ5_0: case kQ5_1: case kQ8_0: case kQ4_K: case kQ5_K: case kQ6_K: return true;
-    case kQ4_0x4: case kQ4_1x4: case kQ5_0x4: case kQ5_1x4: case kQ8_0x4: return true;
+    case kQ4_0x4: case kQ4_1x4: case kQ5_0x4: case kQ5_1x4: case kQ8_0x4: case kMXFP4: case kMXFP4x4: return true;
     default: return false;
   }
 }
 
 // ---- four 32-weight blocks interleaved --------------------------------------------------------------------
 
-// Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 rows are rewritten at load, four blocks (128 weights) at a time, into a
+// Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and MXFP4 rows are rewritten at load, four blocks (128 weights) at a time, into a
 // layout the one-row products read with fewer instructions; the bytes stay as many. Rows whose blocks are
 // not a multiple of four stay as the file has them (model S's 576 weights: a row that short was read no
 // faster with its last blocks apart). A super-block:
 //
-//   the four scales d (float16), then (Q4_1, Q5_1) the four minimums m;
+//   the four scales d (float16; MXFP4's four exponent bytes), then (Q4_1, Q5_1) the four minimums m;
 //   (Q5_0, Q5_1) the fifth bits, 16 bytes: bit j of byte l is block j's code l, bit 4 + j its code 16 + l;
 //   the codes: Q8_0's four blocks of 32 in order; the others' low four bits as two 32-byte vectors, block 2v's
 //   code l in byte l's low nibble of vector v and block 2v + 1's in its high nibble.
@@ -137,13 +159,14 @@ constexpr int64_t kX4Blocks = 4;
 // The interleaved type of GGML type `type`, or -1 where it has none.
 int64_t interleaved_type(int64_t type) {
   switch (type) {
-    case kQ4_0: case kQ4_1: case kQ5_0: case kQ5_1: case kQ8_0: return kInterleaved + type;
+    case kQ4_0: case kQ4_1: case kQ5_0: case kQ5_1: case kQ8_0: case kMXFP4: return kInterleaved + type;
     default: return -1;
   }
 }
 
 struct X4Parts {
   int64_t block_bytes, codes_at, minimums_at, fifth_at, qs_at;  // offsets in a super-block / a file block
+  int64_t scale_bytes = 2;                                       // a block's scale: float16, or MXFP4's byte
 };
 
 constexpr X4Parts x4_parts(int64_t base) {
@@ -151,6 +174,7 @@ constexpr X4Parts x4_parts(int64_t base) {
          : base == kQ4_1 ? X4Parts{20, 16, 8, -1, 4}
          : base == kQ5_0 ? X4Parts{22, 24, -1, 8, 6}
          : base == kQ5_1 ? X4Parts{24, 32, 8, 16, 8}
+         : base == kMXFP4 ? X4Parts{17, 4, -1, -1, 1, 1}
                          : X4Parts{34, 8, -1, -1, 2};
 }
 
@@ -160,7 +184,7 @@ inline void interleave_blocks(int64_t base, const uint8_t* src, uint8_t* dst) {
   std::memset(dst, 0, kX4Blocks * p.block_bytes);
   for (int j = 0; j < kX4Blocks; ++j) {
     const uint8_t* blk = src + j * p.block_bytes;
-    std::memcpy(dst + 2 * j, blk, 2);
+    std::memcpy(dst + p.scale_bytes * j, blk, p.scale_bytes);
     if (p.minimums_at >= 0) std::memcpy(dst + p.minimums_at + 2 * j, blk + 2, 2);
     if (base == kQ8_0) {
       std::memcpy(dst + p.codes_at + 32 * j, blk + 2, 32);
@@ -181,7 +205,7 @@ inline void deinterleave_blocks(int64_t base, const uint8_t* src, uint8_t* dst) 
   std::memset(dst, 0, kX4Blocks * p.block_bytes);
   for (int j = 0; j < kX4Blocks; ++j) {
     uint8_t* blk = dst + j * p.block_bytes;
-    std::memcpy(blk, src + 2 * j, 2);
+    std::memcpy(blk, src + p.scale_bytes * j, p.scale_bytes);
     if (p.minimums_at >= 0) std::memcpy(blk + 2, src + p.minimums_at + 2 * j, 2);
     if (base == kQ8_0) {
       std::memcpy(blk + 2, src + p.codes_at + 32 * j, 32);
@@ -306,6 +330,14 @@ __attribute__((optimize("fp-contract=off"))) void dequantize_block(int64_t type,
       for (int l = 0; l < 32; ++l) y[l] = static_cast<float>(static_cast<int8_t>(b[2 + l])) * d;
       return;
     }
+    case kMXFP4: {
+      const float d = e8m0_half(b[0]);
+      for (int l = 0; l < 16; ++l) {
+        y[l] = d * static_cast<float>(kMxfp4Values[b[1 + l] & 0xf]);
+        y[l + 16] = d * static_cast<float>(kMxfp4Values[b[1 + l] >> 4]);
+      }
+      return;
+    }
     case kQ2_K: {  // scales[16], qs[64], d, dmin
       const float d = half_to_float(b + 80), dmin = half_to_float(b + 82);
       for (int g = 0; g < 16; ++g) {
@@ -420,6 +452,11 @@ int block_groups(int64_t type, const uint8_t* blk, Group* out) {
     case kQ8_0:
       std::memcpy(out->codes, blk + 2, 32);
       out->a[0] = out->a[1] = half_to_float(blk), out->b[0] = out->b[1] = 0.f;
+      return 1;
+    case kMXFP4:
+      for (int l = 0; l < 16; ++l)
+        out->codes[l] = kMxfp4Codes[blk[1 + l] & 0xf], out->codes[l + 16] = kMxfp4Codes[blk[1 + l] >> 4];
+      out->a[0] = out->a[1] = e8m0_half(blk[0]), out->b[0] = out->b[1] = kMxfp4Offset * out->a[0];
       return 1;
     case kQ4_K: case kQ5_K: {
       const bool q5 = type == kQ5_K;
@@ -565,6 +602,12 @@ inline __m256i fifth_bits(uint32_t bits) {
   return _mm256_and_si256(set, _mm256_set1_epi8(0x10));
 }
 
+// An MXFP4 block's 16 code bytes -> the products' 32 codes (kMxfp4Codes): the nibbles looked up.
+inline __m256i mxfp4_codes(const uint8_t* qs) {
+  const __m256i values = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kMxfp4Codes)));
+  return _mm256_shuffle_epi8(values, nibbles(qs));
+}
+
 inline void store_codes(uint8_t* dst, __m256i v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), v); }
 
 // Two floats in one 8-byte store: the dot products read them with one 8-byte load, which a store of each
@@ -594,6 +637,11 @@ inline void x4_codes(const uint8_t* sb, __m256i codes[kX4Blocks]) {
       codes[2 * v] = _mm256_and_si256(q, low4);
       codes[2 * v + 1] = _mm256_and_si256(_mm256_srli_epi16(q, 4), low4);
     }
+    if constexpr (B == kMXFP4) {  // the products' codes (kMxfp4Codes), looked up
+      const __m256i values =
+          _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kMxfp4Codes)));
+      for (int j = 0; j < kX4Blocks; ++j) codes[j] = _mm256_shuffle_epi8(values, codes[j]);
+    }
     if constexpr (p.fifth_at >= 0) {
       // the 16 bytes in both lanes, the upper lane's moved down a nibble: bit j of byte l is block j's fifth
       // bit of code l (lane 0) or 16 + l (lane 1); shifted up to bit 4 and masked (what a byte takes from its
@@ -615,6 +663,22 @@ inline __m128 x4_halves(const uint8_t* p) {
   return _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
 }
 
+// A super-block's four block scales (B its blocks' type): float16 values, or MXFP4's exponent bytes as
+// 2^(e - 128) (`e8m0_half`: (e - 1) << 23 as float32's bits, a subnormal 0x00200000 << e for e < 2).
+template <int64_t B>
+inline __m128 x4_scales(const uint8_t* sb) {
+  if constexpr (B == kMXFP4) {
+    int32_t bytes;
+    std::memcpy(&bytes, sb, 4);
+    const __m128i e = _mm_cvtepu8_epi32(_mm_cvtsi32_si128(bytes));
+    const __m128i normal = _mm_slli_epi32(_mm_sub_epi32(e, _mm_set1_epi32(1)), 23);
+    const __m128i subnormal = _mm_sllv_epi32(_mm_set1_epi32(0x00200000), e);
+    return _mm_castsi128_ps(_mm_blendv_epi8(normal, subnormal, _mm_cmplt_epi32(e, _mm_set1_epi32(2))));
+  } else {
+    return x4_halves(sb);
+  }
+}
+
 template <int64_t T>
 void unpack_row(const uint8_t* w, int64_t blocks, Unpacked& u) {
   const __m256i low4 = _mm256_set1_epi8(0x0f);
@@ -626,10 +690,13 @@ void unpack_row(const uint8_t* w, int64_t blocks, Unpacked& u) {
       __m256i codes[kX4Blocks];
       x4_codes<B>(sb, codes);
       alignas(16) float d[4], off[4];
-      const __m128 dv = x4_halves(sb);
+      const __m128 dv = x4_scales<B>(sb);
       _mm_store_ps(d, dv);
       _mm_store_ps(off, p.minimums_at >= 0 ? x4_halves(sb + p.minimums_at)
-                                           : _mm_mul_ps(dv, _mm_set1_ps(B == kQ4_0 ? -8.f : B == kQ5_0 ? -16.f : 0.f)));
+                                           : _mm_mul_ps(dv, _mm_set1_ps(B == kQ4_0   ? -8.f
+                                                                          : B == kQ5_0 ? -16.f
+                                                                          : B == kMXFP4 ? kMxfp4Offset
+                                                                                        : 0.f)));
       for (int j = 0; j < kX4Blocks; ++j) {
         const int64_t group = s * kX4Blocks + j;
         store_codes(&u.codes[group * kGroup], codes[j]);
@@ -639,7 +706,12 @@ void unpack_row(const uint8_t* w, int64_t blocks, Unpacked& u) {
     return;
   }
   for (int64_t i = 0; i < blocks; ++i) {
-    if constexpr (T == kQ4_0 || T == kQ4_1 || T == kQ5_0 || T == kQ5_1 || T == kQ8_0) {
+    if constexpr (T == kMXFP4) {
+      const uint8_t* blk = w + i * 17;
+      const float d = e8m0_half(blk[0]);
+      store_codes(&u.codes[i * kGroup], mxfp4_codes(blk + 1));
+      store_pair(&u.a[2 * i], d, d), store_pair(&u.b[2 * i], kMxfp4Offset * d, kMxfp4Offset * d);
+    } else if constexpr (T == kQ4_0 || T == kQ4_1 || T == kQ5_0 || T == kQ5_1 || T == kQ8_0) {
       constexpr int64_t kBytes = T == kQ4_0 ? 18 : T == kQ4_1 ? 20 : T == kQ5_0 ? 22 : T == kQ5_1 ? 24 : 34;
       const uint8_t* blk = w + i * kBytes;
       const float d = half_at(blk);
@@ -776,27 +848,27 @@ __attribute__((noinline)) void dot_rows(const uint8_t* w, int64_t blocks, const 
     for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
   const auto products = [&](__m256i codes, int r, int64_t g) {
     const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[r] + g * kGroup));
-    const __m256i p = base_of(T) == kQ8_0
+    const __m256i p = signed_codes(T)
                           ? _mm256_maddubs_epi16(_mm256_sign_epi8(codes, codes), _mm256_sign_epi8(xv, codes))
                           : _mm256_maddubs_epi16(codes, xv);
     return _mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones));
   };
   if constexpr (is_x4(T)) {
     // per super-block: the four blocks' d times x's four group scales in one vector, each block's lane
-    // broadcast for its FMA; the offsets' terms (Q4_0: -8 d, Q5_0: -16 d, Q4_1/Q5_1: m, each times x's group
-    // sum) four at a time, scaled once at the end
+    // broadcast for its FMA; the offsets' terms (Q4_0: -8 d, Q5_0: -16 d, MXFP4: -12 d, Q4_1/Q5_1: m, each
+    // times x's group sum) four at a time, scaled once at the end
     constexpr int64_t B = base_of(T);
     constexpr X4Parts p = x4_parts(B);
-    constexpr float kOffset = B == kQ4_0 ? -8.f : B == kQ5_0 ? -16.f : 1.f;
+    constexpr float kOffset = B == kQ4_0 ? -8.f : B == kQ5_0 ? -16.f : B == kMXFP4 ? kMxfp4Offset : 1.f;
     __m128 offsets[R];
     for (int r = 0; r < R; ++r) offsets[r] = _mm_setzero_ps();
     for (int64_t s = 0; s < blocks / kX4Blocks; ++s) {
       const uint8_t* sb = w + s * kX4Blocks * p.block_bytes;
-      const __m128 d = x4_halves(sb);
+      const __m128 d = x4_scales<B>(sb);
       alignas(16) float scale[R][kX4Blocks];  // each block's lane broadcast from here (a load, not a shuffle)
       for (int r = 0; r < R; ++r) {
         _mm_store_ps(scale[r], _mm_mul_ps(d, _mm_loadu_ps(dx[r] + kX4Blocks * s)));
-        if constexpr (B != kQ8_0)
+        if constexpr (!signed_codes(B))
           offsets[r] = _mm_fmadd_ps(p.minimums_at >= 0 ? x4_halves(sb + p.minimums_at) : d,
                                     _mm_loadu_ps(whole[r] + kX4Blocks * s), offsets[r]);
       }
@@ -815,15 +887,18 @@ __attribute__((noinline)) void dot_rows(const uint8_t* w, int64_t blocks, const 
       o = _mm_add_ss(o, _mm_movehdup_ps(o));
       out[r] = hsum(sum) + kOffset * _mm_cvtss_f32(o);
     }
-  } else if constexpr (T == kQ4_0 || T == kQ4_1 || T == kQ5_0 || T == kQ5_1 || T == kQ8_0) {
-    constexpr int64_t kBytes = T == kQ4_0 ? 18 : T == kQ4_1 ? 20 : T == kQ5_0 ? 22 : T == kQ5_1 ? 24 : 34;
+  } else if constexpr (T == kQ4_0 || T == kQ4_1 || T == kQ5_0 || T == kQ5_1 || T == kQ8_0 || T == kMXFP4) {
+    constexpr int64_t kBytes =
+        T == kQ4_0 ? 18 : T == kQ4_1 ? 20 : T == kQ5_0 ? 22 : T == kQ5_1 ? 24 : T == kQ8_0 ? 34 : 17;
     float off[R][C] = {};
     const auto block = [&](int64_t i, int c) {
       const uint8_t* blk = w + i * kBytes;
-      const float d = half_at(blk);
+      const float d = T == kMXFP4 ? e8m0_half(blk[0]) : half_at(blk);
       __m256i codes;
       float b = 0.f;
-      if constexpr (T == kQ4_0) {
+      if constexpr (T == kMXFP4) {
+        codes = mxfp4_codes(blk + 1), b = kMxfp4Offset * d;
+      } else if constexpr (T == kQ4_0) {
         codes = nibbles(blk + 2), b = -8.f * d;
       } else if constexpr (T == kQ4_1) {
         codes = nibbles(blk + 4), b = half_at(blk + 2);
@@ -837,7 +912,7 @@ __attribute__((noinline)) void dot_rows(const uint8_t* w, int64_t blocks, const 
       }
       for (int r = 0; r < R; ++r) {
         acc[r][c] = _mm256_fmadd_ps(products(codes, r, i), _mm256_set1_ps(d * dx[r][i]), acc[r][c]);
-        if constexpr (T != kQ8_0) off[r][c] += b * whole[r][i];
+        if constexpr (!signed_codes(T)) off[r][c] += b * whole[r][i];
       }
     };
     int64_t i = 0;
@@ -1005,7 +1080,7 @@ void dot_unpacked(const Unpacked& u, int64_t groups, const Rows& x, int64_t r0, 
 template <int64_t T, bool kFloat>
 void row_times_x(const uint8_t* w, int64_t blocks, const Rows& x, int64_t first, int64_t m, float* out,
                  int64_t stride) {
-  constexpr bool kSigned = base_of(T) == kQ8_0;
+  constexpr bool kSigned = signed_codes(T);
 #if GG_AVX2
   if constexpr (!kFloat) {
     if (m <= kDirectRows) {
@@ -1080,6 +1155,8 @@ RowFn row_fn(int64_t type) {
     case kQ5_0x4: return row_times_x<kQ5_0x4, kFloat>;
     case kQ5_1x4: return row_times_x<kQ5_1x4, kFloat>;
     case kQ8_0x4: return row_times_x<kQ8_0x4, kFloat>;
+    case kMXFP4x4: return row_times_x<kMXFP4x4, kFloat>;
+    case kMXFP4: return row_times_x<kMXFP4, kFloat>;
     default: return row_times_x<kQ6_K, kFloat>;
   }
 }

@@ -9,8 +9,9 @@
 // weight row is multiplied with all of them at once (bfloat16 x: up to four rows straight from the blocks, more
 // in tiles of eight, gguf_tiles.h; float32 x: gguf_blocks.h's `row_times_x`, and from kSlabRows pairs, in a
 // prefill chunk, slabs of dequantized rows through torch's float32 GEMM, as gguf_linear.cpp does); then
-// gate/up -> activation in float32, the activations quantized the same way, the down projection, and per
-// token the routing-weighted sum of its top-k rows, rounded to x's dtype once.
+// gate/up (plus their biases, where the experts have them) -> activation in float32, the activations quantized
+// the same way, the down projection (plus its bias), and per token the routing-weighted sum of its top-k rows,
+// rounded to x's dtype once.
 //
 // Work split: threads take contiguous runs of output rows, the same rows of every chosen expert (gate and
 // up row i together, so the activation needs no second pass), as gguf_linear.cpp splits a linear's rows;
@@ -83,8 +84,17 @@ void tile_experts(const Rows& q, const Routing& routing, const std::vector<int64
 // blocks. float32 x: experts with kSlabRows pairs or more take slabs of dequantized rows through torch's
 // GEMM (as gguf_linear.cpp's float32 prefill), one expert at a time, the others the row products. Both
 // share one parallel region per projection, threads over output rows.
+// Optional float32 biases [E, 2I] (gate's I, then up's) and [E, H]; null where the experts have none.
+struct Biases {
+  const float* w13;
+  const float* w2;
+  int64_t inter, h;
+  float gate(int64_t e, int64_t i) const { return w13 ? w13[e * 2 * inter + i] : 0.f; }
+  float up(int64_t e, int64_t i) const { return w13 ? w13[e * 2 * inter + inter + i] : 0.f; }
+};
+
 void run_chunk(const at::Tensor& xs, const Routing& routing, const Stack& gate, const Stack& up, const Stack& down,
-               const ActParams& a, at::Tensor& act, at::Tensor& y) {
+               const ActParams& a, const Biases& bias, at::Tensor& act, at::Tensor& y) {
   const int64_t pairs = xs.size(0), h = xs.size(1), inter = gate.rows;
   const bool floats = xs.scalar_type() == at::kFloat;
   const bool tiles = kTiles && !floats;
@@ -107,7 +117,8 @@ void run_chunk(const at::Tensor& xs, const Routing& routing, const Stack& gate, 
     at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r)
         for (int64_t i = 0; i < inter; ++i)
-          acts[(s0 + r) * inter + i] = activate(gu[r * 2 * inter + i], gu[r * 2 * inter + inter + i], a);
+          acts[(s0 + r) * inter + i] =
+              activate(gu[r * 2 * inter + i] + bias.gate(e, i), gu[r * 2 * inter + inter + i] + bias.up(e, i), a);
     });
   }
   if (!small.empty() || !tiled.empty()) {
@@ -126,9 +137,11 @@ void run_chunk(const at::Tensor& xs, const Routing& routing, const Stack& gate, 
     at::parallel_for(0, inter, kRowGrain, [&](int64_t begin, int64_t end) {
       const int64_t n = end - begin;
       std::vector<float> g(most * n), u(most * n);  // this thread's gate and up sums of one expert's rows
-      const auto activate_rows = [&](int64_t s0, int64_t m) {
+      const auto activate_rows = [&](int64_t e, int64_t s0, int64_t m) {
         for (int64_t r = 0; r < m; ++r)
-          for (int64_t i = 0; i < n; ++i) acts[(s0 + r) * inter + begin + i] = activate(g[r * n + i], u[r * n + i], a);
+          for (int64_t i = 0; i < n; ++i)
+            acts[(s0 + r) * inter + begin + i] =
+                activate(g[r * n + i] + bias.gate(e, begin + i), u[r * n + i] + bias.up(e, begin + i), a);
       };
       for (const int64_t c : small) {
         const int64_t e = routing.experts[c], s0 = routing.start[c], m = routing.count[c];
@@ -136,14 +149,14 @@ void run_chunk(const at::Tensor& xs, const Routing& routing, const Stack& gate, 
           gate.fn(gate.row(e, i), gate.blocks, xq, s0, m, g.data() + (i - begin), n);
           up.fn(up.row(e, i), up.blocks, xq, s0, m, u.data() + (i - begin), n);
         }
-        activate_rows(s0, m);
+        activate_rows(e, s0, m);
       }
 #if GG_AVX2
       for (size_t i = 0; i < tiled.size(); ++i) {
         const int64_t c = tiled[i], e = routing.experts[c], m = routing.count[c];
         tile_fn(gate.type)(gate.row(e, 0), gate.row_bytes, gate.blocks, begin, end, xt, first_tile[i], m, g.data(), n);
         tile_fn(up.type)(up.row(e, 0), up.row_bytes, up.blocks, begin, end, xt, first_tile[i], m, u.data(), n);
-        activate_rows(routing.start[c], m);
+        activate_rows(e, routing.start[c], m);
       }
 #endif
     });
@@ -180,8 +193,10 @@ void run_chunk(const at::Tensor& xs, const Routing& routing, const Stack& gate, 
 // hidden [T, H] (float32 or bfloat16), topk_weights [T, K], topk_ids [T, K]; gate and up uint8 [E, I, bytes
 // per row of H], down uint8 [E, H, bytes per row of I], of GGML types types[0..2] -> [T, H] in hidden's
 // dtype: sum over k of topk_weights[t, k] * down(act(gate x, up x)) of expert topk_ids[t, k].
+// w13_bias [E, 2I] and w2_bias [E, H], float32, where the experts have biases (GPT-OSS).
 at::Tensor gguf_moe(const at::Tensor& hidden, const at::Tensor& topk_weights, const at::Tensor& topk_ids,
                     const at::Tensor& gate, const at::Tensor& up, const at::Tensor& down, at::IntArrayRef types,
+                    const c10::optional<at::Tensor>& w13_bias, const c10::optional<at::Tensor>& w2_bias,
                     c10::string_view activation, double swiglu_alpha, double swiglu_limit) {
   TORCH_CHECK(hidden.dim() == 2 && (hidden.scalar_type() == at::kFloat || hidden.scalar_type() == at::kBFloat16),
               "gguf_moe: hidden must be float32 or bfloat16 [tokens, hidden]");
@@ -196,6 +211,14 @@ at::Tensor gguf_moe(const at::Tensor& hidden, const at::Tensor& topk_weights, co
   TORCH_CHECK(u.rows == inter && d.rows == h, "gguf_moe: up must have gate's ", inter, " rows, down ", h);
   TORCH_CHECK(topk_ids.dim() == 2 && topk_ids.size(0) == tokens && topk_weights.sizes() == topk_ids.sizes(),
               "gguf_moe: topk_weights and topk_ids must both be [tokens, top_k]");
+  const auto bias_of = [&](const c10::optional<at::Tensor>& b, int64_t width, const char* name) -> const float* {
+    if (!b.has_value() || !b->defined()) return nullptr;
+    TORCH_CHECK(b->scalar_type() == at::kFloat && b->is_contiguous() && b->dim() == 2 && b->size(0) == num_experts &&
+                    b->size(1) == width,
+                "gguf_moe: ", name, " must be contiguous float32 [", num_experts, ", ", width, "]");
+    return b->data_ptr<float>();
+  };
+  const Biases bias{bias_of(w13_bias, 2 * inter, "w13_bias"), bias_of(w2_bias, h, "w2_bias"), inter, h};
   const ActParams a{parse_activation(activation, "gguf_moe"), static_cast<float>(swiglu_alpha),
                     static_cast<float>(swiglu_limit)};
   at::Tensor out = hidden.new_empty({tokens, h});
@@ -215,7 +238,7 @@ at::Tensor gguf_moe(const at::Tensor& hidden, const at::Tensor& topk_weights, co
     at::Tensor order = ids.new_empty({n * top_k});
     int64_t* row = order.data_ptr<int64_t>();
     for (int64_t s = 0; s < n * top_k; ++s) row[s] = t0 + routing.token[s];
-    run_chunk(x.index_select(0, order), routing, g, u, d, a, act, y);
+    run_chunk(x.index_select(0, order), routing, g, u, d, a, bias, act, y);
     at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
       std::vector<float> sum(h);
       for (int64_t t = begin; t < end; ++t) {
@@ -224,7 +247,12 @@ at::Tensor gguf_moe(const at::Tensor& hidden, const at::Tensor& topk_weights, co
           const int64_t s = routing.position[t * top_k + k];
           const float w = routing.weight[s];
           const float* ys = y.data_ptr<float>() + s * h;
-          for (int64_t j = 0; j < h; ++j) sum[j] += w * ys[j];
+          if (bias.w2 != nullptr) {  // the down projection's bias, then the routing weight, as the reference
+            const float* b = bias.w2 + ids.data_ptr<int64_t>()[(t0 + t) * top_k + k] * h;
+            for (int64_t j = 0; j < h; ++j) sum[j] += w * (ys[j] + b[j]);
+          } else {
+            for (int64_t j = 0; j < h; ++j) sum[j] += w * ys[j];
+          }
         }
         if (floats) {
           std::copy(sum.begin(), sum.end(), out.data_ptr<float>() + (t0 + t) * h);

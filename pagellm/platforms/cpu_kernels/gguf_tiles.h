@@ -67,12 +67,13 @@ inline void interleave(const Rows& q, int64_t first, int64_t m, XTiles& x, int64
 // One chunk (four codes of a weight row, broadcast, times four codes of each of eight x rows) into the
 // int16 pair sums; every kSum chunks the pairs are widened to int32 into `lo`, or `hi` for a group's second
 // half where the halves have their own scales. A pair is at most 2 * 127 times the largest code (4-bit 15,
-// 5-bit 31, Q6_K 63; Q8_0's |w| up to 128: alone), and kSum of them stay within 32767: the widening madd
+// 5-bit 31, Q6_K 63, MXFP4's 24; Q8_0's |w| up to 128: alone), and kSum of them stay within 32767: the widening madd
 // runs on one unit of the AVX2 EPYC (Zen 3) against maddubs' two, so one per chunk halved the rate.
 template <int64_t T, int c>
 inline void tile_chunk(__m256i w, __m256i xv, __m256i ones, __m256i& pairs, __m256i& lo, __m256i& hi) {
-  constexpr bool kSigned = T == kQ8_0, kHalves = T == kQ6_K;
-  constexpr int kSum = kSigned ? 1 : T == kQ6_K ? 2 : (T == kQ5_0 || T == kQ5_1 || T == kQ5_K) ? 4 : 8;
+  constexpr bool kSigned = signed_codes(T), kHalves = T == kQ6_K;
+  constexpr bool kFifthBit = T == kQ5_0 || T == kQ5_1 || T == kQ5_K;
+  constexpr int kSum = T == kQ8_0 ? 1 : T == kQ6_K ? 2 : (kFifthBit || T == kMXFP4) ? 4 : 8;
   const __m256i p =
       kSigned ? _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(xv, w)) : _mm256_maddubs_epi16(w, xv);
   pairs = c % kSum == 0 ? p : _mm256_add_epi16(pairs, p);
@@ -91,7 +92,7 @@ inline void tile_chunk(__m256i w, __m256i xv, __m256i ones, __m256i& pairs, __m2
 // group, the others one per group.
 template <int W, int64_t T>
 inline void tile_dot(const Unpacked* u, int64_t groups, const XTiles& x, int64_t t, __m256* out) {
-  constexpr bool kSigned = T == kQ8_0, kHalves = T == kQ6_K;
+  constexpr bool kSigned = signed_codes(T), kHalves = T == kQ6_K;
   const int8_t* xc = x.codes_of(t);
   const float* dx = x.dx_of(t);
   const float* sums = kHalves ? x.halves_of(t) : x.wholes_of(t);
@@ -186,6 +187,8 @@ TileFn tile_fn(int64_t type) {
     case kQ5_0x4: return tile_rows<kQ5_0x4>;
     case kQ5_1x4: return tile_rows<kQ5_1x4>;
     case kQ8_0x4: return tile_rows<kQ8_0x4>;
+    case kMXFP4x4: return tile_rows<kMXFP4x4>;
+    case kMXFP4: return tile_rows<kMXFP4>;
     default: return tile_rows<kQ6_K>;
   }
 }

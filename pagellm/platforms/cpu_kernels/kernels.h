@@ -47,6 +47,7 @@ at::Tensor gguf_embedding(const at::Tensor& ids, const at::Tensor& table, int64_
 // gguf_moe.cpp
 at::Tensor gguf_moe(const at::Tensor& hidden, const at::Tensor& topk_weights, const at::Tensor& topk_ids,
                     const at::Tensor& gate, const at::Tensor& up, const at::Tensor& down, at::IntArrayRef types,
+                    const c10::optional<at::Tensor>& w13_bias, const c10::optional<at::Tensor>& w2_bias,
                     c10::string_view activation, double swiglu_alpha, double swiglu_limit);
 
 // linear_panels.cpp

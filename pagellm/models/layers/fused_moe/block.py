@@ -86,6 +86,7 @@ class SparseMoeBlock(nn.Module):
         correction_bias: bool = False,
         shared_expert: nn.Module | None = None,
         shared_expert_gate: bool = False,
+        mxfp4_experts: bool = False,
     ):
         super().__init__()
         c = init.hf_config
@@ -104,6 +105,7 @@ class SparseMoeBlock(nn.Module):
             activation,
             expert_bias,
             init.quant_method,
+            mxfp4=mxfp4_experts,
         )
         self.shared_expert = shared_expert
         self.shared_expert_gate = Linear(c.hidden_size, 1, False, init.dtype) if shared_expert_gate else None

@@ -16,8 +16,14 @@ columns of `w2`, so its row scales are its own.
 
 Under a method that `loads_gguf_blocks` (`--quantization gguf` on a GGUF file) the experts arrive as the
 file's stacked tensors (`gguf_experts.py`); the method's kernel may run them as they are (then they are the
-layer's buffers `gguf_gate_proj`, `gguf_up_proj`, `gguf_down_proj` and `w13`/`w2` are never allocated), or
+layer's buffers `packed_0`, ... as the kernel reads them, and `w13`/`w2` are never allocated), or
 they are dequantized expert by expert into `w13`/`w2`, allocated only then.
+
+A layer built with `mxfp4` (GPT-OSS's released checkpoints) reads the checkpoint's MXFP4 pairs
+(`gate_up_proj_blocks` / `_scales`, `down_proj_blocks` / `_scales`). A whole layer (every expert, full width,
+not quantized again) keeps them as they are (`mxfp4`: the checkpoint's bytes, gate rows then up rows) for the
+platform's kernel (`Platform.pack_moe_mxfp4`); where the platform has none, the model runner has the layer
+dequantize them then (`dequantize_mxfp4`). A split layer dequantizes each pair as it arrives and keeps its part.
 """
 
 from __future__ import annotations
@@ -26,7 +32,16 @@ import torch
 from torch import nn
 
 from pagellm.core.errors import ConfigError
-from pagellm.core.moe import ACTIVATIONS, QUANTIZED_DTYPES, SILU, PackedMoE, fused_experts_reference
+from pagellm.core.moe import (
+    ACTIVATIONS,
+    QUANTIZED_DTYPES,
+    SILU,
+    Mxfp4Experts,
+    PackedMoE,
+    fused_experts_reference,
+)
+from pagellm.core.mxfp4 import dequantize_mxfp4
+from pagellm.core.platform import Platform
 from pagellm.core.quant import QuantMethod
 from pagellm.distributed import Group
 from pagellm.models.layers.fused_moe.gguf_experts import GgufExpertBlocks
@@ -41,6 +56,9 @@ PER_EXPERT = {
     "w2": ("w2", 0),
 }
 """Per-expert checkpoint modules (`experts.{e}.<name>.weight`) -> (parameter, part: 0 gate, 1 up)."""
+
+MXFP4_PROJECTIONS = {"gate_up_proj": "w13", "down_proj": "w2"}
+"""GPT-OSS's MXFP4 checkpoint tensors (`<name>_blocks`, `<name>_scales`) -> the parameter they fill."""
 
 
 class FusedMoE(nn.Module):
@@ -65,6 +83,7 @@ class FusedMoE(nn.Module):
         activation: str = SILU,
         bias: bool = False,
         quant_method: QuantMethod | None = None,
+        mxfp4: bool = False,
     ):
         super().__init__()
         tp = tp or Group()
@@ -103,12 +122,23 @@ class FusedMoE(nn.Module):
         self.gguf = quant_method if quant_method is not None and quant_method.loads_gguf_blocks else None
         """The method whose GGUF experts this layer may keep as the file's blocks (`gguf_experts.py`)."""
         self.gguf_blocks = GgufExpertBlocks() if self.gguf is not None else None
-        self.gguf_expert_bytes: int | None = None
-        """The bytes of one expert's GGUF blocks once the layer keeps them (the benchmark floor reads it)."""
+        self.expert_block_bytes: int | None = None
+        """The bytes of one expert's blocks (GGUF or MXFP4) once the layer keeps them (the benchmark floor
+        reads it)."""
+        self.dtype = dtype
+        self.mxfp4_parts: dict[str, dict[str, torch.Tensor]] | None = {} if mxfp4 else None
+        """A GPT-OSS checkpoint's MXFP4 tensors, gathered until both of a pair are here."""
+        self.mxfp4: Mxfp4Experts | None = None
+        """The experts as the checkpoint's MXFP4 blocks, until the model runner packs or dequantizes them."""
+        self._keeps_mxfp4 = (
+            mxfp4 and self.quantizer is None and (e, width) == (num_experts, intermediate_size)
+        )
         self._shapes = {"w13": (e, 2 * width, h), "w2": (e, h, width)}
-        # a GGUF file's experts may stay its blocks: the float ones are allocated when float weights arrive
-        self.w13 = _parameter(torch.empty(0 if self.gguf else self._shapes["w13"], dtype=weight_dtype))
-        self.w2 = _parameter(torch.empty(0 if self.gguf else self._shapes["w2"], dtype=weight_dtype))
+        # a GGUF file's or MXFP4 checkpoint's experts may stay its blocks: the float ones are allocated when
+        # float weights arrive
+        blocks = self.gguf is not None or mxfp4
+        self.w13 = _parameter(torch.empty(0 if blocks else self._shapes["w13"], dtype=weight_dtype))
+        self.w2 = _parameter(torch.empty(0 if blocks else self._shapes["w2"], dtype=weight_dtype))
         quantized = self.quantizer is not None
         self.w13_scale = _parameter(torch.empty(e, 2 * width, dtype=torch.float32)) if quantized else None
         self.w2_scale = _parameter(torch.empty(e, h, dtype=torch.float32)) if quantized else None
@@ -153,10 +183,31 @@ class FusedMoE(nn.Module):
 
     def use_packed(self, packed: PackedMoE | None) -> None:
         """Run the experts with the platform's kernel, which holds its own copy of the weights (so the
-        plain ones are dropped); None: keep them and the reference."""
-        if packed is not None:
-            self.packed = packed
-            self.w13 = self.w2 = self.w13_bias = self.w2_bias = self.w13_scale = self.w2_scale = None
+        plain ones are dropped; the tensors it names in `weights` become this layer's buffers); None: keep
+        them and the reference."""
+        if packed is None:
+            return
+        self.packed = packed
+        self.w13 = self.w2 = self.w13_bias = self.w2_bias = self.w13_scale = self.w2_scale = None
+        self._drop_mxfp4()
+        for i, tensor in enumerate(packed.weights):
+            self.register_buffer(f"packed_{i}", tensor)
+
+    def dequantize_mxfp4(self) -> None:
+        """The kept MXFP4 experts dequantized into `w13`/`w2` in the model's dtype (exact), for a platform
+        with no kernel that reads them."""
+        experts = self.mxfp4
+        self._drop_mxfp4()
+        self._store(
+            "w13", (), dequantize_mxfp4(experts.w13_blocks, experts.w13_scales, self.dtype), "gate_up_proj"
+        )
+        self._store("w2", (), dequantize_mxfp4(experts.w2_blocks, experts.w2_scales, self.dtype), "down_proj")
+
+    def _drop_mxfp4(self) -> None:
+        if self.mxfp4 is not None:
+            self.mxfp4 = None
+            for name in ("w13_blocks", "w13_scales", "w2_blocks", "w2_scales"):
+                delattr(self, f"mxfp4_{name}")
 
     # -- loading ------------------------------------------------------------------------------------------
 
@@ -169,6 +220,8 @@ class FusedMoE(nn.Module):
         elif self.gguf_blocks is not None and name.endswith((".qweight", ".qweight_type")):
             if self.gguf_blocks.add(name, tensor):
                 self._load_gguf_blocks()
+        elif self.mxfp4_parts is not None and name.endswith(("_blocks", "_scales")):
+            self._load_mxfp4(name, tensor)
         elif name in ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias"):
             self._load_fused(name, tensor)
         else:
@@ -176,7 +229,7 @@ class FusedMoE(nn.Module):
 
     def _load_gguf_blocks(self) -> None:
         """The three stacked tensors of a GGUF file's experts, all here: kept as they are on the method's
-        kernel (registered as buffers `gguf_gate_proj`, ..., so the model's bytes count them) where it has
+        kernel (registered as buffers `packed_0`, ..., so the model's bytes count them) where it has
         one for their types and this rank holds the layer whole, else dequantized expert by expert."""
         blocks, self.gguf_blocks = self.gguf_blocks.blocks, None
         whole = tuple(blocks["gate_proj"][0].shape[:2]) == (self.num_local_experts, self.width)
@@ -186,15 +239,49 @@ class FusedMoE(nn.Module):
             else None
         )
         if packed is not None:
-            for module, (raw, _) in blocks.items():
-                self.register_buffer(f"gguf_{module}", raw)
-            self.gguf_expert_bytes = sum(raw[0].numel() for raw, _ in blocks.values())
+            self.expert_block_bytes = sum(raw[0].numel() for raw, _ in blocks.values())
             self.use_packed(packed)
             return
         for module, (raw, type_id) in blocks.items():
             for expert in range(self.first_expert, self.first_expert + self.num_local_experts):
                 weight = self.gguf.dequantize_gguf(raw[expert], type_id, self.weight_dtype)
                 self._load_expert(expert, f"{module}.weight", weight)
+
+    def _load_mxfp4(self, name: str, tensor: torch.Tensor | CheckpointSlice) -> None:
+        """One of a GPT-OSS checkpoint's MXFP4 tensors (`<projection>_blocks` [E, N, K/32, 16] or
+        `_scales` [E, N, K/32] of the weight [E, N, K] it multiplies as x @ W^T; gate_up's rows interleave
+        gate and up). Once its partner is here: kept (a whole layer) or dequantized into this rank's part."""
+        base, _, part = name.rpartition("_")
+        if base not in MXFP4_PROJECTIONS:
+            raise ConfigError(f"checkpoint tensor experts.{name} has no counterpart in {type(self).__name__}")
+        pair = self.mxfp4_parts.setdefault(base, {})
+        pair[part] = _read(tensor)
+        if len(pair) < 2:
+            return
+        del self.mxfp4_parts[base]
+        blocks, scales = pair["blocks"], pair["scales"]
+        param = MXFP4_PROJECTIONS[base]
+        if not self._keeps_mxfp4:  # as transformers keeps it, [E, K, N]
+            self._load_fused(base, dequantize_mxfp4(blocks, scales, self.dtype).transpose(-1, -2))
+            return
+        expected = self._shapes[param][:2] + (self._shapes[param][2] // 32, 16)
+        if tuple(blocks.shape) != expected or tuple(scales.shape) != expected[:3]:
+            raise ConfigError(
+                f"checkpoint tensors experts.{base}_blocks {tuple(blocks.shape)} and _scales "
+                f"{tuple(scales.shape)} do not fit MXFP4 experts of {expected} and {expected[:3]}; the config "
+                f"does not match the weights"
+            )
+        if param == "w13":  # row 2i gate i, 2i + 1 up i -> the gate rows, then the up rows
+            blocks = torch.cat([blocks[:, 0::2], blocks[:, 1::2]], dim=1)
+            scales = torch.cat([scales[:, 0::2], scales[:, 1::2]], dim=1)
+        self.register_buffer(f"mxfp4_{param}_blocks", blocks.contiguous())
+        self.register_buffer(f"mxfp4_{param}_scales", scales.contiguous())
+        self._filled_all(param, parts=2 if param == "w13" else 1)
+        if all(hasattr(self, f"mxfp4_{p}_blocks") for p in ("w13", "w2")):
+            self.mxfp4 = Mxfp4Experts(
+                self.mxfp4_w13_blocks, self.mxfp4_w13_scales, self.mxfp4_w2_blocks, self.mxfp4_w2_scales
+            )
+            self.expert_block_bytes = self.mxfp4.nbytes // self.num_local_experts
 
     def _load_expert(self, expert: int, name: str, tensor: torch.Tensor | CheckpointSlice) -> None:
         module, _, kind = name.partition(".")
@@ -276,6 +363,18 @@ class FusedMoE(nn.Module):
             for param, n in parts.items()
             if sum(1 for p, _, _ in self._filled if p == param) == n * self.num_local_experts
         }
+
+
+def place_mxfp4_experts(model: nn.Module, platform: type[Platform]) -> None:
+    """Every layer that kept a checkpoint's MXFP4 experts: on `platform`'s kernel that reads them
+    (`Platform.pack_moe_mxfp4`), or dequantized to the model's dtype where it has none. Called once the
+    weights are loaded, before anything counts the model's bytes."""
+    for layer in model.modules():
+        if isinstance(layer, FusedMoE) and layer.mxfp4 is not None:
+            packed = platform.pack_moe_mxfp4(layer.mxfp4, layer.w13_bias, layer.w2_bias, layer.activation)
+            if packed is None:
+                layer.dequantize_mxfp4()
+            layer.use_packed(packed)
 
 
 @torch.library.custom_op("pagellm::moe_reference", mutates_args=())
