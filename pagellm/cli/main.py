@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import logging
 import sys
 
@@ -9,20 +10,37 @@ import click
 
 from pagellm.core.errors import PagellmError
 
+BUILTIN_COMMANDS = {
+    "plugins": ("pagellm.cli.plugins_cmd", "plugins"),
+    "env": ("pagellm.cli.env_cmd", "env"),
+    "generate": ("pagellm.cli.generate_cmd", "generate"),
+    "chat": ("pagellm.cli.generate_cmd", "chat"),
+    "bench": ("pagellm.cli.bench_cmd", "bench"),
+    "serve": ("pagellm.cli.serve_cmd", "serve"),
+    "run-batch": ("pagellm.cli.run_batch_cmd", "run_batch"),
+    "proxy": ("pagellm.cli.proxy_cmd", "proxy"),
+}
+"""Command name -> (module, attribute). A command's module is imported when it runs (or help lists it), so
+`pagellm serve` imports no benchmark code and no torch before it has started its engine process."""
+
 
 class PagellmGroup(click.Group):
-    """A group that adds plugin commands lazily and turns pagellm errors into one clear message."""
+    """A group that adds the built-in commands and plugin commands lazily and turns pagellm errors into one
+    clear message."""
 
     def _plugin_commands(self) -> dict[str, click.Command]:
         from pagellm.plugins import load_plugins
 
-        return {c.name: c for c in load_plugins().cli_commands if c.name not in self.commands}
+        return {c.name: c for c in load_plugins().cli_commands if c.name not in BUILTIN_COMMANDS}
 
     def list_commands(self, ctx: click.Context) -> list[str]:
-        return sorted([*self.commands, *self._plugin_commands()])
+        return sorted([*BUILTIN_COMMANDS, *self._plugin_commands()])
 
     def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
-        return self.commands.get(name) or self._plugin_commands().get(name)
+        if name in BUILTIN_COMMANDS:
+            module, attribute = BUILTIN_COMMANDS[name]
+            return getattr(importlib.import_module(module), attribute)
+        return self._plugin_commands().get(name)
 
     def invoke(self, ctx: click.Context):
         try:
@@ -45,25 +63,6 @@ def cli(log_level: str) -> None:
     logging.basicConfig(
         level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr
     )
-
-
-def _register_builtin_commands() -> None:
-    from pagellm.cli import bench_cmd, env_cmd, generate_cmd, plugins_cmd, proxy_cmd, run_batch_cmd, serve_cmd
-
-    for command in (
-        plugins_cmd.plugins,
-        env_cmd.env,
-        generate_cmd.generate,
-        generate_cmd.chat,
-        bench_cmd.bench,
-        serve_cmd.serve,
-        run_batch_cmd.run_batch,
-        proxy_cmd.proxy,
-    ):
-        cli.add_command(command)
-
-
-_register_builtin_commands()
 
 
 def main() -> None:

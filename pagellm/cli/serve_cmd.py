@@ -15,6 +15,8 @@ from pagellm.cli.options import (
     serve_options,
     served_names,
 )
+from pagellm.core.config import EngineConfig
+from pagellm.engine.process_launch import EngineLaunch
 from pagellm.server.limits import DEFAULT_MAX_BODY_MB, DEFAULT_MAX_N
 
 logger = logging.getLogger("pagellm")
@@ -78,16 +80,57 @@ def serve(
 ) -> None:
     """Serve MODEL (default: the embedded SmolLM2) over the OpenAI API: /v1/completions,
     /v1/chat/completions, /v1/models, /tokenize, /detokenize, /health, /version, /metrics."""
-    import uvicorn
-
-    from pagellm.server.starting import EngineStarter, StartingGate
-
     if model_arg and options.get("model") and model_arg != options["model"]:
         raise click.UsageError(f"MODEL {model_arg!r} and --model {options['model']!r} disagree; give one")
     if options.get("compile_in_background") is None:  # serve answers first and gets faster after
         options = {**options, "compile_in_background": True}
     config = config_from_options(options, model=model_arg)
     check_tool_choice(enable_auto_tool_choice, tool_call_parser)
+    # the engine process starts importing now, beside the server's imports below (one engine process: data
+    # parallelism starts its own); nothing above imported torch
+    launched = EngineLaunch() if config.data_parallel_size == 1 else None
+    try:
+        _serve(
+            config,
+            launched,
+            host,
+            port,
+            api_keys,
+            disable_log_requests,
+            max_n,
+            max_request_body_mb,
+            lora_modules,
+            allow_runtime_lora_updating,
+            served_model_names,
+            chat_template,
+            enable_auto_tool_choice,
+            tool_call_parser,
+        )
+    finally:
+        if launched is not None:
+            launched.discard()  # nothing once the engine adopted it
+
+
+def _serve(
+    config: EngineConfig,
+    launched: EngineLaunch | None,
+    host: str,
+    port: int,
+    api_keys: tuple[str, ...],
+    disable_log_requests: bool,
+    max_n: int,
+    max_request_body_mb: float,
+    lora_modules: tuple[tuple[str, str], ...],
+    allow_runtime_lora_updating: bool,
+    served_model_names: tuple[str, ...],
+    chat_template: str | None,
+    enable_auto_tool_choice: bool,
+    tool_call_parser: str | None,
+) -> None:
+    import uvicorn
+
+    from pagellm.server.starting import EngineStarter, StartingGate
+
     names = served_names(served_model_names, config)
     app_options = dict(
         api_keys=[k for k in api_keys if k],
@@ -104,7 +147,7 @@ def serve(
         gate = StartingGate(", ".join(names))
         level = logging.getLogger("pagellm").getEffectiveLevel()
         server = uvicorn.Server(uvicorn.Config(gate, host=host, port=port, log_level=level, lifespan="off"))
-        starter = EngineStarter(config, names, app_options, gate, server)
+        starter = EngineStarter(config, names, app_options, gate, server, launched)
         logger.info("listening on http://%s:%d; /health answers 503 until the engine has started", host, port)
         starter.start()
         try:

@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from pagellm.core.dtypes import DTYPES, KV_CACHE_DTYPES
+from pagellm.core.dtype_names import DTYPE_NAMES, KV_CACHE_DTYPE_NAMES
 from pagellm.core.errors import ConfigError
 from pagellm.core.json_setting import json_setting
 
@@ -59,7 +59,7 @@ class EngineConfig:
     gguf_file: str | None = _opt(
         None, "GGUF file name inside --model's directory or Hugging Face repository."
     )
-    dtype: str = _opt("auto", f"auto, {', '.join(DTYPES)}.", choices=("auto", *DTYPES))
+    dtype: str = _opt("auto", f"auto, {', '.join(DTYPE_NAMES)}.", choices=("auto", *DTYPE_NAMES))
     device: str = _opt(
         "auto", "Device platform (cpu, cuda, rocm, xpu, tpu or a plugin's), or auto.", envvar="PAGELLM_DEVICE"
     )
@@ -74,8 +74,8 @@ class EngineConfig:
     )  # start-up sets the chosen size here, so it is an int once an engine runs
     kv_cache_dtype: str = _opt(
         "auto",
-        f"KV-cache dtype: auto (the model's dtype) or {', '.join(KV_CACHE_DTYPES)} (half the memory and traffic).",
-        choices=("auto", *KV_CACHE_DTYPES),
+        f"KV-cache dtype: auto (the model's dtype) or {', '.join(KV_CACHE_DTYPE_NAMES)} (half the memory and traffic).",
+        choices=("auto", *KV_CACHE_DTYPE_NAMES),
     )
     max_model_len: int | None = _opt(None, "Longest prompt + output (default: the model's).")
     max_num_seqs: int = _opt(256, "Most requests in one step.")

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import torch
 
+from pagellm.core.dtype_names import DTYPE_NAMES, KV_CACHE_DTYPE_NAMES
+
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
 }
 """Name -> torch dtype, for the names `--dtype` accepts besides `auto`."""
+assert tuple(DTYPES) == DTYPE_NAMES
 
 
 KV_CACHE_DTYPES: dict[str, torch.dtype] = {
@@ -21,6 +24,7 @@ KV_CACHE_DTYPES: dict[str, torch.dtype] = {
 """Name -> torch dtype, for the names `--kv-cache-dtype` accepts besides `auto` (vLLM's names): one byte per
 value halves the KV cache's memory and the bytes each decode step reads. int8 rows carry their own scale
 (`INT8_SCALE_BYTES`)."""
+assert tuple(KV_CACHE_DTYPES) == KV_CACHE_DTYPE_NAMES
 
 INT8_SCALE_BYTES = 4
 """An int8 cache row is head_size values then their float32 scale (max |x| / 127, per token and KV head),

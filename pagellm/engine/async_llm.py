@@ -41,6 +41,7 @@ from pagellm.engine.core_process import EngineFacts, EngineProcess
 from pagellm.engine.data_parallel import DataParallelEngines, check_data_parallel
 from pagellm.engine.llm_engine import LLMEngine
 from pagellm.engine.outputs import PoolingRequestOutput, RequestOutput
+from pagellm.engine.process_launch import EngineLaunch
 from pagellm.engine.scheduler import SchedulerStats
 from pagellm.engine.tokenizer import import_tokenizers_in_background, load_tokenizer
 from pagellm.lora.request import LoRARequest
@@ -134,16 +135,33 @@ class RequestTimeoutError(EngineError):
 
 
 class AsyncLLM:
-    """AsyncLLM(model=..., **engine settings): the same keywords as `LLM`, plus `engine_process`. Use
-    `generate()` or `add_request()` from a running event loop; call `shutdown()` when done."""
+    """AsyncLLM(model=..., **engine settings): the same keywords as `LLM`, plus `engine_process` and
+    `launched` (an engine process launched beforehand, `process_launch.EngineLaunch`, adopted where one
+    engine process runs, else discarded). Use `generate()` or `add_request()` from a running event loop;
+    call `shutdown()` when done."""
 
     def __init__(
         self,
         model: str | None = None,
         stat_loggers: list[StatLogger] | None = None,
         engine_process: bool = True,
+        launched: EngineLaunch | None = None,
         **kwargs: Any,
     ):
+        try:
+            self._init(model, stat_loggers, engine_process, launched, kwargs)
+        finally:
+            if launched is not None:
+                launched.discard()  # nothing where an engine process adopted it
+
+    def _init(
+        self,
+        model: str | None,
+        stat_loggers: list[StatLogger] | None,
+        engine_process: bool,
+        launched: EngineLaunch | None,
+        kwargs: dict[str, Any],
+    ) -> None:
         self.config = EngineConfig.from_kwargs(model=model, **kwargs)
         check_data_parallel(self.config)
         if self.config.data_parallel_size > 1 and not engine_process:
@@ -166,7 +184,7 @@ class AsyncLLM:
             if self.config.data_parallel_size > 1:
                 self._process = DataParallelEngines(self.config, self._on_turn, self._on_exit)
             else:
-                self._process = EngineProcess(self.config, self._on_turn, self._on_exit)
+                self._process = EngineProcess(self.config, self._on_turn, self._on_exit, launched=launched)
             importing.join()
         if self._process is not None:
             self.facts = self._process.facts
@@ -187,11 +205,16 @@ class AsyncLLM:
 
     @classmethod
     def from_config(
-        cls, config: EngineConfig, stat_loggers: list[StatLogger] | None = None, engine_process: bool = True
+        cls,
+        config: EngineConfig,
+        stat_loggers: list[StatLogger] | None = None,
+        engine_process: bool = True,
+        launched: EngineLaunch | None = None,
     ) -> AsyncLLM:
         return cls(
             stat_loggers=stat_loggers,
             engine_process=engine_process,
+            launched=launched,
             **{name: getattr(config, name) for name in config.field_names()},
         )
 

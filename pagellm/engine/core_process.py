@@ -21,7 +21,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -30,6 +29,7 @@ from typing import Any
 
 from pagellm.core.config import EngineConfig
 from pagellm.engine.core import Command, EngineCore, EngineError, Turn
+from pagellm.engine.process_launch import EngineLaunch
 from pagellm.engine.scheduler import SchedulerStats
 from pagellm.sampling.params import SamplingParams
 
@@ -82,9 +82,8 @@ class EngineProcess:
     ends without a last turn. `env`: the child's environment (default: ours). `wait=False` returns once
     the child is started, so several can load at once; then call `wait_ready` (and `close` if it raises).
     `log_prefix` starts each of the child's log lines (data parallelism names the rank there).
-    `launch`: starts the child somewhere else (e.g. `ray_engine.RayEngineLauncher`) given the two socket
-    addresses to connect to, returning a Popen-like handle (poll, wait, kill, returncode); the sockets are
-    then TCP on all interfaces rather than ipc in a private folder."""
+    `launch`: starts the child somewhere else (`process_launch.EngineLaunch` says how). `launched`: a child
+    launched beforehand (`EngineLaunch`), which this adopts (then `env` and `launch` are not used)."""
 
     def __init__(
         self,
@@ -95,32 +94,17 @@ class EngineProcess:
         wait: bool = True,
         log_prefix: str = "",
         launch: Callable[[str, str, dict[str, str] | None], Any] | None = None,
+        launched: EngineLaunch | None = None,
     ):
-        import zmq
-
         self._on_turn = on_turn
         self._on_exit = on_exit
-        self._dir = tempfile.mkdtemp(prefix="pagellm-engine-")
-        self._context = zmq.Context()
-        self._commands = self._context.socket(zmq.PUSH)
-        self._commands.setsockopt(zmq.LINGER, 0)
-        self._turns = self._context.socket(zmq.PULL)
-        self._turns.setsockopt(zmq.LINGER, 0)
-        if launch is None:
-            commands, turns = f"ipc://{self._dir}/commands", f"ipc://{self._dir}/turns"
-            self._commands.bind(commands)
-            self._turns.bind(turns)
-        else:
-            host = _host_address()
-            commands = f"tcp://{host}:{self._commands.bind_to_random_port('tcp://*')}"
-            turns = f"tcp://{host}:{self._turns.bind_to_random_port('tcp://*')}"
+        launched = launched or EngineLaunch(env, launch)
+        launched.adopted = True
+        self._dir, self._context = launched.dir, launched.context
+        self._commands, self._turns, self.process = launched.commands, launched.turns, launched.process
         self._send_lock = threading.Lock()
         self._closed = False
         self.facts: EngineFacts | None = None
-        if launch is None:
-            self.process = subprocess.Popen([sys.executable, "-c", _CHILD, commands, turns], env=env)
-        else:
-            self.process = launch(commands, turns, env)
         try:
             self._send(_Start(config, logger.getEffectiveLevel(), _log_format(), log_prefix))
             if wait:
@@ -239,34 +223,28 @@ def _portable(item: Any) -> Any:
 # -- the child ----------------------------------------------------------------------------------------
 
 
-def _host_address() -> str:
-    """This machine's address as other machines reach it (Ray's view when Ray runs, else the hostname's)."""
-    try:
-        import ray
-
-        if ray.is_initialized():
-            return ray.util.get_node_ip_address()
-    except ImportError:
-        pass
-    import socket
-
-    return socket.gethostbyname(socket.gethostname())
-
-
-def main(commands_address: str, turns_address: str) -> int:
+def main(commands_address: str, turns_address: str, parent: int | None = None) -> int:
+    """The engine process: `parent` the front end's pid (default: this process's parent now)."""
     import zmq
 
     from pagellm.engine.llm_engine import LLMEngine
 
     if threading.current_thread() is threading.main_thread():  # not so in some hosts (a Ray actor)
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the front end, which shuts us down
-    parent = os.getppid()
+    parent = os.getppid() if parent is None else parent
     context = zmq.Context()
     commands = context.socket(zmq.PULL)
     commands.connect(commands_address)
     turns = context.socket(zmq.PUSH)
     turns.setsockopt(zmq.LINGER, 5000)
     turns.connect(turns_address)
+
+    def parent_gone() -> bool:
+        return os.getppid() != parent
+
+    while not commands.poll(_POLL_MS):  # launched early, the settings may take a while (or never come)
+        if parent_gone():
+            return 1
     start: _Start = pickle.loads(commands.recv())
     handler = logging.StreamHandler(sys.stderr)  # the front end's stderr: one log for both processes
     prefix = start.log_prefix.replace("%", "%%")
@@ -274,9 +252,6 @@ def main(commands_address: str, turns_address: str) -> int:
     logger.addHandler(handler)
     logger.setLevel(start.log_level)
     logger.propagate = False
-
-    def parent_gone() -> bool:
-        return os.getppid() != parent
 
     def send(message: Any) -> None:
         turns.send(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
@@ -330,8 +305,3 @@ def _exit_if_orphaned_while_starting(parent_gone: Callable[[], bool], started: t
     while not started.wait(1.0):
         if parent_gone():
             os._exit(1)
-
-
-_CHILD = "import sys; from pagellm.engine.core_process import main; sys.exit(main(sys.argv[1], sys.argv[2]))"
-"""The child's program: `main` imported by the module's own name (not run as __main__), so the classes
-it pickles unpickle in the front end."""

@@ -19,6 +19,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pagellm.core.config import EngineConfig
 from pagellm.engine.async_llm import AsyncLLM, EngineError
+from pagellm.engine.process_launch import EngineLaunch
 from pagellm.server import errors
 from pagellm.server.app import build_app
 
@@ -60,7 +61,8 @@ class StartingGate:
 
 class EngineStarter(threading.Thread):
     """Starts the engine and builds the app while uvicorn already answers (through the gate), then opens the
-    gate. A start that fails stops the server; `raise_failure` then raises what the start raised, as
+    gate (adopting `launched`, the engine process `pagellm serve` launched first thing, where one engine
+    process runs). A start that fails stops the server; `raise_failure` then raises what the start raised, as
     `pagellm serve` did when it started the engine before listening. Stopping the server while the engine
     still starts leaves it to the engine process, which exits when it sees the server gone."""
 
@@ -71,8 +73,10 @@ class EngineStarter(threading.Thread):
         app_options: dict[str, Any],
         gate: StartingGate,
         server: uvicorn.Server,
+        launched: EngineLaunch | None = None,
     ) -> None:
         super().__init__(name="pagellm-engine-start", daemon=True)
+        self.launched = launched
         self.config, self.names, self.app_options = config, names, app_options
         self.gate, self.server = gate, server
         self.llm: AsyncLLM | None = None
@@ -81,7 +85,7 @@ class EngineStarter(threading.Thread):
 
     def run(self) -> None:
         try:
-            llm = AsyncLLM.from_config(self.config)
+            llm = AsyncLLM.from_config(self.config, launched=self.launched)
         except BaseException as exc:  # noqa: BLE001 - re-raised on the main thread by raise_failure
             self.failure = exc
             self.server.should_exit = True

@@ -216,7 +216,9 @@ def test_serve_an_id_under_its_name(hf_cache, tiny_dir, monkeypatch):
     monkeypatch.setattr(uvicorn.Server, "run", run_once_started)
     start = AsyncLLM.from_config.__func__  # the engine on a thread: a process would only cost start-up time
     monkeypatch.setattr(
-        AsyncLLM, "from_config", classmethod(lambda cls, c: start(cls, c, engine_process=False))
+        AsyncLLM,
+        "from_config",
+        classmethod(lambda cls, c, launched=None: start(cls, c, engine_process=False, launched=launched)),
     )
     args = ["serve", "org/tiny", "--port", "0", *_flags(ENGINE)]
     result = CliRunner().invoke(cli, args, catch_exceptions=False)

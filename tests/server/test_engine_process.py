@@ -18,6 +18,7 @@ from openai_asgi import assert_engine_ended
 from pagellm import LLM, AsyncLLM, SamplingParams
 from pagellm.core.errors import ConfigError
 from pagellm.engine.async_llm import EngineError
+from pagellm.engine.process_launch import EngineLaunch
 from pagellm.engine.processor import PromptTooLongError
 from pagellm.server.app import build_app
 
@@ -175,3 +176,50 @@ def test_an_engine_orphaned_while_it_starts_exits_then_and_not_once_running():
     orphaned = subprocess.run([sys.executable, "-c", check, "starting"], timeout=60)
     running = subprocess.run([sys.executable, "-c", check, "running"], timeout=60)
     assert (orphaned.returncode, running.returncode) == (1, 0)
+
+
+def test_an_engine_launched_early_is_adopted_and_gives_the_same_tokens(tiny_model_dir):
+    """`pagellm serve` launches the engine process before it knows the settings (`EngineLaunch`); the
+    AsyncLLM built later adopts that very process, which then serves as one started with it."""
+    launched = EngineLaunch()
+    llm = AsyncLLM(str(tiny_model_dir), launched=launched, **SETTINGS)
+    try:
+        assert llm._process.process is launched.process and launched.adopted
+
+        async def run():
+            outputs = [llm.generate(p, GREEDY, request_id=f"early-{i}") for i, p in enumerate(PROMPTS)]
+            tokens = []
+            for stream in outputs:
+                finals = [o async for o in stream if o.finished]
+                tokens.append(list(finals[-1].outputs[0].token_ids))
+            return tokens
+
+        got = asyncio.run(run())
+    finally:
+        llm.shutdown()
+    expected = LLM(str(tiny_model_dir), **SETTINGS).generate(PROMPTS, GREEDY)
+    assert got == [list(o.outputs[0].token_ids) for o in expected]
+
+
+def test_an_early_launch_nobody_adopts_is_stopped(tmp_path):
+    """A start that fails before adopting the launch (here: no such model), or a launch discarded, leaves no
+    process behind; a child whose front end dies before sending the settings exits by itself."""
+    launched = EngineLaunch()
+    with pytest.raises(ConfigError):
+        AsyncLLM(str(tmp_path / "missing"), dtype="float32", launched=launched)
+    assert launched.process.poll() is not None
+
+    script = "import os; from pagellm.engine.process_launch import EngineLaunch; print(EngineLaunch().process.pid, flush=True); os._exit(0)"
+    front = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    child = int(front.stdout.split()[-1])
+    deadline = time.monotonic() + 60
+    while _alive(child) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(child), "a launched engine process outlived its front end"
+
+
+def test_the_serve_command_imports_no_torch_before_launching_its_engine():
+    """Its engine process imports torch while the front end imports the server: nothing the command line
+    loads before `EngineLaunch` may import torch itself (it took ~2 s of a warm start)."""
+    check = "import sys, pagellm.cli.main, pagellm.cli.serve_cmd; sys.exit('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", check], timeout=120).returncode == 0

@@ -87,7 +87,8 @@ def test_a_server_answers_starting_while_its_engine_loads_then_serves(tiny_model
 
 
 def test_a_server_whose_engine_fails_to_start_exits_with_the_reason(tiny_model_dir, monkeypatch):
-    def fail(cls, config):
+    def fail(cls, config, launched=None):
+        launched.discard()  # as AsyncLLM does with a launch it did not adopt
         raise ConfigError("the checkpoint's architecture NoSuchModelForCausalLM is not supported")
 
     monkeypatch.setattr(AsyncLLM, "from_config", classmethod(fail))
