@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import click
 
@@ -86,51 +87,6 @@ def serve(
         options = {**options, "compile_in_background": True}
     config = config_from_options(options, model=model_arg)
     check_tool_choice(enable_auto_tool_choice, tool_call_parser)
-    # the engine process starts importing now, beside the server's imports below (one engine process: data
-    # parallelism starts its own); nothing above imported torch
-    launched = EngineLaunch() if config.data_parallel_size == 1 else None
-    try:
-        _serve(
-            config,
-            launched,
-            host,
-            port,
-            api_keys,
-            disable_log_requests,
-            max_n,
-            max_request_body_mb,
-            lora_modules,
-            allow_runtime_lora_updating,
-            served_model_names,
-            chat_template,
-            enable_auto_tool_choice,
-            tool_call_parser,
-        )
-    finally:
-        if launched is not None:
-            launched.discard()  # nothing once the engine adopted it
-
-
-def _serve(
-    config: EngineConfig,
-    launched: EngineLaunch | None,
-    host: str,
-    port: int,
-    api_keys: tuple[str, ...],
-    disable_log_requests: bool,
-    max_n: int,
-    max_request_body_mb: float,
-    lora_modules: tuple[tuple[str, str], ...],
-    allow_runtime_lora_updating: bool,
-    served_model_names: tuple[str, ...],
-    chat_template: str | None,
-    enable_auto_tool_choice: bool,
-    tool_call_parser: str | None,
-) -> None:
-    import uvicorn
-
-    from pagellm.server.starting import EngineStarter, StartingGate
-
     names = served_names(served_model_names, config)
     app_options = dict(
         api_keys=[k for k in api_keys if k],
@@ -143,6 +99,28 @@ def _serve(
         lora_modules=dict(lora_modules),
         allow_runtime_lora_updating=allow_runtime_lora_updating,
     )
+    # the engine process starts importing now, beside the server's imports below (one engine process: data
+    # parallelism starts its own); nothing above imported torch
+    launched = EngineLaunch() if config.data_parallel_size == 1 else None
+    try:
+        _serve(config, launched, host, port, names, app_options)
+    finally:
+        if launched is not None:
+            launched.discard()  # nothing once the engine adopted it
+
+
+def _serve(
+    config: EngineConfig,
+    launched: EngineLaunch | None,
+    host: str,
+    port: int,
+    names: list[str],
+    app_options: dict[str, Any],
+) -> None:
+    import uvicorn
+
+    from pagellm.server.starting import EngineStarter, StartingGate
+
     with bind(host, port) as sock:
         gate = StartingGate(", ".join(names))
         level = logging.getLogger("pagellm").getEffectiveLevel()

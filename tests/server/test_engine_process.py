@@ -151,11 +151,14 @@ def test_the_engine_exits_when_its_front_end_dies(tiny_model_dir):
         """
     )
     front = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
-    engine_pid = int(front.stdout.split()[-1])
-    deadline = time.monotonic() + 10
-    while _alive(engine_pid) and time.monotonic() < deadline:
+    assert _gone_within(int(front.stdout.split()[-1]), 10), "the engine process outlived its front end"
+
+
+def _gone_within(pid: int, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while _alive(pid) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not _alive(engine_pid), "the engine process outlived its front end"
+    return not _alive(pid)
 
 
 def _alive(pid: int) -> bool:
@@ -211,11 +214,7 @@ def test_an_early_launch_nobody_adopts_is_stopped(tmp_path):
 
     script = "import os; from pagellm.engine.process_launch import EngineLaunch; print(EngineLaunch().process.pid, flush=True); os._exit(0)"
     front = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
-    child = int(front.stdout.split()[-1])
-    deadline = time.monotonic() + 60
-    while _alive(child) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not _alive(child), "a launched engine process outlived its front end"
+    assert _gone_within(int(front.stdout.split()[-1]), 60), "a launched engine process outlived its front end"
 
 
 def test_the_serve_command_imports_no_torch_before_launching_its_engine():
