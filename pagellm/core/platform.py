@@ -160,6 +160,19 @@ class Platform:
         """Apply this platform's defaults to `config` and raise ConfigError for settings it cannot run."""
 
     @classmethod
+    def build_kernels_in_background(cls) -> bool:
+        """Start building this platform's native kernels without waiting for them, where they are not built
+        yet; True if a build started. Until `kernels_built()`, whatever asks for them gets the PyTorch path
+        (`pack_linear` None, attention and experts on their references), and the engine takes them up between
+        two steps after (model_runner `_take_up_kernels`). Default: nothing to build."""
+        return False
+
+    @classmethod
+    def kernels_built(cls) -> bool:
+        """Whether the build `build_kernels_in_background` started has ended (built or failed)."""
+        return True
+
+    @classmethod
     def pack_linear(cls, weight: torch.Tensor, batch_invariant: bool = False) -> PackedLinear | None:
         """This unquantized weight in a faster layout for the device's GEMM library, with the matmul that
         reads it (results equal to F.linear's up to rounding), or None. Called once per linear layer after

@@ -43,7 +43,7 @@ from pagellm.engine.llm_engine import LLMEngine
 from pagellm.engine.outputs import PoolingRequestOutput, RequestOutput
 from pagellm.engine.process_launch import EngineLaunch
 from pagellm.engine.scheduler import SchedulerStats
-from pagellm.engine.tokenizer import import_tokenizers_in_background, load_tokenizer
+from pagellm.engine.tokenizer import TokenizerPreload
 from pagellm.lora.request import LoRARequest
 from pagellm.sampling.params import SamplingParams
 
@@ -180,15 +180,13 @@ class AsyncLLM:
         self.engine: LLMEngine | None = None
         self._process: EngineProcess | DataParallelEngines | None = None
         if self.config.data_parallel_size > 1 or engine_process:
-            importing = import_tokenizers_in_background()
+            preload = TokenizerPreload(self.config)
             if self.config.data_parallel_size > 1:
                 self._process = DataParallelEngines(self.config, self._on_turn, self._on_exit)
             else:
                 self._process = EngineProcess(self.config, self._on_turn, self._on_exit, launched=launched)
-            importing.join()
-        if self._process is not None:
             self.facts = self._process.facts
-            self._tokenizer = load_tokenizer(self.facts.tokenizer_path)
+            self._tokenizer = preload.tokenizer(self.facts.tokenizer_path)
             self._send = self._process.send
         else:
             self.engine = LLMEngine(self.config)

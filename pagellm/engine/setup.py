@@ -219,12 +219,13 @@ def resolve_engine(config: EngineConfig) -> EngineSetup:
     )
     if config.batch_invariant:
         check_batch_invariant(config, platform, dtype, quant, model_config is not hf_config)
+    kernels_pending = _kernels_in_background(config, platform, quant)
     backend_choice = select_attention_backend(
         registry,
         platform,
         spec,
         config.attention_backend,
-        timer=_backend_timer(),
+        timer=None if kernels_pending else _backend_timer(),
         cache=TimingCache(os.path.join(cache_dir(), "attention_timings.json")),
         choose_block_size=config.block_size is None,
     )
@@ -240,6 +241,11 @@ def resolve_engine(config: EngineConfig) -> EngineSetup:
         *backend_choice.explanation,
         kv_layout.describe(),
     ]
+    if kernels_pending:
+        explanation.append(
+            "the platform's kernels are building in the background: serving on the PyTorch paths until "
+            "they are built, attention backends not timed (the next start times them)"
+        )
     return EngineSetup(
         config=config,
         registry=registry,
@@ -256,7 +262,20 @@ def resolve_engine(config: EngineConfig) -> EngineSetup:
         explanation=explanation,
         reasoning_parser=reasoning_parser(registry, config.reasoning_parser),
         kv_layout=kv_layout,
+        kernels_pending=kernels_pending,
     )
+
+
+def _kernels_in_background(config: EngineConfig, platform: type[Platform], quant: type | None) -> bool:
+    """With --compile-in-background (serve's default), a one-process engine of an unquantized model does
+    not wait for the platform's kernels to build (`Platform.build_kernels_in_background`): its PyTorch paths
+    serve until they are built. Quantized weights stay packed only with the kernels, and batch-invariant
+    mode needs them, so those starts wait."""
+    if not config.compile_in_background or quant is not None or config.batch_invariant:
+        return False
+    if config.tensor_parallel_size * config.pipeline_parallel_size > 1:
+        return False
+    return platform.build_kernels_in_background()
 
 
 def model_kv_layout(model_class: type, hf_config: Any, spec: AttentionSpec) -> KVCacheLayout:

@@ -21,18 +21,57 @@ def load_tokenizer(path: str) -> Any:
     return tokenizer
 
 
-def import_tokenizers_in_background() -> threading.Thread:
-    """Import what `load_tokenizer` needs of transformers on a daemon thread and return it (join it before
-    `load_tokenizer`). A front end whose engine starts in another process waits seconds for it; importing
-    meanwhile takes 2-4 s on two cores off the time to the first request: the tokenizer classes, and the
-    configuration machinery `AutoTokenizer` reads the model's config with (every model's config class
-    imports `type_validators`, which imports transformers' weight-loading and distributed modules)."""
+class TokenizerPreload(threading.Thread):
+    """A front end's tokenizer, made while its engine starts in another process, which takes seconds: on a
+    daemon thread it imports what `load_tokenizer` needs of transformers (the tokenizer classes, and the
+    configuration machinery `AutoTokenizer` reads the model's config with: every model's config class imports
+    `type_validators`, which imports transformers' weight-loading and distributed modules; 2-4 s on two
+    cores), then loads the tokenizer from where the engine will most likely say it is
+    (`likely_tokenizer_path`). `tokenizer(path)`, given the path the engine reports, returns that one where
+    the paths agree and loads it afresh where they do not."""
 
-    def run() -> None:
+    def __init__(self, config: Any):
+        super().__init__(name="pagellm-tokenizer-preload", daemon=True)
+        self.config = config
+        self.path: str | None = None
+        self.loaded: Any = None
+        self.start()
+
+    def run(self) -> None:
         import transformers.configuration_utils  # noqa: F401
         import transformers.utils.type_validators  # noqa: F401
         from transformers import AutoTokenizer  # noqa: F401
 
-    thread = threading.Thread(target=run, name="pagellm-import-tokenizers", daemon=True)
-    thread.start()
-    return thread
+        try:
+            self.path = likely_tokenizer_path(self.config)
+            if self.path is not None:
+                self.loaded = load_tokenizer(self.path)
+        except Exception:  # a guess only: the engine's path is loaded the usual way, errors and all
+            self.path = self.loaded = None
+
+    def tokenizer(self, path: str) -> Any:
+        self.join()
+        if self.loaded is not None and self.path == path:
+            return self.loaded
+        return load_tokenizer(path)
+
+
+def likely_tokenizer_path(config: Any) -> str | None:
+    """The tokenizer directory the engine will report (`EngineFacts.tokenizer_path`: --tokenizer, else the
+    model's directory) where it is known without resolving anything slow: a local --tokenizer or model
+    directory, or a GGUF file's converted copy made by an earlier start. None otherwise (a Hugging Face id,
+    a GGUF file seen for the first time)."""
+    if config.tokenizer is not None:
+        return config.tokenizer if os.path.isdir(config.tokenizer) else None
+    from pagellm.engine.default_model import default_model_path
+
+    model = config.model or default_model_path()
+    if os.path.isdir(model) and not config.gguf_file:
+        return model
+    if os.path.isfile(model) and model.endswith(".gguf"):
+        from pagellm.core.paths import cache_dir
+        from pagellm.models.gguf_checkpoint import converted_copy
+
+        copy = converted_copy(os.path.abspath(model), cache_dir())
+        return None if copy is None else str(copy)
+    return None

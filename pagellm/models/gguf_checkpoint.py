@@ -26,7 +26,7 @@ import contextlib
 import functools
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -47,13 +47,13 @@ def load_gguf(path: str | os.PathLike) -> tuple[Any, Any, Iterator[tuple[str, to
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"GGUF file {path} does not exist")
-    with _plain_gguf_reader():
+    with _plain_gguf_reader() as shared_reader:
         try:
             config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
         except ValueError as exc:
             raise ConfigError(f"transformers cannot read the GGUF file {path}: {exc}") from exc
         tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    reader = _open(path)
+        reader = shared_reader(path)
     config = fill_gguf_config(config, reader)
     if not getattr(config, "architectures", None):
         config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type, config.model_type)]
@@ -135,17 +135,29 @@ _READER_SWAP = threading.Lock()
 
 
 @contextlib.contextmanager
-def _plain_gguf_reader() -> Iterator[None]:
-    """transformers' GGUF loaders, which import `gguf.GGUFReader` when called, get the plain reader meanwhile.
+def _plain_gguf_reader() -> Iterator[Callable[[str | os.PathLike], Any]]:
+    """transformers' GGUF loaders, which import `gguf.GGUFReader` when called, get the plain reader meanwhile,
+    and one per file: the config's and the tokenizer's loads (and the caller, through the function yielded)
+    share a parse, which is most of a GGUF's conversion (~2 s each for SmolLM2's 49k-token vocabulary). They
+    only read it.
 
     The lock keeps two loads in threads from restoring each other's swap out of order."""
     import gguf
 
+    readers: dict[str, Any] = {}
+    reader_class = _plain_reader_class()  # made before the swap: it subclasses gguf's own
+
+    def shared(path: str | os.PathLike, *args: Any, **kwargs: Any) -> Any:
+        key = str(Path(path).resolve())
+        if key not in readers:
+            readers[key] = reader_class(str(path), *args, **kwargs)
+        return readers[key]
+
     with _READER_SWAP:
         original = gguf.GGUFReader
-        gguf.GGUFReader = _plain_reader_class()
+        gguf.GGUFReader = shared
         try:
-            yield
+            yield shared
         finally:
             gguf.GGUFReader = original
 
@@ -368,14 +380,10 @@ def gguf_checkpoint_dir(path: str | os.PathLike, cache_root: str | os.PathLike) 
     Parsing a GGUF file's metadata takes seconds (tens of thousands of vocabulary strings) and
     transformers parses it again for the config and the tokenizer; the converted copy loads in a fraction
     of that. Keyed by the file's path, size and modification time, and by _CONVERSION."""
-    import hashlib
-
     from safetensors.torch import save_file
 
     path = Path(path).resolve()
-    stat = path.stat()
-    key = hashlib.sha256(f"{path}|{stat.st_size}|{stat.st_mtime_ns}|{_CONVERSION}".encode()).hexdigest()[:16]
-    out = Path(cache_root) / "gguf" / f"{path.stem}-{key}"
+    out = _converted_path(path, cache_root)
     if (out / "model.safetensors").exists():
         return out
     config, tokenizer, weights = load_gguf(path)
@@ -387,3 +395,17 @@ def gguf_checkpoint_dir(path: str | os.PathLike, cache_root: str | os.PathLike) 
     if not out.exists():  # another process may have finished first
         tmp.replace(out)
     return out
+
+
+def converted_copy(path: str | os.PathLike, cache_root: str | os.PathLike) -> Path | None:
+    """The converted copy `gguf_checkpoint_dir` made of this file, or None where none is made yet."""
+    out = _converted_path(Path(path).resolve(), cache_root)
+    return out if (out / "model.safetensors").exists() else None
+
+
+def _converted_path(path: Path, cache_root: str | os.PathLike) -> Path:
+    import hashlib
+
+    stat = path.stat()
+    key = hashlib.sha256(f"{path}|{stat.st_size}|{stat.st_mtime_ns}|{_CONVERSION}".encode()).hexdigest()[:16]
+    return Path(cache_root) / "gguf" / f"{path.stem}-{key}"

@@ -171,6 +171,20 @@ class CpuPlatform(Platform):
         return None
 
     @classmethod
+    def build_kernels_in_background(cls) -> bool:
+        """The native kernels (platforms/cpu_kernels) in a niced process of their own, ~40 s on two cores
+        from an empty cache, which a server would otherwise wait for before its first answer."""
+        from pagellm.platforms import cpu_kernels
+
+        return cpu_kernels.build_in_background()
+
+    @classmethod
+    def kernels_built(cls) -> bool:
+        from pagellm.platforms import cpu_kernels
+
+        return cpu_kernels.background_build_done()
+
+    @classmethod
     def pack_linear(cls, weight: torch.Tensor, batch_invariant: bool = False) -> PackedLinear | None:
         """bfloat16 on a CPU with AMX: pagellm's AMX kernel (platforms/cpu_kernels/linear_amx.cpp), which
         streams the weights at up to 1.35x oneDNN's rate at decode batch sizes and matches it (within 5%)

@@ -49,6 +49,11 @@ class PrometheusStatLogger:
             "1 when steps run the compiled forward, 0 while they run the eager one (before a background "
             "compile is swapped in, or with --enforce-eager).",
         )
+        self.kernels_pending = gauge(
+            "kernels_pending",
+            "1 while the platform's native kernels build in the background and steps run the PyTorch paths, "
+            "0 once they are taken up (or none were to build).",
+        )
         self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
         self.preemptions = counter("num_preemptions", "Requests preempted for lack of KV blocks.")
@@ -111,6 +116,7 @@ class PrometheusStatLogger:
         self.loras_active.set(s.num_loras_active)
         self.grammar_matchers_live.set(s.num_grammar_matchers_live)
         self.forward_compiled.set(int(s.forward_compiled))
+        self.kernels_pending.set(int(s.kernels_pending))
         for counter, name in self._cumulative:  # cumulative counts; Prometheus counters take increments
             counter.inc(max(0, getattr(s, name) - getattr(last, name)))
         for position, accepted in enumerate(s.spec_accepted_per_position):

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from collections.abc import Callable, Iterable
 
 import numpy as np
@@ -121,6 +122,7 @@ class ModelRunner:
             self.kv_layout,
         )
         self.lora = RunnerLoRA(self.model, config, setup.dtype, self.device) if config.enable_lora else None
+        self.kernels_pending = setup.kernels_pending  # until `_take_up_kernels`
         self.compiler = RunnerCompile(
             self.model,
             setup,
@@ -211,8 +213,9 @@ class ModelRunner:
             torch.set_default_dtype(torch.float32)
         place_mxfp4_experts(model, self.setup.platform)  # before counting: what stays in memory
         self.model_bytes += model_weight_bytes(model)
-        self._pack_linears(model)
-        self._pack_experts(model)
+        if not setup.kernels_pending:  # else packed when the kernels are built (`_take_up_kernels`)
+            self._pack_linears(model)
+            self._pack_experts(model)
         if setup.config.batch_invariant:
             check_batch_invariant(model)
         return model
@@ -226,7 +229,12 @@ class ModelRunner:
         if self.setup.config.batch_invariant:
             pack = functools.partial(pack, batch_invariant=True)
         for module in model.modules():
-            if isinstance(module, Linear) and module.quant_method is None and module is not lm_head:
+            if (
+                isinstance(module, Linear)
+                and module.quant_method is None
+                and module is not lm_head
+                and module.weight is not None  # not packed already
+            ):
                 module.use_packed(pack(module.weight))
         if (
             lm_head is None
@@ -265,11 +273,34 @@ class ModelRunner:
 
     def _compile(self) -> Callable[..., torch.Tensor]:
         """The compiled forward (`RunnerCompile`); the eager model with --enforce-eager, LoRA (the LoRA
-        terms' row groups change every step) or a split model (collectives stay out of compiled graphs)."""
+        terms' row groups change every step) or a split model (collectives stay out of compiled graphs),
+        and while the platform's kernels build (the graph calls them: compiled after `_take_up_kernels`)."""
         config = self.setup.config
         if config.enforce_eager or self.lora is not None or self.parallel.world_size > 1:
             return self.model
+        if self.kernels_pending:
+            self.compiler.yield_a_core()  # the build's, as a compile process's
+            return self.model
         return self.compiler.forward()
+
+    def _take_up_kernels(self) -> None:
+        """Between two steps, once the kernels building in the background are built (or failed: then what
+        is done here changes nothing): every model's linears and experts packed for them, its attention
+        layers' backends made anew (they look the kernels up when made), the recurrent layers' kernels
+        looked up, and the forward compiled (with --compile-in-background, in the compile process)."""
+        self.kernels_pending = False
+        started = time.monotonic()
+        for model in (self.model, self.draft_model):
+            if model is None:
+                continue
+            self._pack_linears(model)
+            self._pack_experts(model)
+            for layer in model.attention_layers():
+                layer.impl = type(layer.impl)(layer.impl.spec)
+        self.recurrent_kernels = self.setup.platform.recurrent_kernels()
+        self.compiler.take_the_core_back()
+        self.forward = self._compile()
+        logger.info("kernels taken up between two steps in %.2fs", time.monotonic() - started)
 
     def _check_state_layers(self) -> int:
         """The most sequences at once: --max-num-seqs, which a model with recurrent layers also takes as its
@@ -503,6 +534,8 @@ class ModelRunner:
         """Run one scheduled step: take in what it says of requests (`_update_states`), prepare its inputs,
         run the model, then pool, compute prompt logprobs and sample (or verify drafts and propose the next
         ones)."""
+        if self.kernels_pending and self.setup.platform.kernels_built():
+            self._take_up_kernels()
         if self.compiler.pending:
             self.forward = self.compiler.swapped(self.forward)
         self._update_states(out)

@@ -138,20 +138,20 @@ class RunnerCompile:
         self.process = compiled_forward.CompileProcess(
             compiled_forward.CompileRequest(config, str(path), path.stem)
         )
-        self._yield_a_core()
+        self.yield_a_core()
 
-    def _yield_a_core(self) -> None:
-        """Step on one thread fewer while the compile process runs (on two cores: one each). The compile is
-        niced so that it never slows a step, and with every core busy stepping it got ~10% of one: on the AVX2
+    def yield_a_core(self) -> None:
+        """Step on one thread fewer while the compile process (or the kernels' background build) runs (on two
+        cores: one each). The compile is niced so that it never slows a step, and with every core busy stepping it got ~10% of one: on the AVX2
         EPYC, model S's compile had not finished after 580 s of back-to-back requests, where on a free core
         it takes one to two minutes. The eager steps meanwhile run on the cores left."""
         threads = torch.get_num_threads()
-        if threads > 1:
+        if threads > 1 and self._threads_before_compile is None:
             self._threads_before_compile = threads
             torch.set_num_threads(threads - 1)
-            logger.info("stepping on %d thread(s) of %d while the model compiles", threads - 1, threads)
+            logger.info("stepping on %d thread(s) of %d while a background build runs", threads - 1, threads)
 
-    def _take_the_core_back(self) -> None:
+    def take_the_core_back(self) -> None:
         if self._threads_before_compile is not None:
             torch.set_num_threads(self._threads_before_compile)
             self._threads_before_compile = None
@@ -175,7 +175,7 @@ class RunnerCompile:
             if done is None:
                 return current
             process, self.process = self.process, None
-            self._take_the_core_back()
+            self.take_the_core_back()
             if done:
                 logger.info("compile process done in %.1fs", time.monotonic() - process.started)
                 self.loading = compiled_forward.BackgroundLoad(Path(process.request.path), self.model)
@@ -207,7 +207,7 @@ class RunnerCompile:
         if self.process is not None:
             self.process.stop()
             self.process = None
-            self._take_the_core_back()
+            self.take_the_core_back()
         self.loading = None
 
     def _checked(self, path: Path) -> Callable[..., torch.Tensor] | None:

@@ -58,6 +58,8 @@ class EngineSetup:
     # the layers' KV cache groups (core/kv_cache_spec.py); None: one group of every layer, with `spec`'s
     kv_layout: KVCacheLayout | None = None
     model_config: Any = None  # the checkpoint's whole config where it is not hf_config (multimodal)
+    # the platform's kernels are building in the background: the engine starts without them (resolve_engine)
+    kernels_pending: bool = False
 
     @property
     def backend(self) -> type[AttentionBackend]:

@@ -178,7 +178,8 @@ def test_smollm2_gguf_matches_transformers():
 
 
 def test_the_plain_reader_reads_what_gguf_reads_and_transformers_gets_it_only_while_loading(tmp_path):
-    """load_gguf parses with a plain-ndarray reader (3x faster on a real vocabulary); same fields, same tensors."""
+    """load_gguf parses with a plain-ndarray reader (3x faster on a real vocabulary), once per file for
+    transformers' config, its tokenizer and pagellm; same fields, same tensors."""
     import gguf
     import numpy as np
 
@@ -201,8 +202,10 @@ def test_the_plain_reader_reads_what_gguf_reads_and_transformers_gets_it_only_wh
         assert [p.tolist() for p in plain.fields[key].parts] == [p.tolist() for p in field.parts], key
     assert [t.name for t in plain.tensors] == [t.name for t in original.tensors]
     assert np.array_equal(plain.tensors[0].data, original.tensors[0].data)
-    with _plain_gguf_reader():
-        assert gguf.GGUFReader is type(plain)
+    with _plain_gguf_reader() as shared:
+        first = gguf.GGUFReader(str(path))
+        assert type(first) is type(plain), "transformers gets the plain reader"
+        assert gguf.GGUFReader(path) is first and shared(path) is first, "one parse per file"
     assert gguf.GGUFReader is type(original)
 
 

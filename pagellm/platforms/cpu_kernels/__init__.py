@@ -12,6 +12,10 @@ is the one this machine can run; the cache key includes the CPU's feature flags,
 its own build. Where no compiler is found or the build fails, `load()` returns None after one log line
 saying why, and callers use their PyTorch path. PAGELLM_CPU_KERNELS=0 turns the kernels off;
 PAGELLM_CPU_KERNELS_ARCH=x86-64 builds them without AVX2 (their plain C++ paths), in a build of its own.
+
+A server need not wait for the build (~40 s on two cores): `build_in_background()` starts it in a niced
+process of its own (`python -m pagellm.platforms.cpu_kernels`), and until that ends `load()` returns None, so the engine
+starts on its PyTorch paths and takes the kernels up between two steps once `background_build_done()`.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ import hashlib
 import logging
 import os
 import shutil
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -74,6 +80,7 @@ OPS = (
 _lock = threading.Lock()
 _loaded: dict[str, SimpleNamespace | None] = {}
 _why_not: str | None = None
+_background: BackgroundBuild | None = None
 
 
 def why_unavailable() -> str | None:
@@ -86,6 +93,8 @@ def load() -> SimpleNamespace | None:
     first time; None (with the reason logged once) when they cannot be had here."""
     global _why_not
     with _lock:
+        if _background is not None and not _take_background_build():
+            return None
         if "kernels" in _loaded:
             return _loaded["kernels"]
         kernels, _why_not = _build()
@@ -105,22 +114,110 @@ def loaded() -> SimpleNamespace | None:
     return _loaded.get("kernels")
 
 
-def _build() -> tuple[SimpleNamespace | None, str | None]:
+def build_in_background() -> bool:
+    """Start building the kernels in a niced process of their own where this machine can build them and no
+    build of these sources is in the cache yet; True if one started. `load()` returns None until it ends,
+    without a warning: the callers take their PyTorch paths meanwhile."""
+    global _background
+    with _lock:
+        if _background is not None:
+            return True
+        if "kernels" in _loaded or _unbuildable() is not None:
+            return False
+        key, build_dir = _build_key()
+        if any(build_dir.glob("*.so")):
+            return False
+        _background = BackgroundBuild(build_dir)
+        logger.info(
+            "building the CPU kernels in the background (pid %d, log %s); PyTorch paths until they are built",
+            _background.process.pid,
+            _background.log,
+        )
+        return True
+
+
+def background_build_done() -> bool:
+    """Whether no background build is running (it ended, or none was started): `load()` then answers."""
+    return _background is None or _background.process.poll() is not None
+
+
+class BackgroundBuild:
+    """The kernels' build in a child process (`python -m pagellm.platforms.cpu_kernels`), niced so that the
+    serving process's steps come first, and ended with its compilers when the engine ends; its output goes
+    to a log file beside the build."""
+
+    def __init__(self, build_dir: Path):
+        self.started = time.monotonic()
+        self.log = Path(str(build_dir) + ".log")
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log, "wb") as out:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", __name__],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,  # its own process group, which it ends whole if the engine goes
+            )
+
+    def failure(self) -> str | None:
+        """None if the build succeeded, else the last line of its log."""
+        if self.process.returncode == 0:
+            return None
+        try:
+            lines = [line for line in self.log.read_text(errors="replace").splitlines() if line.strip()]
+        except OSError:
+            lines = []
+        last = lines[-1] if lines else "no output"
+        return f"background build exited {self.process.returncode}: {last} (its log: {self.log})"
+
+
+def _take_background_build() -> bool:
+    """Under the lock: False while the background build runs; once it ended, forget it (a failure is this
+    process's answer, logged once, not a build of its own on a step's path) and return True."""
+    global _background, _why_not
+    if _background.process.poll() is None:
+        return False
+    build, _background = _background, None
+    failure = build.failure()
+    if failure is not None:
+        _why_not = failure
+        logger.warning("CPU kernels unavailable (PyTorch paths stay): %s", failure)
+        _loaded["kernels"] = None
+    else:
+        logger.info("CPU kernels built in the background in %.1fs", time.monotonic() - build.started)
+    return True
+
+
+def _unbuildable() -> str | None:
+    """Why no build can be tried here, or None."""
     if os.environ.get(ENV_SWITCH, "1") == "0":
-        return None, f"{ENV_SWITCH}=0"
+        return f"{ENV_SWITCH}=0"
     compiler = os.environ.get("CXX", "c++")
     if shutil.which(compiler) is None:
-        return None, f"no C++ compiler ({compiler!r} not on PATH; set CXX or install g++)"
+        return f"no C++ compiler ({compiler!r} not on PATH; set CXX or install g++)"
+    return None
+
+
+def _build_key() -> tuple[str, Path]:
+    """The build's key (sources, torch version, CPU flags, -march) and its folder in the cache."""
     here = Path(__file__).parent
     digest = hashlib.sha256()
     for name in SOURCES + HEADERS:
         digest.update((here / name).read_bytes())
     digest.update(torch.__version__.encode())
     digest.update(_cpu_flags().encode())
-    arch = os.environ.get(ARCH_SWITCH, "native")
-    digest.update(arch.encode())
+    digest.update(os.environ.get(ARCH_SWITCH, "native").encode())
     key = digest.hexdigest()[:16]
-    build_dir = Path(cache_dir()) / "kernels" / key
+    return key, Path(cache_dir()) / "kernels" / key
+
+
+def _build() -> tuple[SimpleNamespace | None, str | None]:
+    why_not = _unbuildable()
+    if why_not is not None:
+        return None, why_not
+    here = Path(__file__).parent
+    arch = os.environ.get(ARCH_SWITCH, "native")
+    key, build_dir = _build_key()
     build_dir.mkdir(parents=True, exist_ok=True)
     fresh = not any(build_dir.glob("*.so"))
     if fresh:
@@ -157,6 +254,7 @@ def _build() -> tuple[SimpleNamespace | None, str | None]:
                 is_python_module=False,
             )
     except Exception as e:  # a compiler error, a missing header or ninja: fall back, say why
+        logger.debug("the CPU kernels' build failed:\n%s", e)  # the compiler's own words
         return (
             None,
             f"build failed: {type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else e}",

@@ -1,0 +1,41 @@
+"""A front end loads its tokenizer while its engine starts in another process (`TokenizerPreload`), from where
+the engine will most likely say it is (`likely_tokenizer_path`); the engine's word decides."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from tiny import make_tiny_checkpoint
+
+from pagellm.core.config import EngineConfig
+from pagellm.engine.tokenizer import TokenizerPreload, likely_tokenizer_path
+from pagellm.models import gguf_checkpoint
+
+
+def test_the_likely_path_is_a_local_directory_or_a_gguf_files_converted_copy(tmp_path, monkeypatch):
+    model = make_tiny_checkpoint("llama", tmp_path / "model")
+    assert likely_tokenizer_path(EngineConfig(model=str(model))) == str(model)
+    assert likely_tokenizer_path(EngineConfig(model=str(model), tokenizer=str(tmp_path))) == str(tmp_path)
+    assert likely_tokenizer_path(EngineConfig(model="org/not-resolved-here")) is None
+    assert likely_tokenizer_path(EngineConfig(model=str(model), tokenizer="org/tokenizer")) is None
+
+    monkeypatch.setenv("PAGELLM_CACHE_DIR", str(tmp_path / "cache"))
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF")  # only its path, size and time key the copy
+    config = EngineConfig(model=str(gguf))
+    assert likely_tokenizer_path(config) is None, "a first start converts it: nothing to guess"
+    copy = gguf_checkpoint._converted_path(gguf.resolve(), tmp_path / "cache")
+    shutil.copytree(model, copy)
+    assert gguf_checkpoint.converted_copy(gguf, tmp_path / "cache") == copy
+    assert likely_tokenizer_path(config) == str(copy)
+
+
+def test_the_preloaded_tokenizer_is_used_only_where_the_engine_names_its_path(tmp_path):
+    model = make_tiny_checkpoint("llama", tmp_path / "model")
+    other = Path(shutil.copytree(model, tmp_path / "other"))
+    preload = TokenizerPreload(EngineConfig(model=str(model)))
+    preloaded = preload.tokenizer(str(model))
+    assert preloaded is preload.loaded and preloaded is not None
+    fresh = preload.tokenizer(str(other))
+    assert fresh is not preloaded and fresh.get_vocab() == preloaded.get_vocab()
