@@ -223,6 +223,16 @@ def _portable(item: Any) -> Any:
 # -- the child ----------------------------------------------------------------------------------------
 
 
+def _import_config_machinery() -> None:
+    """What the engine's start imports first whatever the settings say: transformers' configuration
+    machinery (~1 s on two cores: every model's config class imports `type_validators`, which imports its
+    weight-loading and distributed modules). A launched process does it while the front end imports the
+    server, before its settings can come."""
+    import transformers.configuration_utils  # noqa: F401
+    import transformers.utils.type_validators  # noqa: F401
+    from transformers import AutoConfig  # noqa: F401
+
+
 def main(commands_address: str, turns_address: str, parent: int | None = None) -> int:
     """The engine process: `parent` the front end's pid (default: this process's parent now)."""
     import zmq
@@ -242,6 +252,7 @@ def main(commands_address: str, turns_address: str, parent: int | None = None) -
     def parent_gone() -> bool:
         return os.getppid() != parent
 
+    _import_config_machinery()
     while not commands.poll(_POLL_MS):  # launched early, the settings may take a while (or never come)
         if parent_gone():
             return 1

@@ -67,6 +67,67 @@ def _q8_0(blocks: torch.Tensor) -> torch.Tensor:
     return blocks[..., 2:].contiguous().view(torch.int8).float() * _scales(blocks, 0)
 
 
+def _fifth_bits(blocks: torch.Tensor, start: int) -> torch.Tensor:
+    """Q5_0/Q5_1's 32 fifth bits (a little-endian uint32 at byte `start`) at bit 4: [..., 32] of 0 or 16."""
+    word = blocks[..., start : start + 4].long()
+    word = word[..., 0] | word[..., 1] << 8 | word[..., 2] << 16 | word[..., 3] << 24
+    bits = word[..., None] >> torch.arange(32, device=blocks.device)
+    return ((bits & 1) << 4).to(torch.uint8)
+
+
+def _q5_0(blocks: torch.Tensor) -> torch.Tensor:
+    q = (torch.cat([blocks[..., 6:] & 0xF, blocks[..., 6:] >> 4], dim=-1) | _fifth_bits(blocks, 2)).float()
+    return _scales(blocks, 0) * (q - 16)
+
+
+def _q5_1(blocks: torch.Tensor) -> torch.Tensor:
+    q = (torch.cat([blocks[..., 8:] & 0xF, blocks[..., 8:] >> 4], dim=-1) | _fifth_bits(blocks, 4)).float()
+    return _scales(blocks, 0) * q + _scales(blocks, 2)
+
+
+def _k_scales_mins(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K/Q5_K's eight 6-bit sub-block scales and mins (bytes 4-15) as float32 [..., 8, 1] each."""
+    s = blocks[..., 4:16]
+    low, high, both = s[..., 0:4], s[..., 4:8], s[..., 8:12]
+    scales = torch.cat([low & 0x3F, (both & 0x0F) | ((low >> 2) & 0x30)], dim=-1)
+    mins = torch.cat([high & 0x3F, (both >> 4) | ((high >> 2) & 0x30)], dim=-1)
+    return scales.float().unsqueeze(-1), mins.float().unsqueeze(-1)
+
+
+def _k_quant(blocks: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """(d * scale) * q - dmin * min per 32-weight sub-block, in gguf-py's order: q float32 [..., 8, 32]."""
+    scales, mins = _k_scales_mins(blocks)
+    d, dmin = _scales(blocks, 0).unsqueeze(-1), _scales(blocks, 2).unsqueeze(-1)
+    return ((d * scales) * q - dmin * mins).flatten(-2)
+
+
+def _k_nibbles(qs: torch.Tensor) -> torch.Tensor:
+    """128 bytes -> [..., 8, 32]: each 32 bytes give 32 weights from their low nibbles, then 32 from the high."""
+    qs = qs.unflatten(-1, (4, 1, 32))
+    return torch.cat([qs & 0xF, qs >> 4], dim=-2).flatten(-3, -2)
+
+
+def _q4_k(blocks: torch.Tensor) -> torch.Tensor:
+    return _k_quant(blocks, _k_nibbles(blocks[..., 16:144]).float())
+
+
+def _q5_k(blocks: torch.Tensor) -> torch.Tensor:
+    high = blocks[..., 16:48].unsqueeze(-2) >> torch.arange(8, device=blocks.device, dtype=torch.uint8)[:, None]
+    return _k_quant(blocks, (_k_nibbles(blocks[..., 48:176]) | ((high & 1) << 4)).float())
+
+
+def _q6_k(blocks: torch.Tensor) -> torch.Tensor:
+    """ql: two halves of 64 bytes (low nibbles: weights 0-63 of a half, high: 64-127); qh: two halves of 32
+    bytes, each byte's 2-bit pairs the fifth and sixth bits of four weights 32 apart; sixteen int8 scales."""
+    ql = blocks[..., 0:128].unflatten(-1, (2, 1, 64))
+    ql = torch.cat([ql & 0xF, ql >> 4], dim=-2).flatten(-3)
+    shifts = torch.arange(0, 8, 2, device=blocks.device, dtype=torch.uint8)[:, None]
+    qh = ((blocks[..., 128:192].unflatten(-1, (2, 1, 32)) >> shifts) & 3).flatten(-3)
+    q = ((ql | (qh << 4)).view(torch.int8) - 32).float().unflatten(-1, (16, 16))
+    scales = blocks[..., 192:208].contiguous().view(torch.int8).float().unsqueeze(-1)
+    return ((_scales(blocks, 208).unsqueeze(-1) * scales) * q).flatten(-2)
+
+
 def _float(dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
     return lambda blocks: blocks.contiguous().view(dtype)
 
@@ -86,10 +147,21 @@ GGML_TYPES = {
     1: GgmlType("F16", 1, 2, _float(torch.float16)),
     2: GgmlType("Q4_0", 32, 18, _q4_0),
     3: GgmlType("Q4_1", 32, 20, _q4_1),
+    6: GgmlType("Q5_0", 32, 22, _q5_0),
+    7: GgmlType("Q5_1", 32, 24, _q5_1),
     8: GgmlType("Q8_0", 32, 34, _q8_0),
+    12: GgmlType("Q4_K", 256, 144, _q4_k),
+    13: GgmlType("Q5_K", 256, 176, _q5_k),
+    14: GgmlType("Q6_K", 256, 210, _q6_k),
     30: GgmlType("BF16", 1, 2, _float(torch.bfloat16)),
 }
-"""GGML type number (gguf.GGMLQuantizationType) -> layout."""
+"""GGML type number (gguf.GGMLQuantizationType) -> layout, with a vectorised torch dequantization equal to
+gguf-py's bit for bit (float32)."""
+
+PER_MATMUL_TYPES = frozenset((0, 1, 2, 3, 8, 30))
+"""Types dequantized for each matmul where no kernel reads them (the "torch" path): those whose torch
+dequantization is a few ops. The others widen at load there; the Triton path dequantizes any of GGML_TYPES
+for steps too large for its kernel."""
 
 
 def dequantize(raw: torch.Tensor, type_id: int, dtype: torch.dtype) -> torch.Tensor:
@@ -260,7 +332,7 @@ def _part(x: torch.Tensor, weight: torch.Tensor, type_id: int, path: str) -> tor
 def _compute_path(type_id: int, device: torch.device) -> str:
     if device.type == "cpu" and cpu_gguf.has_kernel(type_id):
         return "kernel"
-    return "torch" if type_id in GGML_TYPES else "dense"
+    return "torch" if type_id in PER_MATMUL_TYPES else "dense"
 
 
 def _type_name(type_id: int) -> str:
