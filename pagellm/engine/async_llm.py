@@ -179,12 +179,19 @@ class AsyncLLM:
         self._ended = threading.Event()  # the core's last turn was delivered
         self.engine: LLMEngine | None = None
         self._process: EngineProcess | DataParallelEngines | None = None
-        if self.config.data_parallel_size > 1 or engine_process:
+        if self.config.data_parallel_size > 1:
             preload = TokenizerPreload(self.config)
-            if self.config.data_parallel_size > 1:
-                self._process = DataParallelEngines(self.config, self._on_turn, self._on_exit)
-            else:
-                self._process = EngineProcess(self.config, self._on_turn, self._on_exit, launched=launched)
+            self._process = DataParallelEngines(self.config, self._on_turn, self._on_exit)
+        elif engine_process:
+            process = EngineProcess(self.config, self._on_turn, self._on_exit, launched=launched, wait=False)
+            preload = TokenizerPreload(self.config)  # once the settings went: its imports hold the GIL
+            try:
+                process.wait_ready()
+            except BaseException:
+                process.close(wait=False)
+                raise
+            self._process = process
+        if self._process is not None:
             self.facts = self._process.facts
             self._tokenizer = preload.tokenizer(self.facts.tokenizer_path)
             self._send = self._process.send
