@@ -9,10 +9,14 @@ Compute, per part, the first that applies:
 - on CPU, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K are multiplied in place by the native kernel
   (`platforms.cpu_gguf`): x quantized to int8 in groups of 32, as llama.cpp does, integer dot products;
   a fused layer's parts in one call;
+- on CUDA/ROCm with triton, the same eight types are multiplied by a Triton kernel that dequantizes each
+  tile of the blocks in registers (`quantization.gguf_triton`), for steps of up to 32 rows; larger steps
+  dequantize the part for the vendor matmul (vectorised torch, `GGML_TYPES`);
 - elsewhere Q4_0, Q4_1, Q8_0 and the float types are dequantized for each matmul (vectorised torch, any
   device);
-- any other type gguf-py can read (Q2_K, Q3_K, the K-quants off CPU, IQ types) is dequantized once at load
-  into the model's dtype, which the log says with the memory it costs.
+- any other type gguf-py can read (Q2_K, Q3_K, IQ types; the K-quants and Q5 types on a CPU without the
+  kernels or a device without triton) is dequantized once at load into the model's dtype, which the log says
+  with the memory it costs.
 
 A mixture-of-experts layer's stacked experts (`ffn_gate_exps`, `ffn_up_exps`, `ffn_down_exps`, uint8
 [E, rows, bytes per row]) stay the file's bytes on CPU where all three are of the types above that the
@@ -39,6 +43,7 @@ from pagellm.core.platform import DTYPE_VIEWS, PackedLinear
 from pagellm.core.quant import QuantMethod
 from pagellm.platforms import cpu_gguf, cpu_gguf_moe
 from pagellm.plugins.hookspecs import hookimpl
+from pagellm.quantization import gguf_triton
 
 logger = logging.getLogger("pagellm")
 
@@ -112,7 +117,9 @@ def _q4_k(blocks: torch.Tensor) -> torch.Tensor:
 
 
 def _q5_k(blocks: torch.Tensor) -> torch.Tensor:
-    high = blocks[..., 16:48].unsqueeze(-2) >> torch.arange(8, device=blocks.device, dtype=torch.uint8)[:, None]
+    high = (
+        blocks[..., 16:48].unsqueeze(-2) >> torch.arange(8, device=blocks.device, dtype=torch.uint8)[:, None]
+    )
     return _k_quant(blocks, (_k_nibbles(blocks[..., 48:176]) | ((high & 1) << 4)).float())
 
 
@@ -235,8 +242,8 @@ class GgufMethod(QuantMethod):
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         """Each part as `qweight_{i}` (the file's bytes) with its compute path in `gguf_paths[i]`: "kernel"
-        (the CPU kernel), "torch" (dequantized per matmul) or "dense" (dequantized here, `qweight_{i}` then
-        holds the weight in the model's dtype)."""
+        (the CPU kernel), "triton" (the Triton kernel), "torch" (dequantized per matmul) or "dense"
+        (dequantized here, `qweight_{i}` then holds the weight in the model's dtype)."""
         parts = layer.gguf_parts
         device = layer.qweight.device
         layer.qweight_types, layer.gguf_paths = [], []
@@ -326,12 +333,16 @@ def _part(x: torch.Tensor, weight: torch.Tensor, type_id: int, path: str) -> tor
         return cpu_gguf.linear(x, [weight], [type_id])
     if path == "kernel":
         return F.linear(x, cpu_gguf.dequantize(weight, type_id).to(x.dtype))
+    if path == "triton" and x.numel() // x.shape[-1] <= gguf_triton.MAX_TOKENS:
+        return gguf_triton.gguf_matmul(x, weight, type_id)
     return F.linear(x, dequantize(weight, type_id, x.dtype))
 
 
 def _compute_path(type_id: int, device: torch.device) -> str:
     if device.type == "cpu" and cpu_gguf.has_kernel(type_id):
         return "kernel"
+    if gguf_triton.runs(type_id, device):
+        return "triton"
     return "torch" if type_id in PER_MATMUL_TYPES else "dense"
 
 

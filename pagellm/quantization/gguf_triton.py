@@ -24,7 +24,16 @@ try:
 except ImportError:  # the CUDA path checks for triton; the kernel below is never compiled
     triton = tl = None
 
-TYPES = {2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34), 12: (256, 144), 13: (256, 176), 14: (256, 210)}
+TYPES = {
+    2: (32, 18),
+    3: (32, 20),
+    6: (32, 22),
+    7: (32, 24),
+    8: (32, 34),
+    12: (256, 144),
+    13: (256, 176),
+    14: (256, 210),
+}
 """GGML type number -> (weights per block, bytes per block) of the types the kernel reads."""
 
 __all__ = ["MAX_TOKENS", "TYPES", "gguf_matmul", "runs"]

@@ -51,6 +51,14 @@ def test_dequantize_matches_the_gguf_package(ggml_type):
     assert torch.equal(dequantize(raw_bytes(raw), int(ggml_type), torch.float32), expected)
 
 
+@pytest.mark.parametrize("ggml_type", [T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K], ids=lambda t: t.name)
+def test_the_torch_dequantization_of_every_kernel_type_is_the_gguf_packages(ggml_type):
+    """What the Triton path dequantizes for large steps (`GGML_TYPES`): random codes, scales and signs."""
+    raw = random_blocks(ggml_type, 24, 512, seed=3, scale=0.5)
+    expected = torch.from_numpy(quants.dequantize(raw, ggml_type))
+    assert torch.equal(dequantize(torch.from_numpy(raw), int(ggml_type), torch.float32), expected)
+
+
 def gguf_quantizer(types):
     """Quantize each weight to the next type of `types` (so fused q/k/v get different types)."""
     cycle = itertools.cycle(types)

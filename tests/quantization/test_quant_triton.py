@@ -67,14 +67,6 @@ def test_layers_run_the_kernel_when_asked(fmt, tmp_path, monkeypatch):
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
 
 
-@pytest.fixture
-def fresh_kernels():
-    """Kernels built anew for the test (it changes their configs) and again after it."""
-    packed_triton._kernel_in_mode.cache_clear()
-    yield
-    packed_triton._kernel_in_mode.cache_clear()
-
-
 def _act_order_product(tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernel's and the reference's x @ W for 4-bit act-order GPTQ, N=72 and K=80 (ragged tiles)."""
     quantizer, bits, zero_offset, group = CASES["gptq-4bit-act-order"]
