@@ -921,9 +921,10 @@ __attribute__((noinline)) void dot_rows(const uint8_t* w, int64_t blocks, const 
     }
     for (; i < blocks; ++i) block(i, 0);
     for (int r = 0; r < R; ++r) {
-      float sum = hsum(acc[r][0]) + off[r][0];
-      if constexpr (C == 2) sum += hsum(acc[r][1]) + off[r][1];
-      out[r] = sum;
+      if constexpr (C == 2)
+        out[r] = hsum(_mm256_add_ps(acc[r][0], acc[r][1])) + (off[r][0] + off[r][1]);
+      else
+        out[r] = hsum(acc[r][0]) + off[r][0];
     }
   } else if constexpr (T == kQ4_K || T == kQ5_K) {
     // per block, the eight groups' scales d sc[g] dx[g] and offsets -dmin mn[g] (x's sum) in vectors
