@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import time
 from typing import Any
 
 import torch
@@ -192,6 +193,7 @@ def resolve_engine(config: EngineConfig) -> EngineSetup:
     platform_choice = select_platform(registry, config.device)
     platform = platform_choice.platform
     platform.check_and_update_config(config)
+    building = _build_kernels_in_background(config, platform)  # beside the model's conversion and config
     source = resolve_model_source(config)
     tokenizer = resolve_tokenizer(config)
     if tokenizer is not None:
@@ -219,7 +221,9 @@ def resolve_engine(config: EngineConfig) -> EngineSetup:
     )
     if config.batch_invariant:
         check_batch_invariant(config, platform, dtype, quant, model_config is not hf_config)
-    kernels_pending = _kernels_in_background(config, platform, quant)
+    kernels_pending = building and _serve_without_kernels(config, quant)
+    if building and not kernels_pending:
+        _wait_for_kernels(platform)
     backend_choice = select_attention_backend(
         registry,
         platform,
@@ -266,16 +270,29 @@ def resolve_engine(config: EngineConfig) -> EngineSetup:
     )
 
 
-def _kernels_in_background(config: EngineConfig, platform: type[Platform], quant: type | None) -> bool:
-    """With --compile-in-background (serve's default), a one-process engine of an unquantized model does
-    not wait for the platform's kernels to build (`Platform.build_kernels_in_background`): its PyTorch paths
-    serve until they are built. Quantized weights stay packed only with the kernels, and batch-invariant
-    mode needs them, so those starts wait."""
-    if not config.compile_in_background or quant is not None or config.batch_invariant:
-        return False
-    if config.tensor_parallel_size * config.pipeline_parallel_size > 1:
+def _build_kernels_in_background(config: EngineConfig, platform: type[Platform]) -> bool:
+    """With --compile-in-background (serve's default) a one-process engine starts the platform's kernels'
+    build in the background (`Platform.build_kernels_in_background`) as soon as the platform is chosen, so
+    that it runs beside the rest of the start (a GGUF file's conversion takes seconds); True if one
+    started."""
+    if not config.compile_in_background or config.tensor_parallel_size * config.pipeline_parallel_size > 1:
         return False
     return platform.build_kernels_in_background()
+
+
+def _serve_without_kernels(config: EngineConfig, quant: type | None) -> bool:
+    """Whether the engine starts on its PyTorch paths while the kernels build: an unquantized model does.
+    Quantized weights stay packed only with the kernels, and batch-invariant mode needs them, so those
+    starts wait for the build (`_wait_for_kernels`)."""
+    return quant is None and not config.batch_invariant
+
+
+def _wait_for_kernels(platform: type[Platform]) -> None:
+    started = time.monotonic()
+    logger.info("waiting for the kernels' build: this model's weights or mode need them")
+    while not platform.kernels_built():
+        time.sleep(0.1)
+    logger.info("kernels built after %.1fs more", time.monotonic() - started)
 
 
 def model_kv_layout(model_class: type, hf_config: Any, spec: AttentionSpec) -> KVCacheLayout:

@@ -115,3 +115,38 @@ def test_a_background_build_from_an_empty_cache_is_loaded_once_it_ends(tmp_path,
     cpu_kernels._background.process.wait(timeout=600)
     kernels = cpu_kernels.load()
     assert kernels is not None and kernels.library.is_relative_to(tmp_path)
+
+
+def test_a_quantized_model_waits_for_the_background_build_and_stays_packed(
+    kernels_here, tmp_path, monkeypatch, caplog
+):
+    """The build starts as soon as the platform is chosen; a GGUF-quantized model (its blocks stay packed only
+    with the kernels) waits for it before loading, then runs on the kernel."""
+    import threading
+
+    import numpy as np
+    import torch
+    from gguf import GGMLQuantizationType, quants
+
+    sys_path = Path(__file__).parents[1] / "quantization"
+    monkeypatch.syspath_prepend(str(sys_path))
+    from quant_formats import quantized_layers, write_quantized
+
+    def q8_0(weight):
+        raw = quants.quantize(weight.numpy(), GGMLQuantizationType.Q8_0)
+        saved = {"qweight": torch.from_numpy(np.ascontiguousarray(raw)), "qweight_type": torch.tensor(8)}
+        return saved, torch.from_numpy(quants.dequantize(raw, GGMLQuantizationType.Q8_0))
+
+    src = make_tiny_checkpoint("llama", tmp_path)
+    write_quantized(src, tmp_path / "q", q8_0, {"quant_method": "gguf"})
+    build = HeldBuild()
+    monkeypatch.setattr(cpu_kernels, "_background", build)
+    threading.Timer(1.0, build.end).start()
+    with caplog.at_level("INFO", logger="pagellm"):
+        llm = LLM(str(tmp_path / "q"), quantization="gguf", num_kv_blocks=64, compile_in_background=True,
+                  enforce_eager=True)  # fmt: skip
+    assert "waiting for the kernels' build" in caplog.text
+    assert not llm.engine.runner.kernels_pending
+    assert not any("kernels are building" in line for line in llm.engine.setup.explanation)
+    for layer in quantized_layers(llm.engine.runner.model).values():
+        assert layer.gguf_paths == ["kernel"] * len(layer.output_sizes)

@@ -129,7 +129,7 @@ def build_in_background() -> bool:
             return False
         _background = BackgroundBuild(build_dir)
         logger.info(
-            "building the CPU kernels in the background (pid %d, log %s); PyTorch paths until they are built",
+            "building the CPU kernels in the background (pid %d, log %s)",
             _background.process.pid,
             _background.log,
         )
