@@ -24,7 +24,10 @@
 //
 // Up to four int8 x rows (a decode step, a few) are multiplied straight from the blocks, one weight row at a
 // time, each group decoded once for all of them; the K-quants' per-block scales and minimums are widened
-// and multiplied by x's group scales in vectors, eight groups at once (`dot_rows`). Tried and slower on the AVX2 EPYC (Zen 3): four weight rows at a time
+// and multiplied by x's group scales in vectors, eight groups at once (`dot_rows`). One int8 x row against a
+// small part's rows in the file's layout (not interleaved: a row of blocks not a multiple of four) goes two
+// weight rows at a time (`dot_row_pair`): those rows are short and their epilogue and call were a fifth of
+// their time. Tried and slower on the AVX2 EPYC (Zen 3): four weight rows at a time
 // sharing each x group's loads (faster while the weights sit in L3, half the read bandwidth from memory,
 // where every decode step's weights come from, software prefetching or not), the 32-weight blocks' scales
 // eight blocks at a time in one vector (gathered with vpgatherdd, or loaded one by one and widened at once;
@@ -828,6 +831,35 @@ void dot_unpacked(const Unpacked& u, int64_t groups, const Rows& x, int64_t r0, 
   }
 }
 
+// One block of a 32-weight type in the file's layout: its 32 codes (unsigned; Q8_0's signed), its scale d
+// and its offset b (the code c stands for d c + b; Q8_0 has none).
+template <int64_t T>
+inline __m256i file_block(const uint8_t* blk, float* d_out, float* b_out) {
+  const float d = T == kMXFP4 ? e8m0_half(blk[0]) : half_at(blk);
+  __m256i codes;
+  float b = 0.f;
+  if constexpr (T == kMXFP4) {
+    codes = mxfp4_codes(blk + 1), b = kMxfp4Offset * d;
+  } else if constexpr (T == kQ4_0) {
+    codes = nibbles(blk + 2), b = -8.f * d;
+  } else if constexpr (T == kQ4_1) {
+    codes = nibbles(blk + 4), b = half_at(blk + 2);
+  } else if constexpr (T == kQ5_0 || T == kQ5_1) {
+    uint32_t qh;
+    std::memcpy(&qh, blk + (T == kQ5_1 ? 4 : 2), 4);
+    codes = _mm256_or_si256(nibbles(blk + (T == kQ5_1 ? 8 : 6)), fifth_bits(qh));
+    b = T == kQ5_0 ? -16.f * d : half_at(blk + 2);
+  } else {
+    codes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
+  }
+  *d_out = d, *b_out = b;
+  return codes;
+}
+
+constexpr int64_t file_block_bytes(int64_t T) {
+  return T == kQ4_0 ? 18 : T == kQ4_1 ? 20 : T == kQ5_0 ? 22 : T == kQ5_1 ? 24 : T == kQ8_0 ? 34 : 17;
+}
+
 // R int8 x rows (first..first + R - 1) times one weight row, straight from the blocks: the decode step's
 // case (R = 1), where unpacking into a buffer first cost about as much as the products (model S's Q4_1
 // [49152 x 512]: 6.2 GB/s through the buffer), and two or three rows (a few decodes, an expert's few
@@ -888,28 +920,10 @@ __attribute__((noinline)) void dot_rows(const uint8_t* w, int64_t blocks, const 
       out[r] = hsum(sum) + kOffset * _mm_cvtss_f32(o);
     }
   } else if constexpr (T == kQ4_0 || T == kQ4_1 || T == kQ5_0 || T == kQ5_1 || T == kQ8_0 || T == kMXFP4) {
-    constexpr int64_t kBytes =
-        T == kQ4_0 ? 18 : T == kQ4_1 ? 20 : T == kQ5_0 ? 22 : T == kQ5_1 ? 24 : T == kQ8_0 ? 34 : 17;
     float off[R][C] = {};
     const auto block = [&](int64_t i, int c) {
-      const uint8_t* blk = w + i * kBytes;
-      const float d = T == kMXFP4 ? e8m0_half(blk[0]) : half_at(blk);
-      __m256i codes;
-      float b = 0.f;
-      if constexpr (T == kMXFP4) {
-        codes = mxfp4_codes(blk + 1), b = kMxfp4Offset * d;
-      } else if constexpr (T == kQ4_0) {
-        codes = nibbles(blk + 2), b = -8.f * d;
-      } else if constexpr (T == kQ4_1) {
-        codes = nibbles(blk + 4), b = half_at(blk + 2);
-      } else if constexpr (T == kQ5_0 || T == kQ5_1) {
-        uint32_t qh;
-        std::memcpy(&qh, blk + (T == kQ5_1 ? 4 : 2), 4);
-        codes = _mm256_or_si256(nibbles(blk + (T == kQ5_1 ? 8 : 6)), fifth_bits(qh));
-        b = T == kQ5_0 ? -16.f * d : half_at(blk + 2);
-      } else {
-        codes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
-      }
+      float d, b;
+      const __m256i codes = file_block<T>(w + i * file_block_bytes(T), &d, &b);
       for (int r = 0; r < R; ++r) {
         acc[r][c] = _mm256_fmadd_ps(products(codes, r, i), _mm256_set1_ps(d * dx[r][i]), acc[r][c]);
         if constexpr (!signed_codes(T)) off[r][c] += b * whole[r][i];
@@ -1075,6 +1089,62 @@ void dot_unpacked(const Unpacked& u, int64_t groups, const Rows& x, int64_t r0, 
 }
 
 #endif
+
+#if GG_AVX2
+// Two weight rows of a 32-weight type in the file's layout times one int8 x row (a decode step): one
+// accumulator chain a row, each x group loaded once for both, one horizontal sum for the pair. Model S's rows
+// (18 blocks, not interleaved) are short enough that a row's epilogue and call were a fifth of its time.
+template <int64_t T>
+__attribute__((noinline)) void dot_row_pair(const uint8_t* w0, const uint8_t* w1, int64_t blocks, const Rows& x,
+                                            float* out0, float* out1) {
+  const int8_t* xq = x.row(0);
+  const float *dx = x.scale(0), *whole = x.whole_sums(0);
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+  float off0 = 0.f, off1 = 0.f;
+  const auto products = [&](__m256i codes, __m256i xv) {
+    const __m256i p = signed_codes(T)
+                          ? _mm256_maddubs_epi16(_mm256_sign_epi8(codes, codes), _mm256_sign_epi8(xv, codes))
+                          : _mm256_maddubs_epi16(codes, xv);
+    return _mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones));
+  };
+  for (int64_t i = 0; i < blocks; ++i) {
+    const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + i * kGroup));
+    float d0, b0, d1, b1;
+    const __m256i c0 = file_block<T>(w0 + i * file_block_bytes(T), &d0, &b0);
+    const __m256i c1 = file_block<T>(w1 + i * file_block_bytes(T), &d1, &b1);
+    acc0 = _mm256_fmadd_ps(products(c0, xv), _mm256_set1_ps(d0 * dx[i]), acc0);
+    acc1 = _mm256_fmadd_ps(products(c1, xv), _mm256_set1_ps(d1 * dx[i]), acc1);
+    if constexpr (!signed_codes(T)) off0 += b0 * whole[i], off1 += b1 * whole[i];
+  }
+  const __m256 h = _mm256_hadd_ps(acc0, acc1);  // row 0's pairs in lanes 0, 1 (and 4, 5), row 1's in 2, 3
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+  s = _mm_hadd_ps(s, s);
+  *out0 = _mm_cvtss_f32(s) + off0, *out1 = _mm_cvtss_f32(_mm_movehdup_ps(s)) + off1;
+}
+#endif
+
+using PairFn = void (*)(const uint8_t*, const uint8_t*, int64_t, const Rows&, float*, float*);
+
+constexpr int64_t kPairedPartBytes = 4 << 20;  // the largest part (bytes) whose rows go in pairs (gguf_linear)
+
+// `dot_row_pair` for a type in the file's layout, else nullptr (the interleaved and K-quant rows: one at a time).
+inline PairFn pair_fn(int64_t type) {
+#if GG_AVX2
+  switch (type) {
+    case kQ4_0: return dot_row_pair<kQ4_0>;
+    case kQ4_1: return dot_row_pair<kQ4_1>;
+    case kQ5_0: return dot_row_pair<kQ5_0>;
+    case kQ5_1: return dot_row_pair<kQ5_1>;
+    case kQ8_0: return dot_row_pair<kQ8_0>;
+    case kMXFP4: return dot_row_pair<kMXFP4>;
+    default: return nullptr;
+  }
+#else
+  (void)type;
+  return nullptr;
+#endif
+}
 
 // A weight row against x rows first..first + m - 1 (out[r * stride] for row first + r): unpacked once, then
 // in tiles of x rows.
