@@ -120,6 +120,11 @@ class QuantMethod:
         """y = x @ W^T + bias with this format's weights."""
         raise NotImplementedError
 
+    def take_up_kernels(self, model: torch.nn.Module) -> None:
+        """The platform's kernels, built in the background while the engine served, are here (called by the
+        model runner between two steps): put back on them what was loaded another way meanwhile
+        (optional; the `gguf` method widened the blocks they read)."""
+
     def pack_gguf_experts(
         self, blocks: dict[str, tuple[torch.Tensor, int]], activation: str, device: torch.device
     ) -> PackedMoE | None:
@@ -128,6 +133,12 @@ class QuantMethod:
         type)) on a kernel that reads them in place on `device`, or None: the layer then takes each expert
         from `dequantize_gguf` and runs it as float experts."""
         return None
+
+    def waits_for_kernels(self, device: torch.device) -> bool:
+        """For a method that `loads_gguf_blocks`: whether the kernel that reads blocks on `device` is still
+        being built. A mixture-of-experts layer then runs its experts widened (`dequantize_gguf`) and keeps
+        the blocks aside for `pack_gguf_experts` once the model runner takes the kernels up."""
+        return False
 
     def dequantize_gguf(self, raw: torch.Tensor, type_id: int, dtype: torch.dtype) -> torch.Tensor:
         """For a method that `loads_gguf_blocks`: uint8 [rows, bytes per row] of GGML type `type_id` as

@@ -20,7 +20,7 @@ from pagellm.core.dtypes import DTYPES, KV_CACHE_DTYPES, dtype_name
 from pagellm.core.errors import ConfigError
 from pagellm.core.kv_cache_spec import KVCacheLayout, group_layers
 from pagellm.core.paths import cache_dir, keep_compiled_code_in_cache_dir
-from pagellm.core.platform import Platform
+from pagellm.core.platform import GiB, Platform
 from pagellm.core.selector import (
     TimingCache,
     select_attention_backend,
@@ -221,7 +221,7 @@ def resolve_engine(config: EngineConfig) -> EngineSetup:
     )
     if config.batch_invariant:
         check_batch_invariant(config, platform, dtype, quant, model_config is not hf_config)
-    kernels_pending = building and _serve_without_kernels(config, quant)
+    kernels_pending = building and _serve_without_kernels(config, quant, source, hf_config, dtype, platform)
     if building and not kernels_pending:
         _wait_for_kernels(platform)
     backend_choice = select_attention_backend(
@@ -249,6 +249,7 @@ def resolve_engine(config: EngineConfig) -> EngineSetup:
         explanation.append(
             "the platform's kernels are building in the background: serving on the PyTorch paths until "
             "they are built, attention backends not timed (the next start times them)"
+            + (", the GGUF blocks widened to the model's dtype until then" if quant is not None else "")
         )
     return EngineSetup(
         config=config,
@@ -280,11 +281,50 @@ def _build_kernels_in_background(config: EngineConfig, platform: type[Platform])
     return platform.build_kernels_in_background()
 
 
-def _serve_without_kernels(config: EngineConfig, quant: type | None) -> bool:
-    """Whether the engine starts on its PyTorch paths while the kernels build: an unquantized model does.
-    Quantized weights stay packed only with the kernels, and batch-invariant mode needs them, so those
-    starts wait for the build (`_wait_for_kernels`)."""
-    return quant is None and not config.batch_invariant
+def _serve_without_kernels(
+    config: EngineConfig,
+    quant: type | None,
+    source: ModelSource,
+    hf_config: Any,
+    dtype: torch.dtype,
+    platform: type[Platform],
+) -> bool:
+    """Whether the engine starts on its PyTorch paths while the kernels build. An unquantized model does; so
+    does a GGUF one (`loads_gguf_blocks`) whose blocks, widened to the model's dtype for that time, fit in
+    half the memory beside the file's bytes kept for the kernels (`QuantMethod.take_up_kernels`). Other
+    quantized weights, MXFP4 experts (they stay packed only with the kernels) and batch-invariant mode
+    (it needs them) wait for the build (`_wait_for_kernels`)."""
+    checkpoint_format = (getattr(hf_config, "quantization_config", None) or {}).get("quant_method")
+    if config.batch_invariant or checkpoint_format == "mxfp4":
+        return False
+    if quant is None:
+        return True
+    if not quant.loads_gguf_blocks:
+        return False
+    stored = _checkpoint_bytes(source)
+    widened = stored * dtype.itemsize * 8 / GGUF_FEWEST_BITS
+    fits = stored + widened <= platform.free_memory() / 2
+    if not fits:
+        logger.info(
+            "the GGUF blocks widened (~%.1f GiB) would not fit in half the free memory: waiting for the "
+            "kernels that read them in place",
+            widened / GiB,
+        )
+    return fits
+
+
+GGUF_FEWEST_BITS = 4.5
+"""Bits per weight of the most compact block type the CPU kernels read (Q4_0), for the widened size."""
+
+
+def _checkpoint_bytes(source: ModelSource) -> int:
+    if source.gguf_original is not None:
+        return os.path.getsize(source.gguf_original)
+    return sum(
+        os.path.getsize(os.path.join(source.directory, name))
+        for name in os.listdir(source.directory)
+        if name.endswith((".safetensors", ".bin", ".pt"))
+    )
 
 
 def _wait_for_kernels(platform: type[Platform]) -> None:

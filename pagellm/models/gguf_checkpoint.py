@@ -26,6 +26,7 @@ import contextlib
 import functools
 import os
 import threading
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -229,19 +230,32 @@ def _weights(reader: Any, hf_config, raw_linear: bool) -> Iterator[tuple[str, to
 
 def _dequantize(data: np.ndarray, type_id: int) -> np.ndarray:
     """gguf's `dequantize`, through the CPU kernels' `gguf_dequantize` (the same float32 bits, ~10x faster:
-    model M's Q4_K token embedding took 1.2 s in numpy) where this process has them loaded already; never
-    built for this (a GPU start would wait on a CPU build)."""
+    model M's Q4_K token embedding took 1.2 s in numpy) where this process has them loaded already (never
+    built for this: a GPU start would wait on a CPU build), else the vectorised torch one of the types it
+    has (`quantization.gguf.GGML_TYPES`, the same bits too)."""
     from gguf import dequantize
 
     from pagellm.platforms import cpu_kernels
+    from pagellm.quantization import gguf as gguf_method
 
     kernels = cpu_kernels.loaded()
-    if kernels is None or int(type_id) in _FLOAT_TYPES or data.dtype != np.uint8 or data.ndim != 2:
+    if int(type_id) in _FLOAT_TYPES or data.dtype != np.uint8 or data.ndim != 2:
         return dequantize(data, type_id)
+    if kernels is None:
+        if int(type_id) not in gguf_method.GGML_TYPES:
+            return dequantize(data, type_id)
+        return gguf_method.dequantize(_read_only_tensor(data), int(type_id), torch.float32).numpy()
     try:
-        return kernels.gguf_dequantize(torch.from_numpy(np.ascontiguousarray(data)), int(type_id)).numpy()
+        return kernels.gguf_dequantize(_read_only_tensor(data), int(type_id)).numpy()
     except RuntimeError:  # a type the kernels do not read (Q2_K, IQ formats)
         return dequantize(data, type_id)
+
+
+def _read_only_tensor(data: np.ndarray) -> torch.Tensor:
+    """The file's mapped bytes as a tensor that is only read (torch warns that it cannot be written)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return torch.from_numpy(np.ascontiguousarray(data))
 
 
 # GGUF architectures whose tensor processor leaves linear weight rows intact (gpt2's transposes them; the

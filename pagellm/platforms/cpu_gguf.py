@@ -11,8 +11,6 @@ with those same bytes.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from pagellm.platforms import cpu_kernels
@@ -63,12 +61,30 @@ def available() -> bool:
     return cpu_kernels.load() is not None
 
 
-@functools.cache
+KERNEL_TYPES = frozenset((2, 3, 6, 7, 8, 12, 13, 14, 39))
+"""The GGML types the kernels multiply in place once built: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K and
+MXFP4 (`has_kernel` asks the built library, which also reads pagellm's interleaved types)."""
+
+_kernel_types: dict[int, bool] = {}
+
+
 def has_kernel(type_id: int) -> bool:
     """Whether GGML type `type_id` is multiplied in place here (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K,
-    Q6_K, MXFP4 and the interleaved types where the kernels are built)."""
+    Q6_K, MXFP4 and the interleaved types where the kernels are built). False while they build in the
+    background: the same question is asked again when they are taken up."""
     kernels = cpu_kernels.load()
-    return kernels is not None and bool(kernels.gguf_kernel_type(type_id))
+    if kernels is None:
+        return False
+    if type_id not in _kernel_types:
+        _kernel_types[type_id] = bool(kernels.gguf_kernel_type(type_id))
+    return _kernel_types[type_id]
+
+
+def kernels_pending() -> bool:
+    """Whether the kernels are still building in the background (`cpu_kernels.build_in_background`): blocks of
+    the `KERNEL_TYPES` are then widened for the time being and kept aside, to be read in place once the
+    model runner takes the kernels up."""
+    return not cpu_kernels.background_build_done()
 
 
 def interleave(raw: torch.Tensor, type_id: int) -> tuple[torch.Tensor, int]:

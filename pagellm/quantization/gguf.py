@@ -18,6 +18,11 @@ Compute, per part, the first that applies:
   kernels or a device without triton) is dequantized once at load into the model's dtype, which the log says
   with the memory it costs.
 
+While the CPU kernels build in the background (a first start, `cpu_gguf.kernels_pending`), the parts,
+tables and experts of the types they read are widened at load into the model's dtype ("pending": served as
+"dense") and their bytes kept aside; `take_up_kernels` puts the bytes back on the kernel between two steps
+once the build has ended, and the widened weights go.
+
 A mixture-of-experts layer's stacked experts (`ffn_gate_exps`, `ffn_up_exps`, `ffn_down_exps`, uint8
 [E, rows, bytes per row]) stay the file's bytes on CPU where all three are of the types above that the
 kernel reads (`platforms.cpu_gguf_moe`: each step's experts multiplied in place, x quantized as for the
@@ -74,10 +79,11 @@ def _q8_0(blocks: torch.Tensor) -> torch.Tensor:
 
 def _fifth_bits(blocks: torch.Tensor, start: int) -> torch.Tensor:
     """Q5_0/Q5_1's 32 fifth bits (a little-endian uint32 at byte `start`) at bit 4: [..., 32] of 0 or 16."""
-    word = blocks[..., start : start + 4].long()
-    word = word[..., 0] | word[..., 1] << 8 | word[..., 2] << 16 | word[..., 3] << 24
-    bits = word[..., None] >> torch.arange(32, device=blocks.device)
-    return ((bits & 1) << 4).to(torch.uint8)
+    shifts = torch.arange(8, device=blocks.device, dtype=torch.uint8)
+    bits = (
+        blocks[..., start : start + 4].unsqueeze(-1) >> shifts
+    )  # bit j of the word: byte j // 8's bit j % 8
+    return ((bits & 1) << 4).flatten(-2)
 
 
 def _q5_0(blocks: torch.Tensor) -> torch.Tensor:
@@ -171,11 +177,25 @@ dequantization is a few ops. The others widen at load there; the Triton path deq
 for steps too large for its kernel."""
 
 
+_DEQUANTIZE_CHUNK_BYTES = 1 << 20
+
+
 def dequantize(raw: torch.Tensor, type_id: int, dtype: torch.dtype) -> torch.Tensor:
     """uint8 [rows, bytes per row] of GGML type `type_id` -> [rows, columns] in `dtype`."""
     ggml = GGML_TYPES[type_id]
     blocks = raw.view(raw.shape[0], -1, ggml.block_bytes)
-    return ggml.dequantize(blocks).reshape(raw.shape[0], -1).to(dtype)
+    out = torch.empty(raw.shape[0], blocks.shape[1] * ggml.block_size, dtype=dtype, device=raw.device)
+    # on CPU a few rows at a time, so that the float32 steps between stay in the cache (2-3x faster); a
+    # device takes the whole tensor in one launch of each step
+    step = (
+        max(1, _DEQUANTIZE_CHUNK_BYTES // max(1, raw.shape[1]))
+        if raw.device.type == "cpu"
+        else max(1, raw.shape[0])
+    )
+    for start in range(0, raw.shape[0], step):
+        rows = blocks[start : start + step]
+        out[start : start + step] = ggml.dequantize(rows).reshape(rows.shape[0], -1)
+    return out
 
 
 class GgufMethod(QuantMethod):
@@ -186,6 +206,8 @@ class GgufMethod(QuantMethod):
     def __init__(self, quantization_config: dict[str, Any] | None = None):
         super().__init__(quantization_config)
         self._tables: dict[str, dict[str, torch.Tensor]] = {}
+        self._pending_tables: dict[str, dict[str, torch.Tensor]] = {}
+        """The tables' blocks while the kernels build, packed by `take_up_kernels`."""
 
     def checkpoint_weights(self, weights, float_modules=()):
         """The stream without the token embedding's and output projection's blocks (`<module>.gguf_table`,
@@ -202,6 +224,12 @@ class GgufMethod(QuantMethod):
         reads their type: the embedding's rows dequantized per lookup, the logits from the same bytes when
         the projection is tied to it. Elsewhere they keep the float weights they were loaded with."""
         tables, self._tables = self._tables, {}
+        if tables and cpu_gguf.kernels_pending() and _on_cpu(model):
+            self._pending_tables = tables
+            return
+        self._pack_tables(model, tables)
+
+    def _pack_tables(self, model: nn.Module, tables: dict[str, dict[str, torch.Tensor]]) -> None:
         lm_head = getattr(model, "lm_head", None)
         for name, parts in tables.items():
             table, type_id = parts["gguf_table"], int(parts["gguf_table_type"])
@@ -242,11 +270,12 @@ class GgufMethod(QuantMethod):
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         """Each part as `qweight_{i}` (the file's bytes) with its compute path in `gguf_paths[i]`: "kernel"
-        (the CPU kernel), "triton" (the Triton kernel), "torch" (dequantized per matmul) or "dense"
-        (dequantized here, `qweight_{i}` then holds the weight in the model's dtype)."""
+        (the CPU kernel), "triton" (the Triton kernel), "torch" (dequantized per matmul), "dense"
+        (dequantized here, `qweight_{i}` then holds the weight in the model's dtype) or "pending" (as
+        "dense" while the CPU kernels build, the file's bytes kept in `gguf_pending[i]`)."""
         parts = layer.gguf_parts
         device = layer.qweight.device
-        layer.qweight_types, layer.gguf_paths = [], []
+        layer.qweight_types, layer.gguf_paths, layer.gguf_pending = [], [], {}
         for shard, rows in enumerate(layer.output_sizes):
             if shard not in parts["qweight"] or shard not in parts["qweight_type"]:
                 raise ConfigError(
@@ -262,7 +291,10 @@ class GgufMethod(QuantMethod):
                     f"{layer.in_features}] weight; the config does not match the weights"
                 )
             path = _compute_path(type_id, device)
-            if path == "dense":
+            if path == "pending":
+                layer.gguf_pending[shard] = raw
+                raw = _widen(raw, type_id, layer.gguf_dtype)
+            elif path == "dense":
                 raw = _dequantize_at_load(raw, type_id, layer.gguf_dtype)
             elif path == "kernel":
                 raw, type_id = cpu_gguf.interleave(raw, type_id)
@@ -271,6 +303,31 @@ class GgufMethod(QuantMethod):
             layer.gguf_paths.append(path)
         layer.gguf_kernel_only = all(path == "kernel" for path in layer.gguf_paths)
         del layer.qweight, layer.qweight_type, layer.gguf_parts
+
+    def take_up_kernels(self, model: nn.Module) -> None:
+        """Once the CPU kernels built in the background are here (between two steps): every part loaded
+        "pending" back to the file's bytes on the kernel, its widened weight dropped, and the tables kept
+        aside packed. A part whose type the kernels do not read after all (a failed build) stays widened."""
+        for layer in model.modules():
+            pending = getattr(layer, "gguf_pending", None)
+            if not pending:
+                continue
+            for shard, raw in pending.items():
+                type_id = layer.qweight_types[shard]
+                if not cpu_gguf.has_kernel(type_id):
+                    layer.gguf_paths[shard] = "dense"
+                    continue
+                raw, type_id = cpu_gguf.interleave(raw, type_id)
+                layer.register_buffer(f"qweight_{shard}", raw)
+                layer.qweight_types[shard], layer.gguf_paths[shard] = type_id, "kernel"
+            layer.gguf_pending = {}
+            layer.gguf_kernel_only = all(path == "kernel" for path in layer.gguf_paths)
+        tables, self._pending_tables = self._pending_tables, {}
+        self._pack_tables(model, tables)
+
+    def waits_for_kernels(self, device: torch.device) -> bool:
+        """On CPU while the kernels build in the background (`cpu_gguf.kernels_pending`)."""
+        return device.type == "cpu" and cpu_gguf.kernels_pending()
 
     def pack_gguf_experts(
         self, blocks: dict[str, tuple[torch.Tensor, int]], activation: str, device: torch.device
@@ -290,6 +347,8 @@ class GgufMethod(QuantMethod):
         (a type that has one is here for another projection's type, or the device, which is logged)."""
         if cpu_gguf.has_kernel(type_id):
             return cpu_gguf.dequantize(raw, type_id).to(dtype)
+        if type_id in cpu_gguf.KERNEL_TYPES and cpu_gguf.kernels_pending():
+            return _widen(raw, type_id, dtype)
         return _dequantize_at_load(raw, type_id, dtype)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -327,7 +386,7 @@ def _lookup(ids: torch.Tensor, table: torch.Tensor, type_id: int, dtype: torch.d
 
 def _part(x: torch.Tensor, weight: torch.Tensor, type_id: int, path: str) -> torch.Tensor:
     """One part's x @ W^T outside the fused kernel call."""
-    if path == "dense":
+    if path in ("dense", "pending"):
         return F.linear(x, weight.to(x.dtype))
     if path == "kernel" and x.dtype in _KERNEL_DTYPES:
         return cpu_gguf.linear(x, [weight], [type_id])
@@ -339,6 +398,8 @@ def _part(x: torch.Tensor, weight: torch.Tensor, type_id: int, path: str) -> tor
 
 
 def _compute_path(type_id: int, device: torch.device) -> str:
+    if device.type == "cpu" and type_id in cpu_gguf.KERNEL_TYPES and cpu_gguf.kernels_pending():
+        return "pending"
     if device.type == "cpu" and cpu_gguf.has_kernel(type_id):
         return "kernel"
     if gguf_triton.runs(type_id, device):
@@ -360,6 +421,20 @@ def _layout(type_id: int) -> tuple[int, int]:
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
     return GGML_QUANT_SIZES[GGMLQuantizationType(type_id)]
+
+
+def _on_cpu(model: nn.Module) -> bool:
+    return next(model.parameters()).device.type == "cpu"
+
+
+def _widen(raw: torch.Tensor, type_id: int, dtype: torch.dtype) -> torch.Tensor:
+    """A part of a type the kernels will read, widened for the time they build: vectorised torch where
+    `GGML_TYPES` has the type (the bits of gguf-py's), else gguf-py's own code (MXFP4)."""
+    if type_id in GGML_TYPES:
+        return dequantize(raw, type_id, dtype)
+    from gguf import GGMLQuantizationType, quants
+
+    return torch.from_numpy(quants.dequantize(raw.numpy(), GGMLQuantizationType(type_id))).to(dtype)
 
 
 _dense_types_logged: set[int] = set()

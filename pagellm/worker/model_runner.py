@@ -67,7 +67,7 @@ from pagellm.worker.kv_cache import (
 )
 from pagellm.worker.logprobs import LogprobLists, row_logprobs
 from pagellm.worker.pooler import PoolingState
-from pagellm.worker.runner_compile import RunnerCompile, dummy_prefill
+from pagellm.worker.runner_compile import CoreYield, RunnerCompile, dummy_prefill
 from pagellm.worker.runner_kv_connector import RunnerKVConnector
 from pagellm.worker.runner_lora import RunnerLoRA
 from pagellm.worker.runner_spec_decode import RunnerSpecDecode, make_proposer
@@ -96,6 +96,9 @@ class ModelRunner:
         self.block_size = config.block_size
         self.eos_token_ids = set(eos_token_ids)
         self.model_bytes = 0  # both models' weights as loaded (before the platform packs them)
+        self.cores = CoreYield()
+        if setup.kernels_pending:
+            self.cores.yield_one()  # to the kernels' build, from the load on
         self.model = self._load(setup, weights)
         self.layers = _by_layer_idx(self.model.attention_layers())
         self.rope_length_base = request_length_base(self.model)  # models/layers/rotary.py
@@ -138,6 +141,7 @@ class ModelRunner:
             blocks_of_one_request=blocks_per_request(
                 self.kv_windows(), self.block_size, setup.max_model_len + self.block_size, 1
             ),
+            cores=self.cores,
         )
         self.forward = self._compile()
         # a recurrent layer's state slot is its request's row here (core/state.py)
@@ -285,22 +289,34 @@ class ModelRunner:
 
     def _take_up_kernels(self) -> None:
         """Between two steps, once the kernels building in the background are built (or failed: then what
-        is done here changes nothing): every model's linears and experts packed for them, its attention
-        layers' backends made anew (they look the kernels up when made), the recurrent layers' kernels
-        looked up, and the forward compiled (with --compile-in-background, in the compile process)."""
+        is done here changes nothing): what a quantization method loaded another way meanwhile put back on
+        them (`QuantMethod.take_up_kernels`: a GGUF file's widened blocks, its experts: `FusedMoE.
+        take_up_kernels`), every model's linears and experts packed for them, its attention layers' backends
+        made anew (they look the kernels up when made), the recurrent layers' kernels looked up, and the
+        forward compiled (with --compile-in-background, in the compile process)."""
         self.kernels_pending = False
         started = time.monotonic()
-        for model in (self.model, self.draft_model):
-            if model is None:
-                continue
+        models = [model for model in (self.model, self.draft_model) if model is not None]
+        for model in models:
+            quant_methods = {getattr(module, "quant_method", None) for module in model.modules()} - {None}
+            for quant in quant_methods:
+                quant.take_up_kernels(model)
+            for layer in model.modules():
+                if isinstance(layer, FusedMoE):
+                    layer.take_up_kernels()
             self._pack_linears(model)
             self._pack_experts(model)
             for layer in model.attention_layers():
                 layer.impl = type(layer.impl)(layer.impl.spec)
         self.recurrent_kernels = self.setup.platform.recurrent_kernels()
+        self.model_bytes = sum(model_weight_bytes(model) for model in models)
         self.compiler.take_the_core_back()
         self.forward = self._compile()
-        logger.info("kernels taken up between two steps in %.2fs", time.monotonic() - started)
+        logger.info(
+            "kernels taken up between two steps in %.2fs (weights now %.2f GiB)",
+            time.monotonic() - started,
+            self.model_bytes / GiB,
+        )
 
     def _check_state_layers(self) -> int:
         """The most sequences at once: --max-num-seqs, which a model with recurrent layers also takes as its

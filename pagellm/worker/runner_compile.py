@@ -40,9 +40,11 @@ class RunnerCompile:
         device: torch.device,
         guard_free: bool,
         blocks_of_one_request: int,
+        cores: CoreYield | None = None,
     ):
         """`guard_free`: the model may be compiled without guards (nothing per step is read by its traced
-        code beside the inputs); `blocks_of_one_request`: the KV cache a compile process allocates."""
+        code beside the inputs); `blocks_of_one_request`: the KV cache a compile process allocates; `cores`:
+        the steps' threads, one of them maybe yielded already (to the kernels' build, during the load)."""
         self.model, self.setup, self.kv_caches, self.layers, self.device = (
             model,
             setup,
@@ -55,7 +57,7 @@ class RunnerCompile:
         self.blocks_of_one_request = blocks_of_one_request
         self.process: compiled_forward.CompileProcess | None = None  # the background compile, until it ends
         self.loading: compiled_forward.BackgroundLoad | None = None  # the saved forward, until swapped in
-        self._threads_before_compile: int | None = None  # the steps' threads, while a compile process has one
+        self.cores = cores or CoreYield()
 
     @property
     def pending(self) -> bool:
@@ -141,20 +143,10 @@ class RunnerCompile:
         self.yield_a_core()
 
     def yield_a_core(self) -> None:
-        """Step on one thread fewer while the compile process (or the kernels' background build) runs (on two
-        cores: one each). The compile is niced so that it never slows a step, and with every core busy stepping it got ~10% of one: on the AVX2
-        EPYC, model S's compile had not finished after 580 s of back-to-back requests, where on a free core
-        it takes one to two minutes. The eager steps meanwhile run on the cores left."""
-        threads = torch.get_num_threads()
-        if threads > 1 and self._threads_before_compile is None:
-            self._threads_before_compile = threads
-            torch.set_num_threads(threads - 1)
-            logger.info("stepping on %d thread(s) of %d while a background build runs", threads - 1, threads)
+        self.cores.yield_one()
 
     def take_the_core_back(self) -> None:
-        if self._threads_before_compile is not None:
-            torch.set_num_threads(self._threads_before_compile)
-            self._threads_before_compile = None
+        self.cores.take_back()
 
     @torch.inference_mode()
     def compile_ahead(self) -> Any | None:
@@ -292,3 +284,28 @@ def dummy_prefill(num_tokens: int, block_size: int, device: torch.device) -> Att
         max_query_len=num_tokens,
         max_seq_len=num_tokens,
     )
+
+
+class CoreYield:
+    """The steps' threads, one fewer while a compile process or the kernels' background build runs (on two
+    cores: one each). Those are niced so that they never slow a step, and with every core busy stepping one
+    got ~10% of a core: on the AVX2 EPYC, model S's compile had not finished after 580 s of back-to-back
+    requests, where on a free core it takes one to two minutes. A load beside the build is no better off
+    with both: its parallel loops wait on the thread the build's compilers preempt (model M's Q4_K_M file
+    loaded in 40 s beside the build, 4 s alone)."""
+
+    def __init__(self):
+        self._threads_before: int | None = None
+
+    def yield_one(self) -> None:
+        """Idempotent: one core is yielded however many builds ask."""
+        threads = torch.get_num_threads()
+        if threads > 1 and self._threads_before is None:
+            self._threads_before = threads
+            torch.set_num_threads(threads - 1)
+            logger.info("stepping on %d thread(s) of %d while a background build runs", threads - 1, threads)
+
+    def take_back(self) -> None:
+        if self._threads_before is not None:
+            torch.set_num_threads(self._threads_before)
+            self._threads_before = None

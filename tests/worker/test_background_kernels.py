@@ -117,36 +117,146 @@ def test_a_background_build_from_an_empty_cache_is_loaded_once_it_ends(tmp_path,
     assert kernels is not None and kernels.library.is_relative_to(tmp_path)
 
 
-def test_a_quantized_model_waits_for_the_background_build_and_stays_packed(
-    kernels_here, tmp_path, monkeypatch, caplog
+def test_a_gguf_model_serves_widened_while_the_kernels_build_then_takes_its_blocks_up(
+    kernels_here, tmp_path, monkeypatch
 ):
-    """The build starts as soon as the platform is chosen; a GGUF-quantized model (its blocks stay packed only
-    with the kernels) waits for it before loading, then runs on the kernel."""
-    import threading
-
+    """A GGUF-quantized model does not wait for the build either: the blocks the kernels will read are
+    widened at load (the file's bytes kept aside), serve transformers' tokens on the dequantized weights,
+    and go back on the kernel between two steps once the build has ended; the widened weights go."""
     import numpy as np
     import torch
     from gguf import GGMLQuantizationType, quants
 
-    sys_path = Path(__file__).parents[1] / "quantization"
-    monkeypatch.syspath_prepend(str(sys_path))
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "quantization"))
     from quant_formats import quantized_layers, write_quantized
 
-    def q8_0(weight):
-        raw = quants.quantize(weight.numpy(), GGMLQuantizationType.Q8_0)
-        saved = {"qweight": torch.from_numpy(np.ascontiguousarray(raw)), "qweight_type": torch.tensor(8)}
-        return saved, torch.from_numpy(quants.dequantize(raw, GGMLQuantizationType.Q8_0))
+    def q8_0_or_q5_0(weight):  # two types: Q5_0's fifth bits are widened their own way
+        kind = GGMLQuantizationType.Q5_0 if weight.shape[0] % 64 == 0 else GGMLQuantizationType.Q8_0
+        raw = quants.quantize(weight.numpy(), kind)
+        saved = {
+            "qweight": torch.from_numpy(np.ascontiguousarray(raw)),
+            "qweight_type": torch.tensor(int(kind)),
+        }
+        return saved, torch.from_numpy(quants.dequantize(raw, kind))
 
-    src = make_tiny_checkpoint("llama", tmp_path)
-    write_quantized(src, tmp_path / "q", q8_0, {"quant_method": "gguf"})
+    reference_path = write_quantized(
+        make_tiny_checkpoint("llama", tmp_path), tmp_path / "q", q8_0_or_q5_0, {"quant_method": "gguf"}
+    )
+    reference = Reference(reference_path, 8)
+    build = HeldBuild()
+    monkeypatch.setattr(cpu_kernels, "_background", build)
+    llm = LLM(str(tmp_path / "q"), quantization="gguf", dtype="float32", num_kv_blocks=128, enforce_eager=True,
+              compile_in_background=True)  # fmt: skip
+    engine, runner = llm.engine, llm.engine.runner
+    assert any("GGUF blocks widened" in line for line in engine.setup.explanation)
+    layers = quantized_layers(runner.model).values()
+    file_bytes = {id(layer): sum(raw.numel() for raw in layer.gguf_pending.values()) for layer in layers}
+    types = {t for layer in layers for t in layer.qweight_types}
+    assert types == {int(GGMLQuantizationType.Q5_0), int(GGMLQuantizationType.Q8_0)}
+    for layer in layers:
+        assert layer.gguf_paths == ["pending"] * len(layer.output_sizes)
+        assert all(
+            getattr(layer, f"qweight_{i}").dtype == torch.float32 for i in range(len(layer.output_sizes))
+        )
+    widened_bytes = runner.model_bytes
+    prompts = mixed_prompts(llm.get_tokenizer().vocab_size)
+    assert_greedy_parity(llm, reference, prompts)
+    assert runner.kernels_pending
+
+    build.end()
+    assert_greedy_parity(llm, reference, prompts)  # taken up before the first of these steps
+    assert not runner.kernels_pending
+    for layer in layers:
+        assert layer.gguf_paths == ["kernel"] * len(layer.output_sizes) and not layer.gguf_pending
+        kept = [getattr(layer, f"qweight_{i}") for i in range(len(layer.output_sizes))]
+        assert (
+            all(t.dtype == torch.uint8 for t in kept)
+            and sum(t.numel() for t in kept) == file_bytes[id(layer)]
+        )
+    assert runner.model_bytes < widened_bytes
+
+
+def test_a_gguf_mixture_of_experts_keeps_its_expert_blocks_for_the_kernel_that_builds(
+    kernels_here, tmp_path, monkeypatch
+):
+    """Its experts (Q4_K gate and up, Q6_K down, as a Q4_K_M file holds them) run widened on the PyTorch
+    reference while the kernels build and on the GGUF kernel afterwards, the file's expert bytes and no
+    widened copy, with the same greedy tokens (float32) as the file dequantized at load; the token embedding
+    (Q8_0) is packed then too."""
+    import numpy as np
+    import torch
+    from gguf import GGMLQuantizationType as T
+    from gguf import GGUFReader, quants
+    from parity import GGUF_FAMILIES
+
+    from pagellm import SamplingParams
+    from pagellm.bench.gguf_convert import convert_hf_checkpoint, reencode_gguf
+    from pagellm.models.layers.fused_moe.layer import FusedMoE
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "quantization"))
+    from quant_formats import k_quantize
+
+    experts = {"ffn_gate_exps": T.Q4_K, "ffn_up_exps": T.Q4_K, "ffn_down_exps": T.Q6_K}
+
+    def encode(name: str, values: np.ndarray):
+        kind = name.split(".")[2] if name.startswith("blk.") else name.split(".")[0]
+        if kind in experts:
+            e, rows, columns = values.shape
+            raw = k_quantize(
+                torch.from_numpy(values.reshape(e * rows, columns).copy()), experts[kind]
+            ).numpy()
+            return raw.reshape(e, rows, -1), experts[kind]
+        if kind == "token_embd":
+            return quants.quantize(values.astype(np.float32), T.Q8_0), T.Q8_0
+        return None
+
+    wide = dict(hidden_size=256, moe_intermediate_size=256, intermediate_size=256)
+    checkpoint = make_tiny_checkpoint("qwen3_moe", tmp_path, **GGUF_FAMILIES["qwen3_moe"], **wide)
+    f32 = convert_hf_checkpoint(checkpoint, tmp_path / "moe.f32.gguf", "float32")
+    path = reencode_gguf(f32, tmp_path / "moe.q4_k_m.gguf", "float32", encode)
+    expert_bytes = sum(int(t.n_bytes) for t in GGUFReader(path).tensors if t.name.endswith("_exps.weight"))
+    prompts = [{"prompt_token_ids": p} for p in mixed_prompts(300, seed=3)[8:14]]
+    params = SamplingParams(temperature=0, max_tokens=8)
+
+    def greedy(llm):
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    engine = dict(dtype="float32", max_model_len=400, kv_cache_space=0.01)
+    dequantized = greedy(LLM(str(path), **engine))
+    build = HeldBuild()
+    monkeypatch.setattr(cpu_kernels, "_background", build)
+    llm = LLM(str(path), quantization="gguf", enforce_eager=True, compile_in_background=True, **engine)
+    runner = llm.engine.runner
+    layers = [m for m in runner.model.modules() if isinstance(m, FusedMoE)]
+    assert layers and all(layer.packed is None and layer.pending_gguf_blocks for layer in layers)
+    assert runner.model.packed_lm_head is None
+    assert greedy(llm) == dequantized
+
+    build.end()
+    assert greedy(llm) == dequantized
+    assert all(layer.packed.description.startswith("native CPU kernel on GGUF blocks") for layer in layers)
+    assert all(layer.w13 is None and layer.pending_gguf_blocks is None for layer in layers)
+    packed = sum(b.numel() for layer in layers for b in layer.buffers() if b.dtype == torch.uint8)
+    assert packed == expert_bytes
+    assert runner.model.packed_lm_head is not None, "the Q8_0 table (tied output) read in place"
+
+
+def test_other_quantized_weights_wait_for_the_background_build(kernels_here, tmp_path, monkeypatch, caplog):
+    """Weights that stay packed only on the kernels and have no widened stand-in here (int8 per channel)
+    wait for the build before loading, then run on them."""
+    import threading
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "quantization"))
+    from quant_formats import int8_quantizer, write_quantized
+
+    write_quantized(
+        make_tiny_checkpoint("llama", tmp_path), tmp_path / "q", int8_quantizer, {"quant_method": "int8"}
+    )
     build = HeldBuild()
     monkeypatch.setattr(cpu_kernels, "_background", build)
     threading.Timer(1.0, build.end).start()
     with caplog.at_level("INFO", logger="pagellm"):
-        llm = LLM(str(tmp_path / "q"), quantization="gguf", num_kv_blocks=64, compile_in_background=True,
-                  enforce_eager=True)  # fmt: skip
+        llm = LLM(str(tmp_path / "q"), num_kv_blocks=64, compile_in_background=True, enforce_eager=True)
     assert "waiting for the kernels' build" in caplog.text
     assert not llm.engine.runner.kernels_pending
     assert not any("kernels are building" in line for line in llm.engine.setup.explanation)
-    for layer in quantized_layers(llm.engine.runner.model).values():
-        assert layer.gguf_paths == ["kernel"] * len(layer.output_sizes)

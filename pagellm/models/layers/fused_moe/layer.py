@@ -146,6 +146,8 @@ class FusedMoE(nn.Module):
         self.w2_bias = _parameter(torch.empty(e, h, dtype=dtype)) if bias else None
         self.packed: PackedMoE | None = None
         """The platform's kernel over its copy of the weights (`Platform.pack_moe`), set by the model runner."""
+        self.pending_gguf_blocks: dict[str, tuple[torch.Tensor, int]] | None = None
+        """A GGUF file's experts while the kernel that reads them builds (`take_up_kernels`)."""
         self._filled: set[tuple[str, int, int]] = set()  # (parameter, local expert, part) loaded
 
     def forward(
@@ -192,6 +194,16 @@ class FusedMoE(nn.Module):
         self._drop_mxfp4()
         for i, tensor in enumerate(packed.weights):
             self.register_buffer(f"packed_{i}", tensor)
+
+    def take_up_kernels(self) -> None:
+        """The experts of a GGUF file, widened while the kernel that reads their blocks was building (kept
+        aside then by `_load_gguf_blocks`), on that kernel now that it is here; the widened ones go. Called
+        by the model runner between two steps; nothing changes if the method still has no kernel for them."""
+        blocks, self.pending_gguf_blocks = self.pending_gguf_blocks, None
+        packed = self.gguf.pack_gguf_experts(blocks, self.activation, self.w13.device) if blocks else None
+        if packed is not None:
+            self.expert_block_bytes = sum(raw[0].numel() for raw, _ in blocks.values())
+            self.use_packed(packed)
 
     def dequantize_mxfp4(self) -> None:
         """The kept MXFP4 experts dequantized into `w13`/`w2` in the model's dtype (exact), for a platform
@@ -242,6 +254,8 @@ class FusedMoE(nn.Module):
             self.expert_block_bytes = sum(raw[0].numel() for raw, _ in blocks.values())
             self.use_packed(packed)
             return
+        if whole and not self.has_bias and self.gguf.waits_for_kernels(self.w13.device):
+            self.pending_gguf_blocks = blocks  # packed by `take_up_kernels`; widened until then
         for module, (raw, type_id) in blocks.items():
             for expert in range(self.first_expert, self.first_expert + self.num_local_experts):
                 weight = self.gguf.dequantize_gguf(raw[expert], type_id, self.weight_dtype)
