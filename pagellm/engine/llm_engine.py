@@ -399,6 +399,11 @@ def load_tokenizer_and_weights(setup: EngineSetup):
         from pagellm.models.gguf_checkpoint import iter_gguf_weights  # packed blocks straight from the file
 
         return tokenizer, iter_gguf_weights(source.gguf_original, setup.hf_config, raw_linear=True)
+    if source.gguf_original:  # its float weights, converted the first time a start reads them
+        from pagellm.core.paths import cache_dir
+        from pagellm.models.gguf_checkpoint import gguf_checkpoint_weights
+
+        gguf_checkpoint_weights(source.gguf_original, cache_dir())
     split = setup.config.tensor_parallel_size * setup.config.pipeline_parallel_size > 1
     return tokenizer, iter_checkpoint_weights(source.directory, lazy=split)  # a rank reads only its part
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import shutil
 import threading
 import warnings
 from collections.abc import Callable, Iterator
@@ -389,32 +390,51 @@ _CONVERSION = 3
 
 
 def gguf_checkpoint_dir(path: str | os.PathLike, cache_root: str | os.PathLike) -> Path:
-    """A Hugging Face directory (config, tokenizer, float32 safetensors) converted from a GGUF file once.
+    """A Hugging Face directory (config, tokenizer) converted from a GGUF file once; its float32 weights
+    are written when a start first reads them (`gguf_checkpoint_weights`), so one that reads the file's
+    blocks (`--quantization gguf`) never writes them (model E's took a minute beside the kernels' build).
 
     Parsing a GGUF file's metadata takes seconds (tens of thousands of vocabulary strings) and
     transformers parses it again for the config and the tokenizer; the converted copy loads in a fraction
     of that. Keyed by the file's path, size and modification time, and by _CONVERSION."""
-    from safetensors.torch import save_file
-
     path = Path(path).resolve()
     out = _converted_path(path, cache_root)
-    if (out / "model.safetensors").exists():
+    if (out / "config.json").exists():
         return out
-    config, tokenizer, weights = load_gguf(path)
+    config, tokenizer, _ = load_gguf(path)
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     tmp.mkdir(parents=True, exist_ok=True)
     config.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
-    save_file({name: tensor.contiguous() for name, tensor in weights}, str(tmp / "model.safetensors"))
-    if not out.exists():  # another process may have finished first
+    if out.exists():  # another process finished first
+        shutil.rmtree(tmp, ignore_errors=True)
+    else:
         tmp.replace(out)
+    return out
+
+
+def gguf_checkpoint_weights(path: str | os.PathLike, cache_root: str | os.PathLike) -> Path:
+    """The converted directory of `gguf_checkpoint_dir` with the file's weights in it as float32
+    safetensors (`model.safetensors`, written once, the first time a start reads them)."""
+    from safetensors.torch import save_file
+    from transformers import AutoConfig
+
+    out = gguf_checkpoint_dir(path, cache_root)
+    target = out / "model.safetensors"
+    if target.exists():
+        return out
+    config = AutoConfig.from_pretrained(out)
+    weights = _weights(_open_for_weights(Path(path).resolve()), config, raw_linear=False)
+    partial = out / f"model.safetensors.tmp{os.getpid()}"
+    save_file({name: tensor.contiguous() for name, tensor in weights}, str(partial))
+    partial.replace(target)
     return out
 
 
 def converted_copy(path: str | os.PathLike, cache_root: str | os.PathLike) -> Path | None:
     """The converted copy `gguf_checkpoint_dir` made of this file, or None where none is made yet."""
     out = _converted_path(Path(path).resolve(), cache_root)
-    return out if (out / "model.safetensors").exists() else None
+    return out if (out / "config.json").exists() else None
 
 
 def _converted_path(path: Path, cache_root: str | os.PathLike) -> Path:

@@ -42,6 +42,8 @@ def _weights(model_dir, method: type[QuantMethod], monkeypatch) -> object:
 
     packed = object()
     monkeypatch.setattr(gguf_checkpoint, "iter_gguf_weights", lambda path, config, raw_linear: packed)
+    converted = []  # the float weights are converted for a method that reads them, and only then
+    monkeypatch.setattr(gguf_checkpoint, "gguf_checkpoint_weights", lambda path, root: converted.append(path))
     fake_setup = SimpleNamespace(
         config=EngineConfig(),
         source=ModelSource(str(model_dir), gguf_original="/models/m.Q4_0.gguf"),
@@ -49,6 +51,7 @@ def _weights(model_dir, method: type[QuantMethod], monkeypatch) -> object:
         quant_method=method,
     )
     _, weights = llm_engine.load_tokenizer_and_weights(fake_setup)
+    assert converted == ([] if weights is packed else ["/models/m.Q4_0.gguf"])
     return weights is packed
 
 
