@@ -36,6 +36,7 @@ from pagellm.sampling.params import SamplingParams
 from pagellm.worker.model_runner import ModelRunner
 from pagellm.worker.ranks import RankProcesses, Ranks
 from pagellm.worker.ray_ranks import RayRanks
+from pagellm.worker.runner_compile import CoreYield
 from pagellm.worker.step import EngineSetup, SchedulerOutput, StepResult
 
 logger = logging.getLogger("pagellm")
@@ -403,7 +404,8 @@ def load_tokenizer_and_weights(setup: EngineSetup):
         from pagellm.core.paths import cache_dir
         from pagellm.models.gguf_checkpoint import gguf_checkpoint_weights
 
-        gguf_checkpoint_weights(source.gguf_original, cache_dir())
+        with CoreYield(setup.kernels_pending):  # beside the kernels' build, as the load after it
+            gguf_checkpoint_weights(source.gguf_original, cache_dir())
     split = setup.config.tensor_parallel_size * setup.config.pipeline_parallel_size > 1
     return tokenizer, iter_checkpoint_weights(source.directory, lazy=split)  # a rank reads only its part
 

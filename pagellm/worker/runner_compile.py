@@ -294,8 +294,17 @@ class CoreYield:
     with both: its parallel loops wait on the thread the build's compilers preempt (model M's Q4_K_M file
     loaded in 40 s beside the build, 4 s alone)."""
 
-    def __init__(self):
+    def __init__(self, now: bool = False):
+        """`now`: yield one at once (and, used as a context, take it back at its end)."""
         self._threads_before: int | None = None
+        if now:
+            self.yield_one()
+
+    def __enter__(self) -> CoreYield:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.take_back()
 
     def yield_one(self) -> None:
         """Idempotent: one core is yielded however many builds ask."""

@@ -49,6 +49,7 @@ def _weights(model_dir, method: type[QuantMethod], monkeypatch) -> object:
         source=ModelSource(str(model_dir), gguf_original="/models/m.Q4_0.gguf"),
         hf_config=None,
         quant_method=method,
+        kernels_pending=False,
     )
     _, weights = llm_engine.load_tokenizer_and_weights(fake_setup)
     assert converted == ([] if weights is packed else ["/models/m.Q4_0.gguf"])
