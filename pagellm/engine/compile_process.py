@@ -22,7 +22,7 @@ logger = logging.getLogger("pagellm")
 def main(request_file: str) -> int:
     import torch
 
-    from pagellm.engine.llm_engine import load_tokenizer_and_weights
+    from pagellm.engine.llm_engine import load_weights
     from pagellm.engine.setup import resolve_engine
     from pagellm.worker import compiled_forward
     from pagellm.worker.model_runner import ModelRunner
@@ -34,7 +34,7 @@ def main(request_file: str) -> int:
     with open(request_file, "rb") as f:
         request: compiled_forward.CompileRequest = pickle.load(f)
     setup = resolve_engine(request.config)
-    _, weights = load_tokenizer_and_weights(setup)
+    weights = load_weights(setup)
     runner = ModelRunner(setup, weights, ())
     key = runner.compiler.key()
     if key != request.key:

@@ -390,16 +390,20 @@ def _start_ranks(setup: EngineSetup) -> Ranks:
 
 
 def load_tokenizer_and_weights(setup: EngineSetup):
-    """The tokenizer and the checkpoint's weights as the model loader reads them (GGUF blocks as they are
-    where the quantization keeps them)."""
+    """The tokenizer and the checkpoint's weights as the model loader reads them (`load_weights`)."""
+    return load_tokenizer(setup.config.tokenizer or setup.source.directory), load_weights(setup)
+
+
+def load_weights(setup: EngineSetup):
+    """The checkpoint's weights as the model loader reads them (GGUF blocks as they are where the
+    quantization keeps them)."""
     from pagellm.models.loader import iter_checkpoint_weights
 
     source = setup.source
-    tokenizer = load_tokenizer(setup.config.tokenizer or source.directory)
     if setup.quant_method is not None and setup.quant_method.loads_gguf_blocks and source.gguf_original:
         from pagellm.models.gguf_checkpoint import iter_gguf_weights  # packed blocks straight from the file
 
-        return tokenizer, iter_gguf_weights(source.gguf_original, setup.hf_config, raw_linear=True)
+        return iter_gguf_weights(source.gguf_original, setup.hf_config, raw_linear=True)
     if source.gguf_original:  # its float weights, converted the first time a start reads them
         from pagellm.core.paths import cache_dir
         from pagellm.models.gguf_checkpoint import gguf_checkpoint_weights
@@ -407,7 +411,7 @@ def load_tokenizer_and_weights(setup: EngineSetup):
         with CoreYield(setup.kernels_pending):  # beside the kernels' build, as the load after it
             gguf_checkpoint_weights(source.gguf_original, cache_dir())
     split = setup.config.tensor_parallel_size * setup.config.pipeline_parallel_size > 1
-    return tokenizer, iter_checkpoint_weights(source.directory, lazy=split)  # a rank reads only its part
+    return iter_checkpoint_weights(source.directory, lazy=split)  # a rank reads only its part
 
 
 def _eos_token_ids(setup: EngineSetup, tokenizer) -> set[int]:

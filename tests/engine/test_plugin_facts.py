@@ -51,7 +51,7 @@ def _weights(model_dir, method: type[QuantMethod], monkeypatch) -> object:
         quant_method=method,
         kernels_pending=False,
     )
-    _, weights = llm_engine.load_tokenizer_and_weights(fake_setup)
+    weights = llm_engine.load_weights(fake_setup)
     assert converted == ([] if weights is packed else ["/models/m.Q4_0.gguf"])
     return weights is packed
 
