@@ -206,3 +206,19 @@ def test_the_gguf_loader_widens_block_tensors_with_the_loaded_kernels(monkeypatc
     assert calls == [T.Q4_K, T.Q6_K, T.Q8_0]
     floats = np.random.default_rng(0).standard_normal((4, 64)).astype(np.float32)
     assert np.array_equal(_dequantize(floats, T.F32), floats) and len(calls) == 3
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_x_codes_round_half_to_even_as_the_reference(dtype):
+    """x values whose scaled product lands exactly halfway between two codes (max |x| 127: a scale of 1):
+    every path quantizes them to the even code, as `quantized_x`; a round-half-away quantization of x gives
+    another sum. (bfloat16 x is quantized to int8 groups; float32 x keeps its values, the check of the
+    float path.)"""
+    halves = torch.tensor([127.0, 0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 3.5, 4.5, -3.5] + [0.0] * 22)
+    x = torch.cat([halves, halves.roll(16)]).repeat(4)[None].to(dtype)  # eight groups, both halves tied
+    ones = np.tile(np.where(np.abs(x.float().numpy()) < 100, 1.0, 0.0), (8, 1)).astype(np.float32)
+    raw = quants.quantize(ones, T.Q8_0)
+    got = cpu_gguf.linear(x, [torch.from_numpy(raw)], [int(T.Q8_0)]).double()
+    reference = quantized_x(x.float()) if dtype == torch.bfloat16 else x.double()
+    expected = reference @ torch.from_numpy(quants.dequantize(raw, T.Q8_0)).double().T
+    assert torch.equal(got, expected.to(dtype).double()), (got[0, :2], expected[0, :2])

@@ -527,6 +527,52 @@ inline c10::BFloat16 round_to_bf16(float f) {
   return c10::BFloat16(bits, c10::BFloat16::from_bits());
 }
 
+#if GG_AVX2
+inline __m256 load8(const float* x) { return _mm256_loadu_ps(x); }
+inline __m256 load8(const c10::BFloat16* x) {  // bfloat16 is float32's upper half: exact
+  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+}
+
+// One group of 32 x values -> 32 int8 codes, its scale and its halves' code sums: the same numbers as the
+// scalar loop in `quantize_rows` (the same float32 products, rounded to nearest even, as std::nearbyint),
+// in a few vector instructions instead of ~200 scalar ones a group (the decode step quantizes every
+// linear's x: ~1.5 us a call on model S's rows).
+template <typename In>
+inline void quantize_group(const In* x, int8_t* codes, float* scale, float* half_sums, float* group_sum) {
+  __m256 v[4];
+  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  __m256 amax8 = _mm256_setzero_ps();
+  for (int j = 0; j < 4; ++j) {
+    v[j] = load8(x + 8 * j);
+    amax8 = _mm256_max_ps(_mm256_and_ps(v[j], magnitude), amax8);  // a NaN is skipped, as std::max skips it
+  }
+  __m128 a = _mm_max_ps(_mm256_castps256_ps128(amax8), _mm256_extractf128_ps(amax8, 1));
+  a = _mm_max_ps(a, _mm_movehl_ps(a, a));
+  const float amax = _mm_cvtss_f32(_mm_max_ss(a, _mm_movehdup_ps(a)));
+  const float d = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+  const __m256 scale8 = _mm256_set1_ps(inv);
+  __m256i q[4];
+  for (int j = 0; j < 4; ++j)
+    q[j] = _mm256_cvtps_epi32(
+        _mm256_round_ps(_mm256_mul_ps(v[j], scale8), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  // sums of the codes of each half (16 codes: two vectors of eight)
+  const __m256i halves = _mm256_hadd_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+  const __m128i h = _mm_add_epi32(_mm256_castsi256_si128(halves), _mm256_extracti128_si256(halves, 1));
+  const int first = _mm_extract_epi32(h, 0) + _mm_extract_epi32(h, 1);
+  const int second = _mm_extract_epi32(h, 2) + _mm_extract_epi32(h, 3);
+  // int32 -> int8 in order: the packs interleave 128-bit lanes, the permute puts them back
+  const __m256i words = _mm256_packs_epi32(q[0], q[1]), words2 = _mm256_packs_epi32(q[2], q[3]);
+  const __m256i bytes = _mm256_packs_epi16(words, words2);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes),
+                      _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  *scale = d;
+  half_sums[0] = d * static_cast<float>(first);
+  half_sums[1] = d * static_cast<float>(second);
+  *group_sum = d * static_cast<float>(first + second);
+}
+#endif
+
 template <typename In>
 void quantize_rows(const In* x, int64_t m, int64_t k, Rows& q) {
   const int64_t groups = k / kGroup;
@@ -535,6 +581,11 @@ void quantize_rows(const In* x, int64_t m, int64_t k, Rows& q) {
   q.group_sums.resize(m * groups);
   at::parallel_for(0, m * groups, 64, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
+#if GG_AVX2
+      quantize_group(x + i * kGroup, q.codes.data() + i * kGroup, &q.scales[i], &q.half_sums[2 * i],
+                     &q.group_sums[i]);
+      continue;
+#endif
       float v[kGroup];
       for (int l = 0; l < kGroup; ++l) v[l] = to_float(x[i * kGroup + l]);
       float amax = 0.f;
