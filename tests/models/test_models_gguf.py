@@ -269,3 +269,34 @@ def test_the_name_table_is_kept_for_the_next_start(tmp_path, monkeypatch):
     config.num_hidden_layers += 1  # another config: another table
     with pytest.raises(AssertionError, match="built again"):
         gguf_checkpoint._kept_gguf_to_hf_names("qwen2", config)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3_moe"])
+def test_packed_blocks_are_the_files_mapped_bytes_not_a_copy(family, tmp_path):
+    """Under `--quantization gguf` the decoder's blocks, a layer's stacked experts and the token table come as
+    views of the file's mapping (no copy at load: shared page cache), equal to the file's bytes."""
+    import gguf
+    import numpy as np
+
+    from pagellm.bench.gguf_convert import convert_hf_checkpoint
+    from pagellm.models.gguf_checkpoint import iter_gguf_weights
+
+    checkpoint = make_tiny_checkpoint(family, tmp_path, **GGUF_FAMILIES.get(family, {}))
+    path = convert_hf_checkpoint(checkpoint, tmp_path / "m.q8_0.gguf", "q8_0")
+    config, _, _ = load_gguf(path)
+    weights = dict(iter_gguf_weights(path, config, raw_linear=True))
+    mapped = []
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        if line.endswith(str(path)):
+            start, end = (int(a, 16) for a in line.split()[0].split("-"))
+            mapped.append((start, end))
+    assert mapped, "the file is mapped while its tensors live"
+    blocks = {name: t for name, t in weights.items() if name.endswith((".qweight", ".gguf_table"))}
+    assert any(".experts." in name for name in blocks) == (family == "qwen3_moe")
+    assert any(name.endswith(".gguf_table") for name in blocks)
+    for name, tensor in blocks.items():
+        first, last = tensor.data_ptr(), tensor.data_ptr() + tensor.numel()
+        assert any(start <= first and last <= end for start, end in mapped), f"{name} was copied"
+    file_bytes = sum(int(t.n_bytes) for t in gguf.GGUFReader(path).tensors if t.tensor_type == 8)
+    assert sum(t.numel() for t in blocks.values()) == file_bytes
+    assert all(np.asarray(t).flags.c_contiguous for t in blocks.values())
