@@ -1,4 +1,5 @@
-"""`pagellm bench`: the workloads follow the README's recipe, and each command runs end to end on a tiny model."""
+"""`pagellm bench`: the workloads follow shared/bench/README.md's recipe (docs/benchmarks.md), and each command
+runs end to end on a tiny model."""
 
 from __future__ import annotations
 
