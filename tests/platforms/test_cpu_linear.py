@@ -41,6 +41,21 @@ def test_matches_f_linear(rows, out_features, in_features, dtype, bias):
         torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_a_strided_x_and_a_bias_of_another_dtype(dtype):
+    """x not contiguous (a transposed view) is read through a contiguous copy; a float16 bias is widened by
+    ATen (bfloat16 and float32 ones are read in place)."""
+    gen = torch.Generator().manual_seed(7)
+    weight = torch.randn(37, 100, generator=gen).to(dtype)
+    bias = torch.randn(37, generator=gen).half()
+    x = torch.randn(100, 3, generator=gen).to(dtype).t()
+    assert not x.is_contiguous()
+    packed = cpu_linear.pack(weight)
+    out = packed.matmul(x, packed.weight, bias)
+    expected = F.linear(x.float(), weight.float(), bias.float())
+    torch.testing.assert_close(out.float(), expected, rtol=2**-8, atol=1e-5)
+
+
 def test_leading_dims_and_empty_input():
     weight = torch.randn(20, 8).bfloat16()
     packed = cpu_linear.pack(weight)

@@ -146,16 +146,29 @@ void widen_panel(const void* panel, int64_t k, const float* scale, float* out) {
     }
 }
 
+// x rows [r0, r0 + rows) as float32: float32 x as it is, bfloat16 x widened into `scratch`. Plain loops,
+// not ATen's narrow / to / contiguous: at one row those four ops and their allocations cost more than a small
+// projection's products (model S's 121 linears a decode step).
+inline const float* float_rows(const void* x, bool x_bf16, int64_t r0, int64_t rows, int64_t k,
+                               std::vector<float>& scratch) {
+  if (!x_bf16) return static_cast<const float*>(x) + r0 * k;
+  scratch.resize(rows * k);
+  const uint16_t* src = static_cast<const uint16_t*>(x) + r0 * k;
+  for (int64_t i = 0; i < rows * k; ++i) scratch[i] = bf16_to_float(src[i]);
+  return scratch.data();
+}
+
+// x: m rows of k float32 or bfloat16 values, contiguous.
 template <Format kFormat, bool kOutBf16>
-void run(const at::Tensor& x, const uint8_t* packed, const float* scale, const float* bias, int64_t n, at::Tensor& out,
-         bool fixed_order) {
-  const int64_t m = x.size(0), k = x.size(1), panels = (n + kPanel - 1) / kPanel;
+void run(const void* x, bool x_bf16, int64_t m, int64_t k, const uint8_t* packed, const float* scale,
+         const float* bias, int64_t n, at::Tensor& out, bool fixed_order) {
+  const int64_t panels = (n + kPanel - 1) / kPanel;
   const int64_t panel_bytes = k * kPanel * format_bytes(kFormat), out_elem = kOutBf16 ? 2 : 4;
   uint8_t* out_base = static_cast<uint8_t*>(out.data_ptr());
+  std::vector<float> widened_x;
   for (int64_t r0 = 0; r0 < m; r0 += kChunkRows) {
     const int64_t rows = std::min(kChunkRows, m - r0);
-    const at::Tensor chunk = x.narrow(0, r0, rows).to(at::kFloat).contiguous();
-    const float* xs = chunk.data_ptr<float>();
+    const float* xs = float_rows(x, x_bf16, r0, rows, k, widened_x);
     parallel_balanced(
         panels, [](int64_t) { return int64_t(1); },
         [&](int64_t p) {
@@ -205,31 +218,42 @@ at::Tensor cpu_panel_linear(const at::Tensor& input, const at::Tensor& packed, c
                 "cpu_panel_linear: a float32 scale of ", panels * kPanel, " values (one per padded column)");
   const float* s = has_scale ? scale->data_ptr<float>() : nullptr;
   at::Tensor bias_f32;
+  std::vector<float> widened_bias;
+  const float* b = nullptr;
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->dim() == 1 && bias->numel() == n, "cpu_panel_linear: a bias of ", n, " values");
-    bias_f32 = bias->to(at::kFloat).contiguous();
+    if (bias->scalar_type() == at::kBFloat16 && bias->is_contiguous()) {  // the model's dtype: no ATen op
+      const auto* src = static_cast<const uint16_t*>(bias->data_ptr());
+      widened_bias.resize(n);
+      for (int64_t c = 0; c < n; ++c) widened_bias[c] = bf16_to_float(src[c]);
+      b = widened_bias.data();
+    } else {
+      bias_f32 = bias->to(at::kFloat).contiguous();
+      b = bias_f32.data_ptr<float>();
+    }
   }
-  const float* b = bias_f32.defined() ? bias_f32.data_ptr<float>() : nullptr;
   std::vector<int64_t> shape(input.sizes().begin(), input.sizes().end());
   shape.back() = n;
   auto out = input.new_empty(shape);
-  const at::Tensor x = input.reshape({-1, k});
-  if (x.size(0) == 0 || n == 0) return out;
+  const int64_t m = k == 0 ? 0 : input.numel() / k;
+  if (m == 0 || n == 0) return out;
+  const at::Tensor contiguous = input.is_contiguous() ? input : input.contiguous();
+  const void* x = contiguous.data_ptr();
   const auto* w = static_cast<const uint8_t*>(packed.data_ptr());
-  const bool bf16_out = input.scalar_type() == at::kBFloat16;
+  const bool bf16 = input.scalar_type() == at::kBFloat16;  // x's dtype, and so the output's
   const bool f = fixed_order;
   switch (wtype) {
     case at::kBFloat16:
-      bf16_out ? run<kBf16, true>(x, w, s, b, n, out, f) : run<kBf16, false>(x, w, s, b, n, out, f);
+      bf16 ? run<kBf16, true>(x, bf16, m, k, w, s, b, n, out, f) : run<kBf16, false>(x, bf16, m, k, w, s, b, n, out, f);
       break;
     case at::kFloat:
-      bf16_out ? run<kF32, true>(x, w, s, b, n, out, f) : run<kF32, false>(x, w, s, b, n, out, f);
+      bf16 ? run<kF32, true>(x, bf16, m, k, w, s, b, n, out, f) : run<kF32, false>(x, bf16, m, k, w, s, b, n, out, f);
       break;
     case at::kChar:
-      bf16_out ? run<kI8, true>(x, w, s, b, n, out, f) : run<kI8, false>(x, w, s, b, n, out, f);
+      bf16 ? run<kI8, true>(x, bf16, m, k, w, s, b, n, out, f) : run<kI8, false>(x, bf16, m, k, w, s, b, n, out, f);
       break;
     default:
-      bf16_out ? run<kFp8, true>(x, w, s, b, n, out, f) : run<kFp8, false>(x, w, s, b, n, out, f);
+      bf16 ? run<kFp8, true>(x, bf16, m, k, w, s, b, n, out, f) : run<kFp8, false>(x, bf16, m, k, w, s, b, n, out, f);
   }
   return out;
 }
