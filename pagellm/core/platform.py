@@ -164,7 +164,7 @@ class Platform:
         """Start building this platform's native kernels without waiting for them, where they are not built
         yet; True if a build started. Until `kernels_built()`, whatever asks for them gets the PyTorch path
         (`pack_linear` None, attention and experts on their references), and the engine takes them up between
-        two steps after (model_runner `_take_up_kernels`). Default: nothing to build."""
+        two steps after (worker/runner_build.py `take_up_kernels`). Default: nothing to build."""
         return False
 
     @classmethod

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from pagellm.core.attention import AttentionBatch
 from pagellm.core.transfer import to_device
 from pagellm.models.context import ImageBatch, LoRABatch
 from pagellm.worker.step import ScheduledRequest, StepArrays
@@ -118,6 +119,29 @@ def host_to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
     """A host array on the device, through page-locked memory where the device has it (so the host does not
     wait, and the array may change right after); on the CPU the array's own memory."""
     return to_device(torch.from_numpy(np.ascontiguousarray(array)), device)
+
+
+def attention_batches(step: StepArrays, device: torch.device) -> list[AttentionBatch]:
+    """The step's attention batch of each KV cache group on the device, group 0 first: one set of query
+    offsets and lengths, each group's own block tables and slot mapping."""
+    query_start_loc = host_to_device(step.query_start_loc, device)
+    seq_lens = host_to_device(step.seq_lens, device)
+    max_query_len, max_seq_len = int(np.diff(step.query_start_loc).max()), int(step.seq_lens.max())
+    spans = () if step.bidirectional is None else tuple(map(tuple, step.bidirectional.tolist()))
+    return [
+        AttentionBatch(
+            query_start_loc=query_start_loc,
+            seq_lens=seq_lens,
+            block_tables=host_to_device(block_tables, device),
+            slot_mapping=host_to_device(slot_mapping, device),
+            query_start_loc_cpu=torch.from_numpy(step.query_start_loc),
+            seq_lens_cpu=torch.from_numpy(step.seq_lens),
+            max_query_len=max_query_len,
+            max_seq_len=max_seq_len,
+            bidirectional=spans,
+        )
+        for block_tables, slot_mapping in step.kv_groups()
+    ]
 
 
 def mrope_positions(

@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import torch
 
+from pagellm.worker.input_batch import PreparedStep
+from pagellm.worker.step import StepResult
+
 
 class PoolingState:
     """What one request's earlier chunks left for its pooled vector."""
@@ -38,3 +41,20 @@ class PoolingState:
         if sum(n for _, n in self.chunk_sums.values()) != num_tokens:
             raise RuntimeError("MEAN pooling did not see every position of the prompt")
         return torch.stack([total for total, _ in self.chunk_sums.values()]).sum(dim=0) / num_tokens
+
+
+def pool_step(
+    states: dict[str, PoolingState], hidden: torch.Tensor, step: PreparedStep, result: StepResult
+) -> None:
+    """Feed each pooling request's rows to its `PoolingState` (`states`: the runner's, by request id, of
+    the requests mid-prompt); a prompt that ends in this step gets its pooled float32 vector (on the CPU)
+    in `result.pooled`, and its state goes."""
+    cu, starts = step.cu, step.starts
+    for i, request in step.pooling:
+        rid = request.request_id
+        state = states.setdefault(rid, PoolingState())
+        rows = hidden[int(cu[i]) : int(cu[i + 1])]
+        vector = state.add(request.pooling_params.pooling_type, rows, starts[i], request.num_tokens)
+        if vector is not None:
+            result.pooled[rid] = vector.cpu()
+            del states[rid]

@@ -1,7 +1,7 @@
-"""The CPU kernels built in the background (`cpu_kernels.build_in_background`, taken up by the model runner's
-`_take_up_kernels`): an engine started with compile_in_background does not wait for them, serves on the
-PyTorch paths with transformers' tokens, takes them up between two steps, and keeps transformers' tokens; a
-failed build leaves the PyTorch paths with the build's reason and is not retried on a step's path."""
+"""The CPU kernels built in the background (`cpu_kernels.build_in_background`, taken up by
+`RunnerBuild.take_up_kernels`): an engine started with compile_in_background does not wait for them, serves on
+the PyTorch paths with transformers' tokens, takes them up between two steps, and keeps transformers' tokens;
+a failed build leaves the PyTorch paths with the build's reason and is not retried on a step's path."""
 
 from __future__ import annotations
 
