@@ -353,7 +353,7 @@ def check_batch_invariant(
     config: EngineConfig, platform: type[Platform], dtype: torch.dtype, quant: Any, multimodal: bool
 ) -> None:
     """Refuse `--batch-invariant` where some part of a step would still depend on the batch. The model's
-    layers are checked once built (`model_runner.check_batch_invariant`), the attention backend by the
+    layers are checked once built (`runner_build.check_batch_invariant`), the attention backend by the
     selector (`supports_batch_invariant`)."""
     reason = platform.batch_invariant_unsupported(dtype)
     if reason is None and quant is not None:
