@@ -41,7 +41,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pagellm.core.config import step_tokens
 from pagellm.core.errors import ConfigError
@@ -74,6 +74,20 @@ class SchedulerStats:
     kernels_pending: bool = (
         False  # the platform's kernels are still building: PyTorch paths (LLMEngine.stats)
     )
+
+
+@dataclass
+class _Step:
+    """What one `schedule()` call has decided so far, shared by its phases: the token budget left, the
+    requests scheduled (in order) with their token counts and drafts, those newly admitted, and those
+    preempted."""
+
+    budget: int
+    scheduled: list[Request] = field(default_factory=list)
+    num_scheduled: dict[str, int] = field(default_factory=dict)
+    preempted: list[str] = field(default_factory=list)
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    new_request_ids: set[str] = field(default_factory=set)
 
 
 class _FCFSQueue:
@@ -259,59 +273,78 @@ class Scheduler:
         )
 
     def schedule(self) -> SchedulerOutput:
-        kv = self.kv_cache_manager
-        budget = self.token_budget
-        scheduled: list[Request] = []
-        num_scheduled: dict[str, int] = {}
-        preempted: list[str] = []
-        spec_token_ids: dict[str, list[int]] = {}
+        """One step's decision, in three phases that share a `_Step`: the running requests first, then the
+        waiting ones (none after a preemption), then the output built from what was scheduled."""
+        step = _Step(budget=self.token_budget)
+        self._preempt_outgrown(step)
+        self._schedule_running(step)
+        self._schedule_waiting(step)
+        return self._build_output(step)
 
-        for request in [r for r in self.running if r.rope_outgrown]:  # models/layers/rotary.py
+    def _preempt_outgrown(self, step: _Step) -> None:
+        """Running requests whose KV was rotated for a shorter sequence (models/layers/rotary.py) are
+        preempted before anything is scheduled, so the step never runs on that KV."""
+        for request in [r for r in self.running if r.rope_outgrown]:
             self.running.remove(request)
             self._preempt(request, outgrown=True)
-            preempted.append(request.request_id)
+            step.preempted.append(request.request_id)
 
+    def _schedule_running(self, step: _Step) -> None:
+        """Running requests, in admission order, each its remaining known tokens (and drafts) up to the
+        budget left; one that gets no blocks preempts the newest until it fits or is itself preempted."""
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and step.budget > 0:
             request = self.running[i]
             known = request.num_tokens - request.num_computed_tokens
-            n = self._whole_images(request, request.num_computed_tokens, min(known, budget))
+            n = self._whole_images(request, request.num_computed_tokens, min(known, step.budget))
             if n == 0:  # the runner returned no token for it last step, or its next image does not fit
                 i += 1
                 continue
-            drafts = request.spec_token_ids[: budget - n] if n == known else []
+            drafts = request.spec_token_ids[: step.budget - n] if n == known else []
             if drafts and request.grammar is not None:
                 drafts = request.grammar.valid_prefix(drafts)
             n += len(drafts)
-            while not kv.allocate_slots(request, n + self._lookahead(request.num_computed_tokens + n)):
-                victim = self._pick_victim()
-                victim_index = self.running.index(victim)
-                del self.running[victim_index]
-                if victim.request_id in num_scheduled:
-                    budget += num_scheduled.pop(victim.request_id)
-                    scheduled.remove(victim)
-                if victim_index < i:
-                    i -= 1
-                self._preempt(victim)
-                preempted.append(victim.request_id)
-                if victim is request:
-                    break
+            i = self._allocate_or_preempt(step, request, n, i)
             if request.status != RequestStatus.RUNNING:
                 break
-            scheduled.append(request)
-            num_scheduled[request.request_id] = n
+            step.scheduled.append(request)
+            step.num_scheduled[request.request_id] = n
             if drafts:
-                spec_token_ids[request.request_id] = drafts
-            budget -= n
+                step.spec_token_ids[request.request_id] = drafts
+            step.budget -= n
             i += 1
 
-        new_request_ids = set()
+    def _allocate_or_preempt(self, step: _Step, request: Request, n: int, i: int) -> int:
+        """Slots for `n` tokens of `request` (running at index `i`), preempting victims until they fit: a
+        victim scheduled earlier this step gives its tokens back to the budget. Returns `request`'s index
+        after the victims before it left; `request` is no longer RUNNING if it was the victim."""
+        kv = self.kv_cache_manager
+        while not kv.allocate_slots(request, n + self._lookahead(request.num_computed_tokens + n)):
+            victim = self._pick_victim()
+            victim_index = self.running.index(victim)
+            del self.running[victim_index]
+            if victim.request_id in step.num_scheduled:
+                step.budget += step.num_scheduled.pop(victim.request_id)
+                step.scheduled.remove(victim)
+            if victim_index < i:
+                i -= 1
+            self._preempt(victim)
+            step.preempted.append(victim.request_id)
+            if victim is request:
+                break
+        return i
+
+    def _schedule_waiting(self, step: _Step) -> None:
+        """Waiting requests in policy order while the budget, `max_num_seqs` and free blocks allow, none in
+        a step that preempted. One waiting for a grammar, an adapter slot or the connector's answer keeps
+        its place in the queue; one whose next blocks the connector can load is parked to load them."""
+        kv = self.kv_cache_manager
         compiling: list[Request] = []  # waiting for a grammar or an adapter slot: they keep their place
         adapters = {r.lora_int_id for r in self.running} - {0}
         while (
-            not preempted
+            not step.preempted
             and self.waiting
-            and budget > 0
+            and step.budget > 0
             and len(self.running) + len(self._parked) < self.max_num_seqs  # a loading request runs next
         ):
             request = self.waiting.peek()
@@ -336,45 +369,56 @@ class Scheduler:
                     self._park(request, num_hit, num_external)
                     continue
             n = request.num_tokens - num_hit
-            if n > budget:
+            if n > step.budget:
                 if not self.enable_chunked_prefill:
                     break
-                n = self._whole_images(request, num_hit, budget)
+                n = self._whole_images(request, num_hit, step.budget)
                 if n == 0:  # its next image does not fit the budget left
                     break
             if not kv.allocate_slots(request, n + self._lookahead(num_hit + n), computed_blocks):
                 break
-            self.waiting.pop()
-            request.status = RequestStatus.RUNNING
-            request.num_computed_tokens = num_hit
-            if self.kv_connector is not None:  # admitted without external tokens (it may release an offer)
-                self.kv_connector.update_state_after_alloc(request, kv.block_table(request.request_id), 0)
-            if request.first_scheduled_time is None:
-                request.first_scheduled_time = time.monotonic()
-                request.num_cached_tokens = num_hit
-            self.running.append(request)
-            scheduled.append(request)
-            num_scheduled[request.request_id] = n
-            new_request_ids.add(request.request_id)
+            self._admit(step, request, num_hit, n)
             if lora:
                 adapters.add(lora)
-            budget -= n
 
         for request in reversed(compiling):
             self.waiting.prepend(request)
 
+    def _admit(self, step: _Step, request: Request, num_hit: int, n: int) -> None:
+        """The queue's head, its blocks allocated, starts running with `n` tokens after its `num_hit`
+        prefix-cache hit."""
+        self.waiting.pop()
+        request.status = RequestStatus.RUNNING
+        request.num_computed_tokens = num_hit
+        if self.kv_connector is not None:  # admitted without external tokens (it may release an offer)
+            block_ids = self.kv_cache_manager.block_table(request.request_id)
+            self.kv_connector.update_state_after_alloc(request, block_ids, 0)
+        if request.first_scheduled_time is None:
+            request.first_scheduled_time = time.monotonic()
+            request.num_cached_tokens = num_hit
+        self.running.append(request)
+        step.scheduled.append(request)
+        step.num_scheduled[request.request_id] = n
+        step.new_request_ids.add(request.request_id)
+        step.budget -= n
+
+    def _build_output(self, step: _Step) -> SchedulerOutput:
+        """The step's `SchedulerOutput`: what was scheduled with its block tables and grammar bitmasks, the
+        requests finished since the last step, and the connector's metadata."""
+        kv = self.kv_cache_manager
+        scheduled, num_scheduled = step.scheduled, step.num_scheduled
         finished_ids, self._finished_ids = self._finished_ids, set()
         output = SchedulerOutput(
             scheduled=scheduled,
             num_scheduled_tokens=num_scheduled,
-            new_request_ids=new_request_ids,
-            preempted=preempted,
+            new_request_ids=step.new_request_ids,
+            preempted=step.preempted,
             finished_ids=finished_ids,
             block_ids={r.request_id: kv.block_table(r.request_id) for r in scheduled},
             group_block_ids={r.request_id: kv.block_tables(r.request_id) for r in scheduled},
-            total_num_scheduled_tokens=self.token_budget - budget,
-            spec_token_ids=spec_token_ids,
-            grammar_bitmasks=self._grammar_bitmasks(scheduled, num_scheduled, spec_token_ids),
+            total_num_scheduled_tokens=self.token_budget - step.budget,
+            spec_token_ids=step.spec_token_ids,
+            grammar_bitmasks=self._grammar_bitmasks(scheduled, num_scheduled, step.spec_token_ids),
         )
         if self.kv_connector is not None:
             output.kv_connector_metadata = self.kv_connector.build_connector_meta(output)
