@@ -222,119 +222,164 @@ class CpuAttnBackend(PagedBackend):
         metadata: CpuAttnMetadata,
         sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        s = self.spec
-        cap = s.logits_soft_cap
+        """The step's plan split three ways: the kernel's decodes, then each prefill chunk, then the
+        PyTorch path's decode groups, each writing its own tokens' rows of `out`."""
         if sinks is not None:
             sinks = sinks.detach().float().contiguous()  # the layer's parameter already is
+        num_kv, block_size = kv_cache.shape[1], kv_cache.shape[3]
+        self._store(kv_cache, k, v, metadata)
+        plan = metadata.plan(self.spec, block_size, self.kernel is not None, num_kv)
+        q = q.contiguous()
+        out = torch.empty((*q.shape[:2], self.spec.v_size), dtype=q.dtype, device=q.device)
+        if plan.kernel_reqs is not None:
+            self._kernel_decodes(out, q, kv_cache, metadata, plan, sinks)
+        for p in plan.prefills:
+            self._prefill(out, q, k, v, kv_cache, p, sinks)
+        for d in plan.decodes:
+            self._decode_group(out, q, kv_cache, d, sinks)
+        return out
+
+    def _gather(
+        self, kv_cache: torch.Tensor, blocks: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """[kv_heads, len(blocks) * block_size, head_size] keys and [..., v_size] values, in the compute
+        dtype (a latent layer's values: a view of its keys' first v_size elements)."""
         # rows: K and V, or the latent one; row: head_size (+ scale bytes, int8)
         rows, num_kv, num_blocks, block_size, row = kv_cache.shape
-        head_size, v_size = s.head_size, s.v_size
-        self._store(kv_cache, k, v, metadata)
         blocks_of = kv_cache.view(rows, num_kv, num_blocks, block_size * row)
+        shape = (num_kv, blocks.numel(), block_size * row)
+        gathered = _workspace(rows * num_kv * blocks.numel() * block_size * row, kv_cache).view(rows, *shape)
+        for i in range(rows):
+            torch.index_select(blocks_of[i], 1, blocks, out=gathered[i])
+        parts = [part.view(num_kv, -1, row) for part in gathered]
+        if kv_cache.dtype == torch.int8:
+            parts = [dequantize_int8_rows(part, dtype) for part in parts]
+        else:
+            parts = [part.to(dtype) for part in parts]
+        return parts[0], parts[-1][..., : self.spec.v_size]
 
-        def gather(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            """[kv_heads, len(blocks) * block_size, head_size] keys and [..., v_size] values, in the compute
-            dtype (a latent layer's values: a view of its keys' first v_size elements)."""
-            shape = (num_kv, blocks.numel(), block_size * row)
-            gathered = _workspace(rows * num_kv * blocks.numel() * block_size * row, kv_cache).view(
-                rows, *shape
-            )
-            for i in range(rows):
-                torch.index_select(blocks_of[i], 1, blocks, out=gathered[i])
-            parts = [part.view(num_kv, -1, row) for part in gathered]
-            if kv_cache.dtype == torch.int8:
-                parts = [dequantize_int8_rows(part, q.dtype) for part in parts]
-            else:
-                parts = [part.to(q.dtype) for part in parts]
-            return parts[0], parts[-1][..., :v_size]
+    def _kernel_decodes(
+        self,
+        out: torch.Tensor,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: CpuAttnMetadata,
+        plan: _Plan,
+        sinks: torch.Tensor | None,
+    ) -> None:
+        """The plan's kernel requests through the native kernel, which reads K/V in place (one-byte caches
+        as raw bytes)."""
+        s = self.spec
+        batch = metadata.batch
+        kind, raw = _CACHE_KINDS[kv_cache.dtype], kv_cache
+        if kv_cache.dtype.itemsize == 1:
+            raw = kv_cache.view(torch.uint8)
+        self.kernel.paged_attention(
+            out,
+            q,
+            raw[0],
+            raw[1],
+            batch.block_tables,
+            batch.seq_lens_cpu,
+            batch.query_start_loc_cpu,
+            plan.kernel_reqs,
+            kind,
+            s.softmax_scale,
+            s.sliding_window or 0,
+            plan.partition,
+            self.use_amx,
+            s.logits_soft_cap or 0.0,
+            sinks,
+            s.batch_invariant,
+        )
 
-        plan = metadata.plan(s, block_size, self.kernel is not None, num_kv)
-        q = q.contiguous()
-        out = torch.empty((*q.shape[:2], v_size), dtype=q.dtype, device=q.device)
-        if plan.kernel_reqs is not None:
-            batch = metadata.batch
-            kind, raw = _CACHE_KINDS[kv_cache.dtype], kv_cache
-            if kv_cache.dtype.itemsize == 1:
-                raw = kv_cache.view(torch.uint8)
-            self.kernel.paged_attention(
-                out,
-                q,
-                raw[0],
-                raw[1],
-                batch.block_tables,
-                batch.seq_lens_cpu,
-                batch.query_start_loc_cpu,
-                plan.kernel_reqs,
-                kind,
-                s.softmax_scale,
-                s.sliding_window or 0,
-                plan.partition,
-                self.use_amx,
-                cap or 0.0,
-                sinks,
-                s.batch_invariant,
-            )
-        scale = s.softmax_scale
+    def _prefill(
+        self,
+        out: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        p: _Prefill,
+        sinks: torch.Tensor | None,
+    ) -> None:
+        """One prefill chunk against the blocks it can see (or only its own new k/v): torch's fused kernel,
+        or `explicit_attention` where that cannot cap logits or give the log-sum-exp for sinks."""
+        s = self.spec
+        cap, scale = s.logits_soft_cap, s.softmax_scale
+        num_kv, head_size, v_size = kv_cache.shape[1], s.head_size, s.v_size
         group = s.num_heads // num_kv
-        for p in plan.prefills:
-            num_queries = p.tokens.stop - p.tokens.start
-            qt = q[p.tokens].transpose(0, 1).view(num_kv, group, num_queries, head_size)
-            if p.blocks is None:
-                ctx_k, ctx_v = k[p.tokens].transpose(0, 1), v[p.tokens].transpose(0, 1)
-            else:
-                ctx_k, ctx_v = gather(p.blocks)
-                width = p.mask.shape[-1]
-                ctx_k, ctx_v = ctx_k[:, p.skip : p.skip + width], ctx_v[:, p.skip : p.skip + width]
-            # torch's fused kernel cannot cap logits, nor give the log-sum-exp for sinks with V narrower than K
-            if cap is not None or (s.has_sinks and v_size != head_size):
-                o = explicit_attention(
-                    q[p.tokens].transpose(0, 1),
-                    ctx_k,
-                    ctx_v,
-                    p.mask,
-                    scale,
-                    cap,
-                    None if sinks is None else sinks.view(-1, 1),
-                )
-                out[p.tokens] = o.transpose(0, 1)
-                continue
-            # 4-d inputs and K/V broadcast over each KV head's query heads keep torch on its fused kernel
-            # (3-d or enable_gqa fall back to the unfused math path, ten times slower)
-            ctx_k = ctx_k[:, None].expand(num_kv, group, *ctx_k.shape[1:])
-            ctx_v = ctx_v[:, None].expand(num_kv, group, *ctx_v.shape[1:])
-            if s.has_sinks:  # the fused kernel's own op, which also returns each row's log-sum-exp
-                o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                    qt, ctx_k, ctx_v, 0.0, p.mask is None, attn_mask=p.mask, scale=scale
-                )
-                if sinks is not None:
-                    o = scale_by_sinks(o, lse, sinks.view(num_kv, group, 1))
-            else:
-                o = F.scaled_dot_product_attention(
-                    qt, ctx_k, ctx_v, attn_mask=p.mask, is_causal=p.mask is None, scale=scale
-                )
-            out[p.tokens] = o.reshape(s.num_heads, num_queries, v_size).transpose(0, 1)
-        for d in plan.decodes:
-            dq = q[d.tokens].view(-1, num_kv, group, head_size).transpose(0, 1)  # [KV, B, G, d]
-            batch_size = dq.shape[1]
-            dk, dv = gather(d.blocks)
-            dk = dk.view(num_kv * batch_size, -1, head_size)  # [KV * B, width, d]
-            dv = dv.view(num_kv * batch_size, -1, v_size)
-            scores = torch.bmm(dq.reshape(num_kv * batch_size, group, head_size), dk.transpose(1, 2))
-            scores = scores.view(num_kv, batch_size, group, -1)
-            if cap is None:
-                # one op: float32 scores, scaled, with padding and out-of-window positions at -inf
-                scores = torch.add(d.mask, scores, alpha=scale)
-            else:
-                scores = torch.add(d.mask, torch.tanh(scores.float() * (scale / cap)), alpha=cap)
-            if sinks is None:
-                probs = scores.softmax(-1).to(q.dtype).view(num_kv * batch_size, group, -1)
-            else:  # one more logit per row, dropped after the softmax
-                column = sinks.view(num_kv, 1, group, 1).expand(num_kv, batch_size, group, 1)
-                probs = torch.cat([scores, column], -1).softmax(-1)[..., :-1]
-                probs = probs.to(q.dtype).reshape(num_kv * batch_size, group, -1)
-            o = torch.bmm(probs, dv).view(num_kv, batch_size, group, v_size)
-            out.view(-1, num_kv, group, v_size)[d.tokens] = o.transpose(0, 1)
-        return out
+        num_queries = p.tokens.stop - p.tokens.start
+        qt = q[p.tokens].transpose(0, 1).view(num_kv, group, num_queries, head_size)
+        if p.blocks is None:
+            ctx_k, ctx_v = k[p.tokens].transpose(0, 1), v[p.tokens].transpose(0, 1)
+        else:
+            ctx_k, ctx_v = self._gather(kv_cache, p.blocks, q.dtype)
+            width = p.mask.shape[-1]
+            ctx_k, ctx_v = ctx_k[:, p.skip : p.skip + width], ctx_v[:, p.skip : p.skip + width]
+        # torch's fused kernel cannot cap logits, nor give the log-sum-exp for sinks with V narrower than K
+        if cap is not None or (s.has_sinks and v_size != head_size):
+            o = explicit_attention(
+                q[p.tokens].transpose(0, 1),
+                ctx_k,
+                ctx_v,
+                p.mask,
+                scale,
+                cap,
+                None if sinks is None else sinks.view(-1, 1),
+            )
+            out[p.tokens] = o.transpose(0, 1)
+            return
+        # 4-d inputs and K/V broadcast over each KV head's query heads keep torch on its fused kernel
+        # (3-d or enable_gqa fall back to the unfused math path, ten times slower)
+        ctx_k = ctx_k[:, None].expand(num_kv, group, *ctx_k.shape[1:])
+        ctx_v = ctx_v[:, None].expand(num_kv, group, *ctx_v.shape[1:])
+        if s.has_sinks:  # the fused kernel's own op, which also returns each row's log-sum-exp
+            o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                qt, ctx_k, ctx_v, 0.0, p.mask is None, attn_mask=p.mask, scale=scale
+            )
+            if sinks is not None:
+                o = scale_by_sinks(o, lse, sinks.view(num_kv, group, 1))
+        else:
+            o = F.scaled_dot_product_attention(
+                qt, ctx_k, ctx_v, attn_mask=p.mask, is_causal=p.mask is None, scale=scale
+            )
+        out[p.tokens] = o.reshape(s.num_heads, num_queries, v_size).transpose(0, 1)
+
+    def _decode_group(
+        self,
+        out: torch.Tensor,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        d: _DecodeGroup,
+        sinks: torch.Tensor | None,
+    ) -> None:
+        """One group of decodes on the PyTorch path: two `bmm` calls over the gathered K/V with a float32
+        softmax between them (capped scores, a sink column where the layer has sinks)."""
+        s = self.spec
+        cap, scale = s.logits_soft_cap, s.softmax_scale
+        num_kv, head_size, v_size = kv_cache.shape[1], s.head_size, s.v_size
+        group = s.num_heads // num_kv
+        dq = q[d.tokens].view(-1, num_kv, group, head_size).transpose(0, 1)  # [KV, B, G, d]
+        batch_size = dq.shape[1]
+        dk, dv = self._gather(kv_cache, d.blocks, q.dtype)
+        dk = dk.view(num_kv * batch_size, -1, head_size)  # [KV * B, width, d]
+        dv = dv.view(num_kv * batch_size, -1, v_size)
+        scores = torch.bmm(dq.reshape(num_kv * batch_size, group, head_size), dk.transpose(1, 2))
+        scores = scores.view(num_kv, batch_size, group, -1)
+        if cap is None:
+            # one op: float32 scores, scaled, with padding and out-of-window positions at -inf
+            scores = torch.add(d.mask, scores, alpha=scale)
+        else:
+            scores = torch.add(d.mask, torch.tanh(scores.float() * (scale / cap)), alpha=cap)
+        if sinks is None:
+            probs = scores.softmax(-1).to(q.dtype).view(num_kv * batch_size, group, -1)
+        else:  # one more logit per row, dropped after the softmax
+            column = sinks.view(num_kv, 1, group, 1).expand(num_kv, batch_size, group, 1)
+            probs = torch.cat([scores, column], -1).softmax(-1)[..., :-1]
+            probs = probs.to(q.dtype).reshape(num_kv * batch_size, group, -1)
+        o = torch.bmm(probs, dv).view(num_kv, batch_size, group, v_size)
+        out.view(-1, num_kv, group, v_size)[d.tokens] = o.transpose(0, 1)
 
 
 _workspaces: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}

@@ -143,6 +143,8 @@ class TritonAttnBackend(PagedBackend):
         metadata: TritonAttnMetadata,
         sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """Store the new K/V, then run the step's tiles through the kernel (split-K: then merge the
+        slices)."""
         s = self.spec
         if sinks is not None:
             sinks = sinks.to(torch.float32).contiguous()  # the layer's parameter already is
@@ -162,13 +164,7 @@ class TritonAttnBackend(PagedBackend):
         if num_tiles == 0:
             return out
         splits = plan.num_splits
-        if splits > 1:  # per (token, query head, slice): running max and sum, and the unnormalised output
-            partial_ml = torch.empty(2, q.shape[0], s.num_heads, splits, dtype=torch.float32, device=q.device)
-            partial_out = torch.empty(
-                q.shape[0], s.num_heads, splits, head_size, dtype=torch.float32, device=q.device
-            )
-        else:  # not read: the kernel writes `out` itself
-            partial_ml = partial_out = out
+        partial_ml, partial_out = self._split_scratch(q, out, head_size, splits)
         batch = metadata.batch
         _kernel()[(num_tiles, num_kv, splits)](
             out,
@@ -210,20 +206,54 @@ class TritonAttnBackend(PagedBackend):
             num_stages=2,
         )
         if splits > 1:
-            _merge_kernel()[(batch.num_tokens, s.num_heads)](
-                out,
-                partial_ml,
-                partial_out,
-                q.shape[0] * s.num_heads * splits,
-                out.stride(0),
-                out.stride(1),
-                NUM_HEADS=s.num_heads,
-                HEAD_SIZE=head_size,
-                HEAD_PAD=head_pad,
-                NUM_SPLITS=splits,
-                num_warps=4,
+            self._merge(
+                out, partial_ml, partial_out, q.shape[0], batch.num_tokens, head_size, head_pad, splits
             )
         return out
+
+    def _split_scratch(
+        self, q: torch.Tensor, out: torch.Tensor, head_size: int, splits: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Split-K's float32 partials, per (token, query head, slice): the running max and sum, and the
+        unnormalised output. Without splits the kernel writes `out` itself and reads neither: both are
+        `out`, a placeholder."""
+        num_heads = self.spec.num_heads
+        if splits > 1:
+            partial_ml = torch.empty(2, q.shape[0], num_heads, splits, dtype=torch.float32, device=q.device)
+            partial_out = torch.empty(
+                q.shape[0], num_heads, splits, head_size, dtype=torch.float32, device=q.device
+            )
+        else:  # not read: the kernel writes `out` itself
+            partial_ml = partial_out = out
+        return partial_ml, partial_out
+
+    def _merge(
+        self,
+        out: torch.Tensor,
+        partial_ml: torch.Tensor,
+        partial_out: torch.Tensor,
+        num_rows: int,
+        num_tokens: int,
+        head_size: int,
+        head_pad: int,
+        splits: int,
+    ) -> None:
+        """The second kernel of split-K: each (token, query head)'s slices merged into `out`. `num_rows`:
+        the tokens `partial_ml` was sized for, which sets its stride between max and sum."""
+        num_heads = self.spec.num_heads
+        _merge_kernel()[(num_tokens, num_heads)](
+            out,
+            partial_ml,
+            partial_out,
+            num_rows * num_heads * splits,
+            out.stride(0),
+            out.stride(1),
+            NUM_HEADS=num_heads,
+            HEAD_SIZE=head_size,
+            HEAD_PAD=head_pad,
+            NUM_SPLITS=splits,
+            num_warps=4,
+        )
 
 
 def _tile_limits(head_pad: int, dot_bytes: int) -> tuple[int, int]:

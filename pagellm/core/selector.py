@@ -157,24 +157,9 @@ def select_attention_backend(
     rejected = {n: r for n, r in reasons.items() if r}
     specs = {n: candidate_spec(registry.attention_backends[n], spec, choose_block_size) for n in compatible}
     if requested.lower() != AUTO:
-        name = requested.upper()
-        if name not in registry.attention_backends:
-            raise BackendUnsupportedError(
-                f"Attention backend {requested!r} does not exist. Registered backends: "
-                f"{', '.join(reasons) or 'none'}; compatible here: {', '.join(compatible) or 'none'}. "
-                f"Use --attention-backend {compatible[0] if compatible else AUTO}."
-            )
-        if rejected.get(name):
-            raise BackendUnsupportedError(
-                f"Attention backend {name} cannot run this model on {platform.name}: "
-                f"{'; '.join(rejected[name])}. Compatible here: {', '.join(compatible) or 'none'}. "
-                f"Use --attention-backend {compatible[0] if compatible else AUTO}."
-            )
-        explanation = [
-            f"attention backend {name} (requested)",
-            _block_size_line(name, specs, choose_block_size),
-        ]
-        return BackendChoice(registry.attention_backends[name], specs[name], rejected, {}, explanation)
+        return _requested_backend(
+            registry, platform, requested, reasons, compatible, rejected, specs, choose_block_size
+        )
     if not compatible:
         detail = "; ".join(f"{n}: {', '.join(r)}" for n, r in rejected.items())
         shapes = spec.shape_key() + (
@@ -183,6 +168,65 @@ def select_attention_backend(
         raise BackendUnsupportedError(
             f"No attention backend can run this model on {platform.name} ({shapes}). {detail or 'none registered'}."
         )
+    chosen, how, timings = _auto_backend(
+        registry, platform, compatible, specs, timer, cache, load_probe, choose_block_size
+    )
+    explanation = [f"attention backend {chosen} (auto: {how})"]
+    ranking = list(reasons)
+    for name in ranking[: ranking.index(chosen)]:
+        if name in rejected:
+            explanation.append(f"  rejected {name}: {'; '.join(rejected[name])}")
+        else:
+            explanation.append(f"  slower: {name}")
+    explanation.append(_block_size_line(chosen, specs, choose_block_size))
+    return BackendChoice(registry.attention_backends[chosen], specs[chosen], rejected, timings, explanation)
+
+
+def _requested_backend(
+    registry: Registry,
+    platform: type[Platform],
+    requested: str,
+    reasons: dict[str, list[str]],
+    compatible: list[str],
+    rejected: dict[str, list[str]],
+    specs: dict[str, AttentionSpec],
+    choose_block_size: bool,
+) -> BackendChoice:
+    """The backend named by --attention-backend, or an error naming the compatible ones when it does not
+    exist or cannot run the model."""
+    name = requested.upper()
+    if name not in registry.attention_backends:
+        raise BackendUnsupportedError(
+            f"Attention backend {requested!r} does not exist. Registered backends: "
+            f"{', '.join(reasons) or 'none'}; compatible here: {', '.join(compatible) or 'none'}. "
+            f"Use --attention-backend {compatible[0] if compatible else AUTO}."
+        )
+    if rejected.get(name):
+        raise BackendUnsupportedError(
+            f"Attention backend {name} cannot run this model on {platform.name}: "
+            f"{'; '.join(rejected[name])}. Compatible here: {', '.join(compatible) or 'none'}. "
+            f"Use --attention-backend {compatible[0] if compatible else AUTO}."
+        )
+    explanation = [
+        f"attention backend {name} (requested)",
+        _block_size_line(name, specs, choose_block_size),
+    ]
+    return BackendChoice(registry.attention_backends[name], specs[name], rejected, {}, explanation)
+
+
+def _auto_backend(
+    registry: Registry,
+    platform: type[Platform],
+    compatible: list[str],
+    specs: dict[str, AttentionSpec],
+    timer: Timer | None,
+    cache: TimingCache | None,
+    load_probe: Callable[[], Callable[[], float | None]],
+    choose_block_size: bool,
+) -> tuple[str, str, dict[str, float]]:
+    """Auto's choice among the compatible backends, how it was made (for the explanation) and the
+    timings: the first in preference order, or, when a `timer` measured them while the machine was not
+    busy, the first that no other beats by more than `TIMING_MARGIN` (`_within_margin`)."""
     timings: dict[str, float] = {}
     chosen = compatible[0]
     how = "the only compatible backend" if len(compatible) == 1 else "first compatible in preference order"
@@ -205,15 +249,7 @@ def select_attention_backend(
                 else "first in preference order within 10% of the fastest"
             )
             how = f"{why}: {shown}"
-    explanation = [f"attention backend {chosen} (auto: {how})"]
-    ranking = list(reasons)
-    for name in ranking[: ranking.index(chosen)]:
-        if name in rejected:
-            explanation.append(f"  rejected {name}: {'; '.join(rejected[name])}")
-        else:
-            explanation.append(f"  slower: {name}")
-    explanation.append(_block_size_line(chosen, specs, choose_block_size))
-    return BackendChoice(registry.attention_backends[chosen], specs[chosen], rejected, timings, explanation)
+    return chosen, how, timings
 
 
 TIMING_MARGIN = 0.10
