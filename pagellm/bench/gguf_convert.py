@@ -266,9 +266,30 @@ def convert_hf_checkpoint(
     import gguf
     from transformers import AutoConfig, AutoTokenizer
 
-    from pagellm.models.loader import iter_checkpoint_weights
-
     config = AutoConfig.from_pretrained(directory)
+    family = _family_of(config)
+    moe = config.model_type in ("qwen3_moe", "qwen2_moe", "mixtral")
+    if moe:
+        _check_moe(config, family.arch)
+    arch = getattr(gguf.MODEL_ARCH, family.arch)
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads or config.num_attention_heads
+    target = Path(target)
+    partial = target.with_name(target.name + ".partial")
+    writer = gguf.GGUFWriter(str(partial), gguf.MODEL_ARCH_NAMES[arch])
+    writer.add_name(Path(directory).name)
+    _add_hparams(writer, config, heads, kv_heads, dtype_name)
+    extra_tensors = family.keys(writer, config) if family.keys else []
+    _add_tokenizer(writer, AutoTokenizer.from_pretrained(directory), config, family.tokenizer_pre)
+    _add_tensors(writer, directory, config, family, arch, moe, dtype_name, heads, kv_heads)
+    for gguf_name, data in extra_tensors:
+        writer.add_tensor(gguf_name, data)
+    _finish(writer, partial, target)
+    return target
+
+
+def _family_of(config: Any) -> _Family:
+    """The family a checkpoint converts as; refuses model types and sliding-window checkpoints the
+    conversion does not write."""
     family = _FAMILIES.get(config.model_type)
     if family is None:
         raise ValueError(
@@ -279,16 +300,13 @@ def convert_hf_checkpoint(
             raise ValueError(
                 "no GGUF conversion for sliding-window checkpoints; pass --llama-model with a GGUF file"
             )
-    moe = config.model_type in ("qwen3_moe", "qwen2_moe", "mixtral")
-    if moe:
-        _check_moe(config, family.arch)
-    arch = getattr(gguf.MODEL_ARCH, family.arch)
-    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads or config.num_attention_heads
+    return family
+
+
+def _add_hparams(writer: Any, config: Any, heads: int, kv_heads: int, dtype_name: str) -> None:
+    """The model's shape, rope and file type as GGUF keys (`heads` and `kv_heads` as the tensors are
+    permuted for)."""
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    target = Path(target)
-    partial = target.with_name(target.name + ".partial")
-    writer = gguf.GGUFWriter(str(partial), gguf.MODEL_ARCH_NAMES[arch])
-    writer.add_name(Path(directory).name)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
     writer.add_block_count(config.num_hidden_layers)
@@ -304,8 +322,25 @@ def convert_hf_checkpoint(
     partial_rotary = _rope(config).get("partial_rotary_factor") or 1.0
     writer.add_rope_dimension_count(int(partial_rotary * heads * head_dim) // heads)
     writer.add_file_type(_gguf_type(dtype_name)[1])
-    extra_tensors = family.keys(writer, config) if family.keys else []
-    _add_tokenizer(writer, AutoTokenizer.from_pretrained(directory), config, family.tokenizer_pre)
+
+
+def _add_tensors(
+    writer: Any,
+    directory: str | os.PathLike,
+    config: Any,
+    family: _Family,
+    arch: Any,
+    moe: bool,
+    dtype_name: str,
+    heads: int,
+    kv_heads: int,
+) -> None:
+    """The checkpoint's tensors under their GGUF names, in checkpoint order: q/k rows permuted and norms
+    shifted as the family needs, MoE experts stacked per layer, routers kept in float32."""
+    import gguf
+
+    from pagellm.models.loader import iter_checkpoint_weights
+
     names = gguf.get_tensor_name_map(arch, config.num_hidden_layers)
     tied = bool(getattr(config, "tie_word_embeddings", False))
     experts = _ExpertStacker(_expert_count(config)) if moe else None
@@ -336,10 +371,6 @@ def convert_hf_checkpoint(
         writer.add_tensor(gguf_name, data, raw_dtype=qtype)
     if experts is not None:
         experts.check_done()
-    for gguf_name, data in extra_tensors:
-        writer.add_tensor(gguf_name, data)
-    _finish(writer, partial, target)
-    return target
 
 
 def _add_tokenizer(writer: Any, tokenizer: Any, config: Any, pre: str) -> None:

@@ -722,6 +722,106 @@ async def _calibrate(client: Any, target: Target, plans: Iterator[Planned], args
     return len(done) / max(done)
 
 
+@dataclass
+class _Load:
+    """One soak's state as it runs, shared by the arrivals, the sampler and the drain: the sampler reads
+    `phase` as the run moves from load to drain."""
+
+    t0: float
+    phase: str = "load"
+    outcomes: list[Outcome] = field(default_factory=list)
+    tasks: list[asyncio.Task] = field(default_factory=list)
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    progress: Progress = field(default_factory=Progress)
+
+
+async def _server_metrics(client: Any, target: Target) -> dict[str, float]:
+    return parse_metrics((await client.get(target.base_url + "/metrics", timeout=30)).text)
+
+
+async def _offered_rate(
+    client: Any, target: Target, args: SoakArgs, mix: Mix, own: tuple[int, int], lengths: tuple[int, int]
+) -> tuple[float, float | None]:
+    """The request rate to offer, and the calibrated rate it came from (None: --request-rate gave it)."""
+    if args.request_rate is not None:
+        return args.request_rate, None
+    echo(
+        f"calibrating: {args.calibration_concurrency} clients for {args.calibration_s:g} s ...",
+        err=True,
+    )
+    # its own draws, so the load's traffic is the same however many requests calibration sent
+    calibration = plan_requests(args.traffic_seed + 1, mix, len(target.adapters), own, lengths)
+    calibrated = await _calibrate(client, target, calibration, args)
+    rate = args.overload * calibrated
+    echo(f"the server served {calibrated:.2f} req/s; offering {rate:.2f} req/s", err=True)
+    return rate, calibrated
+
+
+async def _sample(client: Any, target: Target, args: SoakArgs, memory: Memory | None, load: _Load) -> None:
+    """Every `sample_interval`, a row of the server's metrics and RSS and the client's progress, echoed;
+    runs until cancelled."""
+    while True:
+        await asyncio.sleep(args.sample_interval)
+        now = time.perf_counter() - load.t0
+        rss = memory.rss_mib() if memory else None
+        asked = time.perf_counter()
+        values = await _server_metrics(client, target)
+        rows = load.rows
+        rows.append(sample_row(now, load.phase, values, rss, load.progress, args.sample_interval))
+        rows[-1]["metrics_ms"] = round((time.perf_counter() - asked) * 1000, 1)
+        echo(
+            f"{now:6.0f} s {load.phase}: sent {load.progress.sent}, running {rows[-1]['running']}, waiting "
+            f"{rows[-1]['waiting']}, RSS {rss or 0:.0f} MiB",
+            err=True,
+        )
+
+
+async def _offer(
+    client: Any, target: Target, args: SoakArgs, plans: Iterator[Planned], rate: float, load: _Load
+) -> None:
+    """Send the planned requests as Poisson arrivals at `rate` for `duration`, each in its own task, without
+    waiting for answers."""
+
+    async def one(plan: Planned, o: Outcome) -> None:
+        await send(client, target, plan, o, load.t0)
+        load.progress.end(o)
+
+    arrivals = np.random.RandomState(args.traffic_seed)
+    offset = 0.0
+    while offset < args.duration:
+        await asyncio.sleep(max(0.0, offset - (time.perf_counter() - load.t0)))
+        plan = next(plans)
+        load.outcomes.append(Outcome(plan))
+        load.progress.sent += 1
+        load.tasks.append(asyncio.create_task(one(plan, load.outcomes[-1])))
+        offset += arrivals.exponential(1.0 / rate)
+
+
+async def _drain_load(args: SoakArgs, load: _Load) -> None:
+    """Wait for the requests still open until none has ended for `drain_timeout`; the rest are cancelled
+    and count as errors."""
+    open_tasks = await drain(load.tasks, args.drain_timeout)
+    for task in open_tasks:
+        task.cancel()
+    await asyncio.gather(*open_tasks, return_exceptions=True)
+    for task, o in zip(load.tasks, load.outcomes, strict=True):
+        if task in open_tasks:  # never answered, or never ended
+            o.error = f"still open when no request had ended for {args.drain_timeout:g} s of the drain"
+            load.progress.end(o)
+
+
+async def _settled_metrics(client: Any, target: Target) -> dict[str, float]:
+    """The server's metrics once it runs and queues nothing, or after 30 s."""
+    deadline = time.monotonic() + 30
+    after = await _server_metrics(client, target)
+    while time.monotonic() < deadline and (
+        after.get("pagellm:num_requests_running") or after.get("pagellm:num_requests_waiting")
+    ):
+        await asyncio.sleep(0.5)
+        after = await _server_metrics(client, target)
+    return after
+
+
 async def _soak(target: Target, args: SoakArgs, memory: Memory | None) -> dict[str, Any]:
     import httpx
 
@@ -732,85 +832,25 @@ async def _soak(target: Target, args: SoakArgs, memory: Memory | None) -> dict[s
     plans = plan_requests(args.traffic_seed, mix, len(target.adapters), own, lengths)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(timeout=httpx.Timeout(None), limits=limits) as client:
-
-        async def metrics() -> dict[str, float]:
-            return parse_metrics((await client.get(target.base_url + "/metrics", timeout=30)).text)
-
-        rate = args.request_rate
-        calibrated = None
-        if rate is None:
-            echo(
-                f"calibrating: {args.calibration_concurrency} clients for {args.calibration_s:g} s ...",
-                err=True,
-            )
-            # its own draws, so the load's traffic is the same however many requests calibration sent
-            calibration = plan_requests(args.traffic_seed + 1, mix, len(target.adapters), own, lengths)
-            calibrated = await _calibrate(client, target, calibration, args)
-            rate = args.overload * calibrated
-            echo(f"the server served {calibrated:.2f} req/s; offering {rate:.2f} req/s", err=True)
-        before = await metrics()
-        outcomes: list[Outcome] = []
-        progress = Progress()
-        rows: list[dict[str, Any]] = []
-        tasks: list[asyncio.Task] = []
-        t0 = time.perf_counter()
-        phase = "load"
-
-        async def sampler() -> None:
-            while True:
-                await asyncio.sleep(args.sample_interval)
-                now = time.perf_counter() - t0
-                rss = memory.rss_mib() if memory else None
-                asked = time.perf_counter()
-                values = await metrics()
-                rows.append(sample_row(now, phase, values, rss, progress, args.sample_interval))
-                rows[-1]["metrics_ms"] = round((time.perf_counter() - asked) * 1000, 1)
-                echo(
-                    f"{now:6.0f} s {phase}: sent {progress.sent}, running {rows[-1]['running']}, waiting "
-                    f"{rows[-1]['waiting']}, RSS {rss or 0:.0f} MiB",
-                    err=True,
-                )
-
-        async def one(plan: Planned, o: Outcome) -> None:
-            await send(client, target, plan, o, t0)
-            progress.end(o)
-
-        sampling = asyncio.create_task(sampler())
-        arrivals = np.random.RandomState(args.traffic_seed)
-        offset = 0.0
-        while offset < args.duration:
-            await asyncio.sleep(max(0.0, offset - (time.perf_counter() - t0)))
-            plan = next(plans)
-            outcomes.append(Outcome(plan))
-            progress.sent += 1
-            tasks.append(asyncio.create_task(one(plan, outcomes[-1])))
-            offset += arrivals.exponential(1.0 / rate)
-        phase = "drain"
-        open_tasks = await drain(tasks, args.drain_timeout)
-        for task in open_tasks:
-            task.cancel()
-        await asyncio.gather(*open_tasks, return_exceptions=True)
-        for task, o in zip(tasks, outcomes, strict=True):
-            if task in open_tasks:  # never answered, or never ended
-                o.error = f"still open when no request had ended for {args.drain_timeout:g} s of the drain"
-                progress.end(o)
-        deadline = time.monotonic() + 30
-        after = await metrics()
-        while time.monotonic() < deadline and (
-            after.get("pagellm:num_requests_running") or after.get("pagellm:num_requests_waiting")
-        ):
-            await asyncio.sleep(0.5)
-            after = await metrics()
+        rate, calibrated = await _offered_rate(client, target, args, mix, own, lengths)
+        before = await _server_metrics(client, target)
+        load = _Load(t0=time.perf_counter())
+        sampling = asyncio.create_task(_sample(client, target, args, memory, load))
+        await _offer(client, target, args, plans, rate, load)
+        load.phase = "drain"
+        await _drain_load(args, load)
+        after = await _settled_metrics(client, target)
         sampling.cancel()
-        phase = "after"
-        now = time.perf_counter() - t0
+        load.phase = "after"
+        now = time.perf_counter() - load.t0
         rss_after = memory.rss_mib() if memory else None
-        rows.append(sample_row(now, phase, after, rss_after, progress, args.sample_interval))
+        load.rows.append(sample_row(now, load.phase, after, rss_after, load.progress, args.sample_interval))
+    rows = load.rows
     warm = next((r["rss_mib"] for r in rows if r["time_s"] >= args.warmup()), None)
     return {
         "rate": rate,
         "calibrated_rate": calibrated,
-        "outcomes": outcomes,
+        "outcomes": load.outcomes,
         "rows": rows,
         "before": before,
         "after": after,

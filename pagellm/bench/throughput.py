@@ -175,6 +175,33 @@ def main(args: ThroughputArgs) -> dict[str, Any]:
     warm_up(llm)
     machine = args.llm_machine(llm)
     before = llm.engine.stats()
+    results = _run_pagellm_variants(llm, requests, args, adapters, machine)
+    dtype, device = llm.engine.setup.dtype, llm.engine.runner.device
+    speculation = acceptance(before, llm.engine.stats()) if config.speculative else None
+    del llm
+    gc.collect()
+    if speculation is not None:  # the same run without it, for the speedup
+        results["pagellm without speculation"] = _run_without_speculation(config, requests)
+    skipped = _run_peers(config, requests, dtype, device, args, results)
+    rows, floor, ratios = _echo_report(results, speculation, skipped)
+    sections = {
+        "workload": requests.describe(),
+        "results": rows,
+        "ratio": ratios.get("transformers"),
+        "ratios": ratios,
+        "skipped": skipped,
+        "floor": floor,
+        "speculation": speculation,
+    }
+    write_json(args.output_json, "throughput", config, **sections)
+    return sections
+
+
+def _run_pagellm_variants(
+    llm: LLM, requests: Workload, args: ThroughputArgs, adapters: list[LoRARequest], machine: Machine
+) -> dict[str, ThroughputResult]:
+    """pagellm's run, then the same requests over the LoRA adapters and under the JSON schema where asked,
+    each after a prefix-cache reset so it gets no head start from the runs before."""
     results = {"pagellm": run_pagellm(llm, requests, machine=machine)}
     progress(results["pagellm"])
     if adapters:  # the same requests spread over the adapters, for their cost
@@ -189,18 +216,32 @@ def main(args: ThroughputArgs) -> dict[str, Any]:
             llm, requests, "pagellm + JSON schema", structured_outputs=schema
         )
         progress(results["pagellm + JSON schema"])
-    dtype, device = llm.engine.setup.dtype, llm.engine.runner.device
-    speculation = acceptance(before, llm.engine.stats()) if config.speculative else None
-    del llm
+    return results
+
+
+def _run_without_speculation(config: EngineConfig, requests: Workload) -> ThroughputResult:
+    """The same run on an engine without speculative decoding, built after the first one is freed: the
+    baseline of speculation's speedup."""
+    plain = make_llm(config.replace(speculative_config=None))
+    warm_up(plain)
+    result = run_pagellm(plain, requests)
+    result.engine = "pagellm without speculation"
+    progress(result)
+    del plain
     gc.collect()
-    if speculation is not None:  # the same run without it, for the speedup
-        plain = make_llm(config.replace(speculative_config=None))
-        warm_up(plain)
-        results["pagellm without speculation"] = run_pagellm(plain, requests)
-        results["pagellm without speculation"].engine = "pagellm without speculation"
-        progress(results["pagellm without speculation"])
-        del plain
-        gc.collect()
+    return result
+
+
+def _run_peers(
+    config: EngineConfig,
+    requests: Workload,
+    dtype: Any,
+    device: Any,
+    args: ThroughputArgs,
+    results: dict[str, ThroughputResult],
+) -> dict[str, str]:
+    """The peers in `args.compare`, their results added to `results`; returns the reasons of those
+    skipped."""
     if "transformers" in args.compare:
         peer_dtype = getattr(torch, args.peer_dtype) if args.peer_dtype else dtype
         name = "transformers" if peer_dtype == dtype else f"transformers in {args.peer_dtype}"
@@ -215,6 +256,15 @@ def main(args: ThroughputArgs) -> dict[str, Any]:
             echo(f"llama.cpp peer skipped: {reason}", err=True)
         else:
             results["llama.cpp"] = result
+    return skipped
+
+
+def _echo_report(
+    results: dict[str, ThroughputResult], speculation: dict[str, Any] | None, skipped: dict[str, str]
+) -> tuple[dict[str, dict[str, Any]], dict[str, Any], dict[str, float]]:
+    """Print the table, the floor, pagellm's ratio to every other run (speculation's speedup added to
+    `speculation`), llama.cpp's every setting and the peers skipped; returns the rows, the floor and the
+    ratios."""
     rows = {name: with_floor(r.as_dict()) for name, r in results.items()}
     floor = results["pagellm"].extra["floor"]
     echo(table([*rows.values(), floor_row(floor, rows["pagellm"])]))
@@ -238,17 +288,7 @@ def main(args: ThroughputArgs) -> dict[str, Any]:
         )
     for name, reason in skipped.items():
         echo(f"{name}: skipped ({reason})")
-    sections = {
-        "workload": requests.describe(),
-        "results": rows,
-        "ratio": ratios.get("transformers"),
-        "ratios": ratios,
-        "skipped": skipped,
-        "floor": floor,
-        "speculation": speculation,
-    }
-    write_json(args.output_json, "throughput", config, **sections)
-    return sections
+    return rows, floor, ratios
 
 
 def _run_transformers(

@@ -41,22 +41,52 @@ def prefill_body(body: dict[str, Any]) -> dict[str, Any] | None:
 
 def build_proxy_app(prefill_urls: list[str], decode_urls: list[str], timeout_s: float = 600.0) -> FastAPI:
     """The proxy's ASGI app over these engines' base URLs (e.g. http://127.0.0.1:8100)."""
-    prefills = itertools.cycle([u.rstrip("/") for u in prefill_urls])
-    decodes = itertools.cycle([u.rstrip("/") for u in decode_urls])
-    client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=5.0))
+    proxy = _Proxy(prefill_urls, decode_urls, timeout_s)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         yield
-        await client.aclose()
+        await proxy.client.aclose()
 
     app = FastAPI(title="pagellm disaggregation proxy", lifespan=lifespan)
 
-    async def prefill(path: str, body: dict[str, Any], headers: dict[str, str]) -> Response | dict | None:
+    @app.post("/v1/completions")
+    async def completions(raw: Request) -> Response:
+        return await proxy.forward("/v1/completions", raw)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(raw: Request) -> Response:
+        return await proxy.forward("/v1/chat/completions", raw)
+
+    @app.get("/v1/models")
+    async def models(raw: Request) -> Response:
+        return await proxy.models(raw)
+
+    @app.get("/health")
+    async def health() -> Response:
+        """200 when every engine answers /health with 200, else 503 naming those that do not."""
+        return await proxy.health()
+
+    return app
+
+
+class _Proxy:
+    """What the app's routes share: the engines, taken in turn, and one HTTP client to them all (closed
+    with the app)."""
+
+    def __init__(self, prefill_urls: list[str], decode_urls: list[str], timeout_s: float):
+        self.prefill_urls, self.decode_urls = prefill_urls, decode_urls
+        self.prefills = itertools.cycle([u.rstrip("/") for u in prefill_urls])
+        self.decodes = itertools.cycle([u.rstrip("/") for u in decode_urls])
+        self.client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=5.0))
+
+    async def prefill(
+        self, path: str, body: dict[str, Any], headers: dict[str, str]
+    ) -> Response | dict | None:
         """The prefill engine's kv_transfer_params, None when it failed, or its refusal to pass on."""
-        url = next(prefills) + path
+        url = next(self.prefills) + path
         try:
-            response = await client.post(url, json=prefill_body(body), headers=headers)
+            response = await self.client.post(url, json=prefill_body(body), headers=headers)
         except httpx.HTTPError as exc:
             logger.warning("prefill engine %s failed (%s); the decode engine computes the prompt", url, exc)
             return None
@@ -71,19 +101,22 @@ def build_proxy_app(prefill_urls: list[str], decode_urls: list[str], timeout_s: 
             return None
         return response.json().get("kv_transfer_params")
 
-    async def forward(path: str, raw: Request) -> Response:
+    async def forward(self, path: str, raw: Request) -> Response:
+        """A completion or chat completion: prefilled where it splits, then the decode engine's answer,
+        streamed through as it comes or whole."""
         try:
             body = await raw.json()
         except ValueError:
             return _error(400, "the body is not JSON")
-        headers = {k: v for k, v in raw.headers.items() if k.lower() in _FORWARDED_HEADERS}
+        headers = _forwarded_headers(raw)
         if prefill_body(body) is not None:
-            params = await prefill(path, body, headers)
+            params = await self.prefill(path, body, headers)
             if isinstance(params, Response):
                 return params
             if params:
                 body = {**body, "kv_transfer_params": params}
-        url = next(decodes) + path
+        url = next(self.decodes) + path
+        client = self.client
         try:
             response = await client.send(
                 client.build_request("POST", url, json=body, headers=headers), stream=True
@@ -99,36 +132,29 @@ def build_proxy_app(prefill_urls: list[str], decode_urls: list[str], timeout_s: 
         await response.aclose()
         return Response(content, response.status_code, media_type=media_type)
 
-    @app.post("/v1/completions")
-    async def completions(raw: Request) -> Response:
-        return await forward("/v1/completions", raw)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(raw: Request) -> Response:
-        return await forward("/v1/chat/completions", raw)
-
-    @app.get("/v1/models")
-    async def models(raw: Request) -> Response:
-        headers = {k: v for k, v in raw.headers.items() if k.lower() in _FORWARDED_HEADERS}
+    async def models(self, raw: Request) -> Response:
+        """A decode engine's model list."""
+        headers = _forwarded_headers(raw)
         try:
-            response = await client.get(next(decodes) + "/v1/models", headers=headers)
+            response = await self.client.get(next(self.decodes) + "/v1/models", headers=headers)
         except httpx.HTTPError as exc:
             return _error(502, f"the decode engine cannot be reached: {exc}")
         return Response(response.content, response.status_code, media_type="application/json")
 
-    @app.get("/health")
-    async def health() -> Response:
-        """200 when every engine answers /health with 200, else 503 naming those that do not."""
+    async def health(self) -> Response:
         down = []
-        for url in sorted(set(prefill_urls) | set(decode_urls)):
+        for url in sorted(set(self.prefill_urls) | set(self.decode_urls)):
             try:
-                if (await client.get(url.rstrip("/") + "/health", timeout=5.0)).status_code != 200:
+                if (await self.client.get(url.rstrip("/") + "/health", timeout=5.0)).status_code != 200:
                     down.append(url)
             except httpx.HTTPError:
                 down.append(url)
         return JSONResponse({"down": down}, status_code=503 if down else 200)
 
-    return app
+
+def _forwarded_headers(raw: Request) -> dict[str, str]:
+    """The client's credentials, passed on to the engines."""
+    return {k: v for k, v in raw.headers.items() if k.lower() in _FORWARDED_HEADERS}
 
 
 def _error(status: int, message: str) -> JSONResponse:

@@ -19,18 +19,38 @@ class PrometheusStatLogger:
 
     def __init__(self, model_name: str):
         self.registry = CollectorRegistry()
-        labels = ["model_name"]
+        self.model_name = model_name
+        # created in the order they are exposed
+        self._add_batch_gauges()
+        self._add_request_metrics()
+        self._add_spec_and_transfer_counters()
+        # counters fed from the scheduler's cumulative counts, by increments
+        self._cumulative = [
+            (self.prefix_queries, "prefix_cache_queries"),
+            (self.prefix_hits, "prefix_cache_hits"),
+            (self.preemptions, "num_preemptions"),
+            (self.spec_drafts, "spec_num_drafts"),
+            (self.spec_draft_tokens, "spec_num_draft_tokens"),
+            (self.spec_accepted_tokens, "spec_num_accepted_tokens"),
+            (self.kv_loaded_tokens, "kv_transfer_loaded_tokens"),
+            (self.kv_load_failures, "kv_transfer_load_failures"),
+        ]
+        self._last = SchedulerStats(0, 0, 0.0, 0, 0, 0)
 
-        def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(f"pagellm:{name}", doc, labels, registry=self.registry).labels(model_name)
+    def _gauge(self, name: str, doc: str) -> Gauge:
+        return Gauge(f"pagellm:{name}", doc, ["model_name"], registry=self.registry).labels(self.model_name)
 
-        def counter(name: str, doc: str) -> Counter:
-            return Counter(f"pagellm:{name}", doc, labels, registry=self.registry).labels(model_name)
+    def _counter(self, name: str, doc: str) -> Counter:
+        return Counter(f"pagellm:{name}", doc, ["model_name"], registry=self.registry).labels(self.model_name)
 
-        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-            metric = Histogram(f"pagellm:{name}", doc, labels, buckets=buckets, registry=self.registry)
-            return metric.labels(model_name)
+    def _histogram(self, name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+        metric = Histogram(f"pagellm:{name}", doc, ["model_name"], buckets=buckets, registry=self.registry)
+        return metric.labels(self.model_name)
 
+    def _add_batch_gauges(self) -> None:
+        """The state after each turn: the running batch and queue, the KV cache, adapters, grammars, and
+        whether the compiled forward and the native kernels are in use yet."""
+        gauge = self._gauge
         self.running = gauge("num_requests_running", "Requests in the running batch.")
         self.waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
         self.kv_cache_usage = gauge(
@@ -54,6 +74,11 @@ class PrometheusStatLogger:
             "1 while the platform's native kernels build in the background and steps run the PyTorch paths, "
             "0 once they are taken up (or none were to build).",
         )
+
+    def _add_request_metrics(self) -> None:
+        """Counts and latencies of the requests: prefix-cache lookups, preemptions, rejections, tokens,
+        TTFT, TPOT and end-to-end latency, and finished requests by reason."""
+        counter, histogram = self._counter, self._histogram
         self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
         self.preemptions = counter("num_preemptions", "Requests preempted for lack of KV blocks.")
@@ -73,6 +98,11 @@ class PrometheusStatLogger:
             ["model_name", "finished_reason"],
             registry=self.registry,
         )
+
+    def _add_spec_and_transfer_counters(self) -> None:
+        """Speculative decoding's drafts verified and accepted (also by position), and a KV connector's
+        loads."""
+        counter = self._counter
         self.spec_drafts = counter(
             "spec_decode_num_drafts", "Request steps that verified speculative drafts."
         )
@@ -93,19 +123,6 @@ class PrometheusStatLogger:
             "kv_transfer_load_failures",
             "KV loads that ended short (missing, corrupt, timed out): recomputed.",
         )
-        # counters fed from the scheduler's cumulative counts, by increments
-        self._cumulative = [
-            (self.prefix_queries, "prefix_cache_queries"),
-            (self.prefix_hits, "prefix_cache_hits"),
-            (self.preemptions, "num_preemptions"),
-            (self.spec_drafts, "spec_num_drafts"),
-            (self.spec_draft_tokens, "spec_num_draft_tokens"),
-            (self.spec_accepted_tokens, "spec_num_accepted_tokens"),
-            (self.kv_loaded_tokens, "kv_transfer_loaded_tokens"),
-            (self.kv_load_failures, "kv_transfer_load_failures"),
-        ]
-        self.model_name = model_name
-        self._last = SchedulerStats(0, 0, 0.0, 0, 0, 0)
 
     def record(self, scheduler_stats: SchedulerStats, iteration: IterationStats) -> None:
         s, last = scheduler_stats, self._last
