@@ -60,3 +60,33 @@ def test_readme_links_point_to_files_that_exist():
 def test_the_readme_documents_the_ci_test_command_verbatim():
     command = (ROOT / ".ci" / "run").read_text().strip().splitlines()[-1]
     assert f"```bash\n{command}\n```" in README.read_text()
+
+
+# Measured figures, with their dates and machines, are on performance.md; their history is on performance-log.md
+# (and in commit messages). Every other page, and the README, describes the code as it is (issue 48).
+DATED_PAGES = {"performance.md", "performance-log.md"}
+A_DATE = re.compile(r"\b20\d\d-\d\d-\d\d\b")
+HISTORY = re.compile(
+    r"\bno longer\b|\bused to be\b|\bpredate[sd]?\b|\btoday\b|\buntil recently\b|\bpreviously\b|\bformerly\b"
+    r"|\bbefore (?:the|its|this|that) (?:last |latest )?(?:fix|change|commit|rewrite)\b"
+    r"|\bafter the fix\b|\b(?:ran|took|was|were) before\b|\bbefore the \w+ kernels\b",
+    re.IGNORECASE,
+)
+
+
+def reference_pages() -> list[Path]:
+    pages = [p for p in sorted(DOCS.rglob("*.md")) if str(p.relative_to(DOCS)) not in DATED_PAGES]
+    return [*pages, README]
+
+
+def test_only_the_performance_pages_hold_dates_and_history():
+    found = [
+        f"{page.relative_to(ROOT)}:{n}: {match.group(0)!r}"
+        for page in reference_pages()
+        for n, line in enumerate(page.read_text().splitlines(), 1)
+        for pattern in (A_DATE, HISTORY)
+        for match in pattern.finditer(line)
+    ]
+    assert found == [], (
+        "dated figures or history outside performance.md and performance-log.md: " + "; ".join(found)
+    )
