@@ -75,11 +75,14 @@ def test_dtypes_and_sliding_window(dtype, sliding_window, decode_path):
 
 
 @pytest.mark.parametrize("head_size", [64, 128])
-@pytest.mark.parametrize("heads", [(16, 1), (32, 1), (12, 4)], ids=["group16", "group32", "group3"])
+@pytest.mark.parametrize(
+    "heads", [(16, 1), (32, 1), (12, 4), (14, 2)], ids=["group16", "group32", "group3", "group7"]
+)
 @pytest.mark.parametrize("block_size", [16, 48])
 def test_bf16_decode_shapes(head_size, heads, block_size, decode_path):
     """The AMX path's limits: head sizes 64 and 128, groups up to 16 query heads (32 take the AVX-512 path),
-    blocks of any multiple of 16 tokens; contexts ending mid-tile and mid-block."""
+    blocks of any multiple of 16 tokens; contexts ending mid-tile and mid-block. AVX2's tiles of 8 keys
+    take a group's rows four at a time for the values (7: four, then three)."""
     spec = AttentionSpec(*heads, head_size, torch.bfloat16, block_size=block_size)
     cases = [([1, 15, 16, 17, 31, 33, 100], [1] * 7), ([47, 20], [1, 20])]
     assert check_backend(CpuAttnBackend, spec, "cpu", cases) < TOLERANCE[torch.bfloat16]

@@ -249,6 +249,41 @@ inline void soft_cap_scores(float* scores, int64_t n, float cap) {
   for (; i < n; ++i) scores[i] = cap * std::tanh(scores[i] * inv_cap);
 }
 
+#if PL_AVX512 || PL_AVX2
+// Blocks sit anywhere in memory, so the hardware prefetcher cannot see the next one coming: the score
+// passes fetch the keys of a tile ahead into L1 and its values into L2 for the value pass.
+constexpr int64_t PREFETCH_AHEAD = 32;  // tokens: two tiles ahead hides more of the memory latency than one
+
+template <int64_t K>
+constexpr int64_t elem_size() { return K == F32 ? 4 : (K == BF16 || K == F16) ? 2 : 1; }
+
+template <int Hint>
+inline void prefetch_row(const void* base, int64_t at, int64_t bytes, int64_t elem) {
+  const char* p = static_cast<const char*>(base) + at * elem;
+  for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(p + b, static_cast<_mm_hint>(Hint));
+}
+#endif
+
+#if PL_AVX2
+// lane i of the result = the sum of the 8 lanes of a[i]
+inline __m256 reduce8(const __m256* a) {
+  const __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
+  const __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
+  // per 128-bit half: the sums of a[0..3] (u0) and a[4..7] (u1) over that half's four lanes
+  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+// the 8 unreduced partial products of q and one cached row (head_size a multiple of 8)
+template <int64_t K>
+inline __m256 partial_dot8(const float* q, const void* cache, int64_t at, int64_t d) {
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t i = 0; i < d; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), vload<K>(cache, at + i), acc);
+  return acc;
+}
+
+#endif
+
 #if PL_AVX512
 // lane i of the result = the sum of the 16 lanes of a[i]: 16 horizontal sums in 45 instructions
 inline __m512 reduce16(const __m512* a) {
@@ -264,17 +299,6 @@ inline __m512 reduce16(const __m512* a) {
   __m512 w = _mm512_add_ps(_mm512_shuffle_ps(z[0], z[1], 0x88), _mm512_shuffle_ps(z[0], z[1], 0xDD));
   // w holds tokens 0 4 8 12 1 5 9 13 2 6 10 14 3 7 11 15
   return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), w);
-}
-
-constexpr int64_t PREFETCH_AHEAD = 32;  // tokens: two tiles ahead hides more of the memory latency than one
-
-template <int64_t K>
-constexpr int64_t elem_size() { return K == F32 ? 4 : (K == BF16 || K == F16) ? 2 : 1; }
-
-template <int Hint>
-inline void prefetch_row(const void* base, int64_t at, int64_t bytes, int64_t elem) {
-  const char* p = static_cast<const char*>(base) + at * elem;
-  for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(p + b, static_cast<_mm_hint>(Hint));
 }
 
 // the 16 unreduced partial products of q and one cached row (head_size a multiple of 16)
@@ -408,6 +432,70 @@ void accumulate_values(const Problem& P, const float* scores, int64_t width, con
   }
   for (int r = 0; r < R && row0 + r < rows; ++r)
     for (int c = 0; c < CH; ++c) _mm512_storeu_ps(row_acc + (row0 + r) * CH * 16 + c * 16, acc[r][c]);
+}
+#endif
+
+#if PL_AVX2
+// The scores of 8 keys for all `rows` query rows (head size a multiple of 64), scaled, into
+// scores[row * stride + 0..8): each key is widened once, 64 elements (8 registers) at a time, for every row,
+// where a row-at-a-time tile widens it once per row (a GQA group of 7 rows: a seventh of the widening);
+// each row's 8 partial sums of each key wait in `part` ([rows][8 keys][8 lanes]) for one reduce8 per row.
+template <int64_t K>
+void key_tile_scores8(const float* qf, int64_t rows, const void* cache, const int64_t* at, int64_t d, float scale,
+                      float* scores, int64_t stride, float* part) {
+  for (int i = 0; i < 8; ++i) {
+    for (int64_t e = 0; e < d; e += 64) {
+      __m256 kc[8];
+      for (int c = 0; c < 8; ++c) kc[c] = vload<K>(cache, at[i] + e + c * 8);
+      for (int64_t r = 0; r < rows; ++r) {
+        const float* q = qf + r * d + e;
+        __m256 a = _mm256_mul_ps(_mm256_loadu_ps(q), kc[0]), b = _mm256_mul_ps(_mm256_loadu_ps(q + 8), kc[1]);
+        for (int c = 2; c < 8; c += 2) {
+          a = _mm256_fmadd_ps(_mm256_loadu_ps(q + c * 8), kc[c], a);
+          b = _mm256_fmadd_ps(_mm256_loadu_ps(q + c * 8 + 8), kc[c + 1], b);
+        }
+        float* dst = part + (r * 8 + i) * 8;
+        a = _mm256_add_ps(a, b);
+        _mm256_storeu_ps(dst, e ? _mm256_add_ps(a, _mm256_loadu_ps(dst)) : a);
+      }
+    }
+  }
+  const __m256 vscale = _mm256_set1_ps(scale);
+  for (int64_t r = 0; r < rows; ++r) {
+    __m256 v[8];
+    for (int i = 0; i < 8; ++i) v[i] = _mm256_loadu_ps(part + (r * 8 + i) * 8);
+    _mm256_storeu_ps(scores + r * stride, _mm256_mul_ps(reduce8(v), vscale));
+  }
+}
+
+// row_acc[row0 + r] = sum over positions i of p[r][i] * V[i] for R query rows, 16 columns at a time: the
+// R x 16 accumulators stay in registers, each value row's 16 columns are loaded and widened once for the R
+// rows (a bfloat16 row of 64 is two cache lines: a pass reads half of one, the next pass the other half
+// from L1). Only positions [begin, end) are read, those some row sees: a value row's products with a
+// weight of 0 add nothing (cached values are finite), and a check per position measured ~10% of the
+// loop. Each element sums its products in position order, as the portable loop does.
+template <int64_t K, int R>
+void accumulate_values8(const Problem& P, const float* scores, int64_t width, const int64_t* offsets, int64_t row0,
+                        int64_t begin, int64_t end, float* row_acc) {
+  const int64_t d = P.head_size;
+  const float* s[R];
+  for (int r = 0; r < R; ++r) s[r] = scores + (row0 + r) * width;
+  for (int64_t c0 = 0; c0 < d; c0 += 16) {
+    __m256 acc[R][2];
+    for (int r = 0; r < R; ++r) acc[r][0] = _mm256_setzero_ps(), acc[r][1] = _mm256_setzero_ps();
+    for (int64_t i = begin; i < end; ++i) {
+      const __m256 v0 = vload<K>(P.v, offsets[i] + c0), v1 = vload<K>(P.v, offsets[i] + c0 + 8);
+      for (int r = 0; r < R; ++r) {
+        const __m256 pv = _mm256_broadcast_ss(s[r] + i);
+        acc[r][0] = _mm256_fmadd_ps(pv, v0, acc[r][0]);
+        acc[r][1] = _mm256_fmadd_ps(pv, v1, acc[r][1]);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      _mm256_storeu_ps(row_acc + (row0 + r) * d + c0, acc[r][0]);
+      _mm256_storeu_ps(row_acc + (row0 + r) * d + c0 + 8, acc[r][1]);
+    }
+  }
 }
 #endif
 
@@ -753,6 +841,30 @@ void attend_partition(const Problem& P, const float* qf, const void* qb, int64_t
       }
     }
   }
+#elif PL_AVX2
+  if (d % 8 == 0 && !P.fixed_order) {  // tiles of 8 keys, as the AVX-512 path's of 16
+    __m256 part[8];
+    int64_t at[8];
+    const __m256 scale = _mm256_set1_ps(P.scale);
+    const int64_t row_bytes = P.row * elem_size<K>();
+    std::vector<float> key_parts(d % 64 == 0 ? rows * 64 : 0);
+    for (int64_t i = lo; i < std::min(hi, lo + PREFETCH_AHEAD); ++i) prefetch_row<_MM_HINT_T0>(P.k, offset(i), row_bytes, elem_size<K>());
+    for (; t + 8 <= hi; t += 8) {
+      for (int i = 0; i < 8; ++i) at[i] = offset(t + i);
+      for (int64_t i = t + PREFETCH_AHEAD; i < std::min(hi, t + PREFETCH_AHEAD + 8); ++i) {
+        prefetch_row<_MM_HINT_T0>(P.k, offset(i), row_bytes, elem_size<K>());
+        prefetch_row<_MM_HINT_T1>(P.v, offset(i), row_bytes, elem_size<K>());
+      }
+      if (d % 64 == 0) {
+        key_tile_scores8<K>(qf, rows, P.k, at, d, P.scale, scores.data() + (t - lo), width, key_parts.data());
+        continue;
+      }
+      for (int64_t row = 0; row < rows; ++row) {
+        for (int i = 0; i < 8; ++i) part[i] = partial_dot8<K>(qf + row * d, P.k, at[i], d);
+        _mm256_storeu_ps(scores.data() + row * width + (t - lo), _mm256_mul_ps(reduce8(part), scale));
+      }
+    }
+  }
 #endif
   for (; t < hi; ++t) {
     const int64_t at = offset(t);
@@ -795,6 +907,12 @@ void attend_partition(const Problem& P, const float* qf, const void* qb, int64_t
     __m512 mv16 = _mm512_set1_ps(NEG_INF);
     for (; i0 + 16 <= width; i0 += 16) mv16 = _mm512_max_ps(mv16, _mm512_loadu_ps(s + i0));
     m = _mm512_reduce_max_ps(mv16);
+#elif PL_AVX2
+    __m256 mv8 = _mm256_set1_ps(NEG_INF);
+    for (; i0 + 8 <= width; i0 += 8) mv8 = _mm256_max_ps(mv8, _mm256_loadu_ps(s + i0));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mv8), _mm256_extractf128_ps(mv8, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
 #endif
     for (; i0 < width; ++i0) m = std::max(m, s[i0]);
     float sum = 0.f;
@@ -842,6 +960,27 @@ void attend_partition(const Problem& P, const float* qf, const void* qb, int64_t
         accumulate_values<K, 4, 4>(P, scores.data(), width, offsets.data(), row0, rows, row_acc);
       else
         accumulate_values<K, 8, 2>(P, scores.data(), width, offsets.data(), row0, rows, row_acc);
+    }
+    return;
+  }
+#elif PL_AVX2
+  if (d % 16 == 0 && !P.fixed_order) {
+    // the positions some row sees: from the first row's window start to the last row's own position
+    const int64_t first = P.window ? std::max<int64_t>(0, L - Q - P.window + 1) : 0;
+    const int64_t begin = std::clamp<int64_t>(first - lo, 0, width), end = std::clamp<int64_t>(L - lo, 0, width);
+    const float* sc = scores.data();
+    const int64_t* at = offsets.data();
+    for (int64_t row0 = 0; row0 < rows;) {
+      const int64_t left = rows - row0;
+      if (left >= 4) {
+        accumulate_values8<K, 4>(P, sc, width, at, row0, begin, end, row_acc), row0 += 4;
+      } else if (left == 3) {
+        accumulate_values8<K, 3>(P, sc, width, at, row0, begin, end, row_acc), row0 += 3;
+      } else if (left == 2) {
+        accumulate_values8<K, 2>(P, sc, width, at, row0, begin, end, row_acc), row0 += 2;
+      } else {
+        accumulate_values8<K, 1>(P, sc, width, at, row0, begin, end, row_acc), row0 += 1;
+      }
     }
     return;
   }
