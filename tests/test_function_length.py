@@ -13,10 +13,7 @@ MAX_LINES = 80
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "pagellm"
 
-ALLOWED = {
-    # to be split (issue 48)
-    "pagellm/engine/setup.py::resolve_engine",
-}
+ALLOWED: set[str] = set()
 
 
 def _names_jit(node: ast.expr) -> bool:

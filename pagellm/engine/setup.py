@@ -22,6 +22,7 @@ from pagellm.core.kv_cache_spec import KVCacheLayout, group_layers
 from pagellm.core.paths import cache_dir, keep_compiled_code_in_cache_dir
 from pagellm.core.platform import GiB, Platform
 from pagellm.core.selector import (
+    BackendChoice,
     TimingCache,
     select_attention_backend,
     select_platform,
@@ -194,49 +195,24 @@ def resolve_engine(config: EngineConfig) -> EngineSetup:
     platform = platform_choice.platform
     platform.check_and_update_config(config)
     building = _build_kernels_in_background(config, platform)  # beside the model's conversion and config
-    source = resolve_model_source(config)
-    tokenizer = resolve_tokenizer(config)
-    if tokenizer is not None:
-        config.tokenizer = tokenizer  # a local directory from here on: everything after start-up reads it
-    model_config = load_model_config(source)
-    hf_config = decoder_config(model_config)
-    model_class_path = resolve_model_class(hf_config, registry.models)
-    check_parallel(config, hf_config, import_model_class(model_class_path))
+    source, model_config, hf_config, model_class_path = _resolve_model(config, registry)
+    model_class = import_model_class(model_class_path)
     dtype = resolve_dtype(config.dtype, hf_config, platform, gguf=source.gguf_original is not None)
     max_model_len = resolve_max_model_len(config.max_model_len, hf_config)
     quant = select_quant_method(
-        registry,
-        platform,
-        config.quantization,
-        checkpoint_quantization(hf_config, import_model_class(model_class_path)),
-        dtype,
-    )
-    # without --block-size the spec's block size is a placeholder: each candidate backend runs its own
-    block_size = DEFAULT_BLOCK_SIZE if config.block_size is None else config.block_size
-    spec = import_model_class(model_class_path).selection_spec(hf_config, dtype, block_size)
-    spec = dataclasses.replace(
-        spec,
-        kv_cache_dtype=KV_CACHE_DTYPES.get(config.kv_cache_dtype),
-        batch_invariant=config.batch_invariant,
+        registry, platform, config.quantization, checkpoint_quantization(hf_config, model_class), dtype
     )
     if config.batch_invariant:
         check_batch_invariant(config, platform, dtype, quant, model_config is not hf_config)
     kernels_pending = building and _serve_without_kernels(config, quant, source, hf_config, dtype, platform)
     if building and not kernels_pending:
         _wait_for_kernels(platform)
-    backend_choice = select_attention_backend(
-        registry,
-        platform,
-        spec,
-        config.attention_backend,
-        timer=None if kernels_pending else _backend_timer(),
-        cache=TimingCache(os.path.join(cache_dir(), "attention_timings.json")),
-        choose_block_size=config.block_size is None,
+    backend_choice = _select_backend(
+        config, registry, platform, model_class, hf_config, dtype, kernels_pending
     )
-    release_timing_inputs()
     spec = backend_choice.spec
     config.block_size = spec.block_size  # everything after start-up reads the chosen size from here
-    kv_layout = model_kv_layout(import_model_class(model_class_path), hf_config, spec)
+    kv_layout = model_kv_layout(model_class, hf_config, spec)
     explanation = [
         *platform_choice.explanation,
         f"model {_shown(config, source)} ({model_class_path}), dtype {dtype_name(dtype)}, "
@@ -269,6 +245,51 @@ def resolve_engine(config: EngineConfig) -> EngineSetup:
         kv_layout=kv_layout,
         kernels_pending=kernels_pending,
     )
+
+
+def _resolve_model(config: EngineConfig, registry: Any) -> tuple[ModelSource, Any, Any, str]:
+    """The checkpoint's source, its config and decoder config, and the model class's path; the tokenizer
+    resolved to a local directory (`config.tokenizer` from here on); TP/PP checked against the model."""
+    source = resolve_model_source(config)
+    tokenizer = resolve_tokenizer(config)
+    if tokenizer is not None:
+        config.tokenizer = tokenizer  # a local directory from here on: everything after start-up reads it
+    model_config = load_model_config(source)
+    hf_config = decoder_config(model_config)
+    model_class_path = resolve_model_class(hf_config, registry.models)
+    check_parallel(config, hf_config, import_model_class(model_class_path))
+    return source, model_config, hf_config, model_class_path
+
+
+def _select_backend(
+    config: EngineConfig,
+    registry: Any,
+    platform: type[Platform],
+    model_class: type,
+    hf_config: Any,
+    dtype: torch.dtype,
+    kernels_pending: bool,
+) -> BackendChoice:
+    """The attention backend (and its block size, where no --block-size was given) for the model's spec,
+    timed unless the kernels are still building."""
+    # without --block-size the spec's block size is a placeholder: each candidate backend runs its own
+    block_size = DEFAULT_BLOCK_SIZE if config.block_size is None else config.block_size
+    spec = dataclasses.replace(
+        model_class.selection_spec(hf_config, dtype, block_size),
+        kv_cache_dtype=KV_CACHE_DTYPES.get(config.kv_cache_dtype),
+        batch_invariant=config.batch_invariant,
+    )
+    choice = select_attention_backend(
+        registry,
+        platform,
+        spec,
+        config.attention_backend,
+        timer=None if kernels_pending else _backend_timer(),
+        cache=TimingCache(os.path.join(cache_dir(), "attention_timings.json")),
+        choose_block_size=config.block_size is None,
+    )
+    release_timing_inputs()
+    return choice
 
 
 def _build_kernels_in_background(config: EngineConfig, platform: type[Platform]) -> bool:
