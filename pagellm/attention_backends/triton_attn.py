@@ -27,12 +27,10 @@ import torch
 from pagellm.attention_backends._base import PagedBackend, PagedMetadata, store_kv
 from pagellm.core.attention import AttentionBackend, AttentionBatch, AttentionSpec
 from pagellm.core.platform import Platform
+from pagellm.core.triton_language import bind_triton_language
 from pagellm.plugins import hookimpl
 
-try:
-    import triton.language as tl
-except ImportError:  # unsupported_reasons says so; the kernel below is never compiled
-    tl = None
+tl = None  # triton.language once a kernel is needed (`bind_triton_language`)
 
 PAGELLM_PLUGIN_API = "1.0"
 
@@ -291,6 +289,7 @@ def _device_compute_units(device_type: str, index: int) -> int:
 def _dot_dtype(dtype: torch.dtype):
     """The dtype tl.dot multiplies in: the compute dtype, except float32 for bfloat16 under the
     interpreter, which runs on numpy and has no bfloat16 matmul."""
+    bind_triton_language(globals())
     if dtype == torch.bfloat16:
         return tl.float32 if _interpreting() else tl.bfloat16
     return tl.float16 if dtype == torch.float16 else tl.float32
@@ -317,6 +316,7 @@ def _kernel():
 def _kernel_in_mode(interpreting: bool):
     import triton
 
+    bind_triton_language(globals())
     return triton.jit(_paged_attention)
 
 
@@ -329,6 +329,7 @@ def _merge_kernel():
 def _merge_kernel_in_mode(interpreting: bool):
     import triton
 
+    bind_triton_language(globals())
     return triton.jit(_merge_splits)
 
 

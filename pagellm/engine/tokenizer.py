@@ -24,10 +24,8 @@ def load_tokenizer(path: str) -> Any:
 class TokenizerPreload(threading.Thread):
     """A front end's tokenizer, made while its engine starts in another process, which takes seconds: on a
     daemon thread it imports what `load_tokenizer` needs of transformers (the tokenizer classes, and the
-    configuration machinery `AutoTokenizer` reads the model's config with: every model's config class imports
-    `type_validators`, which imports transformers' weight-loading and distributed modules; 2-4 s on two
-    cores), then loads the tokenizer from where the engine will most likely say it is
-    (`likely_tokenizer_path`). `tokenizer(path)`, given the path the engine reports, returns that one where
+    configuration machinery `AutoTokenizer` reads the model's config with; 2-3 s on two cores), then loads
+    the tokenizer from where the engine will most likely say it is (`likely_tokenizer_path`). `tokenizer(path)`, given the path the engine reports, returns that one where
     the paths agree and loads it afresh where they do not."""
 
     def __init__(self, config: Any):
@@ -39,7 +37,6 @@ class TokenizerPreload(threading.Thread):
 
     def run(self) -> None:
         import transformers.configuration_utils  # noqa: F401
-        import transformers.utils.type_validators  # noqa: F401
         from transformers import AutoTokenizer  # noqa: F401
 
         try:

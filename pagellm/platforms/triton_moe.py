@@ -22,11 +22,9 @@ from dataclasses import dataclass
 import torch
 
 from pagellm.core.moe import ACTIVATIONS, GELU_TANH, SILU, SWIGLU_ALPHA, SWIGLU_LIMIT, SWIGLU_OAI, PackedMoE
+from pagellm.core.triton_language import bind_triton_language
 
-try:
-    import triton.language as tl
-except ImportError:  # `triton_moe_runs` says so; the kernel below is never compiled
-    tl = None
+tl = None  # triton.language once a kernel is needed (`bind_triton_language`)
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 ACTIVATION_CODES = {SILU: 0, SWIGLU_OAI: 1, GELU_TANH: 2}
@@ -86,7 +84,11 @@ def tile_for(num_experts: int, intermediate: int, hidden: int, num_tokens: int, 
 def triton_moe_runs(w13: torch.Tensor) -> bool:
     """The kernel targets CUDA (and ROCm, which torch also calls cuda) in the float dtypes, where triton is
     installed."""
-    return w13.device.type == "cuda" and w13.dtype in KERNEL_DTYPES and tl is not None
+    return (
+        w13.device.type == "cuda"
+        and w13.dtype in KERNEL_DTYPES
+        and bind_triton_language(globals()) is not None
+    )
 
 
 def pack_triton_moe(
@@ -198,6 +200,7 @@ def _interpreting() -> bool:
 def _dot_dtype(dtype: torch.dtype):
     """The dtype tl.dot multiplies in: the compute dtype, except float32 for bfloat16 under the
     interpreter, which runs on numpy and has no bfloat16 matmul."""
+    bind_triton_language(globals())
     if dtype == torch.bfloat16:
         return tl.float32 if _interpreting() else tl.bfloat16
     return tl.float16 if dtype == torch.float16 else tl.float32
@@ -213,6 +216,7 @@ def _kernel():
 def _kernel_in_mode(interpreting: bool):
     import triton
 
+    bind_triton_language(globals())
     return triton.jit(_moe_gemm)
 
 

@@ -29,11 +29,9 @@ from types import SimpleNamespace
 import torch
 
 from pagellm.core.state import RecurrentKernels
+from pagellm.core.triton_language import bind_triton_language
 
-try:
-    import triton.language as tl
-except ImportError:  # the platforms offer these kernels only where triton is installed
-    tl = None
+tl = None  # triton.language once a kernel is needed (`bind_triton_language`)
 
 L2NORM_EPS = 1e-6
 """Inside the root of q's and k's L2 norm, as the reference (and transformers, fla) computes it."""
@@ -262,6 +260,7 @@ def _kernels() -> SimpleNamespace:
 def _kernels_in_mode(interpreting: bool) -> SimpleNamespace:
     import triton
 
+    bind_triton_language(globals())
     return SimpleNamespace(
         conv_update=triton.jit(_conv_update),
         conv_prefill=triton.jit(_conv_prefill),

@@ -16,13 +16,10 @@ import functools
 
 import torch
 
+from pagellm.core.triton_language import bind_triton_language
 from pagellm.quantization.packed_triton import MAX_TOKENS, _dot_dtype, _prune_tiles, tile_configs
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # the CUDA path checks for triton; the kernel below is never compiled
-    triton = tl = None
+tl = None  # triton.language once a kernel is needed (`bind_triton_language`)
 
 TYPES = {
     2: (32, 18),
@@ -42,11 +39,14 @@ __all__ = ["MAX_TOKENS", "TYPES", "gguf_matmul", "runs"]
 def runs(type_id: int, device: torch.device) -> bool:
     """Whether the kernel multiplies this type on this device: CUDA (and ROCm, which torch also calls cuda)
     where triton is installed."""
-    return device.type == "cuda" and tl is not None and type_id in TYPES
+    return device.type == "cuda" and type_id in TYPES and bind_triton_language(globals()) is not None
 
 
 def gguf_matmul(x: torch.Tensor, raw: torch.Tensor, type_id: int) -> torch.Tensor:
     """x [..., K] @ W^T, W the uint8 [N, K / block size * block bytes] blocks of GGML type `type_id`."""
+    import triton
+
+    bind_triton_language(globals())
     block_size, block_bytes = TYPES[type_id]
     rows = x.reshape(-1, x.shape[-1]).contiguous()
     m, k = rows.shape
@@ -69,11 +69,16 @@ def gguf_matmul(x: torch.Tensor, raw: torch.Tensor, type_id: int) -> torch.Tenso
 
 def _kernel():
     """The kernel for the current interpreter mode (see `packed_triton._kernel`)."""
+    import triton
+
     return _kernel_in_mode(bool(triton.knobs.runtime.interpret))
 
 
 @functools.cache
 def _kernel_in_mode(interpreting: bool):
+    import triton
+
+    bind_triton_language(globals())
     return triton.autotune(
         configs=tile_configs(interpreting),
         key=["M_BUCKET", "N", "K", "TYPE"],

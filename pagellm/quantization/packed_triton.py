@@ -15,10 +15,9 @@ import functools
 
 import torch
 
-try:
-    import triton.language as tl
-except ImportError:  # the CUDA path checks for triton; the kernel below is never compiled
-    tl = None
+from pagellm.core.triton_language import bind_triton_language
+
+tl = None  # triton.language once a kernel is needed (`bind_triton_language`)
 
 MAX_TOKENS = 32
 """Above this many tokens one dequantization feeding the vendor matmul amortises better than the fused
@@ -56,7 +55,7 @@ def _prune_tiles(configs: list, named_args: dict, **kwargs) -> list:
 
 def triton_runs(weight: torch.Tensor) -> bool:
     """The kernel targets CUDA (and ROCm, which torch also calls cuda) where triton is installed."""
-    return weight.device.type == "cuda" and tl is not None
+    return weight.device.type == "cuda" and bind_triton_language(globals()) is not None
 
 
 def packed_matmul(
@@ -98,6 +97,7 @@ def _dot_dtype(dtype: torch.dtype):
     no bfloat16 matmul)."""
     import triton
 
+    bind_triton_language(globals())
     if dtype == torch.bfloat16:
         return tl.float32 if triton.knobs.runtime.interpret else tl.bfloat16
     return tl.float16 if dtype == torch.float16 else tl.float32
@@ -115,6 +115,7 @@ def _kernel():
 def _kernel_in_mode(interpreting: bool):
     import triton
 
+    bind_triton_language(globals())
     return triton.autotune(
         configs=tile_configs(interpreting),
         key=["M_BUCKET", "N", "K"],
