@@ -93,12 +93,17 @@ class QuantMethod:
         raise NotImplementedError
 
     def checkpoint_weights(
-        self, weights: Iterable[tuple[str, Any]], float_modules: tuple[str, ...] = ()
+        self,
+        weights: Iterable[tuple[str, Any]],
+        float_modules: tuple[str, ...] = (),
+        model: torch.nn.Module | None = None,
     ) -> Iterable[tuple[str, Any]]:
         """The checkpoint's (name, tensor) stream as the model's layers read it under this method; the default
         passes it through. A method whose checkpoints hold a layout the layers do not read translates it here
         (block-wise fp8: per-row scales). `float_modules`: checkpoint modules (last name part) the model reads
-        as plain float weights whatever the checkpoint holds (`CausalLM.float_modules`)."""
+        as plain float weights whatever the checkpoint holds (`CausalLM.float_modules`). `model`: the model
+        the stream fills, built and not loaded yet (the `gguf` method packs token tables into it as their
+        blocks come, and drops their float weights from the stream)."""
         return weights
 
     def create_weights(

@@ -52,7 +52,7 @@ def load_model(
     with torch.device(device):
         model = model_cls(init)
     if init.quant_method is not None:
-        weights = init.quant_method.checkpoint_weights(weights, model_cls.float_modules)
+        weights = init.quant_method.checkpoint_weights(weights, model_cls.float_modules, model)
     loaded = model.load_weights(weights)
     if loaded is not None:
         missing = [name for name, _ in model.named_parameters() if name not in loaded]

@@ -209,14 +209,23 @@ class GgufMethod(QuantMethod):
         self._pending_tables: dict[str, dict[str, torch.Tensor]] = {}
         """The tables' blocks while the kernels build, packed by `take_up_kernels`."""
 
-    def checkpoint_weights(self, weights, float_modules=()):
+    def checkpoint_weights(self, weights, float_modules=(), model=None):
         """The stream without the token embedding's and output projection's blocks (`<module>.gguf_table`,
-        `.gguf_table_type`), which are kept aside for `process_model_after_loading`."""
+        `.gguf_table_type`, which come before the table's float weight). Given the `model`, with the CPU
+        kernels here, a table the kernel reads is packed as soon as its blocks have come, and its float
+        weight is dropped from the stream unread (the file's reader dequantizes it only when copied: model
+        E's two tables, 0.9 s of its start). The others are kept aside for `process_model_after_loading`."""
+        packed: set[str] = set()
         for name, tensor in weights:
             module, _, attr = name.rpartition(".")
             if attr in ("gguf_table", "gguf_table_type"):
-                self._tables.setdefault(module, {})[attr] = tensor
-            else:
+                parts = self._tables.setdefault(module, {})
+                parts[attr] = tensor
+                if len(parts) == 2 and model is not None and not cpu_gguf.kernels_pending():
+                    if self._pack_table(model, module, parts):
+                        packed.add(module)
+                        del self._tables[module]
+            elif not (attr == "weight" and module in packed):
                 yield name, tensor
 
     def process_model_after_loading(self, model: nn.Module) -> None:
@@ -230,32 +239,36 @@ class GgufMethod(QuantMethod):
         self._pack_tables(model, tables)
 
     def _pack_tables(self, model: nn.Module, tables: dict[str, dict[str, torch.Tensor]]) -> None:
-        lm_head = getattr(model, "lm_head", None)
         for name, parts in tables.items():
-            table, type_id = parts["gguf_table"], int(parts["gguf_table_type"])
-            module = model.get_submodule(name)
-            weight = getattr(module, "weight", None)
-            if (
-                weight is None
-                or weight.device.type != "cpu"
-                or not cpu_gguf.has_kernel(type_id)
-                or getattr(module, "group", None) is not None  # a rank's rows of a sharded vocabulary
-                or getattr(module, "shard", None) is not None
-                or getattr(module, "quant_method", None) is not None
-                or table.shape[0] != weight.shape[0]
-            ):
-                continue
-            dtype = weight.dtype
-            table, type_id = cpu_gguf.interleave(table, type_id)
-            packed = PackedLinear(table, _GgufMatmul(type_id))
-            if hasattr(module, "use_packed_table"):  # an embedding (pagellm.models.layers.Embedding)
-                module.use_packed_table(table, partial(_lookup, type_id=type_id, dtype=dtype))
-            elif hasattr(module, "use_packed"):  # an untied output projection (a Linear)
-                module.use_packed(packed)
-            else:
-                continue
-            if module is lm_head:
-                model.packed_lm_head = packed
+            self._pack_table(model, name, parts)
+
+    def _pack_table(self, model: nn.Module, name: str, parts: dict[str, torch.Tensor]) -> bool:
+        """Module `name`'s table kept as its blocks, on the kernel, where the module takes them; whether it did."""
+        table, type_id = parts["gguf_table"], int(parts["gguf_table_type"])
+        module = model.get_submodule(name)
+        weight = getattr(module, "weight", None)
+        if (
+            weight is None
+            or weight.device.type != "cpu"
+            or not cpu_gguf.has_kernel(type_id)
+            or getattr(module, "group", None) is not None  # a rank's rows of a sharded vocabulary
+            or getattr(module, "shard", None) is not None
+            or getattr(module, "quant_method", None) is not None
+            or table.shape[0] != weight.shape[0]
+            or not hasattr(module, "use_packed_table")
+            and not hasattr(module, "use_packed")
+        ):
+            return False
+        dtype = weight.dtype
+        table, type_id = cpu_gguf.interleave(table, type_id)
+        packed = PackedLinear(table, _GgufMatmul(type_id))
+        if hasattr(module, "use_packed_table"):  # an embedding (pagellm.models.layers.Embedding)
+            module.use_packed_table(table, partial(_lookup, type_id=type_id, dtype=dtype))
+        else:  # an untied output projection (a Linear)
+            module.use_packed(packed)
+        if module is getattr(model, "lm_head", None):
+            model.packed_lm_head = packed
+        return True
 
     def create_weights(
         self, layer: nn.Module, in_features: int, out_features: int, params_dtype: torch.dtype

@@ -300,3 +300,41 @@ def test_packed_blocks_are_the_files_mapped_bytes_not_a_copy(family, tmp_path):
     file_bytes = sum(int(t.n_bytes) for t in gguf.GGUFReader(path).tensors if t.tensor_type == 8)
     assert sum(t.numel() for t in blocks.values()) == file_bytes
     assert all(np.asarray(t).flags.c_contiguous for t in blocks.values())
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_token_tables_are_packed_as_their_blocks_come_and_never_widened(tied, tmp_path, monkeypatch):
+    """With the CPU kernels here, `--quantization gguf` packs the token embedding (and an untied output
+    projection) as the stream brings their blocks, so their float weights are never dequantized (model E's
+    two tables: 0.9 s of its start). While the kernels still build they are: the model runs on them until
+    then."""
+    from pagellm.bench.gguf_convert import convert_hf_checkpoint
+    from pagellm.models import gguf_checkpoint
+    from pagellm.platforms import cpu_gguf
+    from pagellm.quantization.gguf import GgufMethod
+
+    if not cpu_gguf.available():
+        pytest.skip("no CPU kernels here: the tables stay float")
+    checkpoint = make_tiny_checkpoint("qwen2", tmp_path, tie_word_embeddings=tied)
+    path = convert_hf_checkpoint(checkpoint, tmp_path / "m.q8_0.gguf", "q8_0")
+    config, _, _ = load_gguf(path)
+    widened = []
+    load_floats = gguf_checkpoint._DeferredTable.load
+    monkeypatch.setattr(
+        gguf_checkpoint._DeferredTable,
+        "load",
+        lambda self: widened.append(self._tensor.name) or load_floats(self),
+    )
+
+    def load():
+        init = ModelInit(config, torch.float32, TorchSDPABackend, quant_method=GgufMethod())
+        weights = gguf_checkpoint.iter_gguf_weights(path, config, raw_linear=True)
+        return load_model(resolve_model_class(config, pagellm_models()), init, weights, "cpu")
+
+    model = load()
+    assert widened == []
+    assert model.model.embed_tokens.weight is None and model.packed_lm_head is not None
+    monkeypatch.setattr(cpu_gguf, "kernels_pending", lambda: True)
+    model = load()
+    assert sorted(widened) == (["token_embd.weight"] if tied else ["output.weight", "token_embd.weight"])
+    assert model.model.embed_tokens.weight is not None
