@@ -39,3 +39,29 @@ def test_the_preloaded_tokenizer_is_used_only_where_the_engine_names_its_path(tm
     assert preloaded is preload.loaded and preloaded is not None
     fresh = preload.tokenizer(str(other))
     assert fresh is not preloaded and fresh.get_vocab() == preloaded.get_vocab()
+
+
+def test_a_gguf_files_first_start_preloads_the_copy_the_engine_converts_meanwhile(tmp_path, monkeypatch):
+    monkeypatch.setenv("PAGELLM_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(TokenizerPreload, "POLL_S", 0.01)
+    model = make_tiny_checkpoint("llama", tmp_path / "model")
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF")  # only its path, size and time key the copy
+    preload = TokenizerPreload(EngineConfig(model=str(gguf)))
+    preload.join(0.2)
+    assert preload.is_alive() and preload.loaded is None, "it waits for the engine's conversion"
+    copy = gguf_checkpoint._converted_path(gguf.resolve(), tmp_path / "cache")
+    shutil.copytree(model, copy)  # as the engine's start writes it (a whole directory renamed into place)
+    preload.join(30)
+    assert not preload.is_alive() and preload.loaded is not None
+    assert preload.tokenizer(str(copy)) is preload.loaded
+
+
+def test_the_wait_ends_when_the_engine_reports_its_path_first(tmp_path, monkeypatch):
+    monkeypatch.setenv("PAGELLM_CACHE_DIR", str(tmp_path / "cache"))
+    model = make_tiny_checkpoint("llama", tmp_path / "model")
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF")
+    preload = TokenizerPreload(EngineConfig(model=str(gguf)))
+    tokenizer = preload.tokenizer(str(model))  # the engine reported another path: loaded afresh
+    assert not preload.is_alive() and tokenizer is not None and preload.loaded is None
