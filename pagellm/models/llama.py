@@ -60,6 +60,8 @@ class LlamaAttention(nn.Module):
 
     o_bias: bool | None = None
     """Bias on o_proj; None: the config's `attention_bias` (GLM-4.5 has q/k/v biases but none on o)."""
+    norm_class: type[nn.Module] = RMSNorm
+    """The per-head q/k norms' class (Gemma's scales by 1 + w)."""
 
     def __init__(
         self, init: ModelInit, layer_idx: int, qkv_bias: bool, qk_norm: bool, spec_fn: SpecFn = attention_spec
@@ -84,8 +86,8 @@ class LlamaAttention(nn.Module):
         self.o_proj = Linear(
             self.q_size, c.hidden_size, o_bias, init.dtype, init.quant_method, shard=o_shard, reduce=tp
         )
-        self.q_norm = RMSNorm(self.head_dim, c.rms_norm_eps, init.dtype) if qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, c.rms_norm_eps, init.dtype) if qk_norm else None
+        self.q_norm = self.norm_class(self.head_dim, c.rms_norm_eps, init.dtype) if qk_norm else None
+        self.k_norm = self.norm_class(self.head_dim, c.rms_norm_eps, init.dtype) if qk_norm else None
         self.attn = Attention(init, spec, layer_idx)
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None) -> torch.Tensor:
@@ -106,6 +108,9 @@ class LlamaMLP(nn.Module):
     (a mixture-of-experts model's shared expert or dense layers); `reduce` False: leave each rank's partial
     sum for the caller to add up (a shared expert, reduced with the routed experts)."""
 
+    activation_field = "hidden_act"
+    """The config field naming the gated activation (Gemma's: `hidden_activation`)."""
+
     def __init__(self, init: ModelInit, intermediate_size: int | None = None, reduce: bool = True):
         super().__init__()
         c = init.hf_config
@@ -122,7 +127,7 @@ class LlamaMLP(nn.Module):
             [size, size],
             Shard(0, (part, part)) if tp.size > 1 else None,
         )
-        self.act = GatedActivation(c.hidden_act)
+        self.act = GatedActivation(getattr(c, self.activation_field))
         self.down_proj = Linear(
             size,
             c.hidden_size,
@@ -169,9 +174,12 @@ class LlamaModel(nn.Module):
     final hidden states back to the first, which holds the output projection.
 
     A layer takes and returns (h, residual), the residual stream being h + residual (residual None before
-    the first layer). Subclasses (other families) change `layer_class` and `embed`."""
+    the first layer). Subclasses (other families) change `layer_class`, `norm_class`, `embed` and the
+    rotary embeddings (`init_rope`, `rope`)."""
 
     layer_class: type[nn.Module] = LlamaDecoderLayer
+    norm_class: type[nn.Module] = RMSNorm
+    """The final norm's class."""
 
     def __init__(self, init: ModelInit, qkv_bias: bool, qk_norm: bool, spec_fn: SpecFn = attention_spec):
         super().__init__()
@@ -182,23 +190,32 @@ class LlamaModel(nn.Module):
         self.embed_tokens = (
             Embedding(c.vocab_size, c.hidden_size, init.dtype, init.parallel.tp) if first else None
         )
-        self.rotary_emb = RotaryEmbedding(c)
+        self.init_rope(c)
         self.layers = nn.ModuleList(
             self.layer_class(init, i, qkv_bias, qk_norm, spec_fn) if i in self.own else nn.Identity()
             for i in range(c.num_hidden_layers)
         )
-        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, init.dtype) if last else None
+        self.norm = self.norm_class(c.hidden_size, c.rms_norm_eps, init.dtype) if last else None
         self.hidden_size, self.dtype = c.hidden_size, init.dtype
 
+    def init_rope(self, hf_config) -> None:
+        """The rotary embedding, and `layer_rope`: per layer, the index into `rope`'s list of its (cos, sin)."""
+        self.rotary_emb = RotaryEmbedding(hf_config)
+        self.layer_rope = [0] * hf_config.num_hidden_layers
+
+    def rope(self, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(cos, sin) of `positions` for each rotary embedding (one, unless a family has one per layer type)."""
+        return [self.rotary_emb.cos_sin(positions)]
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        cos, sin = self.rotary_emb.cos_sin(positions)
+        rope = self.rope(positions)
         pp = self.pp
         if pp.rank == 0:
             h, residual = self.embed(input_ids), None
         else:
             h, residual = self._receive(input_ids, pp.rank - 1), self._receive(input_ids, pp.rank - 1)
         for i in self.own:
-            h, residual = self.layers[i](h, residual, cos, sin)
+            h, residual = self.layers[i](h, residual, *rope[self.layer_rope[i]])
         if pp.rank < pp.size - 1:
             pp.send(h, pp.rank + 1)
             pp.send(residual, pp.rank + 1)
@@ -217,6 +234,8 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(CausalLM):
+    tied_by_default = False
+    """Whether the output projection is the token embedding where the config does not say."""
     qkv_bias: bool | None = None
     """Bias on q/k/v projections; None: the config's `attention_bias`."""
     qk_norm: bool = False
@@ -232,7 +251,7 @@ class LlamaForCausalLM(CausalLM):
         self.model = self.model_class(init, qkv_bias, self.qk_norm, self.attention_spec)
         self.tp = init.parallel.tp
         self.vocab_size = c.vocab_size
-        self.tied = bool(getattr(c, "tie_word_embeddings", False))
+        self.tied = bool(getattr(c, "tie_word_embeddings", self.tied_by_default))
         self.first_stage = init.parallel.pp.rank == 0
         if not self.first_stage:
             self.lm_head = None

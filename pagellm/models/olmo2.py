@@ -89,12 +89,7 @@ class Olmo2DecoderLayer(nn.Module):
 
 class Olmo2Model(LlamaModel):
     layer_class = Olmo2DecoderLayer
-
-    def __init__(self, init: ModelInit, qkv_bias: bool, qk_norm: bool, spec_fn: SpecFn):
-        super().__init__(init, qkv_bias, qk_norm, spec_fn)
-        if self.norm is not None:
-            c = init.hf_config
-            self.norm = Olmo2RMSNorm(c.hidden_size, c.rms_norm_eps, init.dtype)
+    norm_class = Olmo2RMSNorm
 
 
 class Olmo2ForCausalLM(LlamaForCausalLM):

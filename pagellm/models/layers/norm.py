@@ -27,13 +27,12 @@ class RMSNorm(nn.Module):
         return self.forward(x), x
 
 
-class GemmaRMSNorm(nn.Module):
+class GemmaRMSNorm(RMSNorm):
     """Gemma's RMSNorm: the weight is an offset from one, and the scaling by (1 + w) is done in float32
     before the cast back (transformers' Gemma2RMSNorm and Gemma3RMSNorm)."""
 
     def __init__(self, size: int, eps: float, dtype: torch.dtype):
-        super().__init__()
-        self.eps = eps
+        super().__init__(size, eps, dtype)
         self.weight = nn.Parameter(torch.zeros(size, dtype=dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
