@@ -404,8 +404,9 @@ def check_parallel(config: EngineConfig, hf_config: Any, model_class: type) -> N
         return
     if not getattr(model_class, "supports_parallel", False):
         raise ConfigError(
-            f"{model_class.__name__} does not support tensor or pipeline parallelism yet; use "
-            f"--tensor-parallel-size 1 --pipeline-parallel-size 1 (--data-parallel-size works with any model)"
+            f"{model_class.__name__} does not support tensor or pipeline parallelism yet "
+            f"({model_class.unsplit_layers}); use --tensor-parallel-size 1 --pipeline-parallel-size 1 "
+            f"(--data-parallel-size works with any model)"
         )
     heads = hf_config.num_attention_heads
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads

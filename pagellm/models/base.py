@@ -57,6 +57,9 @@ class CausalLM(nn.Module):
     supports_parallel: bool = False
     """Whether the class builds its layers for `ModelInit.parallel` (tensor and pipeline parallelism)."""
 
+    unsplit_layers: str = "its layers are not built on the shared parallel layers"
+    """Where `supports_parallel` is False: the layers that cannot split, named in the refusal."""
+
     reads_quantization: tuple[str, ...] = ()
     """`quantization_config.quant_method` values the class's own weight loading reads (GPT-OSS: its MXFP4
     experts, dequantized at load); no `QuantMethod` is selected for those checkpoints."""

@@ -80,6 +80,7 @@ class Gemma3MultiModalProjector(nn.Module):
 
 class Gemma3ForConditionalGeneration(TowerAndProjector, SupportsImages, Gemma3ForCausalLM):
     supports_parallel = False
+    unsplit_layers = "the vision tower and projector (models/vision.py, models/gemma3_mm.py) have no split"
     bidirectional_images = True
     model_class = Gemma3MultiModalLanguageModel
     attention_spec = staticmethod(gemma3_mm_attention_spec)

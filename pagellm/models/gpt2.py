@@ -96,6 +96,7 @@ class GPT2Model(nn.Module):
 
 class GPT2LMHeadModel(CausalLM):
     attention_spec = staticmethod(attention_spec)
+    unsplit_layers = "GPT-2's blocks (models/gpt2.py: fused c_attn and c_fc, learned positions) have no split"
 
     def __init__(self, init: ModelInit):
         super().__init__()

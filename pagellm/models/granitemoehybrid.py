@@ -134,6 +134,7 @@ class GraniteMoeHybridModel(nn.Module):
 
 
 class GraniteMoeHybridForCausalLM(CausalLM):
+    unsplit_layers = "the Mamba-2 mixers (models/layers/mamba2.py) have no split of their heads or state"
     attention_spec = staticmethod(granite_hybrid_attention_spec)
     fields = staticmethod(granite_hybrid_fields)
 

@@ -108,6 +108,7 @@ class TowerAndProjector:
 
 class LlavaForConditionalGeneration(TowerAndProjector, SupportsImages, LlamaForCausalLM):
     supports_parallel = False
+    unsplit_layers = "the vision tower and projector (models/vision.py, models/llava.py) have no split"
     model_class = LlavaLanguageModel
 
     def __init__(self, init: ModelInit):

@@ -107,6 +107,7 @@ class NemotronHModel(nn.Module):
 
 
 class NemotronHForCausalLM(CausalLM):
+    unsplit_layers = "the Mamba-2 mixers (models/layers/mamba2.py) have no split of their heads or state"
     """Module names are the checkpoint's (`backbone.`...); the output projection is never tied (transformers
     ties nothing for Nemotron-H)."""
 

@@ -109,6 +109,7 @@ class OPTModel(nn.Module):
 
 class OPTForCausalLM(CausalLM):
     attention_spec = staticmethod(attention_spec)
+    unsplit_layers = "OPT's decoder layers (models/opt.py) and its projections in and out have no split"
 
     def __init__(self, init: ModelInit):
         super().__init__()

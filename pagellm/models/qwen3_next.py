@@ -132,6 +132,9 @@ class Qwen3NextModel(nn.Module):
 
 
 class Qwen3NextForCausalLM(CausalLM):
+    unsplit_layers = (
+        "the Gated DeltaNet layers (models/layers/gated_delta_net.py) have no split of their heads or state"
+    )
     grouped_projections = True
     """The delta nets' checkpoint layout (`GatedDeltaNet`'s `grouped`): Qwen3-Next's, not Qwen3.5's."""
     renormalize_top_k: bool | None = None

@@ -56,6 +56,9 @@ class QwenVL(SupportsImages):
     whether its rope interleaves the three axes' frequencies."""
 
     supports_parallel = False
+    unsplit_layers = (
+        "the vision encoder (`visual`: models/qwen_vision.py, models/qwen3_vision.py) has no split"
+    )
     uses_mrope = True
     model_class = QwenVLLanguageModel
     vision_class: ClassVar[type[torch.nn.Module]]

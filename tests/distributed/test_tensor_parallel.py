@@ -216,7 +216,11 @@ def test_a_dead_rank_fails_the_async_engines_requests_with_its_name(models):
         ("llama", {"tensor_parallel_size": 0}, "at least 1"),
         ("llama", {"tensor_parallel_size": 2, "enable_lora": True}, "LoRA"),
         ("llama", {"tensor_parallel_size": 2, "quantization": "int8"}, "quantization"),
-        ("gpt2", {"tensor_parallel_size": 2}, "does not support tensor or pipeline parallelism"),
+        (
+            "gpt2",
+            {"tensor_parallel_size": 2},
+            r"does not support tensor or pipeline parallelism yet \(GPT-2's blocks",
+        ),
     ],
 )
 def test_splits_the_model_cannot_take_are_refused_before_loading(tmp_path, arch, settings, message):
@@ -254,3 +258,17 @@ def test_tensor_parallel_under_the_ray_executor_on_a_local_cluster(models):
             assert_greedy_parity(llm, reference, prompts(llm.engine.setup.hf_config.vocab_size)[:5])
     finally:
         ray.shutdown()
+
+
+def test_every_family_that_cannot_split_names_the_layers_that_cannot():
+    """A refusal says which layers keep the family whole (the hybrids' recurrent mixers, a vision tower,
+    GPT-2's and OPT's own blocks), not just that it is refused."""
+    from pagellm.models.base import CausalLM
+    from pagellm.models.loader import import_model_class
+    from pagellm.models.registry import pagellm_models
+
+    whole = {import_model_class(path) for path in pagellm_models().values()}
+    whole = {cls for cls in whole if not cls.supports_parallel}
+    assert whole, "some families run on one rank only"
+    for cls in whole:
+        assert cls.unsplit_layers != CausalLM.unsplit_layers, f"{cls.__name__} does not say which layers"
