@@ -58,7 +58,7 @@ from pagellm.models.layers.fused_moe.routing import SIGMOID, SOFTMAX, Routing
 from pagellm.models.layers.linear import Linear, Shard
 from pagellm.models.layers.norm import RMSNorm
 from pagellm.models.layers.rotary import apply_rotary, rope_parameters
-from pagellm.models.llama import LlamaForCausalLM, LlamaMLP, LlamaModel, SpecFn
+from pagellm.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, LlamaModel, SpecFn
 
 STACKED = (
     ("fused_qkv_a_proj", "q_a_proj", 0),
@@ -283,32 +283,20 @@ class MLAAttention(nn.Module):
         return self.o_proj(out.reshape(tokens, self.num_heads * self.v_dim))
 
 
-class DeepseekDecoderLayer(nn.Module):
-    """Llama's pre-norm layer with MLA; its MLP from `build_mlp`. Built by `LlamaModel` (the arguments it
-    passes every layer class; q/k/v bias and q/k norms are not DeepSeek's)."""
+class DeepseekDecoderLayer(LlamaDecoderLayer):
+    """Llama's pre-norm layer with MLA (q/k/v bias and q/k norms are not DeepSeek's); its MLP dense or the
+    mixture of experts."""
 
-    def __init__(self, init: ModelInit, layer_idx: int, qkv_bias: bool, qk_norm: bool, spec_fn: SpecFn):
-        super().__init__()
-        c = init.hf_config
-        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, init.dtype)
-        self.self_attn = MLAAttention(init, layer_idx, spec_fn, interleaved_rope(c))
-        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, init.dtype)
-        self.mlp = self.build_mlp(init, layer_idx)
+    def build_attention(
+        self, init: ModelInit, layer_idx: int, qkv_bias: bool, qk_norm: bool, spec_fn: SpecFn
+    ) -> nn.Module:
+        return MLAAttention(init, layer_idx, spec_fn, interleaved_rope(init.hf_config))
 
-    @staticmethod
-    def build_mlp(init: ModelInit, layer_idx: int) -> nn.Module:
+    def build_mlp(self, init: ModelInit, layer_idx: int) -> nn.Module:
         """Layer `layer_idx`'s MLP: the dense gated MLP, or the mixture of experts on the sparse layers."""
         if not deepseek_sparse_layer(init.hf_config, layer_idx):
             return LlamaMLP(init)
         return deepseek_moe_block(init)
-
-    def forward(
-        self, h: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        h, residual = self.input_layernorm.add_and_norm(h, residual)
-        h = self.self_attn(h, cos, sin)
-        h, residual = self.post_attention_layernorm.add_and_norm(h, residual)
-        return self.mlp(h), residual
 
 
 class DeepseekModel(LlamaModel):

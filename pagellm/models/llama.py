@@ -151,9 +151,15 @@ class LlamaDecoderLayer(nn.Module):
         super().__init__()
         c = init.hf_config
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, init.dtype)
-        self.self_attn = self.attention_class(init, layer_idx, qkv_bias, qk_norm, spec_fn)
+        self.self_attn = self.build_attention(init, layer_idx, qkv_bias, qk_norm, spec_fn)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, init.dtype)
         self.mlp = self.build_mlp(init, layer_idx)
+
+    def build_attention(
+        self, init: ModelInit, layer_idx: int, qkv_bias: bool, qk_norm: bool, spec_fn: SpecFn
+    ) -> nn.Module:
+        """The layer's attention (`attention_class`; DeepSeek's latent attention takes other arguments)."""
+        return self.attention_class(init, layer_idx, qkv_bias, qk_norm, spec_fn)
 
     def build_mlp(self, init: ModelInit, layer_idx: int) -> nn.Module:
         """The layer's MLP: a mixture-of-experts family returns its expert block on its sparse layers."""
