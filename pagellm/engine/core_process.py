@@ -36,6 +36,7 @@ from pagellm.sampling.params import SamplingParams
 logger = logging.getLogger("pagellm")
 
 _POLL_MS = 200
+_FINAL_LINGER_MS = 500  # a live front end's socket takes the last turns at once; a stopping one may not
 
 
 @dataclass
@@ -302,7 +303,9 @@ def main(commands_address: str, turns_address: str, parent: int | None = None) -
     send(EngineFacts.of(engine))
     EngineCore(engine, emit).run(receive)
     engine.shutdown()
-    turns.close()
+    # a gone front end reads nothing more: without linger 0 the last turns held the exit for LINGER's 5 s
+    # (with the model's weights and KV cache still in memory)
+    turns.close(linger=0 if parent_gone() else _FINAL_LINGER_MS)
     commands.close(linger=0)
     context.term()
     return 0

@@ -154,6 +154,29 @@ def test_the_engine_exits_when_its_front_end_dies(tiny_model_dir):
     assert _gone_within(int(front.stdout.split()[-1]), 10), "the engine process outlived its front end"
 
 
+@pytest.mark.slow
+def test_a_stopped_server_takes_its_engine_down_at_once(tiny_model_dir, tmp_path):
+    """`pagellm serve` stopped by SIGTERM: its engine process, which holds the weights and the KV cache,
+    ends within a couple of its polls, not after its socket's linger for turns nobody reads."""
+    from server_harness import ServerProcess
+
+    server = ServerProcess(tiny_model_dir, ["--dtype", "float32", "--num-kv-blocks", "64"], tmp_path / "log")
+    engines = [pid for pid in _children(server.process.pid) if "core_process" in _cmdline(pid)]
+    assert len(engines) == 1, engines
+    server.stop()
+    assert _gone_within(engines[0], 2.5), "the engine process outlived its server"
+
+
+def _children(pid: int) -> list[int]:
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return [int(child) for child in f.read().split()]
+
+
+def _cmdline(pid: int) -> str:
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        return f.read().replace(b"\0", b" ").decode()
+
+
 def _gone_within(pid: int, seconds: float) -> bool:
     deadline = time.monotonic() + seconds
     while _alive(pid) and time.monotonic() < deadline:
