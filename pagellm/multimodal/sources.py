@@ -14,11 +14,13 @@ import os
 import socket
 import stat
 import time
+from typing import TYPE_CHECKING
 from urllib.parse import unquote, urlsplit
 
-import httpx
-
 from pagellm.multimodal.limits import MediaError, MediaLimits, normalise_host
+
+if TYPE_CHECKING:  # imported where a URL is fetched: 0.1 s of every engine's start otherwise
+    import httpx
 
 MAX_REDIRECTS = 5
 
@@ -68,6 +70,8 @@ def fetch_http(url: str, limits: MediaLimits, field_hint: str) -> bytes:
     Redirects are followed here, not by httpx, so that a hop to a host the allow-list refuses is never
     connected to. Proxies from the environment are not used (trust_env=False): a proxy would resolve the
     host itself, past the public-address check."""
+    import httpx
+
     deadline = time.monotonic() + limits.fetch_timeout_s
     with httpx.Client(follow_redirects=False, trust_env=False) as client:
         for _ in range(MAX_REDIRECTS + 1):
@@ -136,6 +140,8 @@ def _file_url_path(url: str, field_hint: str) -> str:
 
 
 def _parse_url(url: str, field_hint: str) -> httpx.URL:
+    import httpx
+
     try:
         target = httpx.URL(url)
     except httpx.InvalidURL as exc:
