@@ -92,18 +92,18 @@ class QuantMethod:
         `expert_dtype`, float32 scales [..., rows])."""
         raise NotImplementedError
 
+    def prepare_model(self, model: torch.nn.Module) -> None:
+        """The model, built and not loaded yet, before its weights stream through `checkpoint_weights`
+        (optional): the `gguf` method packs token tables into it as their blocks come, and drops their
+        float weights from the stream."""
+
     def checkpoint_weights(
-        self,
-        weights: Iterable[tuple[str, Any]],
-        float_modules: tuple[str, ...] = (),
-        model: torch.nn.Module | None = None,
+        self, weights: Iterable[tuple[str, Any]], float_modules: tuple[str, ...] = ()
     ) -> Iterable[tuple[str, Any]]:
         """The checkpoint's (name, tensor) stream as the model's layers read it under this method; the default
         passes it through. A method whose checkpoints hold a layout the layers do not read translates it here
         (block-wise fp8: per-row scales). `float_modules`: checkpoint modules (last name part) the model reads
-        as plain float weights whatever the checkpoint holds (`CausalLM.float_modules`). `model`: the model
-        the stream fills, built and not loaded yet (the `gguf` method packs token tables into it as their
-        blocks come, and drops their float weights from the stream)."""
+        as plain float weights whatever the checkpoint holds (`CausalLM.float_modules`)."""
         return weights
 
     def create_weights(

@@ -52,7 +52,8 @@ def load_model(
     with torch.device(device):
         model = model_cls(init)
     if init.quant_method is not None:
-        weights = init.quant_method.checkpoint_weights(weights, model_cls.float_modules, model)
+        init.quant_method.prepare_model(model)
+        weights = init.quant_method.checkpoint_weights(weights, model_cls.float_modules)
     loaded = model.load_weights(weights)
     if loaded is not None:
         missing = [name for name, _ in model.named_parameters() if name not in loaded]

@@ -75,10 +75,7 @@ class Fp8Method(ChannelwiseMethod):
         return scaled.clamp(-cls.qmax, cls.qmax).to(FP8)
 
     def checkpoint_weights(
-        self,
-        weights: Iterable[tuple[str, Any]],
-        float_modules: tuple[str, ...] = (),
-        model: nn.Module | None = None,
+        self, weights: Iterable[tuple[str, Any]], float_modules: tuple[str, ...] = ()
     ) -> Iterable[tuple[str, Any]]:
         if self.block_size is None:
             return weights

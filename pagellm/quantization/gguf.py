@@ -206,15 +206,22 @@ class GgufMethod(QuantMethod):
     def __init__(self, quantization_config: dict[str, Any] | None = None):
         super().__init__(quantization_config)
         self._tables: dict[str, dict[str, torch.Tensor]] = {}
+        self._model: nn.Module | None = None
+        """The model `prepare_model` gave, until its weights stream (`checkpoint_weights`)."""
         self._pending_tables: dict[str, dict[str, torch.Tensor]] = {}
         """The tables' blocks while the kernels build, packed by `take_up_kernels`."""
 
-    def checkpoint_weights(self, weights, float_modules=(), model=None):
+    def prepare_model(self, model: nn.Module) -> None:
+        self._model = model
+
+    def checkpoint_weights(self, weights, float_modules=()):
         """The stream without the token embedding's and output projection's blocks (`<module>.gguf_table`,
-        `.gguf_table_type`, which come before the table's float weight). Given the `model`, with the CPU
-        kernels here, a table the kernel reads is packed as soon as its blocks have come, and its float
-        weight is dropped from the stream unread (the file's reader dequantizes it only when copied: model
-        E's two tables, 0.9 s of its start). The others are kept aside for `process_model_after_loading`."""
+        `.gguf_table_type`, which come before the table's float weight). With the model given
+        (`prepare_model`) and the CPU kernels here, a table the kernel reads is packed as soon as its blocks
+        have come, and its float weight is dropped from the stream unread (the file's reader dequantizes it
+        only when copied: model E's two tables, 0.9 s of its start). The others are kept aside for
+        `process_model_after_loading`."""
+        model, self._model = self._model, None
         packed: set[str] = set()
         for name, tensor in weights:
             module, _, attr = name.rpartition(".")
