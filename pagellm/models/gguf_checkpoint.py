@@ -37,6 +37,7 @@ import torch
 
 from pagellm.core.errors import ConfigError
 from pagellm.models.gguf_config import fill_gguf_config
+from pagellm.models.gguf_names import gguf_hf_names
 from pagellm.models.loader import CheckpointSlice
 
 
@@ -249,7 +250,7 @@ def _weights(reader: Any, hf_config, raw_linear: bool) -> Iterator[tuple[str, to
             f"GGUF files, not {architecture!r}; leave --quantization unset to dequantize at load"
         )
     processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=hf_config.to_dict())
-    names = _kept_gguf_to_hf_names(architecture, hf_config)
+    names = gguf_hf_names(architecture, hf_config)
     experts, routers, shared_gates = _moe_tensors(hf_config.num_hidden_layers)
     for tensor in reader.tensors:
         if tensor.name in experts:
@@ -423,70 +424,6 @@ def _stacked_experts(tensor: Any, prefix: str, module: str) -> Iterator[tuple[st
     data = np.asarray(tensor.data).view(np.uint8)
     yield f"{prefix}.{module}.qweight_type", torch.tensor(int(tensor.tensor_type))
     yield f"{prefix}.{module}.qweight", _read_only_tensor(data.reshape(data.shape[0], data.shape[1], -1))
-
-
-def _kept_gguf_to_hf_names(architecture: str, hf_config) -> dict[str, str]:
-    """`_gguf_to_hf_names`, kept in the cache folder (`gguf/names-<key>.json`) for the next start: building
-    the transformers model on the meta device imports its modelling code, 2.2 s of model M's start. Keyed by
-    what the table depends on: the architecture, the config, and the gguf and transformers versions."""
-    import hashlib
-    import json
-
-    import gguf
-    import transformers
-
-    from pagellm.core.paths import cache_dir
-
-    facts = json.dumps(
-        [
-            architecture,
-            hf_config.to_json_string(use_diff=False),
-            transformers.__version__,
-            _gguf_version(gguf),
-        ]
-    )
-    path = Path(cache_dir()) / "gguf" / f"names-{hashlib.sha256(facts.encode()).hexdigest()[:16]}.json"
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        pass
-    names = _gguf_to_hf_names(architecture, hf_config)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps(names))
-    tmp.replace(path)
-    return names
-
-
-def _gguf_version(gguf: Any) -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("gguf")
-    except PackageNotFoundError:
-        return getattr(gguf, "__file__", "")
-
-
-def _gguf_to_hf_names(architecture: str, hf_config) -> dict[str, str]:
-    """GGUF tensor name -> HF name, from gguf's table of HF module names per llama.cpp architecture.
-
-    transformers' own `get_gguf_hf_weights_map` does the same but walks every submodule (seconds)."""
-    from gguf import MODEL_ARCH_NAMES, get_tensor_name_map
-    from transformers import AutoModelForCausalLM
-
-    arch = next((key for key, name in MODEL_ARCH_NAMES.items() if name == architecture), None)
-    if arch is None:
-        raise ConfigError(f"GGUF architecture {architecture!r} is unknown to the installed gguf package")
-    table = get_tensor_name_map(arch, hf_config.num_hidden_layers)
-    with torch.device("meta"):
-        hf_names = AutoModelForCausalLM.from_config(hf_config).state_dict()
-    names = {}
-    for hf_name in hf_names:
-        module, _, suffix = hf_name.rpartition(".")
-        gguf_module = table.get_name(module)
-        if gguf_module is not None:
-            names[f"{gguf_module}.{suffix}"] = hf_name
-    return names
 
 
 # raised when the converted copy changes for the same file (2: the config fields gguf_config.py fills; 3:

@@ -1,7 +1,7 @@
 """What a CPU start imports before its first request: not triton (0.15-0.3 s for kernels a CPU never runs),
 not transformers' weight-loading and distributed modules where the model's config does not need them
-(0.8 s; Qwen2's config does not, Llama's does), and in the engine not httpx (0.1 s, for image URLs). Each
-check runs in a fresh interpreter."""
+(0.8 s; Qwen2's config does not, Llama's does), in the engine not httpx (0.1 s, for image URLs), and in an
+eager step not torch._dynamo (1.5-2.5 s). Each check runs in a fresh interpreter."""
 
 from __future__ import annotations
 
@@ -41,3 +41,19 @@ def test_a_front_ends_preloaded_qwen2_tokenizer_comes_without_the_type_validator
         f"assert TokenizerPreload(EngineConfig(model={str(model)!r})).tokenizer({str(model)!r}) is not None"
     )
     assert _imported_after(code) == []
+
+
+def test_an_eager_step_of_reference_experts_leaves_dynamo_out(tmp_path):
+    """A start that serves eager while the kernels build runs a mixture of experts on the reference: its
+    first step imported torch._dynamo through the op's eager path (1.5-2.5 s before model E's first token)."""
+    model = make_tiny_checkpoint("qwen3_moe", tmp_path / "model")
+    code = (
+        "import os\n"
+        "os.environ['PAGELLM_CPU_KERNELS'] = '0'\n"
+        # set by inductor in this test process: the engine would import inductor to read its default
+        "os.environ.pop('TORCHINDUCTOR_CACHE_DIR', None)\n"
+        "from pagellm import LLM, SamplingParams\n"
+        f"llm = LLM(model={str(model)!r}, enforce_eager=True, dtype='bfloat16')\n"
+        "llm.generate(['hello world'], SamplingParams(max_tokens=3, temperature=0))"
+    )
+    assert _imported_after(code, ("torch._dynamo",)) == []

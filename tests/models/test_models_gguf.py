@@ -14,7 +14,8 @@ from tiny import make_tiny_checkpoint, make_tokenizer, tiny_config
 
 from pagellm.attention_backends.torch_sdpa import TorchSDPABackend
 from pagellm.models.base import ModelInit
-from pagellm.models.gguf_checkpoint import _gguf_to_hf_names, load_gguf
+from pagellm.models.gguf_checkpoint import load_gguf
+from pagellm.models.gguf_names import gguf_hf_names, transformers_names
 from pagellm.models.loader import load_model, resolve_model_class
 from pagellm.models.registry import pagellm_models
 
@@ -29,9 +30,14 @@ from pagellm.models.registry import pagellm_models
         ("phi3",) * 2,
         ("gemma2",) * 2,
         ("gemma3_text", "gemma3"),
+        ("qwen2_moe", "qwen2moe"),
+        ("qwen3_moe", "qwen3moe"),
     ],
 )
 def test_gguf_names_match_transformers_mapping(arch, gguf_arch):
+    """The name table, written out per family or built from transformers' model, names every tensor as
+    transformers' own GGUF loader does; a written-out entry is one gguf's table maps back."""
+    from gguf import MODEL_ARCH_NAMES, get_tensor_name_map
     from transformers import AutoModelForCausalLM
     from transformers.modeling_gguf_pytorch_utils import (
         TENSOR_PROCESSORS,
@@ -43,11 +49,35 @@ def test_gguf_names_match_transformers_mapping(arch, gguf_arch):
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(config)
     expected = get_gguf_hf_weights_map(skeleton, TENSOR_PROCESSORS.get(gguf_arch, TensorProcessor)())
-    names = _gguf_to_hf_names(gguf_arch, config)
-    assert names == expected
+    # stacked experts are named by the reader from the router's module, not by the table
+    expected = {gguf: hf for gguf, hf in expected.items() if not gguf.endswith("_exps")}
+    assert transformers_names(gguf_arch, config) == expected
+    names = gguf_hf_names(gguf_arch, config)
+    assert expected.items() <= names.items()
     assert names["blk.1.attn_output.weight"].endswith(
         ("layers.1.self_attn.o_proj.weight", "h.1.attn.c_proj.weight")
     )
+    arch_id = next(key for key, name in MODEL_ARCH_NAMES.items() if name == gguf_arch)
+    table = get_tensor_name_map(arch_id, config.num_hidden_layers)
+    for gguf_name, hf_name in names.items():
+        assert table.get_name(hf_name.rpartition(".")[0]) == gguf_name.rpartition(".")[0], hf_name
+
+
+def test_written_out_name_tables_import_no_modelling_code():
+    """The families with written-out names get their table without transformers' modelling code (2.2-2.7 s
+    of a first start)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from transformers import Qwen3MoeConfig;"
+        "from pagellm.models.gguf_names import gguf_hf_names;"
+        "names = gguf_hf_names('qwen3moe', Qwen3MoeConfig(num_hidden_layers=3));"
+        "assert names['blk.2.ffn_gate_inp.weight'] == 'model.layers.2.mlp.gate.weight';"
+        "print('transformers.modeling_utils' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False"]
 
 
 # differ in any file: paths and names, the dtype the model was saved in, the init spread. Nothing else may:
@@ -257,23 +287,24 @@ def test_the_weights_reader_steps_over_arrays_and_reads_every_tensor_and_scalar(
 
 
 def test_the_name_table_is_kept_for_the_next_start(tmp_path, monkeypatch):
-    """The GGUF -> HF name table is built once (a meta model) and read back from the cache folder after."""
-    from pagellm.models import gguf_checkpoint
+    """A family without written-out names has its GGUF -> HF name table built once (a meta model) and read
+    back from the cache folder after."""
+    from pagellm.models import gguf_names
 
     monkeypatch.setenv("PAGELLM_CACHE_DIR", str(tmp_path))
-    config = tiny_config("qwen2", vocab_size=len(make_tokenizer()))
-    built = gguf_checkpoint._kept_gguf_to_hf_names("qwen2", config)
-    assert built == _gguf_to_hf_names("qwen2", config)
+    config = tiny_config("gpt2", vocab_size=len(make_tokenizer()))
+    built = gguf_names.gguf_hf_names("gpt2", config)
+    assert built == transformers_names("gpt2", config)
     assert len(list((tmp_path / "gguf").glob("names-*.json"))) == 1
 
     def no_build(*args):
         raise AssertionError("built again")
 
-    monkeypatch.setattr(gguf_checkpoint, "_gguf_to_hf_names", no_build)
-    assert gguf_checkpoint._kept_gguf_to_hf_names("qwen2", config) == built
+    monkeypatch.setattr(gguf_names, "transformers_names", no_build)
+    assert gguf_names.gguf_hf_names("gpt2", config) == built
     config.num_hidden_layers += 1  # another config: another table
     with pytest.raises(AssertionError, match="built again"):
-        gguf_checkpoint._kept_gguf_to_hf_names("qwen2", config)
+        gguf_names.gguf_hf_names("gpt2", config)
 
 
 @pytest.mark.parametrize("family", ["qwen2", "qwen3_moe"])

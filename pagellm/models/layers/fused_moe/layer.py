@@ -169,19 +169,13 @@ class FusedMoE(nn.Module):
     def _run(self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
             return self.packed(hidden, topk_weights, topk_ids)
-        reference = torch.ops.pagellm.moe_reference if torch.compiler.is_compiling() else _moe_reference
-        return reference(
-            hidden,
-            self.w13,
-            self.w2,
-            topk_weights,
-            topk_ids,
-            self.activation,
-            self.w13_bias,
-            self.w2_bias,
-            self.w13_scale,
-            self.w2_scale,
-        )
+        args = (hidden, self.w13, self.w2, topk_weights, topk_ids, self.activation)
+        rest = (self.w13_bias, self.w2_bias, self.w13_scale, self.w2_scale)
+        if torch.compiler.is_compiling():
+            return torch.ops.pagellm.moe_reference(*args, *rest)
+        # eager: the function itself; the op's own eager path imports torch._dynamo on its first call (1.5-2.5 s
+        # of the first step of a start that compiles nothing yet)
+        return _moe_reference_eager(*args, *rest)
 
     def use_packed(self, packed: PackedMoE | None) -> None:
         """Run the experts with the platform's kernel, which holds its own copy of the weights (so the
@@ -391,8 +385,7 @@ def place_mxfp4_experts(model: nn.Module, platform: type[Platform]) -> None:
             layer.use_packed(packed)
 
 
-@torch.library.custom_op("pagellm::moe_reference", mutates_args=())
-def _moe_reference(
+def _moe_reference_eager(
     hidden: torch.Tensor,
     w13: torch.Tensor,
     w2: torch.Tensor,
@@ -404,8 +397,6 @@ def _moe_reference(
     w13_scale: torch.Tensor | None,
     w2_scale: torch.Tensor | None,
 ) -> torch.Tensor:
-    """`fused_experts_reference` as one opaque op under torch.compile: traced, its per-step expert counts
-    would recompile the graph for every new routing pattern (minutes at start-up, then the recompile limit)."""
     return fused_experts_reference(
         hidden,
         w13,
@@ -418,6 +409,11 @@ def _moe_reference(
         w13_scale=w13_scale,
         w2_scale=w2_scale,
     )
+
+
+_moe_reference = torch.library.custom_op("pagellm::moe_reference", mutates_args=())(_moe_reference_eager)
+"""`fused_experts_reference` as one opaque op under torch.compile: traced, its per-step expert counts would
+recompile the graph for every new routing pattern (minutes at start-up, then the recompile limit)."""
 
 
 @_moe_reference.register_fake
