@@ -210,6 +210,8 @@ class GgufMethod(QuantMethod):
         """The model `prepare_model` gave, until its weights stream (`checkpoint_weights`)."""
         self._pending_tables: dict[str, dict[str, torch.Tensor]] = {}
         """The tables' blocks while the kernels build, packed by `take_up_kernels`."""
+        self._row_lookups: dict[str, torch.dtype] = {}
+        """Embeddings looked up on their blocks by torch while the kernels build, and their dtype."""
 
     def prepare_model(self, model: nn.Module) -> None:
         self._model = model
@@ -232,6 +234,8 @@ class GgufMethod(QuantMethod):
                     if self._pack_table(model, module, parts):
                         packed.add(module)
                         del self._tables[module]
+                elif len(parts) == 2 and model is not None and self._look_up_rows(model, module, parts):
+                    packed.add(module)  # its blocks stay in `_tables`, for the kernels once built
             elif not (attr == "weight" and module in packed):
                 yield name, tensor
 
@@ -249,24 +253,35 @@ class GgufMethod(QuantMethod):
         for name, parts in tables.items():
             self._pack_table(model, name, parts)
 
+    def _look_up_rows(self, model: nn.Module, name: str, parts: dict[str, torch.Tensor]) -> bool:
+        """While the CPU kernels build: an untied token embedding kept as its blocks, each step's rows
+        dequantized by torch (`_row_lookup`), rather than the whole table widened at load (model E's,
+        151936 rows of Q4_K: 2 s of a first start on two cores); whether it did. A tied one also gives
+        the logits, which need the float table until the kernels come."""
+        table, type_id = parts["gguf_table"], int(parts["gguf_table_type"])
+        module = model.get_submodule(name)
+        if (
+            type_id not in GGML_TYPES
+            or module is getattr(model, "lm_head", None)
+            or not hasattr(module, "use_packed_table")
+            or not _takes_table(module, table)
+        ):
+            return False
+        self._row_lookups[name] = module.weight.dtype
+        module.use_packed_table(table, partial(_row_lookup, type_id=type_id, dtype=module.weight.dtype))
+        return True
+
     def _pack_table(self, model: nn.Module, name: str, parts: dict[str, torch.Tensor]) -> bool:
         """Module `name`'s table kept as its blocks, on the kernel, where the module takes them; whether it did."""
         table, type_id = parts["gguf_table"], int(parts["gguf_table_type"])
         module = model.get_submodule(name)
-        weight = getattr(module, "weight", None)
-        if (
-            weight is None
-            or weight.device.type != "cpu"
-            or not cpu_gguf.has_kernel(type_id)
-            or getattr(module, "group", None) is not None  # a rank's rows of a sharded vocabulary
-            or getattr(module, "shard", None) is not None
-            or getattr(module, "quant_method", None) is not None
-            or table.shape[0] != weight.shape[0]
-            or not hasattr(module, "use_packed_table")
-            and not hasattr(module, "use_packed")
+        if not cpu_gguf.has_kernel(type_id) or not (
+            name in self._row_lookups
+            or _takes_table(module, table)
+            and (hasattr(module, "use_packed_table") or hasattr(module, "use_packed"))
         ):
             return False
-        dtype = weight.dtype
+        dtype = self._row_lookups.pop(name, None) or module.weight.dtype
         table, type_id = cpu_gguf.interleave(table, type_id)
         packed = PackedLinear(table, _GgufMatmul(type_id))
         if hasattr(module, "use_packed_table"):  # an embedding (pagellm.models.layers.Embedding)
@@ -402,6 +417,26 @@ class _GgufMatmul:
 
 def _lookup(ids: torch.Tensor, table: torch.Tensor, type_id: int, dtype: torch.dtype) -> torch.Tensor:
     return cpu_gguf.embedding(ids, table, type_id, dtype)
+
+
+def _row_lookup(ids: torch.Tensor, table: torch.Tensor, type_id: int, dtype: torch.dtype) -> torch.Tensor:
+    """The rows of `ids`, dequantized by the vectorised torch code (no kernel needed)."""
+    rows = dequantize(table[ids.reshape(-1)], type_id, dtype)
+    return rows.view(*ids.shape, rows.shape[-1])
+
+
+def _takes_table(module: nn.Module, table: torch.Tensor) -> bool:
+    """Whether `module` (an embedding or output projection with its float weight still) may hold `table`
+    as blocks: whole on this CPU, not quantized otherwise."""
+    weight = getattr(module, "weight", None)
+    return (
+        weight is not None
+        and weight.device.type == "cpu"
+        and getattr(module, "group", None) is None  # a rank's rows of a sharded vocabulary
+        and getattr(module, "shard", None) is None
+        and getattr(module, "quant_method", None) is None
+        and table.shape[0] == weight.shape[0]
+    )
 
 
 def _part(x: torch.Tensor, weight: torch.Tensor, type_id: int, path: str) -> torch.Tensor:

@@ -342,8 +342,9 @@ def test_packed_blocks_are_the_files_mapped_bytes_not_a_copy(family, tmp_path):
 def test_token_tables_are_packed_as_their_blocks_come_and_never_widened(tied, tmp_path, monkeypatch):
     """With the CPU kernels here, `--quantization gguf` packs the token embedding (and an untied output
     projection) as the stream brings their blocks, so their float weights are never dequantized (model E's
-    two tables: 0.9 s of its start). While the kernels still build they are: the model runs on them until
-    then."""
+    two tables: 0.9 s of its start). While the kernels still build, an untied embedding is looked up on its
+    blocks by torch (model E's: 2 s widened); the output projection, and an embedding tied to it, are widened,
+    for the logits until then. Once the kernels come the embedding moves onto them, giving the same rows."""
     from pagellm.bench.gguf_convert import convert_hf_checkpoint
     from pagellm.models import gguf_checkpoint
     from pagellm.platforms import cpu_gguf
@@ -362,18 +363,27 @@ def test_token_tables_are_packed_as_their_blocks_come_and_never_widened(tied, tm
         lambda self: widened.append(self._tensor.name) or load_floats(self),
     )
 
-    def load():
-        init = ModelInit(config, torch.float32, TorchSDPABackend, quant_method=GgufMethod())
+    def load(method):
+        init = ModelInit(config, torch.float32, TorchSDPABackend, quant_method=method)
         weights = gguf_checkpoint.iter_gguf_weights(path, config, raw_linear=True)
         return load_model(resolve_model_class(config, pagellm_models()), init, weights, "cpu")
 
-    model = load()
+    model = load(GgufMethod())
     assert widened == []
     assert model.model.embed_tokens.weight is None and model.packed_lm_head is not None
-    monkeypatch.setattr(cpu_gguf, "kernels_pending", lambda: True)
-    model = load()
-    assert sorted(widened) == (["token_embd.weight"] if tied else ["output.weight", "token_embd.weight"])
-    assert model.model.embed_tokens.weight is not None
+    ids = torch.tensor([[0, 5, 17], [3, 3, 40]])
+    rows = model.model.embed_tokens(ids)
+    with monkeypatch.context() as building:
+        building.setattr(cpu_gguf, "kernels_pending", lambda: True)
+        method = GgufMethod()
+        model = load(method)
+        assert sorted(widened) == (["token_embd.weight"] if tied else ["output.weight"])
+        assert (model.model.embed_tokens.weight is None) is not tied
+        assert torch.equal(model.model.embed_tokens(ids), rows)
+    method.take_up_kernels(model)
+    assert model.model.embed_tokens.weight is None and model.packed_lm_head is not None
+    assert model.model.embed_tokens.lookup.func.__name__ == "_lookup"
+    assert torch.equal(model.model.embed_tokens(ids), rows)
 
 
 def test_transformers_gguf_steps_parse_each_file_once_and_read_a_plain_map(tmp_path, monkeypatch):
