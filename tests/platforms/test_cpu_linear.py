@@ -41,6 +41,29 @@ def test_matches_f_linear(rows, out_features, in_features, dtype, bias):
         torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize(("out_features", "in_features"), [(16 * 37 + 5, 96), (16 * 9, 33), (16 * 40, 576)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("bias", [False, True])
+def test_one_row_reads_several_panels_at_once_and_sums_as_a_block_does(
+    out_features, in_features, dtype, bias
+):
+    """One x row (a decode step) reads four panels at once per thread, from four places of its run, plus the
+    run's remainder one at a time: each row's sums come out the bits a register block of two rows gives it."""
+    gen = torch.Generator().manual_seed(out_features)
+    weight = torch.randn(out_features, in_features, generator=gen).to(dtype)
+    b = torch.randn(out_features, generator=gen).to(dtype) if bias else None
+    x = torch.randn(2, in_features, generator=gen).to(dtype)
+    packed = cpu_linear.pack(weight)
+    pair = packed.matmul(x, packed.weight, b)
+    for row in range(2):
+        alone = packed.matmul(x[row : row + 1], packed.weight, b)
+        assert torch.equal(alone[0], pair[row])
+    expected = F.linear(x.float(), weight.float(), None if b is None else b.float())
+    torch.testing.assert_close(
+        pair.float(), expected, rtol=2**-8 if dtype == torch.bfloat16 else 1e-5, atol=1e-4
+    )
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_a_strided_x_and_a_bias_of_another_dtype(dtype):
     """x not contiguous (a transposed view) is read through a contiguous copy; a float16 bias is widened by
@@ -132,6 +155,23 @@ def test_weight_only_quantized_matches_the_dequantized_weight(rows, wdtype, dtyp
     assert out.dtype == dtype and out.shape == (rows, 37)
     tolerance = dict(rtol=2**-8, atol=1e-4) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(out.float(), expected, **tolerance)
+
+
+@pytest.mark.parametrize("wdtype", [torch.int8, torch.float8_e4m3fn], ids=["int8", "fp8"])
+def test_weight_only_one_row_sums_as_a_block_does(wdtype):
+    """The one-row path reads quantized panels four at a time too: the same bits as a two-row block, scaled
+    per column, the padded last panel included."""
+    gen = torch.Generator().manual_seed(7)
+    real = torch.randn(16 * 37 + 5, 96, generator=gen)
+    scale = real.abs().amax(dim=1, keepdim=True) / (127.0 if wdtype == torch.int8 else 448.0)
+    q = (real / scale).round().clamp(-127, 127) if wdtype == torch.int8 else real / scale
+    panels, packed_scale = cpu_linear.pack_quantized(q.to(wdtype), scale)
+    x = torch.randn(2, 96, generator=gen).bfloat16()
+    b = torch.randn(real.shape[0], generator=gen).bfloat16()
+    pair = cpu_linear.quantized_linear(x, panels, packed_scale, b, real.shape[0])
+    for row in range(2):
+        alone = cpu_linear.quantized_linear(x[row : row + 1], panels, packed_scale, b, real.shape[0])
+        assert torch.equal(alone[0], pair[row])
 
 
 def test_weight_only_per_tensor_scale_and_the_platform_choice():

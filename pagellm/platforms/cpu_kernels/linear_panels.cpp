@@ -47,15 +47,24 @@ __attribute__((noinline)) void store_bf16_rows(const float (*sums)[kPanel], int 
 }
 #endif
 
-// y[r][0..16) = x[r] . panel (* scale) (+ bias) for `rows` rows, stored as float32 or bfloat16 (`n` columns
-// valid); `scale` (int8 and e4m3 panels only): the panel's 16 column scales.
-template <int kRows, Format kFormat, bool kOutBf16>
-void linear_block(const float* const* x, const void* panel, int64_t k, const float* scale, const float* bias,
-                  void* const* y, int64_t n, const void* ahead) {
-  float sums[kRows][kPanel];
+// The first n of each row's 16 sums to y[r], as float32 or bfloat16.
+template <int kRows, bool kOutBf16>
+void store_rows(const float (*sums)[kPanel], void* const* y, int64_t n) {
+  for (int r = 0; r < kRows; ++r)
+    for (int64_t c = 0; c < n; ++c) {
+      if constexpr (kOutBf16) {
+        static_cast<uint16_t*>(y[r])[c] = float_to_bf16(sums[r][c]);
+      } else {
+        static_cast<float*>(y[r])[c] = sums[r][c];
+      }
+    }
+}
+
 #if PL_PANEL_AVX2
-  __m256 lo[kRows], hi[kRows];
-  panel_dot<kRows, kFormat>(x, panel, k, lo, hi, ahead);
+// A register block's sums (lo, hi: columns 0-7 and 8-15) times the column scales, plus the bias, to y.
+template <int kRows, Format kFormat, bool kOutBf16>
+void store_sums(__m256* lo, __m256* hi, const float* scale, const float* bias, void* const* y, int64_t n) {
+  float sums[kRows][kPanel];
   apply_scale<kRows, kFormat>(lo, scale);
   apply_scale<kRows, kFormat>(hi, scale + kHalf);
   const __m256 b_lo = bias ? _mm256_loadu_ps(bias) : _mm256_setzero_ps();
@@ -70,19 +79,26 @@ void linear_block(const float* const* x, const void* panel, int64_t k, const flo
     if constexpr (kOutBf16) store_bf16_rows(sums, kRows, y);
     return;
   }
+  store_rows<kRows, kOutBf16>(sums, y, n);
+}
+#endif
+
+// y[r][0..16) = x[r] . panel (* scale) (+ bias) for `rows` rows, stored as float32 or bfloat16 (`n` columns
+// valid); `scale` (int8 and e4m3 panels only): the panel's 16 column scales.
+template <int kRows, Format kFormat, bool kOutBf16>
+void linear_block(const float* const* x, const void* panel, int64_t k, const float* scale, const float* bias,
+                  void* const* y, int64_t n, const void* ahead) {
+#if PL_PANEL_AVX2
+  __m256 lo[kRows], hi[kRows];
+  panel_dot<kRows, kFormat>(x, panel, k, lo, hi, ahead);
+  store_sums<kRows, kFormat, kOutBf16>(lo, hi, scale, bias, y, n);
 #else
+  float sums[kRows][kPanel];
   panel_dot<kRows, kFormat>(x, panel, k, sums);
   for (int r = 0; r < kRows; ++r)
     for (int64_t c = 0; c < kPanel; ++c) sums[r][c] = sums[r][c] * column_scale<kFormat>(scale, c) + (bias ? bias[c] : 0.f);
+  store_rows<kRows, kOutBf16>(sums, y, n);
 #endif
-  for (int r = 0; r < kRows; ++r)
-    for (int64_t c = 0; c < n; ++c) {
-      if constexpr (kOutBf16) {
-        static_cast<uint16_t*>(y[r])[c] = float_to_bf16(sums[r][c]);
-      } else {
-        static_cast<float*>(y[r])[c] = sums[r][c];
-      }
-    }
 }
 
 template <Format kFormat, bool kOutBf16>
@@ -158,6 +174,43 @@ inline const float* float_rows(const void* x, bool x_bf16, int64_t r0, int64_t r
   return scratch.data();
 }
 
+#if PL_PANEL_AVX2
+constexpr int kStreams = 4;  // panels one x row reads at once per thread (panel_dot_streams)
+
+// One x row times every panel: each thread's run of panels cut in kStreams equal parts, read side by side.
+// The same sums, bit for bit, as a one-row register block (panel_blocks) gives, for every panel format.
+template <Format kFormat, bool kOutBf16>
+void one_row(const float* x, int64_t k, const uint8_t* packed, const float* scale, const float* bias, int64_t n,
+             uint8_t* out_base) {
+  const int64_t panels = (n + kPanel - 1) / kPanel;
+  const int64_t panel_bytes = k * kPanel * format_bytes(kFormat), out_elem = kOutBf16 ? 2 : 4;
+  auto store = [&](int64_t p, __m256* lo, __m256* hi) {
+    const int64_t cols = std::min(kPanel, n - p * kPanel);
+    float last_bias[kPanel] = {};  // the last panel's, zero-padded: the kernel reads 16
+    const float* b = bias ? bias + p * kPanel : nullptr;
+    if (b && cols < kPanel) std::copy(b, b + cols, last_bias), b = last_bias;
+    void* y[1] = {out_base + p * kPanel * out_elem};
+    store_sums<1, kFormat, kOutBf16>(lo, hi, scale ? scale + p * kPanel : nullptr, b, y, cols);
+  };
+  parallel_runs(panels, [&](int64_t first, int64_t last) {
+    const int64_t part = (last - first) / kStreams;
+    for (int64_t j = 0; j < part; ++j) {
+      const void* at[kStreams];
+      __m256 lo[kStreams], hi[kStreams];
+      for (int q = 0; q < kStreams; ++q) at[q] = packed + (first + q * part + j) * panel_bytes;
+      panel_dot_streams<kStreams, kFormat>(x, at, k, lo, hi);
+      for (int q = 0; q < kStreams; ++q) store(first + q * part + j, lo + q, hi + q);
+    }
+    for (int64_t p = first + kStreams * part; p < last; ++p) {
+      const void* at[1] = {packed + p * panel_bytes};
+      __m256 lo[1], hi[1];
+      panel_dot_streams<1, kFormat>(x, at, k, lo, hi);
+      store(p, lo, hi);
+    }
+  });
+}
+#endif
+
 // x: m rows of k float32 or bfloat16 values, contiguous.
 template <Format kFormat, bool kOutBf16>
 void run(const void* x, bool x_bf16, int64_t m, int64_t k, const uint8_t* packed, const float* scale,
@@ -166,6 +219,12 @@ void run(const void* x, bool x_bf16, int64_t m, int64_t k, const uint8_t* packed
   const int64_t panel_bytes = k * kPanel * format_bytes(kFormat), out_elem = kOutBf16 ? 2 : 4;
   uint8_t* out_base = static_cast<uint8_t*>(out.data_ptr());
   std::vector<float> widened_x;
+#if PL_PANEL_AVX2
+  if (m == 1 && !fixed_order) {  // a fixed-order row is summed as a 4-row block's (one chain)
+    one_row<kFormat, kOutBf16>(float_rows(x, x_bf16, 0, 1, k, widened_x), k, packed, scale, bias, n, out_base);
+    return;
+  }
+#endif
   for (int64_t r0 = 0; r0 < m; r0 += kChunkRows) {
     const int64_t rows = std::min(kChunkRows, m - r0);
     const float* xs = float_rows(x, x_bf16, r0, rows, k, widened_x);
