@@ -53,7 +53,8 @@ def test_an_eager_step_of_reference_experts_leaves_dynamo_out(tmp_path):
         # set by inductor in this test process: the engine would import inductor to read its default
         "os.environ.pop('TORCHINDUCTOR_CACHE_DIR', None)\n"
         "from pagellm import LLM, SamplingParams\n"
-        f"llm = LLM(model={str(model)!r}, enforce_eager=True, dtype='bfloat16')\n"
+        # a backend named: with no cached choice the backends' timing would compile flex attention
+        f"llm = LLM(model={str(model)!r}, enforce_eager=True, dtype='bfloat16', attention_backend='TORCH_SDPA')\n"
         "llm.generate(['hello world'], SamplingParams(max_tokens=3, temperature=0))"
     )
     assert _imported_after(code, ("torch._dynamo",)) == []
