@@ -22,6 +22,20 @@
 
 bool gguf_kernel_type(int64_t type) { return has_kernel(type); }
 
+namespace {
+
+constexpr int64_t kRowStreams = 4;  // places of a thread's run of rows one x row reads in turn
+
+// The t-th of `count` items visited from `streams` equal parts in turn (item 0 of each part, then item 1,
+// ...), the remainder after in order: a decode step's one x row is light work per weight byte, and a
+// thread walking one stream of rows waits on its loads (as the panel linears' one-row path found).
+inline int64_t stream_order(int64_t count, int64_t streams, int64_t t) {
+  const int64_t part = count / streams;
+  return t < part * streams ? (t % streams) * part + t / streams : t;
+}
+
+}  // namespace
+
 // x [..., K] (float32 or bfloat16) times the weights `parts` (each uint8 [N_i, bytes per row] of GGML type
 // types[i], K columns) -> [..., sum N_i] in x's dtype: the parts' outputs side by side (a fused q/k/v or
 // gate/up layer whose checkpoint tensors have their own types), x quantized once for all of them.
@@ -109,16 +123,23 @@ at::Tensor gguf_linear(const at::Tensor& input, at::TensorList parts, at::IntArr
       const PairFn pair =
           bf16 && m == 1 && parts[p].numel() <= kPairedPartBytes ? pair_fn(types[p]) : nullptr;
       const uint8_t* w = static_cast<const uint8_t*>(parts[p].data_ptr());
+      // one x row: the rows (or pairs) taken from kRowStreams parts of the run in turn, so the loads of
+      // several places are in flight at once (`stream_order`)
+      const int64_t streams = m == 1 ? kRowStreams : 1;
       int64_t j = lo;
       if (pair != nullptr) {
-        for (; j + 1 < hi; j += 2) {
-          const uint8_t* row = w + (j - starts[p]) * row_bytes;
-          pair(row, row + row_bytes, blocks, q, sums.data() + (j - begin), sums.data() + (j + 1 - begin));
+        const int64_t pairs = (hi - lo) / 2;
+        for (int64_t t = 0; t < pairs; ++t) {
+          const int64_t i = lo + 2 * stream_order(pairs, streams, t);
+          const uint8_t* row = w + (i - starts[p]) * row_bytes;
+          pair(row, row + row_bytes, blocks, q, sums.data() + (i - begin), sums.data() + (i + 1 - begin));
         }
+        j = lo + 2 * pairs;
       }
-      for (; j < hi; ++j) {
-        float* dst = bf16 ? sums.data() + (j - begin) : out.data_ptr<float>() + j;
-        fn(w + (j - starts[p]) * row_bytes, blocks, q, 0, m, dst, bf16 ? end - begin : n);
+      for (int64_t t = 0, count = hi - j; t < count; ++t) {
+        const int64_t i = j + stream_order(count, streams, t);
+        float* dst = bf16 ? sums.data() + (i - begin) : out.data_ptr<float>() + i;
+        fn(w + (i - starts[p]) * row_bytes, blocks, q, 0, m, dst, bf16 ? end - begin : n);
       }
     }
     if (bf16) {
