@@ -4,11 +4,11 @@ gguf's table (`get_tensor_name_map`) lists, per llama.cpp tensor, every module n
 uses for it, so it maps an HF name to a GGUF one but not back: the way back needs the names the family's
 transformers model has. Building that model (on the meta device) imports transformers' modelling code,
 2.2-2.7 s of a first start on two cores, so the families whose files `--quantization gguf` keeps packed
-have their names written here as patterns (`_FAMILIES`), checked against transformers' model and gguf's
-table by the tests; any other architecture builds the model once and keeps the table in the cache folder.
-A pattern stays only where gguf's table of the architecture maps the HF module back to it; one may still
-name a tensor a file lacks (a bias, a dense layer beside experts): the loader looks up the names the file
-has.
+(and Mistral and Mixtral, written as `llama`) have their names written here as patterns (`_FAMILIES`, per
+architecture and model type), checked against transformers' model and gguf's table by the tests; any other
+pair builds the model once and keeps the table in the cache folder. A pattern stays only where gguf's table
+of the architecture maps the HF module back to it; one may still name a tensor a file lacks (a bias, a
+dense layer beside experts): the loader looks up the names the file has.
 """
 
 from __future__ import annotations
@@ -38,6 +38,8 @@ _LLAMA = {
     "blk.{bid}.ffn_down": "model.layers.{bid}.mlp.down_proj",
 }
 
+_MIXTRAL = _LLAMA | {"blk.{bid}.ffn_gate_inp": "model.layers.{bid}.mlp.gate"}
+
 _QWEN_MOE = _LLAMA | {
     "blk.{bid}.ffn_gate_inp": "model.layers.{bid}.mlp.gate",
     "blk.{bid}.ffn_gate_shexp": "model.layers.{bid}.mlp.shared_expert.gate_proj",
@@ -57,24 +59,28 @@ _PHI3 = _LLAMA | {
     "blk.{bid}.ffn_up": "model.layers.{bid}.mlp.gate_up_proj",
 }
 
-_FAMILIES: dict[str, dict[str, str]] = {
-    "llama": _LLAMA,
-    "qwen2": _LLAMA,
-    "qwen3": _LLAMA,
-    "qwen2moe": _QWEN_MOE,
-    "qwen3moe": _QWEN_MOE,
-    "gemma2": _GEMMA,
-    "gemma3": _GEMMA,
-    "phi3": _PHI3,
+_FAMILIES: dict[tuple[str, str], dict[str, str]] = {
+    ("llama", "llama"): _LLAMA,
+    ("llama", "mistral"): _LLAMA,
+    ("llama", "mixtral"): _MIXTRAL,
+    ("qwen2", "qwen2"): _LLAMA,
+    ("qwen3", "qwen3"): _LLAMA,
+    ("qwen2moe", "qwen2_moe"): _QWEN_MOE,
+    ("qwen3moe", "qwen3_moe"): _QWEN_MOE,
+    ("gemma2", "gemma2"): _GEMMA,
+    ("gemma3", "gemma3_text"): _GEMMA,
+    ("phi3", "phi3"): _PHI3,
 }
-"""llama.cpp architecture -> {GGUF module pattern: HF module pattern}; `{bid}` is the layer's index. A
-mixture of experts' stacked experts are not here: the reader names them from the router's module."""
+"""(llama.cpp architecture, the converted config's model type) -> {GGUF module pattern: HF module pattern};
+`{bid}` is the layer's index. A mixture of experts' stacked experts are not here: the reader names them
+from the router's module. The model type is part of the key: llama.cpp writes Mistral and Mixtral files as
+`llama`, and transformers names their modules by its own classes."""
 
 
 def gguf_hf_names(architecture: str, hf_config) -> dict[str, str]:
     """GGUF tensor name (`blk.3.attn_q.weight`) -> HF name (`model.layers.3.self_attn.q_proj.weight`) for a
     file of `architecture` whose converted config is `hf_config`."""
-    patterns = _FAMILIES.get(architecture)
+    patterns = _FAMILIES.get((architecture, getattr(hf_config, "model_type", None)))
     if patterns is None:
         return _kept_transformers_names(architecture, hf_config)
     table = _gguf_table(architecture, hf_config.num_hidden_layers)

@@ -32,6 +32,8 @@ from pagellm.models.registry import pagellm_models
         ("gemma3_text", "gemma3"),
         ("qwen2_moe", "qwen2moe"),
         ("qwen3_moe", "qwen3moe"),
+        ("mistral", "llama"),
+        ("mixtral", "llama"),  # llama.cpp writes both as llama
     ],
 )
 def test_gguf_names_match_transformers_mapping(arch, gguf_arch):
@@ -48,7 +50,8 @@ def test_gguf_names_match_transformers_mapping(arch, gguf_arch):
     config = tiny_config(arch, vocab_size=len(make_tokenizer()))
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(config)
-    expected = get_gguf_hf_weights_map(skeleton, TENSOR_PROCESSORS.get(gguf_arch, TensorProcessor)())
+    processor = TENSOR_PROCESSORS.get(gguf_arch, TensorProcessor)()
+    expected = get_gguf_hf_weights_map(skeleton, processor, model_type=gguf_arch)
     # stacked experts are named by the reader from the router's module, not by the table
     expected = {gguf: hf for gguf, hf in expected.items() if not gguf.endswith("_exps")}
     assert transformers_names(gguf_arch, config) == expected
