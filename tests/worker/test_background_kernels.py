@@ -238,7 +238,11 @@ def test_a_gguf_mixture_of_experts_keeps_its_expert_blocks_for_the_kernel_that_b
     assert all(layer.w13 is None and layer.pending_gguf_blocks is None for layer in layers)
     packed = sum(b.numel() for layer in layers for b in layer.buffers() if b.dtype == torch.uint8)
     assert packed == expert_bytes
-    assert runner.model.packed_lm_head is not None, "the Q8_0 table (tied output) read in place"
+    embedding = runner.model.model.embed_tokens
+    table_bytes = next(int(t.n_bytes) for t in GGUFReader(path).tensors if t.name == "token_embd.weight")
+    assert embedding.weight is None and embedding.packed_table.numel() == table_bytes, (
+        "the Q8_0 table in place"
+    )
 
 
 def test_other_quantized_weights_wait_for_the_background_build(kernels_here, tmp_path, monkeypatch, caplog):
