@@ -66,6 +66,7 @@ OPS = (
     "bf16_pairs_available",
     "gguf_dequantize",
     "gguf_kernel_type",
+    "gguf_isa",
     "gguf_interleaved_type",
     "gguf_interleave",
     "fused_moe_isa",

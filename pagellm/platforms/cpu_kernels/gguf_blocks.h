@@ -6,7 +6,8 @@
 // bfloat16 x is quantized to int8 in groups of 32 (a float32 scale max|x| / 127 per group, as llama.cpp
 // quantizes activations for its quantized matmuls; bfloat16 has 8 bits of mantissa to begin with) and
 // multiplied with each weight group in integer sums: 32 weights' products in three AVX2 instructions
-// (maddubs, madd, convert) instead of widening the weights to float for FMAs, which at batch 1 made the step
+// (maddubs, madd, convert; two where the CPU has VNNI: vpdpbusd, convert) instead of widening the weights to
+// float for FMAs, which at batch 1 made the step
 // compute-bound (two cores unpack ~25 G weights/s into floats, against ~30 G/s of Q4 weights that memory
 // delivers). float32 x keeps its values and takes the float products (the results of x @ the dequantized
 // weights up to the order of the sums), for runs that asked for float32's precision.
@@ -55,6 +56,12 @@
 #define GG_AVX2 1
 #else
 #define GG_AVX2 0
+#endif
+// VNNI's vpdpbusd for the byte products (AVX-512 VNNI with VL, or AVX-VNNI): `add_byte_products`.
+#if GG_AVX2 && ((defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__))
+#define GG_VNNI 1
+#else
+#define GG_VNNI 0
 #endif
 
 namespace {
@@ -821,6 +828,35 @@ void unpack_row(const uint8_t* w, int64_t blocks, Unpacked& u) {
   }
 }
 
+// The sums of four u8 x s8 products per int32 lane (eight lanes: 32 bytes of each), as int32. With AVX-512
+// VNNI (and VL) or AVX-VNNI one vpdpbusd; otherwise maddubs then madd, whose int16 pair sums never saturate
+// here (a pair is at most 2 * 128 * 127), so both give the same integers.
+inline __m256i add_byte_products(__m256i acc, __m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(acc, u, s);
+#elif defined(__AVXVNNI__)
+  return _mm256_dpbusd_avx_epi32(acc, u, s);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+#endif
+}
+
+// The same from zero, as float32: one 32-weight group's integer sums, eight lanes of four products.
+inline __m256 byte_products(__m256i u, __m256i s) {
+#if GG_VNNI
+  return _mm256_cvtepi32_ps(add_byte_products(_mm256_setzero_si256(), u, s));
+#else
+  return _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+#endif
+}
+
+// u8 x s8 group products with Q8_0's signed codes: |w| times x with w's sign.
+template <bool kSigned>
+inline __m256 code_products(__m256i codes, __m256i xv) {
+  return kSigned ? byte_products(_mm256_sign_epi8(codes, codes), _mm256_sign_epi8(xv, codes))
+                 : byte_products(codes, xv);
+}
+
 inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -835,7 +871,6 @@ void dot_unpacked(const Unpacked& u, int64_t groups, const Rows& x, int64_t r0, 
   __m128 off[2][R];  // the offsets' sums, two halves a lane
   for (int c = 0; c < 2; ++c)
     for (int r = 0; r < R; ++r) acc[c][r] = _mm256_setzero_ps(), off[c][r] = _mm_setzero_ps();
-  const __m256i ones = _mm256_set1_epi16(1);
   auto group_step = [&](int64_t g, int c) {
     const __m256i codes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(&u.codes[g * kGroup]));
     const float* a = &u.a[2 * g];
@@ -863,7 +898,7 @@ void dot_unpacked(const Unpacked& u, int64_t groups, const Rows& x, int64_t r0, 
       for (int r = 0; r < R; ++r) {
         const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.row(r0 + r) + g * kGroup));
         const __m256i xs = kSigned ? _mm256_sign_epi8(xv, codes) : xv;
-        const __m256 sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(w_abs, xs), ones));
+        const __m256 sums = byte_products(w_abs, xs);
         const __m256 dx = _mm256_broadcast_ss(x.scale(r0 + r) + g);
         acc[c][r] = _mm256_fmadd_ps(sums, _mm256_mul_ps(scale, dx), acc[c][r]);
         if constexpr (!kSigned) {
@@ -931,10 +966,7 @@ __attribute__((noinline)) void dot_rows(const uint8_t* w, int64_t blocks, const 
     for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
   const auto products = [&](__m256i codes, int r, int64_t g) {
     const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[r] + g * kGroup));
-    const __m256i p = signed_codes(T)
-                          ? _mm256_maddubs_epi16(_mm256_sign_epi8(codes, codes), _mm256_sign_epi8(xv, codes))
-                          : _mm256_maddubs_epi16(codes, xv);
-    return _mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones));
+    return code_products<signed_codes(T)>(codes, xv);
   };
   if constexpr (is_x4(T)) {
     // per super-block: the four blocks' d times x's four group scales in one vector, each block's lane
@@ -1150,15 +1182,9 @@ __attribute__((noinline)) void dot_row_pair(const uint8_t* w0, const uint8_t* w1
                                             float* out0, float* out1) {
   const int8_t* xq = x.row(0);
   const float *dx = x.scale(0), *whole = x.whole_sums(0);
-  const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
   float off0 = 0.f, off1 = 0.f;
-  const auto products = [&](__m256i codes, __m256i xv) {
-    const __m256i p = signed_codes(T)
-                          ? _mm256_maddubs_epi16(_mm256_sign_epi8(codes, codes), _mm256_sign_epi8(xv, codes))
-                          : _mm256_maddubs_epi16(codes, xv);
-    return _mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones));
-  };
+  const auto products = [&](__m256i codes, __m256i xv) { return code_products<signed_codes(T)>(codes, xv); };
   for (int64_t i = 0; i < blocks; ++i) {
     const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + i * kGroup));
     float d0, b0, d1, b1;

@@ -14,6 +14,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "gguf_blocks.h"
@@ -21,6 +22,8 @@
 #include "kernels.h"
 
 bool gguf_kernel_type(int64_t type) { return has_kernel(type); }
+
+std::string gguf_isa() { return GG_AVX2 ? (GG_VNNI ? "avx2+vnni" : "avx2") : "scalar"; }
 
 namespace {
 

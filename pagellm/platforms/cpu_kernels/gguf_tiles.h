@@ -68,10 +68,20 @@ inline void interleave(const Rows& q, int64_t first, int64_t m, XTiles& x, int64
 // int16 pair sums; every kSum chunks the pairs are widened to int32 into `lo`, or `hi` for a group's second
 // half where the halves have their own scales. A pair is at most 2 * 127 times the largest code (4-bit 15,
 // 5-bit 31, Q6_K 63, MXFP4's 24; Q8_0's |w| up to 128: alone), and kSum of them stay within 32767: the widening madd
-// runs on one unit of the AVX2 EPYC (Zen 3) against maddubs' two, so one per chunk halved the rate.
+// runs on one unit of the AVX2 EPYC (Zen 3) against maddubs' two, so one per chunk halved the rate. With
+// VNNI the chunk's products go straight into the int32 sums (`add_byte_products`).
 template <int64_t T, int c>
 inline void tile_chunk(__m256i w, __m256i xv, __m256i ones, __m256i& pairs, __m256i& lo, __m256i& hi) {
   constexpr bool kSigned = signed_codes(T), kHalves = T == kQ6_K;
+#if GG_VNNI  // one vpdpbusd a chunk into the int32 sums: no int16 pairs to widen
+  const __m256i u = kSigned ? _mm256_sign_epi8(w, w) : w, s = kSigned ? _mm256_sign_epi8(xv, w) : xv;
+  if constexpr (kHalves && c >= 4) {
+    hi = add_byte_products(hi, u, s);
+  } else {
+    lo = add_byte_products(lo, u, s);
+  }
+  (void)ones, (void)pairs;
+#else
   constexpr bool kFifthBit = T == kQ5_0 || T == kQ5_1 || T == kQ5_K;
   constexpr int kSum = T == kQ8_0 ? 1 : T == kQ6_K ? 2 : (kFifthBit || T == kMXFP4) ? 4 : 8;
   const __m256i p =
@@ -85,6 +95,7 @@ inline void tile_chunk(__m256i w, __m256i xv, __m256i ones, __m256i& pairs, __m2
       lo = _mm256_add_epi32(lo, widened);
     }
   }
+#endif
 }
 
 // W unpacked weight rows times tile t of x: out[j] lane r = weight row j . x row r of the tile.

@@ -40,6 +40,8 @@ std::string fused_moe_isa();
 at::Tensor gguf_linear(const at::Tensor& input, at::TensorList parts, at::IntArrayRef types);
 at::Tensor gguf_dequantize(const at::Tensor& raw, int64_t type);
 bool gguf_kernel_type(int64_t type);
+// "avx2+vnni" (the byte products in vpdpbusd), "avx2" or "scalar": the GGUF kernels' path in this build.
+std::string gguf_isa();
 int64_t gguf_interleaved_type(int64_t type);
 at::Tensor gguf_interleave(const at::Tensor& raw, int64_t type);
 at::Tensor gguf_embedding(const at::Tensor& ids, const at::Tensor& table, int64_t type);
