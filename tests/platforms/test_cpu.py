@@ -198,6 +198,23 @@ def test_amx_linear_op_is_the_kernel_and_takes_any_leading_shape():
     assert torch.equal(out, packed.matmul(x.bfloat16(), packed.weight, None))
 
 
+@pytest.mark.parametrize("in_features", [64, 100])
+@pytest.mark.parametrize("rows", [1, 3, 15])
+def test_amx_rows_below_a_tile_equal_their_rows_in_a_whole_tile(rows, in_features):
+    """Fewer x rows than a tile (16) are multiplied in tiles of that many rows where K fills whole tiles
+    (64), else copied into a padded tile (100): either way each row's output is the one it gets among 16."""
+    if cpu._amx_kernels() is None:
+        pytest.skip("no AMX kernel here (CPU without AMX, or no compiler)")
+    gen = torch.Generator().manual_seed(rows)
+    weight = torch.randn(70, in_features, generator=gen).bfloat16()
+    bias = torch.randn(70, generator=gen).bfloat16()
+    packed = CpuPlatform.pack_linear(weight)
+    x = torch.randn(16, in_features, generator=gen).bfloat16()
+    whole = packed.matmul(x, packed.weight, bias)
+    assert torch.equal(packed.matmul(x[:rows], packed.weight, bias), whole[:rows])
+    assert torch.equal(packed.matmul(x[-rows:], packed.weight, bias), whole[-rows:])
+
+
 def test_compile_drops_stride_asserts_and_the_python_wrapper(monkeypatch):
     """~400 stride checks a decode step, on outputs that are contiguous by construction; and the graph's
     wrapper in C++ (its Python version cost ~6 ms of a 80 ms decode step on model S)."""

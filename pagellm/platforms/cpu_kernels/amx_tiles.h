@@ -23,4 +23,12 @@ inline void configure_full_tiles() {
   _tile_loadconfig(&config);
 }
 
+// The same with tiles 0-5 (the sums and the x rows of linear_amx.cpp) `rows` (1-16) rows high, tiles 6-7
+// (the weights) full: fewer than 16 x rows are multiplied as they lie, not copied into a padded tile.
+inline void configure_tiles(int rows) {
+  TileConfig config;
+  for (int t = 0; t < 8; ++t) config.rows[t] = t < 6 ? rows : 16, config.colsb[t] = 64;
+  _tile_loadconfig(&config);
+}
+
 }  // namespace pagellm_amx

@@ -137,6 +137,7 @@ void run_block(int panels, const uint8_t* x, int64_t x_stride_bytes, const uint8
 // memory once and reused (from cache) by every pair of row tiles; rows go in blocks whose x stays in
 // cache (~1 MB) while the thread's panels pass. `store(row0, rows, col0, cols, sums)` writes the output
 // of one panel (sums: [32][16] float or int32, row-major).
+// m_pad: m rounded up to whole tiles (x padded with zero rows), or m itself below one tile (tiles of m rows).
 template <bool kInt8, typename Store>
 void run_panels(const uint8_t* xs, int64_t x_stride, int64_t m, int64_t m_pad, const uint8_t* ws,
                 int64_t n_panels, int64_t k_tiles, int64_t n, Store store) {
@@ -144,7 +145,7 @@ void run_panels(const uint8_t* xs, int64_t x_stride, int64_t m, int64_t m_pad, c
   const int64_t block_rows = std::max<int64_t>(32, (kCachedBytes / x_stride) / 32 * 32);
   const int64_t panel_bytes = k_tiles * kTileBytes;
   at::parallel_for(0, n_pairs, 1, [&](int64_t begin, int64_t end) {
-    pagellm_amx::configure_full_tiles();
+    pagellm_amx::configure_tiles(static_cast<int>(std::min(m_pad, kRowsPerTile)));
     alignas(64) int32_t sums[2 * 2 * kRowsPerTile * kTileCols];
     for (int64_t block0 = 0; block0 < m_pad; block0 += block_rows) {
       const int64_t block_end = std::min(m_pad, block0 + block_rows);
@@ -269,8 +270,12 @@ at::Tensor amx_linear(const at::Tensor& input, const at::Tensor& packed, const c
   const int64_t m = x.size(0), k = x.size(1), k_tiles = packed.size(1);
   auto out = x.new_empty({m, n});
   if (m == 0) return out;
-  // Rows padded to whole tiles and k to whole tiles, so every tile load is full (the padding is zero).
-  const int64_t m_pad = (m + kRowsPerTile - 1) / kRowsPerTile * kRowsPerTile, k_pad = k_tiles * 32;
+  // Rows padded to whole tiles and k to whole tiles, so every tile load is full (the padding is zero); fewer
+  // rows than a tile (a decode step) as they are, in tiles of that many rows, where k fills whole tiles: the
+  // padded copy cost a one-row call a fifth of its time on model S's shapes.
+  const int64_t k_pad = k_tiles * 32;
+  const bool short_rows = m < kRowsPerTile && k_pad == k && x.is_contiguous();
+  const int64_t m_pad = short_rows ? m : (m + kRowsPerTile - 1) / kRowsPerTile * kRowsPerTile;
   at::Tensor xp = x;
   if (m_pad != m || k_pad != k || !x.is_contiguous()) {
     xp = x.new_zeros({m_pad, k_pad});
