@@ -14,6 +14,7 @@ import importlib.metadata as md
 import json
 import os
 import platform as pyplatform
+import signal
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -123,6 +124,22 @@ class W1Args(BenchArgs):
             (self.input_len_min, self.input_len_max),
             (self.output_len_min, self.output_len_max),
         )
+
+
+def peer_exit(name: str, returncode: int, without_repacking: str) -> str:
+    """'NAME exited with CODE'; for a crash, the signal and the llama.cpp flag that runs it without its AMX and
+    repacked CPU kernels (`without_repacking`): on an AMX Xeon its AMX matmul faulted (SIGSEGV in
+    ggml_backend_amx_mul_mat) on every Q4_0/Q4_1/Q8_0 and K-quant file, and ran with the flag."""
+    if returncode >= 0:
+        return f"{name} exited with {returncode}"
+    try:
+        killed_by = signal.Signals(-returncode).name
+    except ValueError:
+        killed_by = f"signal {-returncode}"
+    return (
+        f"{name} was killed by {killed_by} (exit {returncode}); llama.cpp's AMX and repacked CPU kernels "
+        f'crash on some machines: --llama-args "{without_repacking}" runs it without them'
+    )
 
 
 def echo(message: str, err: bool = False) -> None:

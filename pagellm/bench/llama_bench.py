@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from pagellm.bench.common import echo
+from pagellm.bench.common import echo, peer_exit
 
 LLAMA_BENCH_BATCH = 2048
 """llama-bench's default -b (logical batch): a prompt of up to this many tokens is one decode call."""
@@ -144,7 +144,7 @@ def _run(command: list[str]) -> tuple[tuple[str, str] | None, str]:
         return None, f"{name} did not start: {exc}"
     if done.returncode != 0:
         tail = "\n".join(done.stderr.strip().splitlines()[-5:])
-        return None, f"{name} exited with {done.returncode}: {tail}"
+        return None, f"{peer_exit(name, done.returncode, '--repack 0')}: {tail}"
     return (done.stdout, done.stderr), ""
 
 

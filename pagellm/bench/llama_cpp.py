@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pagellm.bench.common import ThroughputResult
+from pagellm.bench.common import ThroughputResult, peer_exit
 from pagellm.bench.process import LoggedProcess, quiet_httpx
 from pagellm.bench.workloads import Workload
 
@@ -91,10 +91,10 @@ class LlamaServer(LoggedProcess):
 
     def start_failure(self, timeout_s: float) -> str:
         if self.process.poll() is not None:
-            why = f"exited with {self.process.returncode}: {' '.join(self.command)}"
+            why = f"{peer_exit('llama-server', self.process.returncode, '--no-repack')}: {' '.join(self.command)}"
         else:
-            why = f"did not become healthy in {timeout_s:.0f} s"
-        return f"llama-server {why}\n{self.log_tail()}"
+            why = f"llama-server did not become healthy in {timeout_s:.0f} s"
+        return f"{why}\n{self.log_tail()}"
 
 
 def completion_body(prompt: list[int], output_len: int) -> dict[str, Any]:

@@ -166,6 +166,17 @@ def test_a_failing_llama_bench_is_reported_not_raised(tmp_path):
     assert reason.startswith("llama-bench exited with 1") and "failed to load model" in reason
 
 
+def test_a_crashing_llama_bench_is_named_with_its_signal_and_the_flag_that_avoids_it(tmp_path):
+    """llama.cpp's AMX matmul faulted on an AMX Xeon (SIGSEGV) on every quantized file; `--repack 0` ran it."""
+    crash = "import os, signal, sys\nprint('load_tensors: AMX model buffer size', file=sys.stderr)\n"
+    crash += "os.kill(os.getpid(), signal.SIGSEGV)\n"
+    binary = executable(tmp_path, "llama-bench", crash)
+    result, reason = llama_bench.run_llama_bench(str(binary), str(tmp_path / "m.gguf"), 1, 20, 5, 1)
+    assert result is None
+    assert reason.startswith("llama-bench was killed by SIGSEGV (exit -11)")
+    assert '--llama-args "--repack 0"' in reason and "AMX model buffer" in reason
+
+
 @pytest.mark.parametrize(
     "flags, message",
     [
