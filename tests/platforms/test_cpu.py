@@ -198,6 +198,26 @@ def test_amx_linear_op_is_the_kernel_and_takes_any_leading_shape():
     assert torch.equal(out, packed.matmul(x.bfloat16(), packed.weight, None))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.int8])
+@pytest.mark.parametrize(("out_features", "in_features"), [(37, 99), (70, 64), (16, 101), (5, 7)])
+def test_amx_packing_lays_out_vnni_tiles(dtype, out_features, in_features):
+    """The AMX layout, [N/16][K/kt][16][64 bytes] with each tile row the 16 columns' next groups of 2 (bf16)
+    or 4 (int8) k values, zero-padded; an odd K's last partial group included."""
+    if cpu._amx_kernels() is None:
+        pytest.skip("no AMX kernel here (CPU without AMX, or no compiler)")
+    gen = torch.Generator().manual_seed(in_features)
+    weight = torch.randn(out_features, in_features, generator=gen).mul(40).to(dtype)
+    group = 2 if dtype == torch.bfloat16 else 4
+    per_tile = 16 * group
+    panels, tiles = -(-out_features // 16), -(-in_features // per_tile)
+    padded = weight.new_zeros(panels * 16, tiles * per_tile)
+    padded[:out_features, :in_features] = weight
+    expected = padded.view(panels, 16, tiles, 16, group).permute(0, 2, 3, 1, 4).reshape(panels, tiles, 16, -1)
+    kernels = cpu._amx_kernels()
+    packed = kernels.amx_pack(weight) if dtype == torch.bfloat16 else kernels.amx_pack_int8(weight)
+    assert torch.equal(packed, expected)
+
+
 @pytest.mark.parametrize("in_features", [64, 100])
 @pytest.mark.parametrize("rows", [1, 3, 15])
 def test_amx_rows_below_a_tile_equal_their_rows_in_a_whole_tile(rows, in_features):

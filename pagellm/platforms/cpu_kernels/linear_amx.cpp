@@ -220,14 +220,20 @@ at::Tensor pack_tiles(const at::Tensor& weight, int64_t group) {
   auto packed = w.new_zeros({n_panels, k_tiles, kRowsPerTile, 64 / elem});
   const auto* src = static_cast<const uint8_t*>(w.data_ptr());
   auto* dst = static_cast<uint8_t*>(packed.data_ptr());
+  // A group (2 bf16 or 4 int8 values) is 4 bytes, so a row's whole groups move as 32-bit words: word u of
+  // the row goes to tile u / 16, tile row u % 16, column slot c (an element at a time ran at 0.4 GB/s, 2.5 s
+  // of a start for a 0.5B model); the values of a last partial group (an odd K) one by one.
+  const int64_t words = k / group;
   at::parallel_for(0, n_panels, 1, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p) {
+      uint8_t* panel = dst + p * k_tiles * kTileBytes;
       for (int64_t c = 0; c < kTileCols && p * kTileCols + c < n; ++c) {
         const uint8_t* row = src + (p * kTileCols + c) * k * elem;
-        for (int64_t kk = 0; kk < k; ++kk) {
+        for (int64_t u = 0; u < words; ++u)
+          std::memcpy(panel + (u / kRowsPerTile) * kTileBytes + (u % kRowsPerTile) * 64 + c * 4, row + u * 4, 4);
+        for (int64_t kk = words * group; kk < k; ++kk) {
           const int64_t t = kk / k_per_tile, r = (kk % k_per_tile) / group, j = kk % group;
-          uint8_t* to = dst + (p * k_tiles + t) * kTileBytes + r * 64 + (c * group + j) * elem;
-          std::memcpy(to, row + kk * elem, elem);
+          std::memcpy(panel + t * kTileBytes + r * 64 + (c * group + j) * elem, row + kk * elem, elem);
         }
       }
     }
