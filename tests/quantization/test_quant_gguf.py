@@ -59,6 +59,16 @@ def test_the_torch_dequantization_of_every_kernel_type_is_the_gguf_packages(ggml
     assert torch.equal(dequantize(torch.from_numpy(raw), int(ggml_type), torch.float32), expected)
 
 
+@pytest.mark.parametrize("ggml_type", [T.Q4_K, T.Q8_0], ids=lambda t: t.name)
+def test_a_tensor_dequantized_in_several_chunks_is_the_gguf_packages(ggml_type):
+    """Rows of 4096 weights come 32 to a chunk on CPU: 70 rows are two whole chunks and a part."""
+    raw = random_blocks(ggml_type, 70, 4096, seed=5, scale=0.5)
+    expected = torch.from_numpy(quants.dequantize(raw, ggml_type))
+    assert torch.equal(dequantize(torch.from_numpy(raw), int(ggml_type), torch.float32), expected)
+    widened = dequantize(torch.from_numpy(raw), int(ggml_type), torch.bfloat16)
+    assert torch.equal(widened, expected.to(torch.bfloat16))
+
+
 def gguf_quantizer(types):
     """Quantize each weight to the next type of `types` (so fused q/k/v get different types)."""
     cycle = itertools.cycle(types)
