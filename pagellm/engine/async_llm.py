@@ -407,10 +407,17 @@ class AsyncLLM:
 
 
 def queue_receiver(inbox: queue.Queue[Command]):
-    """`EngineCore.run`'s receive over a thread-safe queue: everything queued; block for one when idle."""
+    """`EngineCore.run`'s receive over a thread-safe queue: everything queued; when idle, block for one (for
+    up to `wait` seconds where it is a number)."""
 
-    def receive(wait: bool) -> list[Command]:
-        commands = [inbox.get()] if wait else []
+    def receive(wait: bool | float) -> list[Command]:
+        if isinstance(wait, bool):
+            commands = [inbox.get()] if wait else []
+        else:
+            try:
+                commands = [inbox.get(timeout=wait)]
+            except queue.Empty:
+                return []
         while True:
             try:
                 commands.append(inbox.get_nowait())

@@ -121,9 +121,16 @@ class _Tracked:
     output_tokens: dict[int, int] = field(default_factory=dict)  # sample index -> tokens so far
 
 
+IDLE_S = 0.5
+"""How long the engine has had no request before it starts what it put off (`LLMEngine.on_idle`): a
+client that sends its next request at once is not slowed by it."""
+
+
 class EngineCore:
     """Runs `engine` until a Shutdown command: `receive(wait)` returns the commands that arrived (with
-    `wait`, the engine is idle: block for at least one), `emit(turn)` takes each turn's results."""
+    `wait` True, the engine is idle: block for at least one; a number: for up to that many seconds),
+    `emit(turn)` takes each turn's results. Work the engine puts off while it serves (`waits_for_idle`) is
+    started once it has been idle for IDLE_S."""
 
     def __init__(self, engine: LLMEngine, emit: Callable[[Turn], None]):
         self.engine = engine
@@ -137,7 +144,15 @@ class EngineCore:
         try:
             while self._stop_reason is None:
                 iteration = IterationStats()
-                self._run(receive(not self.engine.has_unfinished_requests()), iteration)
+                idle = not self.engine.has_unfinished_requests()
+                if idle and self.engine.waits_for_idle():
+                    commands = receive(IDLE_S)
+                    if not commands:
+                        self.engine.on_idle()
+                        continue
+                else:
+                    commands = receive(idle)
+                self._run(commands, iteration)
                 if self.engine.has_unfinished_requests() and self._stop_reason is None:
                     self._step(iteration)
                 self._emit(Turn(self._take_items(), self.engine.stats(), iteration))

@@ -271,21 +271,7 @@ def main(commands_address: str, turns_address: str, parent: int | None = None) -
         turn.items = [(request_id, _portable(item)) for request_id, item in turn.items]
         send(turn)
 
-    def receive(wait: bool) -> list[Command]:
-        received = []
-        while True:
-            if commands.poll(_POLL_MS if wait and not received else 0):
-                received.append(pickle.loads(commands.recv()))
-                continue
-            if received or not wait:
-                break
-            if parent_gone():
-                break
-        if parent_gone():
-            from pagellm.engine.core import Shutdown
-
-            received.append(Shutdown("the front end is gone"))
-        return received
+    receive = _receiver(commands, parent_gone)
 
     started = threading.Event()
     threading.Thread(
@@ -309,6 +295,35 @@ def main(commands_address: str, turns_address: str, parent: int | None = None) -
     commands.close(linger=0)
     context.term()
     return 0
+
+
+def _receiver(commands: Any, parent_gone: Callable[[], bool]) -> Callable[[bool | float], list[Command]]:
+    """`EngineCore.run`'s receive on the commands socket: what has arrived; when idle, block for at least one
+    (for up to `wait` seconds where it is a number); a Shutdown once the front end is gone."""
+
+    def receive(wait: bool | float) -> list[Command]:
+        received = []
+        deadline = None if isinstance(wait, bool) else time.monotonic() + wait
+        while True:
+            timeout = _POLL_MS if wait and not received else 0
+            if deadline is not None:
+                timeout = max(0, min(timeout, int((deadline - time.monotonic()) * 1000)))
+            if commands.poll(timeout):
+                received.append(pickle.loads(commands.recv()))
+                continue
+            if received or not wait:
+                break
+            if deadline is not None and time.monotonic() >= deadline:
+                break
+            if parent_gone():
+                break
+        if parent_gone():
+            from pagellm.engine.core import Shutdown
+
+            received.append(Shutdown("the front end is gone"))
+        return received
+
+    return receive
 
 
 def _exit_if_orphaned_while_starting(parent_gone: Callable[[], bool], started: threading.Event) -> None:

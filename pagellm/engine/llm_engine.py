@@ -245,6 +245,14 @@ class LLMEngine:
             self.scheduler.abort_request(child_id)
         return self.output_processor.abort(request_id)
 
+    def waits_for_idle(self) -> bool:
+        """Whether work is put off until no request runs (a warm start's load of its saved compiled forward)."""
+        return self.runner.compiler.waits_for_idle
+
+    def on_idle(self) -> None:
+        """No request runs: start the work put off until now (`waits_for_idle`)."""
+        self.runner.compiler.on_idle()
+
     def has_unfinished_requests(self) -> bool:
         """Requests to run, or KV transfers in flight (the loop steps until they end, then frees their blocks)."""
         return self.scheduler.has_unfinished_requests() or self.scheduler.has_kv_transfers()

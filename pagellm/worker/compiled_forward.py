@@ -213,18 +213,28 @@ class CompileProcess:
 
 class BackgroundLoad:
     """A saved forward loaded (`load`) on a daemon thread while the engine serves on the eager one; the runner
-    checks it (`agrees`) and swaps it in between two steps once `poll` says it is there."""
+    checks it (`agrees`) and swaps it in between two steps once `poll` says it is there. `start=False`: the
+    thread starts at `start` (or `wait`): a load holds the GIL for seconds, and the runner puts it off
+    while requests are served."""
 
-    def __init__(self, path: Path, model: torch.nn.Module):
+    def __init__(self, path: Path, model: torch.nn.Module, start: bool = True):
         self.path = path
-        self.started = time.monotonic()
+        self.started: float | None = None
+        """When the thread started (time.monotonic()); None before."""
         self.forward: Callable[..., torch.Tensor] | None = None
         self.error: Exception | None = None
         self.compiled_now = False  # the file is this run's compile process's, not a start's before
         self._thread = threading.Thread(
             target=self._run, args=(model,), name="pagellm-load-compiled", daemon=True
         )
-        self._thread.start()
+        if start:
+            self.start()
+
+    def start(self) -> None:
+        """Start loading; nothing if it has started."""
+        if self.started is None:
+            self.started = time.monotonic()
+            self._thread.start()
 
     def _run(self, model: torch.nn.Module) -> None:
         try:
@@ -233,12 +243,14 @@ class BackgroundLoad:
             self.error = e
 
     def poll(self) -> bool | None:
-        """None while it loads; then whether it did."""
-        if self._thread.is_alive():
+        """None until it has loaded; then whether it did."""
+        if self.started is None or self._thread.is_alive():
             return None
         return self.forward is not None
 
     def wait(self) -> None:
+        """Load now (starting the thread if it has not), and return once it is done."""
+        self.start()
         self._thread.join()
 
 

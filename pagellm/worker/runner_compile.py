@@ -29,6 +29,12 @@ logger = logging.getLogger("pagellm")
 AGREEMENT_TOKENS = 32
 """Tokens of the dummy step a compiled forward is checked on before it serves."""
 
+LOAD_PUT_OFF_AT_MOST_S = 5.0
+"""How long a warm start puts off loading its saved forward while requests keep the engine busy. Loading
+holds the GIL for seconds (torch's inductor imports, the wrapper module): started with the engine, it made
+model S's first request on the AMX Xeon 1.2 s slower (first token 5.33-5.38 s -> 6.33-6.43 s from the
+command); the engine starts it once it idles (`on_idle`), or at the first step after this long."""
+
 
 class RunnerCompile:
     def __init__(
@@ -57,11 +63,23 @@ class RunnerCompile:
         self.blocks_of_one_request = blocks_of_one_request
         self.process: compiled_forward.CompileProcess | None = None  # the background compile, until it ends
         self.loading: compiled_forward.BackgroundLoad | None = None  # the saved forward, until swapped in
+        self._put_off_until = 0.0  # a put-off load starts at the first step after this (time.monotonic())
         self.cores = cores or CoreYield()
 
     @property
     def pending(self) -> bool:
         return self.process is not None or self.loading is not None
+
+    @property
+    def waits_for_idle(self) -> bool:
+        """A saved forward's load is put off until the engine idles (`on_idle`)."""
+        return self.loading is not None and self.loading.started is None
+
+    def on_idle(self) -> None:
+        """The engine has no request to run: start a load put off until now."""
+        if self.waits_for_idle:
+            logger.info("the engine is idle: loading the compiled forward from %s", self.loading.path)
+            self.loading.start()
 
     def forward(self) -> Callable[..., torch.Tensor]:
         """The compiled forward, or the eager model (a background compile pending, or compiling failed)."""
@@ -92,8 +110,12 @@ class RunnerCompile:
         platform cannot, or the compile fails (said why)."""
         path = compiled_forward.artifact_path(self.key())
         if path.exists() and self.setup.config.compile_in_background:
-            self.loading = compiled_forward.BackgroundLoad(path, self.model)
-            logger.info("loading the compiled forward from %s; serving on the eager forward until then", path)
+            self.loading = compiled_forward.BackgroundLoad(path, self.model, start=False)
+            self._put_off_until = time.monotonic() + LOAD_PUT_OFF_AT_MOST_S
+            logger.info(
+                "found the compiled forward %s; serving on the eager forward, loading it once the engine idles",
+                path,
+            )
             return self.model
         if self.setup.config.compile_in_background:
             self._compile_in_background(path)
@@ -173,6 +195,9 @@ class RunnerCompile:
                 self.loading = compiled_forward.BackgroundLoad(Path(process.request.path), self.model)
                 self.loading.compiled_now = True
             return current
+        if self.loading.started is None and time.monotonic() >= self._put_off_until:
+            logger.info("loading the compiled forward from %s (put off while busy)", self.loading.path)
+            self.loading.start()
         done = self.loading.poll()
         if done is None:
             return current

@@ -14,7 +14,7 @@ from parity import mixed_prompts
 from tiny import make_tiny_checkpoint
 
 from pagellm import LLM, SamplingParams
-from pagellm.worker import compiled_forward
+from pagellm.worker import compiled_forward, runner_compile
 
 PARAMS = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 
@@ -142,6 +142,35 @@ def test_a_warm_start_serves_at_once_and_loads_the_saved_forward_in_the_backgrou
         assert greedy(llm, prompts) == expected
     assert llm.engine.stats().forward_compiled and not runner.compiler.pending
     assert "compiled forward swapped in" in caplog.text and "compiling the model" not in caplog.text
+
+
+def test_a_warm_start_puts_the_load_off_while_requests_run_and_loads_once_idle(
+    tiny_llama, compiled_forwards_of_this_test, monkeypatch
+):
+    """The load holds the GIL for seconds, so a warm start does not begin it while requests run: the engine
+    starts it when it idles (`on_idle`), or at the first step after LOAD_PUT_OFF_AT_MOST_S when it never
+    does; the tokens are the eager engine's throughout."""
+    prompts = mixed_prompts(300)[:2]
+    expected = greedy(engine(tiny_llama), prompts)
+    engine(tiny_llama, enforce_eager=False)  # compiles and saves
+    monkeypatch.setattr(runner_compile, "LOAD_PUT_OFF_AT_MOST_S", 3600.0)
+    llm = engine(tiny_llama, enforce_eager=False, compile_in_background=True)
+    compiler = llm.engine.runner.compiler
+    assert llm.engine.waits_for_idle() and compiler.loading.poll() is None
+    assert greedy(llm, prompts) == expected
+    assert compiler.loading.started is None, "loaded while requests ran"
+    llm.engine.on_idle()
+    assert compiler.loading.started is not None and not llm.engine.waits_for_idle()
+    compiler.loading.wait()
+    assert greedy(llm, prompts) == expected and llm.engine.stats().forward_compiled
+
+    monkeypatch.setattr(runner_compile, "LOAD_PUT_OFF_AT_MOST_S", 0.0)
+    busy = engine(tiny_llama, enforce_eager=False, compile_in_background=True)
+    assert greedy(busy, prompts) == expected
+    loading = busy.engine.runner.compiler.loading
+    assert loading is None or loading.started is not None, (
+        "a busy engine loads it after the wait all the same"
+    )
 
 
 def test_a_broken_saved_forward_found_at_a_warm_start_is_compiled_again_in_the_background(
