@@ -165,6 +165,9 @@ class CompileRequest:
     config: Any  # EngineConfig
     path: str
     key: str
+    timings_config: Any = None
+    """The engine's own config where it chose its attention backend itself: once the forward is saved, the
+    process times the backends under it for the next start (`compile_process.time_attention_for_next_start`)."""
 
 
 class CompileProcess:

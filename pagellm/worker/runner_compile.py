@@ -159,8 +159,10 @@ class RunnerCompile:
             compile_in_background=False,
             num_kv_blocks=self.blocks_of_one_request,
         )
+        auto = self.setup.config.attention_backend in (None, "auto")
+        timings = self.setup.config.replace(compile_in_background=False, enforce_eager=True) if auto else None
         self.process = compiled_forward.CompileProcess(
-            compiled_forward.CompileRequest(config, str(path), path.stem)
+            compiled_forward.CompileRequest(config, str(path), path.stem, timings)
         )
         self.yield_a_core()
 
