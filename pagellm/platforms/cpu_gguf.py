@@ -61,16 +61,16 @@ def available() -> bool:
     return cpu_kernels.load() is not None
 
 
-KERNEL_TYPES = frozenset((2, 3, 6, 7, 8, 12, 13, 14, 39))
-"""The GGML types the kernels multiply in place once built: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K and
-MXFP4 (`has_kernel` asks the built library, which also reads pagellm's interleaved types)."""
+KERNEL_TYPES = frozenset((2, 3, 6, 7, 8, 10, 11, 12, 13, 14, 39))
+"""The GGML types the kernels multiply in place once built: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K,
+Q5_K, Q6_K and MXFP4 (`has_kernel` asks the built library, which also reads pagellm's interleaved types)."""
 
 _kernel_types: dict[int, bool] = {}
 
 
 def has_kernel(type_id: int) -> bool:
-    """Whether GGML type `type_id` is multiplied in place here (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K,
-    Q6_K, MXFP4 and the interleaved types where the kernels are built). False while they build in the
+    """Whether GGML type `type_id` is multiplied in place here (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K,
+    Q4_K, Q5_K, Q6_K, MXFP4 and the interleaved types where the kernels are built). False while they build in the
     background: the same question is asked again when they are taken up."""
     kernels = cpu_kernels.load()
     if kernels is None:

@@ -6,17 +6,17 @@ A fused layer (q/k/v, gate/up) keeps one buffer per checkpoint tensor, since lla
 different type.
 
 Compute, per part, the first that applies:
-- on CPU, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K are multiplied in place by the native kernel
-  (`platforms.cpu_gguf`): x quantized to int8 in groups of 32, as llama.cpp does, integer dot products;
-  a fused layer's parts in one call;
-- on CUDA/ROCm with triton, the same eight types are multiplied by a Triton kernel that dequantizes each
-  tile of the blocks in registers (`quantization.gguf_triton`), for steps of up to 32 rows; larger steps
-  dequantize the part for the vendor matmul (vectorised torch, `GGML_TYPES`);
+- on CPU, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K and MXFP4 are multiplied in place by
+  the native kernel (`platforms.cpu_gguf`): x quantized to int8 in groups of 32, as llama.cpp does,
+  integer dot products; a fused layer's parts in one call;
+- on CUDA/ROCm with triton, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K are multiplied by a Triton
+  kernel that dequantizes each tile of the blocks in registers (`quantization.gguf_triton`), for steps of
+  up to 32 rows; larger steps dequantize the part for the vendor matmul (vectorised torch, `GGML_TYPES`);
 - elsewhere Q4_0, Q4_1, Q8_0 and the float types are dequantized for each matmul (vectorised torch, any
   device);
-- any other type gguf-py can read (Q2_K, Q3_K, IQ types; the K-quants and Q5 types on a CPU without the
-  kernels or a device without triton) is dequantized once at load into the model's dtype, which the log says
-  with the memory it costs.
+- any other type gguf-py can read (IQ types; Q2_K and Q3_K off CPU; the K-quants and Q5 types on a CPU
+  without the kernels or a device without triton) is dequantized once at load into the model's dtype, which
+  the log says with the memory it costs.
 
 While the CPU kernels build in the background (a first start, `cpu_gguf.kernels_pending`), the parts,
 tables and experts of the types they read are widened at load into the model's dtype ("pending": served as
@@ -145,6 +145,41 @@ def _q6_k(blocks: torch.Tensor) -> torch.Tensor:
     return ((_scales(blocks, 208).unsqueeze(-1) * scales) * q).flatten(-2)
 
 
+def _two_bit_codes(qs: torch.Tensor) -> torch.Tensor:
+    """Q2_K/Q3_K's 64 bytes of 2-bit codes -> [..., 256]: each 32 bytes give 32 weights from bits 0-1, then
+    32 from bits 2-3, 4-5 and 6-7."""
+    shifts = torch.arange(0, 8, 2, device=qs.device, dtype=torch.uint8)[:, None]
+    return ((qs.unflatten(-1, (2, 1, 32)) >> shifts) & 3).flatten(-3)
+
+
+def _q2_k(blocks: torch.Tensor) -> torch.Tensor:
+    """scales[16] (low nibble the scale of 16 weights, high nibble their minimum), qs[64], d, dmin."""
+    sc = blocks[..., 0:16]
+    scales = _scales(blocks, 80).unsqueeze(-1) * (sc & 0xF).float().unsqueeze(-1)
+    mins = _scales(blocks, 82).unsqueeze(-1) * (sc >> 4).float().unsqueeze(-1)
+    q = _two_bit_codes(blocks[..., 16:80]).float().unflatten(-1, (16, 16))
+    return (scales * q - mins).flatten(-2)
+
+
+def _q3_k(blocks: torch.Tensor) -> torch.Tensor:
+    """hmask[32] (bit i of byte l: weight 32 i + l's third bit, clear meaning minus 4), qs[64], sixteen
+    6-bit scales less 32 in 12 bytes (low nibbles from bytes 0-7, high pairs from bytes 8-11), d."""
+    s = blocks[..., 96:108]
+    nibble_shifts = torch.tensor([0, 4], device=blocks.device, dtype=torch.uint8)[:, None]
+    pair_shifts = torch.arange(0, 8, 2, device=blocks.device, dtype=torch.uint8)[:, None]
+    low = (s[..., 0:8].unsqueeze(-2) >> nibble_shifts).flatten(-2) & 0xF
+    high = (s[..., 8:12].unsqueeze(-2) >> pair_shifts).flatten(-2) & 3
+    scales = ((low | (high << 4)).view(torch.int8) - 32).float()
+    bit_shifts = torch.arange(8, device=blocks.device, dtype=torch.uint8)[:, None]
+    high_bits = ((blocks[..., 0:32].unsqueeze(-2) >> bit_shifts) & 1).flatten(-2)
+    q = (
+        _two_bit_codes(blocks[..., 32:96]).view(torch.int8) - ((high_bits ^ 1) << 2).view(torch.int8)
+    ).float()
+    return ((_scales(blocks, 108).unsqueeze(-1) * scales.unsqueeze(-1)) * q.unflatten(-1, (16, 16))).flatten(
+        -2
+    )
+
+
 def _float(dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
     return lambda blocks: blocks.contiguous().view(dtype)
 
@@ -167,6 +202,8 @@ GGML_TYPES = {
     6: GgmlType("Q5_0", 32, 22, _q5_0),
     7: GgmlType("Q5_1", 32, 24, _q5_1),
     8: GgmlType("Q8_0", 32, 34, _q8_0),
+    10: GgmlType("Q2_K", 256, 84, _q2_k),
+    11: GgmlType("Q3_K", 256, 110, _q3_k),
     12: GgmlType("Q4_K", 256, 144, _q4_k),
     13: GgmlType("Q5_K", 256, 176, _q5_k),
     14: GgmlType("Q6_K", 256, 210, _q6_k),

@@ -40,16 +40,16 @@ MAX_TOKENS = 8
 
 def expert_encoder(types: dict[str, T]):
     """`reencode_gguf`'s `encode`: each stacked expert tensor [E, rows, columns] in its type of `types`
-    (K-quants by `k_quantize`, Q2_K as random blocks: gguf-py writes neither; the 32-weight block types by
-    gguf-py), the rest left as it is."""
+    (Q4_K, Q5_K and Q6_K by `k_quantize`, Q2_K, Q3_K and IQ4_NL as random blocks: gguf-py writes none of
+    them; the 32-weight block types by gguf-py), the rest left as it is."""
 
     def encode(name: str, values: np.ndarray):
         kind = name.split(".")[2] if name.startswith("blk.") else None
         if kind not in types:
             return None
         experts, rows, columns = values.shape
-        if types[kind] == T.Q2_K:
-            raw = random_blocks(T.Q2_K, experts * rows, columns, scale=0.002)
+        if types[kind] in (T.Q2_K, T.Q3_K, T.IQ4_NL):
+            raw = random_blocks(types[kind], experts * rows, columns, scale=0.002)
         elif types[kind] not in (T.Q4_K, T.Q5_K, T.Q6_K):  # gguf-py writes the 32-weight block types
             raw = quants.quantize(values.reshape(experts * rows, columns).astype(np.float32), types[kind])
         else:
@@ -116,6 +116,12 @@ def test_other_families_k_quant_experts(family, tmp_path):
     check_packed_tokens(moe_gguf(tmp_path, family, Q4_K_M))
 
 
+def test_two_and_three_bit_k_quant_experts_stay_packed(tmp_path):
+    """Q3_K_M and Q2_K files keep experts in Q3_K and Q2_K (a scale and an offset per 16 weights)."""
+    types = {"ffn_gate_exps": T.Q3_K, "ffn_up_exps": T.Q2_K, "ffn_down_exps": T.Q3_K}
+    check_packed_tokens(moe_gguf(tmp_path, "qwen3_moe", types))
+
+
 def test_interleaved_block_types_keep_one_copy(tmp_path):
     """Q8_0, Q5_0 and Q4_0 experts are interleaved when they load (`cpu_gguf.interleave`: a new tensor);
     the layer keeps that one, not the file's beside it."""
@@ -152,11 +158,11 @@ def test_a_layer_with_a_type_without_kernel_is_dequantized_at_load(tmp_path, cap
     from pagellm.quantization import gguf
 
     monkeypatch.setattr(gguf, "_dense_types_logged", set())  # said once a process: here, for this test
-    path = moe_gguf(tmp_path, "qwen3_moe", {**Q4_K_M, "ffn_down_exps": T.Q2_K})
+    path = moe_gguf(tmp_path, "qwen3_moe", {**Q4_K_M, "ffn_down_exps": T.IQ4_NL})
     dequantized = greedy(LLM(str(path), dtype="float32", **ENGINE))
     with caplog.at_level("INFO", logger="pagellm"):
         llm = LLM(str(path), dtype="float32", quantization="gguf", **ENGINE)
-    assert "Q2_K weights have no in-place kernel" in caplog.text
+    assert "IQ4_NL weights have no in-place kernel" in caplog.text
     layers = expert_layers(llm)
     assert all("GGUF" not in layer.packed.description for layer in layers)
     assert greedy(llm) == dequantized

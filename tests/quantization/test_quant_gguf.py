@@ -51,9 +51,12 @@ def test_dequantize_matches_the_gguf_package(ggml_type):
     assert torch.equal(dequantize(raw_bytes(raw), int(ggml_type), torch.float32), expected)
 
 
-@pytest.mark.parametrize("ggml_type", [T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize(
+    "ggml_type", [T.Q5_0, T.Q5_1, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K], ids=lambda t: t.name
+)
 def test_the_torch_dequantization_of_every_kernel_type_is_the_gguf_packages(ggml_type):
-    """What the Triton path dequantizes for large steps (`GGML_TYPES`): random codes, scales and signs."""
+    """What the Triton path dequantizes for large steps, and the CPU widens while its kernels build
+    (`GGML_TYPES`): random codes, scales and signs."""
     raw = random_blocks(ggml_type, 24, 512, seed=3, scale=0.5)
     expected = torch.from_numpy(quants.dequantize(raw, ggml_type))
     assert torch.equal(dequantize(torch.from_numpy(raw), int(ggml_type), torch.float32), expected)
@@ -194,15 +197,15 @@ def test_k_quants_in_bfloat16_stay_close_to_the_dequantized_model(k_checkpoint):
 def test_types_without_a_kernel_are_dequantized_at_load_and_unknown_ones_refused(tmp_path, caplog):
     src = make_tiny_checkpoint("llama", tmp_path, **WIDE)
 
-    def q2_k(weight: torch.Tensor):  # gguf-py cannot write Q2_K: random blocks of the weight's shape
-        raw = random_blocks(T.Q2_K, weight.shape[0], weight.shape[1], scale=0.002)
-        saved = {"qweight": torch.from_numpy(raw), "qweight_type": torch.tensor(int(T.Q2_K))}
-        return saved, torch.from_numpy(quants.dequantize(raw, T.Q2_K))
+    def iq4_nl(weight: torch.Tensor):  # gguf-py cannot write IQ4_NL: random blocks of the weight's shape
+        raw = random_blocks(T.IQ4_NL, weight.shape[0], weight.shape[1], scale=0.002)
+        saved = {"qweight": torch.from_numpy(raw), "qweight_type": torch.tensor(int(T.IQ4_NL))}
+        return saved, torch.from_numpy(quants.dequantize(raw, T.IQ4_NL))
 
-    dequantized = write_quantized(src, tmp_path / "q", q2_k, {"quant_method": "gguf"})
+    dequantized = write_quantized(src, tmp_path / "q", iq4_nl, {"quant_method": "gguf"})
     with caplog.at_level("INFO", logger="pagellm"):
         model = load_pagellm(tmp_path / "q", quant_method=GgufMethod())
-    assert "Q2_K weights have no in-place kernel" in caplog.text
+    assert "IQ4_NL weights have no in-place kernel" in caplog.text
     reference = load_pagellm(dequantized)
     for name, layer in quantized_layers(model).items():
         assert layer.gguf_paths == ["dense"] * len(layer.output_sizes)

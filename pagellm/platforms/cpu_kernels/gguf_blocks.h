@@ -136,10 +136,11 @@ bool layout_of(int64_t type, Layout* out) {
   }
 }
 
-// Types the integer kernel reads (the float ones and Q2_K/Q3_K are dequantized by the caller instead).
+// Types the integer kernel reads (the float ones are dequantized by the caller instead).
 bool has_kernel(int64_t type) {
   switch (type) {
-    case kQ4_0: case kQ4_1: case kQ5_0: case kQ5_1: case kQ8_0: case kQ4_K: case kQ5_K: case kQ6_K: return true;
+    case kQ4_0: case kQ4_1: case kQ5_0: case kQ5_1: case kQ8_0: return true;
+    case kQ2_K: case kQ3_K: case kQ4_K: case kQ5_K: case kQ6_K: return true;
     case kQ4_0x4: case kQ4_1x4: case kQ5_0x4: case kQ5_1x4: case kQ8_0x4: case kMXFP4: case kMXFP4x4: return true;
     default: return false;
   }
@@ -436,6 +437,18 @@ struct Group {
   float a[2], b[2];
 };
 
+// A K-quant group g's 32 codes: the `bits`-bit fields at bit bits (g % (8 / bits)) of the 32 bytes at
+// qs + 32 (g / (8 / bits)) (Q4_K/Q5_K nibbles, Q2_K/Q3_K pairs), and where `high` is given bit g of its
+// byte l as the code's bit `bits` (Q5_K's fifth, Q3_K's third).
+inline void field_codes(const uint8_t* qs, int bits, int g, const uint8_t* high, uint8_t* codes) {
+  const int per_byte = 8 / bits, mask = (1 << bits) - 1;
+  for (int l = 0; l < 32; ++l) {
+    int q = (qs[32 * (g / per_byte) + l] >> (bits * (g % per_byte))) & mask;
+    if (high != nullptr) q |= ((high[l] >> g) & 1) << bits;
+    codes[l] = static_cast<uint8_t>(q);
+  }
+}
+
 // A block's groups, for the plain C++ path (and the reference the AVX2 path follows).
 int block_groups(int64_t type, const uint8_t* blk, Group* out) {
   switch (type) {
@@ -477,12 +490,27 @@ int block_groups(int64_t type, const uint8_t* blk, Group* out) {
       const uint8_t* qs = blk + (q5 ? 48 : 16);
       for (int g = 0; g < 8; ++g) {
         Group& o = out[g];
-        for (int l = 0; l < 32; ++l) {
-          int q = (qs[32 * (g / 2) + l] >> (4 * (g % 2))) & 0xf;
-          if (q5) q |= ((qh[l] >> g) & 1) << 4;
-          o.codes[l] = static_cast<uint8_t>(q);
-        }
+        field_codes(qs, 4, g, q5 ? qh : nullptr, o.codes);
         o.a[0] = o.a[1] = d * sc[g], o.b[0] = o.b[1] = -(dmin * mn[g]);
+      }
+      return 8;
+    }
+    case kQ2_K: case kQ3_K: {
+      // group g: bits 2 (g % 4) of qs bytes 32 (g / 4) + l; Q3_K's third bit is bit g of hmask byte l, and
+      // its code c means c - 4 (scale a, offset -4 a); Q2_K's half j has scale d sc and offset -dmin m
+      const bool q3 = type == kQ3_K;
+      const uint8_t* qs = blk + (q3 ? 32 : 16);
+      int8_t sc3[16];
+      if (q3) k3_scales(blk + 96, sc3);
+      const float d = half_to_float(blk + (q3 ? 108 : 80)), dmin = q3 ? 0.f : half_to_float(blk + 82);
+      for (int g = 0; g < 8; ++g) {
+        Group& o = out[g];
+        field_codes(qs, 2, g, q3 ? blk : nullptr, o.codes);
+        for (int half = 0; half < 2; ++half) {
+          const int j = 2 * g + half;
+          o.a[half] = q3 ? d * sc3[j] : d * (blk[j] & 0xf);
+          o.b[half] = q3 ? -4.f * o.a[half] : -(dmin * (blk[j] >> 4));
+        }
       }
       return 8;
     }
@@ -740,6 +768,34 @@ inline __m128 x4_scales(const uint8_t* sb) {
   }
 }
 
+// Q2_K / Q3_K: group g's 32 codes (0-3, or 0-7 with Q3_K's bit from hmask `hm`): bits 2 (g % 4) of the 32
+// bytes of qs at 32 (g / 4), as Q6_K's nibbles, shifted in 16-bit lanes and masked.
+template <int64_t T>
+inline __m256i low_bit_codes(const uint8_t* qs, __m256i hm, int g) {
+  const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * (g / 4)));
+  __m256i codes = _mm256_and_si256(_mm256_srl_epi16(q, _mm_cvtsi32_si128(2 * (g % 4))), _mm256_set1_epi8(3));
+  if constexpr (T == kQ3_K) {
+    const __m256i bit = _mm256_and_si256(_mm256_srl_epi16(hm, _mm_cvtsi32_si128(g)), _mm256_set1_epi8(1));
+    codes = _mm256_or_si256(codes, _mm256_slli_epi16(bit, 2));
+  }
+  return codes;
+}
+
+// Q2_K / Q3_K: the sixteen half groups' scales a and offsets b (a code c is a c + b): Q2_K d times the low
+// nibble of scale byte j and -dmin times its high one; Q3_K d times the six-bit scale (less 32), and -4 a.
+template <int64_t T>
+inline void low_bit_scales(const uint8_t* blk, float* a, float* b) {
+  if constexpr (T == kQ3_K) {
+    int8_t sc[16];
+    k3_scales(blk + 96, sc);
+    const float d = half_at(blk + 108);
+    for (int j = 0; j < 16; ++j) a[j] = d * sc[j], b[j] = -4.f * a[j];
+  } else {
+    const float d = half_at(blk + 80), dmin = half_at(blk + 82);
+    for (int j = 0; j < 16; ++j) a[j] = d * (blk[j] & 0xf), b[j] = -(dmin * (blk[j] >> 4));
+  }
+}
+
 template <int64_t T>
 void unpack_row(const uint8_t* w, int64_t blocks, Unpacked& u) {
   const __m256i low4 = _mm256_set1_epi8(0x0f);
@@ -810,6 +866,17 @@ void unpack_row(const uint8_t* w, int64_t blocks, Unpacked& u) {
         store_codes(&u.codes[group * kGroup], q);
         const float a = d * sc[g], b = -(dmin * mn[g]);
         store_pair(&u.a[2 * group], a, a), store_pair(&u.b[2 * group], b, b);
+      }
+    } else if constexpr (T == kQ2_K || T == kQ3_K) {
+      const uint8_t* blk = w + i * (T == kQ3_K ? 110 : 84);
+      const uint8_t* qs = blk + (T == kQ3_K ? 32 : 16);
+      const __m256i hm = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk));  // Q3_K's hmask
+      alignas(32) float a[16], b[16];
+      low_bit_scales<T>(blk, a, b);
+      for (int g = 0; g < 8; ++g) {
+        const int64_t group = i * 8 + g;
+        store_codes(&u.codes[group * kGroup], low_bit_codes<T>(qs, hm, g));
+        store_pair(&u.a[2 * group], a[2 * g], a[2 * g + 1]), store_pair(&u.b[2 * group], b[2 * g], b[2 * g + 1]);
       }
     } else {  // Q6_K
       const uint8_t* blk = w + i * 210;
@@ -1065,37 +1132,55 @@ __attribute__((noinline)) void dot_rows(const uint8_t* w, int64_t blocks, const 
       if constexpr (C == 2) sum = _mm256_add_ps(sum, acc[r][1]);
       out[r] = hsum(sum);
     }
-  } else {  // Q6_K
-    // per block, the sixteen half-group scales d sc in two vectors (groups 0-3, 4-7: lane 2g + half), times
-    // dx for the products; the offsets -32 d sc times x's half sums, in a vector
+  } else {  // Q6_K, Q3_K, Q2_K: a scale and an offset per half group
+    // per block, the sixteen half-group scales a in two vectors (groups 0-3, 4-7: lane 2g + half), times dx
+    // for the products; the offsets (Q6_K -32 a, Q3_K -4 a, Q2_K -dmin m) times x's half sums, in a vector
     __m256 offsets[R];
     for (int r = 0; r < R; ++r) offsets[r] = _mm256_setzero_ps();
     const __m256i first_halves = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3);
     const __m256i last_halves = _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7);
+    constexpr int64_t kBytes = T == kQ6_K ? 210 : T == kQ3_K ? 110 : 84;
     for (int64_t i = 0; i < blocks; ++i) {
-      const uint8_t* blk = w + i * 210;
-      const __m256 d = _mm256_set1_ps(half_at(blk + 208));
-      const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192));
-      const __m256 a_lo = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc)));
-      const __m256 a_hi = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8))));
-      const __m256 minus32 = _mm256_set1_ps(-32.f);
+      const uint8_t* blk = w + i * kBytes;
+      __m256 a_lo, a_hi, b_lo, b_hi;
+      if constexpr (T == kQ6_K) {
+        const __m256 d = _mm256_set1_ps(half_at(blk + 208));
+        const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192));
+        a_lo = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc)));
+        a_hi = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8))));
+        const __m256 minus32 = _mm256_set1_ps(-32.f);
+        b_lo = _mm256_mul_ps(minus32, a_lo), b_hi = _mm256_mul_ps(minus32, a_hi);
+      } else {
+        alignas(32) float a[16], b[16];
+        low_bit_scales<T>(blk, a, b);
+        a_lo = _mm256_load_ps(a), a_hi = _mm256_load_ps(a + 8), b_lo = _mm256_load_ps(b), b_hi = _mm256_load_ps(b + 8);
+      }
       __m256 scales[R][2];
       for (int r = 0; r < R; ++r) {
-        offsets[r] = _mm256_fmadd_ps(_mm256_mul_ps(minus32, a_lo), _mm256_loadu_ps(halves[r] + 16 * i), offsets[r]);
-        offsets[r] = _mm256_fmadd_ps(_mm256_mul_ps(minus32, a_hi), _mm256_loadu_ps(halves[r] + 16 * i + 8), offsets[r]);
+        offsets[r] = _mm256_fmadd_ps(b_lo, _mm256_loadu_ps(halves[r] + 16 * i), offsets[r]);
+        offsets[r] = _mm256_fmadd_ps(b_hi, _mm256_loadu_ps(halves[r] + 16 * i + 8), offsets[r]);
         const __m256 dxv = _mm256_loadu_ps(dx[r] + 8 * i);
         scales[r][0] = _mm256_mul_ps(a_lo, _mm256_permutevar8x32_ps(dxv, first_halves));
         scales[r][1] = _mm256_mul_ps(a_hi, _mm256_permutevar8x32_ps(dxv, last_halves));
       }
+      const __m256i hm = T == kQ3_K ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk)) : ones;
       for (int h = 0; h < 2; ++h) {
-        const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 32 * h));
-        const __m256i ql0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * h));
-        const __m256i ql1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * h + 32));
+        __m256i qh = ones, ql0 = ones, ql1 = ones;
+        if constexpr (T == kQ6_K) {
+          qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 32 * h));
+          ql0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * h));
+          ql1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * h + 32));
+        }
         for (int part = 0; part < 4; ++part) {
           const int g = 4 * h + part;
-          const __m256i ql = part % 2 ? ql1 : ql0;
-          const __m256i low = _mm256_and_si256(part / 2 ? _mm256_srli_epi16(ql, 4) : ql, low4);
-          const __m256i codes = _mm256_or_si256(low, q6_high(qh, part));
+          __m256i codes;
+          if constexpr (T == kQ6_K) {
+            const __m256i ql = part % 2 ? ql1 : ql0;
+            const __m256i low = _mm256_and_si256(part / 2 ? _mm256_srli_epi16(ql, 4) : ql, low4);
+            codes = _mm256_or_si256(low, q6_high(qh, part));
+          } else {
+            codes = low_bit_codes<T>(blk + (T == kQ3_K ? 32 : 16), hm, g);
+          }
           // lanes 0-3 the group's first half's scale, 4-7 its second's
           const __m256i pick = _mm256_setr_epi32(2 * part, 2 * part, 2 * part, 2 * part, 2 * part + 1, 2 * part + 1,
                                                  2 * part + 1, 2 * part + 1);
@@ -1296,6 +1381,8 @@ RowFn row_fn(int64_t type) {
     case kQ5_0: return row_times_x<kQ5_0, kFloat>;
     case kQ5_1: return row_times_x<kQ5_1, kFloat>;
     case kQ8_0: return row_times_x<kQ8_0, kFloat>;
+    case kQ2_K: return row_times_x<kQ2_K, kFloat>;
+    case kQ3_K: return row_times_x<kQ3_K, kFloat>;
     case kQ4_K: return row_times_x<kQ4_K, kFloat>;
     case kQ5_K: return row_times_x<kQ5_K, kFloat>;
     case kQ4_0x4: return row_times_x<kQ4_0x4, kFloat>;

@@ -19,6 +19,8 @@ constexpr int64_t kLanes = 8;  // x rows in a tile: the lanes of a 256-bit vecto
 constexpr int64_t kTileRows = kDirectRows + 1;  // from this many bfloat16 x rows, tiles (fewer: `dot_rows`)
 constexpr bool kTiles = GG_AVX2;  // the tiles are AVX2 code; the plain C++ build keeps the row products
 constexpr int64_t kTileBytes = int64_t(192) << 10;  // x codes multiplied per pass over the weight rows (L2)
+// Types with a scale and an offset per half group (16 weights), the others' per group.
+constexpr bool half_scaled(int64_t type) { return type == kQ6_K || type == kQ3_K || type == kQ2_K; }
 
 // Rows of x interleaved by kLanes (the last tile of a run padded with zero rows). Per tile: codes
 // [k / 4][8 rows][4 codes], then per group the scales dx [k / 32][8] and the offsets' factors: dx times the
@@ -72,7 +74,7 @@ inline void interleave(const Rows& q, int64_t first, int64_t m, XTiles& x, int64
 // VNNI the chunk's products go straight into the int32 sums (`add_byte_products`).
 template <int64_t T, int c>
 inline void tile_chunk(__m256i w, __m256i xv, __m256i ones, __m256i& pairs, __m256i& lo, __m256i& hi) {
-  constexpr bool kSigned = signed_codes(T), kHalves = T == kQ6_K;
+  constexpr bool kSigned = signed_codes(T), kHalves = half_scaled(T);
 #if GG_VNNI  // one vpdpbusd a chunk into the int32 sums: no int16 pairs to widen
   const __m256i u = kSigned ? _mm256_sign_epi8(w, w) : w, s = kSigned ? _mm256_sign_epi8(xv, w) : xv;
   if constexpr (kHalves && c >= 4) {
@@ -83,7 +85,8 @@ inline void tile_chunk(__m256i w, __m256i xv, __m256i ones, __m256i& pairs, __m2
   (void)ones, (void)pairs;
 #else
   constexpr bool kFifthBit = T == kQ5_0 || T == kQ5_1 || T == kQ5_K;
-  constexpr int kSum = T == kQ8_0 ? 1 : T == kQ6_K ? 2 : (kFifthBit || T == kMXFP4) ? 4 : 8;
+  // Q2_K and Q3_K (codes up to 3 and 7) would allow more, but their halves are summed apart: four
+  constexpr int kSum = T == kQ8_0 ? 1 : T == kQ6_K ? 2 : (kFifthBit || T == kMXFP4 || kHalves) ? 4 : 8;
   const __m256i p =
       kSigned ? _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(xv, w)) : _mm256_maddubs_epi16(w, xv);
   pairs = c % kSum == 0 ? p : _mm256_add_epi16(pairs, p);
@@ -99,11 +102,11 @@ inline void tile_chunk(__m256i w, __m256i xv, __m256i ones, __m256i& pairs, __m2
 }
 
 // W unpacked weight rows times tile t of x: out[j] lane r = weight row j . x row r of the tile.
-// Q8_0's codes are signed (|w| times x with w's sign, no offsets); Q6_K has a scale and an offset per half
-// group, the others one per group.
+// Q8_0's codes are signed (|w| times x with w's sign, no offsets); Q6_K, Q3_K and Q2_K have a scale and an
+// offset per half group, the others one per group.
 template <int W, int64_t T>
 inline void tile_dot(const Unpacked* u, int64_t groups, const XTiles& x, int64_t t, __m256* out) {
-  constexpr bool kSigned = signed_codes(T), kHalves = T == kQ6_K;
+  constexpr bool kSigned = signed_codes(T), kHalves = half_scaled(T);
   const int8_t* xc = x.codes_of(t);
   const float* dx = x.dx_of(t);
   const float* sums = kHalves ? x.halves_of(t) : x.wholes_of(t);
@@ -191,6 +194,8 @@ TileFn tile_fn(int64_t type) {
     case kQ5_0: return tile_rows<kQ5_0>;
     case kQ5_1: return tile_rows<kQ5_1>;
     case kQ8_0: return tile_rows<kQ8_0>;
+    case kQ2_K: return tile_rows<kQ2_K>;
+    case kQ3_K: return tile_rows<kQ3_K>;
     case kQ4_K: return tile_rows<kQ4_K>;
     case kQ5_K: return tile_rows<kQ5_K>;
     case kQ4_0x4: return tile_rows<kQ4_0x4>;
