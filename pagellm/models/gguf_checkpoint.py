@@ -356,7 +356,7 @@ def _dequantize(data: np.ndarray, type_id: int) -> np.ndarray:
         return gguf_method.dequantize(_read_only_tensor(data), int(type_id), torch.float32).numpy()
     try:
         return kernels.gguf_dequantize(_read_only_tensor(data), int(type_id)).numpy()
-    except RuntimeError:  # a type the kernels do not read (IQ formats)
+    except RuntimeError:  # a type the kernels do not read (IQ formats but IQ4)
         return dequantize(data, type_id)
 
 

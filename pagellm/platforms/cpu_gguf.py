@@ -33,8 +33,8 @@ def _(ids: torch.Tensor, table: torch.Tensor, type_id: int) -> torch.Tensor:
 
 
 INTERLEAVED = 1000
-"""pagellm's own type numbers: INTERLEAVED + a 32-weight block type (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, MXFP4) is that type's
-rows rewritten four blocks at a time (`interleave`), in the kernel's layout (`cpu_kernels/gguf_blocks.h`)."""
+"""pagellm's own type numbers: INTERLEAVED + a 32-weight block type (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, MXFP4,
+IQ4_NL) is that type's rows rewritten four blocks at a time (`interleave`), in the kernel's layout (`cpu_kernels/gguf_blocks.h`)."""
 
 
 def _layout(type_id: int) -> tuple[int, int]:
@@ -61,16 +61,17 @@ def available() -> bool:
     return cpu_kernels.load() is not None
 
 
-KERNEL_TYPES = frozenset((2, 3, 6, 7, 8, 10, 11, 12, 13, 14, 39))
+KERNEL_TYPES = frozenset((2, 3, 6, 7, 8, 10, 11, 12, 13, 14, 20, 23, 39))
 """The GGML types the kernels multiply in place once built: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K,
-Q5_K, Q6_K and MXFP4 (`has_kernel` asks the built library, which also reads pagellm's interleaved types)."""
+Q5_K, Q6_K, IQ4_NL, IQ4_XS and MXFP4 (`has_kernel` asks the built library, which also reads pagellm's
+interleaved types)."""
 
 _kernel_types: dict[int, bool] = {}
 
 
 def has_kernel(type_id: int) -> bool:
-    """Whether GGML type `type_id` is multiplied in place here (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K,
-    Q4_K, Q5_K, Q6_K, MXFP4 and the interleaved types where the kernels are built). False while they build in the
+    """Whether GGML type `type_id` is multiplied in place here (`KERNEL_TYPES` and the interleaved types
+    where the kernels are built). False while they build in the
     background: the same question is asked again when they are taken up."""
     kernels = cpu_kernels.load()
     if kernels is None:
@@ -89,7 +90,7 @@ def kernels_pending() -> bool:
 
 def interleave(raw: torch.Tensor, type_id: int) -> tuple[torch.Tensor, int]:
     """uint8 [..., bytes per row] of GGML type `type_id` in the layout the kernel reads fastest, and its type:
-    Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and MXFP4 rows rewritten four blocks at a time (the
+    Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, MXFP4 and IQ4_NL rows rewritten four blocks at a time (the
     same bytes, about half the instructions a weight at one x row); any other tensor, or rows whose blocks
     are not a multiple of four, as they are."""
     kernels = cpu_kernels.load()

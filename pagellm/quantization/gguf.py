@@ -6,16 +6,16 @@ A fused layer (q/k/v, gate/up) keeps one buffer per checkpoint tensor, since lla
 different type.
 
 Compute, per part, the first that applies:
-- on CPU, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K and MXFP4 are multiplied in place by
-  the native kernel (`platforms.cpu_gguf`): x quantized to int8 in groups of 32, as llama.cpp does,
-  integer dot products; a fused layer's parts in one call;
+- on CPU, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS and MXFP4 are
+  multiplied in place by the native kernel (`platforms.cpu_gguf`): x quantized to int8 in groups of 32, as
+  llama.cpp does, integer dot products; a fused layer's parts in one call;
 - on CUDA/ROCm with triton, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K are multiplied by a Triton
   kernel that dequantizes each tile of the blocks in registers (`quantization.gguf_triton`), for steps of
   up to 32 rows; larger steps dequantize the part for the vendor matmul (vectorised torch, `GGML_TYPES`);
 - elsewhere Q4_0, Q4_1, Q8_0 and the float types are dequantized for each matmul (vectorised torch, any
   device);
-- any other type gguf-py can read (IQ types; Q2_K and Q3_K off CPU; the K-quants and Q5 types on a CPU
-  without the kernels or a device without triton) is dequantized once at load into the model's dtype, which
+- any other type gguf-py can read (the other IQ types; Q2_K, Q3_K and IQ4 off CPU; the K-quants and Q5
+  types on a CPU without the kernels or a device without triton) is dequantized once at load into the model's dtype, which
   the log says with the memory it costs.
 
 While the CPU kernels build in the background (a first start, `cpu_gguf.kernels_pending`), the parts,
@@ -180,6 +180,31 @@ def _q3_k(blocks: torch.Tensor) -> torch.Tensor:
     )
 
 
+_IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+"""What IQ4_NL's and IQ4_XS's nibbles stand for (times the scale): a grid denser near 0."""
+
+
+def _iq4_grid(qs: torch.Tensor) -> torch.Tensor:
+    """[..., 16] code bytes -> [..., 32] grid values (low nibbles first), float32."""
+    grid = torch.tensor(_IQ4_VALUES, dtype=torch.float32, device=qs.device)
+    return grid[torch.cat([qs & 0xF, qs >> 4], dim=-1).long()]
+
+
+def _iq4_nl(blocks: torch.Tensor) -> torch.Tensor:
+    return _scales(blocks, 0) * _iq4_grid(blocks[..., 2:18])
+
+
+def _iq4_xs(blocks: torch.Tensor) -> torch.Tensor:
+    """d, the scales' high pairs (a 16-bit word), their low nibbles (4 bytes), then 32 weights a 16 bytes."""
+    nibble_shifts = torch.tensor([0, 4], device=blocks.device, dtype=torch.uint8)
+    low = (blocks[..., 4:8].unsqueeze(-1) >> nibble_shifts).flatten(-2) & 0xF
+    word = blocks[..., 2].int() | (blocks[..., 3].int() << 8)
+    high = (word.unsqueeze(-1) >> torch.arange(0, 16, 2, device=blocks.device)) & 3
+    scales = ((low.int() | (high << 4)) - 32).float()
+    grid = _iq4_grid(blocks[..., 8:136].unflatten(-1, (8, 16)))
+    return ((_scales(blocks, 0) * scales).unsqueeze(-1) * grid).flatten(-2)
+
+
 def _float(dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
     return lambda blocks: blocks.contiguous().view(dtype)
 
@@ -207,6 +232,8 @@ GGML_TYPES = {
     12: GgmlType("Q4_K", 256, 144, _q4_k),
     13: GgmlType("Q5_K", 256, 176, _q5_k),
     14: GgmlType("Q6_K", 256, 210, _q6_k),
+    20: GgmlType("IQ4_NL", 32, 18, _iq4_nl),
+    23: GgmlType("IQ4_XS", 256, 136, _iq4_xs),
     30: GgmlType("BF16", 1, 2, _float(torch.bfloat16)),
 }
 """GGML type number (gguf.GGMLQuantizationType) -> layout, with a vectorised torch dequantization equal to

@@ -40,15 +40,15 @@ MAX_TOKENS = 8
 
 def expert_encoder(types: dict[str, T]):
     """`reencode_gguf`'s `encode`: each stacked expert tensor [E, rows, columns] in its type of `types`
-    (Q4_K, Q5_K and Q6_K by `k_quantize`, Q2_K, Q3_K and IQ4_NL as random blocks: gguf-py writes none of
-    them; the 32-weight block types by gguf-py), the rest left as it is."""
+    (Q4_K, Q5_K and Q6_K by `k_quantize`, Q2_K, Q3_K and the IQ types as random blocks: gguf-py writes none
+    of them; the 32-weight block types by gguf-py), the rest left as it is."""
 
     def encode(name: str, values: np.ndarray):
         kind = name.split(".")[2] if name.startswith("blk.") else None
         if kind not in types:
             return None
         experts, rows, columns = values.shape
-        if types[kind] in (T.Q2_K, T.Q3_K, T.IQ4_NL):
+        if types[kind] in (T.Q2_K, T.Q3_K, T.IQ4_NL, T.IQ4_XS, T.IQ2_XXS):
             raw = random_blocks(types[kind], experts * rows, columns, scale=0.002)
         elif types[kind] not in (T.Q4_K, T.Q5_K, T.Q6_K):  # gguf-py writes the 32-weight block types
             raw = quants.quantize(values.reshape(experts * rows, columns).astype(np.float32), types[kind])
@@ -122,6 +122,12 @@ def test_two_and_three_bit_k_quant_experts_stay_packed(tmp_path):
     check_packed_tokens(moe_gguf(tmp_path, "qwen3_moe", types))
 
 
+def test_iq4_experts_stay_packed(tmp_path):
+    """IQ4_XS and IQ4_NL files (a 16-value grid per nibble, signed codes) keep their experts too."""
+    types = {"ffn_gate_exps": T.IQ4_XS, "ffn_up_exps": T.IQ4_NL, "ffn_down_exps": T.IQ4_XS}
+    check_packed_tokens(moe_gguf(tmp_path, "qwen3_moe", types))
+
+
 def test_interleaved_block_types_keep_one_copy(tmp_path):
     """Q8_0, Q5_0 and Q4_0 experts are interleaved when they load (`cpu_gguf.interleave`: a new tensor);
     the layer keeps that one, not the file's beside it."""
@@ -158,11 +164,11 @@ def test_a_layer_with_a_type_without_kernel_is_dequantized_at_load(tmp_path, cap
     from pagellm.quantization import gguf
 
     monkeypatch.setattr(gguf, "_dense_types_logged", set())  # said once a process: here, for this test
-    path = moe_gguf(tmp_path, "qwen3_moe", {**Q4_K_M, "ffn_down_exps": T.IQ4_NL})
+    path = moe_gguf(tmp_path, "qwen3_moe", {**Q4_K_M, "ffn_down_exps": T.IQ2_XXS})
     dequantized = greedy(LLM(str(path), dtype="float32", **ENGINE))
     with caplog.at_level("INFO", logger="pagellm"):
         llm = LLM(str(path), dtype="float32", quantization="gguf", **ENGINE)
-    assert "IQ4_NL weights have no in-place kernel" in caplog.text
+    assert "IQ2_XXS weights have no in-place kernel" in caplog.text
     layers = expert_layers(llm)
     assert all("GGUF" not in layer.packed.description for layer in layers)
     assert greedy(llm) == dequantized

@@ -21,9 +21,12 @@ from quant_formats import random_blocks  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not cpu_gguf.available(), reason="the native CPU kernels are not built here")
 
-KERNEL_TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.MXFP4]
+KERNEL_TYPES = [
+    *(T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K),
+    *(T.IQ4_NL, T.IQ4_XS, T.MXFP4),
+]
 DEQUANT_ONLY = [T.F32, T.F16, T.BF16]
-INTERLEAVED_TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.MXFP4]
+INTERLEAVED_TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.MXFP4, T.IQ4_NL]
 # every kernel type as the file has it, and the 32-weight block types interleaved as the loader keeps them
 LAYOUTS = [(t, "file") for t in KERNEL_TYPES] + [(t, "interleaved") for t in INTERLEAVED_TYPES]
 
@@ -183,10 +186,10 @@ def test_fused_parts_of_mixed_types_and_bfloat16_rows(two_threads):
 
 
 def test_a_type_without_kernel_is_refused():
-    raw = random_blocks(T.IQ4_NL, 4, 256)
+    raw = random_blocks(T.IQ2_XXS, 4, 256)
     with pytest.raises(RuntimeError, match="has no kernel"):
-        cpu_gguf.linear(torch.randn(1, 256), [torch.from_numpy(raw)], [int(T.IQ4_NL)])
-    assert not cpu_gguf.has_kernel(int(T.IQ4_NL)) and cpu_gguf.has_kernel(int(T.Q2_K))
+        cpu_gguf.linear(torch.randn(1, 256), [torch.from_numpy(raw)], [int(T.IQ2_XXS)])
+    assert not cpu_gguf.has_kernel(int(T.IQ2_XXS)) and cpu_gguf.has_kernel(int(T.Q2_K))
 
 
 def test_the_gguf_loader_widens_block_tensors_with_the_loaded_kernels(monkeypatch):

@@ -175,13 +175,13 @@ def test_unchosen_experts_and_types_without_kernel():
     kernel = cpu_gguf_moe.GgufExperts(gate_raw, gate_raw, down_raw, [int(T.Q8_0)] * 3, "silu")
     with pytest.raises(RuntimeError, match="out of range"):
         kernel(x, torch.ones(2, 1), ids)
-    iq4 = cpu_gguf_moe.GgufExperts(
-        gate_raw, gate_raw, down_raw, [int(T.IQ4_NL), int(T.Q8_0), int(T.Q8_0)], "silu"
+    iq2 = cpu_gguf_moe.GgufExperts(
+        gate_raw, gate_raw, down_raw, [int(T.IQ2_XXS), int(T.Q8_0), int(T.Q8_0)], "silu"
     )
     with pytest.raises(RuntimeError, match="has no kernel"):
-        iq4(x, torch.ones(2, 1), torch.zeros(2, 1, dtype=torch.long))
-    assert not cpu_gguf_moe.runs([int(T.Q4_K), int(T.IQ4_NL), int(T.Q4_K)])
-    assert cpu_gguf_moe.runs([int(T.Q3_K), int(T.Q3_K), int(T.Q2_K)])
+        iq2(x, torch.ones(2, 1), torch.zeros(2, 1, dtype=torch.long))
+    assert not cpu_gguf_moe.runs([int(T.Q4_K), int(T.IQ2_XXS), int(T.Q4_K)])
+    assert cpu_gguf_moe.runs([int(T.Q3_K), int(T.IQ4_XS), int(T.Q2_K)])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)

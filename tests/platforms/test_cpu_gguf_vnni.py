@@ -20,7 +20,10 @@ pytestmark = pytest.mark.skipif(not cpu_gguf.available(), reason="the native CPU
 
 FLAGS = _cpu_flags()
 VNNI = {"avx512_vnni", "avx512vl"} <= FLAGS or "avx_vnni" in FLAGS
-TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.MXFP4]
+TYPES = [
+    *(T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K),
+    *(T.IQ4_NL, T.IQ4_XS, T.MXFP4),
+]
 
 # Prints the products of every type and layout at one row (straight from the blocks), three (the same, three
 # rows) and eleven (the int8 tiles) as one saved dict, and the build's path, in the process it runs in.
@@ -76,6 +79,6 @@ def test_vnni_products_equal_the_avx2_paths_bit_for_bit(tmp_path):
     }
     avx2_isa, avx2 = products(haswell, tmp_path / "h.pt")
     assert (native_isa, avx2_isa) == ("avx2+vnni", "avx2")
-    assert native.keys() == avx2.keys() and len(native) == len(TYPES) * 3 + 6 * 3
+    assert native.keys() == avx2.keys() and len(native) == len(TYPES) * 3 + 7 * 3
     for case, got in native.items():
         assert torch.equal(got.view(torch.int16), avx2[case].view(torch.int16)), case

@@ -52,7 +52,9 @@ def test_dequantize_matches_the_gguf_package(ggml_type):
 
 
 @pytest.mark.parametrize(
-    "ggml_type", [T.Q5_0, T.Q5_1, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K], ids=lambda t: t.name
+    "ggml_type",
+    [T.Q5_0, T.Q5_1, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_NL, T.IQ4_XS],
+    ids=lambda t: t.name,
 )
 def test_the_torch_dequantization_of_every_kernel_type_is_the_gguf_packages(ggml_type):
     """What the Triton path dequantizes for large steps, and the CPU widens while its kernels build
@@ -197,15 +199,15 @@ def test_k_quants_in_bfloat16_stay_close_to_the_dequantized_model(k_checkpoint):
 def test_types_without_a_kernel_are_dequantized_at_load_and_unknown_ones_refused(tmp_path, caplog):
     src = make_tiny_checkpoint("llama", tmp_path, **WIDE)
 
-    def iq4_nl(weight: torch.Tensor):  # gguf-py cannot write IQ4_NL: random blocks of the weight's shape
-        raw = random_blocks(T.IQ4_NL, weight.shape[0], weight.shape[1], scale=0.002)
-        saved = {"qweight": torch.from_numpy(raw), "qweight_type": torch.tensor(int(T.IQ4_NL))}
-        return saved, torch.from_numpy(quants.dequantize(raw, T.IQ4_NL))
+    def iq2_xxs(weight: torch.Tensor):  # gguf-py cannot write IQ2_XXS: random blocks of the weight's shape
+        raw = random_blocks(T.IQ2_XXS, weight.shape[0], weight.shape[1], scale=0.002)
+        saved = {"qweight": torch.from_numpy(raw), "qweight_type": torch.tensor(int(T.IQ2_XXS))}
+        return saved, torch.from_numpy(quants.dequantize(raw, T.IQ2_XXS))
 
-    dequantized = write_quantized(src, tmp_path / "q", iq4_nl, {"quant_method": "gguf"})
+    dequantized = write_quantized(src, tmp_path / "q", iq2_xxs, {"quant_method": "gguf"})
     with caplog.at_level("INFO", logger="pagellm"):
         model = load_pagellm(tmp_path / "q", quant_method=GgufMethod())
-    assert "IQ4_NL weights have no in-place kernel" in caplog.text
+    assert "IQ2_XXS weights have no in-place kernel" in caplog.text
     reference = load_pagellm(dequantized)
     for name, layer in quantized_layers(model).items():
         assert layer.gguf_paths == ["dense"] * len(layer.output_sizes)

@@ -21,7 +21,9 @@
 // offsets (a Q4_0 code c means (c - 8) d: b = -8 d; Q4_K's minimum: b = -dmin m) and X_* the sums of x over
 // the halves, computed once per call. Q8_0's codes are signed: its integer products take the sign trick
 // (|w| times x with w's sign) and no offset. MXFP4's nibbles are looked up as twice their FP4 values plus
-// 12 (0-24, unsigned), with an offset of -12 d.
+// 12 (0-24, unsigned), with an offset of -12 d. IQ4_NL's and IQ4_XS's nibbles are looked up as their grid
+// values (kIq4Values, signed like Q8_0's codes: no offset). Q2_K's and Q3_K's 2-bit fields (and Q3_K's
+// third bit) are codes 0-3 or 0-7 with a scale and an offset per half group, as Q6_K's.
 //
 // Up to four int8 x rows (a decode step, a few) are multiplied straight from the blocks, one weight row at a
 // time, each group decoded once for all of them; the K-quants' per-block scales and minimums are widened
@@ -71,16 +73,30 @@ namespace {
 constexpr int64_t kInterleaved = 1000;
 enum Type : int64_t {
   kF32 = 0, kF16 = 1, kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8,
-  kQ2_K = 10, kQ3_K = 11, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14, kBF16 = 30, kMXFP4 = 39,
+  kQ2_K = 10, kQ3_K = 11, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14, kIQ4_NL = 20, kIQ4_XS = 23, kBF16 = 30, kMXFP4 = 39,
   kQ4_0x4 = kInterleaved + kQ4_0, kQ4_1x4 = kInterleaved + kQ4_1, kQ5_0x4 = kInterleaved + kQ5_0,
   kQ5_1x4 = kInterleaved + kQ5_1, kQ8_0x4 = kInterleaved + kQ8_0, kMXFP4x4 = kInterleaved + kMXFP4,
+  kIQ4_NLx4 = kInterleaved + kIQ4_NL,
 };
 
 constexpr bool is_x4(int64_t type) { return type > kInterleaved; }
 // The GGML type whose blocks an interleaved type holds (the type itself for the others).
 constexpr int64_t base_of(int64_t type) { return is_x4(type) ? type - kInterleaved : type; }
 // Types whose codes are signed values (no offset): the integer products take the sign trick.
-constexpr bool signed_codes(int64_t type) { return base_of(type) == kQ8_0; }
+constexpr bool signed_codes(int64_t type) {
+  return base_of(type) == kQ8_0 || base_of(type) == kIQ4_NL || type == kIQ4_XS;
+}
+
+// IQ4_NL and IQ4_XS: a nibble n stands for kIq4Values[n] times the scale (a non-linear grid, denser near 0).
+// The codes are those values, signed (|v| <= 127: Q8_0's sign trick keeps maddubs' pair sums in range).
+constexpr int8_t kIq4Values[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+
+// IQ4_XS: the eight 6-bit group scales (less 32) of a block: low nibbles from bytes 4-7, high pairs from the
+// 16-bit word at byte 2.
+inline void iq4_xs_scales(const uint8_t* blk, int out[8]) {
+  const int high = blk[2] | blk[3] << 8;
+  for (int g = 0; g < 8; ++g) out[g] = (((blk[4 + g / 2] >> (4 * (g % 2))) & 0xf) | ((high >> (2 * g)) & 3) << 4) - 32;
+}
 
 // MXFP4 (OCP microscaling FP4, GPT-OSS's experts, in GGML's block): an E8M0 exponent byte e, then 16 bytes
 // of E2M1 codes, element l in byte l's low nibble and l + 16 in its high one. A code's value is
@@ -129,8 +145,10 @@ bool layout_of(int64_t type, Layout* out) {
     case kQ4_K: *out = {256, 144}; return true;
     case kQ5_K: *out = {256, 176}; return true;
     case kQ6_K: *out = {256, 210}; return true;
+    case kIQ4_NL: *out = {32, 18}; return true;
+    case kIQ4_XS: *out = {256, 136}; return true;
     case kMXFP4: *out = {32, 17}; return true;
-    case kQ4_0x4: case kQ4_1x4: case kQ5_0x4: case kQ5_1x4: case kQ8_0x4: case kMXFP4x4:
+    case kQ4_0x4: case kQ4_1x4: case kQ5_0x4: case kQ5_1x4: case kQ8_0x4: case kMXFP4x4: case kIQ4_NLx4:
       return layout_of(base_of(type), out);
     default: return false;
   }
@@ -140,15 +158,16 @@ bool layout_of(int64_t type, Layout* out) {
 bool has_kernel(int64_t type) {
   switch (type) {
     case kQ4_0: case kQ4_1: case kQ5_0: case kQ5_1: case kQ8_0: return true;
-    case kQ2_K: case kQ3_K: case kQ4_K: case kQ5_K: case kQ6_K: return true;
+    case kQ2_K: case kQ3_K: case kQ4_K: case kQ5_K: case kQ6_K: case kIQ4_NL: case kIQ4_XS: return true;
     case kQ4_0x4: case kQ4_1x4: case kQ5_0x4: case kQ5_1x4: case kQ8_0x4: case kMXFP4: case kMXFP4x4: return true;
+    case kIQ4_NLx4: return true;
     default: return false;
   }
 }
 
 // ---- four 32-weight blocks interleaved --------------------------------------------------------------------
 
-// Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and MXFP4 rows are rewritten at load, four blocks (128 weights) at a time, into a
+// Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, MXFP4 and IQ4_NL rows are rewritten at load, four blocks (128 weights) at a time, into a
 // layout the one-row products read with fewer instructions; the bytes stay as many. Rows whose blocks are
 // not a multiple of four stay as the file has them (model S's 576 weights: a row that short was read no
 // faster with its last blocks apart). A super-block:
@@ -170,7 +189,7 @@ constexpr int64_t kX4Blocks = 4;
 // The interleaved type of GGML type `type`, or -1 where it has none.
 int64_t interleaved_type(int64_t type) {
   switch (type) {
-    case kQ4_0: case kQ4_1: case kQ5_0: case kQ5_1: case kQ8_0: case kMXFP4: return kInterleaved + type;
+    case kQ4_0: case kQ4_1: case kQ5_0: case kQ5_1: case kQ8_0: case kMXFP4: case kIQ4_NL: return kInterleaved + type;
     default: return -1;
   }
 }
@@ -181,7 +200,7 @@ struct X4Parts {
 };
 
 constexpr X4Parts x4_parts(int64_t base) {
-  return base == kQ4_0   ? X4Parts{18, 8, -1, -1, 2}
+  return base == kQ4_0 || base == kIQ4_NL ? X4Parts{18, 8, -1, -1, 2}
          : base == kQ4_1 ? X4Parts{20, 16, 8, -1, 4}
          : base == kQ5_0 ? X4Parts{22, 24, -1, 8, 6}
          : base == kQ5_1 ? X4Parts{24, 32, 8, 16, 8}
@@ -377,6 +396,28 @@ __attribute__((optimize("fp-contract=off"))) void dequantize_block(int64_t type,
       }
       return;
     }
+    case kIQ4_NL: {  // d, qs[16]
+      const float d = half_to_float(b);
+      for (int l = 0; l < 16; ++l) {
+        y[l] = d * static_cast<float>(kIq4Values[b[2 + l] & 0xf]);
+        y[l + 16] = d * static_cast<float>(kIq4Values[b[2 + l] >> 4]);
+      }
+      return;
+    }
+    case kIQ4_XS: {  // d, scales_h (16 bits), scales_l[4], qs[128]: group g's 32 weights from bytes 16 g
+      const float d = half_to_float(b);
+      int sc[8];
+      iq4_xs_scales(b, sc);
+      for (int g = 0; g < 8; ++g) {
+        const float dl = d * static_cast<float>(sc[g]);
+        const uint8_t* qs = b + 8 + 16 * g;
+        for (int l = 0; l < 16; ++l) {
+          y[32 * g + l] = dl * static_cast<float>(kIq4Values[qs[l] & 0xf]);
+          y[32 * g + l + 16] = dl * static_cast<float>(kIq4Values[qs[l] >> 4]);
+        }
+      }
+      return;
+    }
     case kQ4_K: case kQ5_K: {  // d, dmin, scales[12], (Q5_K: qh[32]), qs[128]
       const bool q5 = type == kQ5_K;
       const float d = half_to_float(b), dmin = half_to_float(b + 2);
@@ -476,6 +517,21 @@ int block_groups(int64_t type, const uint8_t* blk, Group* out) {
       std::memcpy(out->codes, blk + 2, 32);
       out->a[0] = out->a[1] = half_to_float(blk), out->b[0] = out->b[1] = 0.f;
       return 1;
+    case kIQ4_NL: case kIQ4_XS: {  // codes are the grid's signed values (see kIq4Values)
+      const bool xs = type == kIQ4_XS;
+      const float d = half_to_float(blk);
+      int sc[8] = {1};
+      if (xs) iq4_xs_scales(blk, sc);
+      for (int g = 0; g < (xs ? 8 : 1); ++g) {
+        const uint8_t* qs = blk + (xs ? 8 + 16 * g : 2);
+        for (int l = 0; l < 16; ++l) {
+          out[g].codes[l] = static_cast<uint8_t>(kIq4Values[qs[l] & 0xf]);
+          out[g].codes[l + 16] = static_cast<uint8_t>(kIq4Values[qs[l] >> 4]);
+        }
+        out[g].a[0] = out[g].a[1] = xs ? d * sc[g] : d, out[g].b[0] = out[g].b[1] = 0.f;
+      }
+      return xs ? 8 : 1;
+    }
     case kMXFP4:
       for (int l = 0; l < 16; ++l)
         out->codes[l] = kMxfp4Codes[blk[1 + l] & 0xf], out->codes[l + 16] = kMxfp4Codes[blk[1 + l] >> 4];
@@ -697,6 +753,30 @@ inline __m256i mxfp4_codes(const uint8_t* qs) {
   return _mm256_shuffle_epi8(values, nibbles(qs));
 }
 
+// IQ4_NL / IQ4_XS: 16 code bytes -> 32 signed codes (kIq4Values), the nibbles looked up.
+inline __m256i iq4_codes(const uint8_t* qs) {
+  const __m256i values = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kIq4Values)));
+  return _mm256_shuffle_epi8(values, nibbles(qs));
+}
+
+// IQ4_XS: a block's eight group scales (see iq4_xs_scales) as int32 lanes: byte 4 + g / 2's nibble g % 2
+// and bits 2g of the 16-bit word at byte 2, less 32.
+inline __m256i iq4_xs_scale_vector(const uint8_t* blk) {
+  int32_t low_bytes;
+  uint16_t high_word;
+  std::memcpy(&low_bytes, blk + 4, 4);
+  std::memcpy(&high_word, blk + 2, 2);
+  const __m256i low = _mm256_and_si256(
+      _mm256_srlv_epi32(_mm256_cvtepu8_epi32(_mm_shuffle_epi8(_mm_cvtsi32_si128(low_bytes),
+                                                              _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, -1, -1, -1, -1,
+                                                                            -1, -1, -1, -1))),
+                        _mm256_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4)),
+      _mm256_set1_epi32(0xf));
+  const __m256i high = _mm256_and_si256(
+      _mm256_srlv_epi32(_mm256_set1_epi32(high_word), _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14)), _mm256_set1_epi32(3));
+  return _mm256_sub_epi32(_mm256_or_si256(low, _mm256_slli_epi32(high, 4)), _mm256_set1_epi32(32));
+}
+
 inline void store_codes(uint8_t* dst, __m256i v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), v); }
 
 // Two floats in one 8-byte store: the dot products read them with one 8-byte load, which a store of each
@@ -726,9 +806,9 @@ inline void x4_codes(const uint8_t* sb, __m256i codes[kX4Blocks]) {
       codes[2 * v] = _mm256_and_si256(q, low4);
       codes[2 * v + 1] = _mm256_and_si256(_mm256_srli_epi16(q, 4), low4);
     }
-    if constexpr (B == kMXFP4) {  // the products' codes (kMxfp4Codes), looked up
-      const __m256i values =
-          _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kMxfp4Codes)));
+    if constexpr (B == kMXFP4 || B == kIQ4_NL) {  // the products' codes (kMxfp4Codes, kIq4Values), looked up
+      const auto* table = B == kMXFP4 ? reinterpret_cast<const void*>(kMxfp4Codes) : reinterpret_cast<const void*>(kIq4Values);
+      const __m256i values = _mm256_broadcastsi128_si256(_mm_loadu_si128(static_cast<const __m128i*>(table)));
       for (int j = 0; j < kX4Blocks; ++j) codes[j] = _mm256_shuffle_epi8(values, codes[j]);
     }
     if constexpr (p.fifth_at >= 0) {
@@ -796,6 +876,44 @@ inline void low_bit_scales(const uint8_t* blk, float* a, float* b) {
   }
 }
 
+// The same sixteen scales and offsets as vectors (half groups 0-7, 8-15) for the one-row products, from
+// whole-vector shifts and masks (the scalar loop's stores, read back as vectors, stalled the loads).
+template <int64_t T>
+inline void low_bit_scale_vectors(const uint8_t* blk, __m256* a_lo, __m256* a_hi, __m256* b_lo, __m256* b_hi) {
+  const auto bytes8 = [](const uint8_t* p) {
+    int64_t v;
+    std::memcpy(&v, p, 8);
+    return _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(v));
+  };
+  const __m256i low4 = _mm256_set1_epi32(0xf);
+  if constexpr (T == kQ3_K) {
+    const __m256i low = bytes8(blk + 96);  // scales 0-7's low nibbles, 8-15's high ones
+    int32_t high_bytes;
+    std::memcpy(&high_bytes, blk + 104, 4);
+    const __m256i high = _mm256_cvtepu8_epi32(_mm_shuffle_epi8(
+        _mm_cvtsi32_si128(high_bytes), _mm_setr_epi8(0, 1, 2, 3, 0, 1, 2, 3, -1, -1, -1, -1, -1, -1, -1, -1)));
+    const __m256i three = _mm256_set1_epi32(3), bias = _mm256_set1_epi32(32);
+    const __m256i s_lo = _mm256_sub_epi32(
+        _mm256_or_si256(_mm256_and_si256(low, low4),
+                        _mm256_slli_epi32(_mm256_and_si256(_mm256_srlv_epi32(high, _mm256_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2)), three), 4)),
+        bias);
+    const __m256i s_hi = _mm256_sub_epi32(
+        _mm256_or_si256(_mm256_srli_epi32(low, 4),
+                        _mm256_slli_epi32(_mm256_and_si256(_mm256_srlv_epi32(high, _mm256_setr_epi32(4, 4, 4, 4, 6, 6, 6, 6)), three), 4)),
+        bias);
+    const __m256 d = _mm256_set1_ps(half_at(blk + 108)), minus4 = _mm256_set1_ps(-4.f);
+    *a_lo = _mm256_mul_ps(d, _mm256_cvtepi32_ps(s_lo)), *a_hi = _mm256_mul_ps(d, _mm256_cvtepi32_ps(s_hi));
+    *b_lo = _mm256_mul_ps(minus4, *a_lo), *b_hi = _mm256_mul_ps(minus4, *a_hi);
+  } else {
+    const __m256i lo = bytes8(blk), hi = bytes8(blk + 8);
+    const __m256 d = _mm256_set1_ps(half_at(blk + 80)), dmin = _mm256_set1_ps(-half_at(blk + 82));
+    *a_lo = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_and_si256(lo, low4)));
+    *a_hi = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_and_si256(hi, low4)));
+    *b_lo = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_srli_epi32(lo, 4)));
+    *b_hi = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_srli_epi32(hi, 4)));
+  }
+}
+
 template <int64_t T>
 void unpack_row(const uint8_t* w, int64_t blocks, Unpacked& u) {
   const __m256i low4 = _mm256_set1_epi8(0x0f);
@@ -828,6 +946,17 @@ void unpack_row(const uint8_t* w, int64_t blocks, Unpacked& u) {
       const float d = e8m0_half(blk[0]);
       store_codes(&u.codes[i * kGroup], mxfp4_codes(blk + 1));
       store_pair(&u.a[2 * i], d, d), store_pair(&u.b[2 * i], kMxfp4Offset * d, kMxfp4Offset * d);
+    } else if constexpr (T == kIQ4_NL || T == kIQ4_XS) {
+      const uint8_t* blk = w + i * (T == kIQ4_XS ? 136 : 18);
+      const float d = half_at(blk);
+      int sc[8] = {1};
+      if constexpr (T == kIQ4_XS) iq4_xs_scales(blk, sc);
+      for (int g = 0; g < (T == kIQ4_XS ? 8 : 1); ++g) {
+        const int64_t group = i * (T == kIQ4_XS ? 8 : 1) + g;
+        const float a = T == kIQ4_XS ? d * sc[g] : d;
+        store_codes(&u.codes[group * kGroup], iq4_codes(blk + (T == kIQ4_XS ? 8 + 16 * g : 2)));
+        store_pair(&u.a[2 * group], a, a), store_pair(&u.b[2 * group], 0.f, 0.f);
+      }
     } else if constexpr (T == kQ4_0 || T == kQ4_1 || T == kQ5_0 || T == kQ5_1 || T == kQ8_0) {
       constexpr int64_t kBytes = T == kQ4_0 ? 18 : T == kQ4_1 ? 20 : T == kQ5_0 ? 22 : T == kQ5_1 ? 24 : 34;
       const uint8_t* blk = w + i * kBytes;
@@ -993,6 +1122,8 @@ inline __m256i file_block(const uint8_t* blk, float* d_out, float* b_out) {
   float b = 0.f;
   if constexpr (T == kMXFP4) {
     codes = mxfp4_codes(blk + 1), b = kMxfp4Offset * d;
+  } else if constexpr (T == kIQ4_NL) {
+    codes = iq4_codes(blk + 2);
   } else if constexpr (T == kQ4_0) {
     codes = nibbles(blk + 2), b = -8.f * d;
   } else if constexpr (T == kQ4_1) {
@@ -1010,7 +1141,7 @@ inline __m256i file_block(const uint8_t* blk, float* d_out, float* b_out) {
 }
 
 constexpr int64_t file_block_bytes(int64_t T) {
-  return T == kQ4_0 ? 18 : T == kQ4_1 ? 20 : T == kQ5_0 ? 22 : T == kQ5_1 ? 24 : T == kQ8_0 ? 34 : 17;
+  return T == kQ4_0 || T == kIQ4_NL ? 18 : T == kQ4_1 ? 20 : T == kQ5_0 ? 22 : T == kQ5_1 ? 24 : T == kQ8_0 ? 34 : 17;
 }
 
 // R int8 x rows (first..first + R - 1) times one weight row, straight from the blocks: the decode step's
@@ -1069,7 +1200,8 @@ __attribute__((noinline)) void dot_rows(const uint8_t* w, int64_t blocks, const 
       o = _mm_add_ss(o, _mm_movehdup_ps(o));
       out[r] = hsum(sum) + kOffset * _mm_cvtss_f32(o);
     }
-  } else if constexpr (T == kQ4_0 || T == kQ4_1 || T == kQ5_0 || T == kQ5_1 || T == kQ8_0 || T == kMXFP4) {
+  } else if constexpr (T == kQ4_0 || T == kQ4_1 || T == kQ5_0 || T == kQ5_1 || T == kQ8_0 || T == kMXFP4 ||
+                       T == kIQ4_NL) {
     float off[R][C] = {};
     const auto block = [&](int64_t i, int c) {
       float d, b;
@@ -1089,6 +1221,25 @@ __attribute__((noinline)) void dot_rows(const uint8_t* w, int64_t blocks, const 
         out[r] = hsum(_mm256_add_ps(acc[r][0], acc[r][1])) + (off[r][0] + off[r][1]);
       else
         out[r] = hsum(acc[r][0]) + off[r][0];
+    }
+  } else if constexpr (T == kIQ4_XS) {
+    // per block, the eight groups' scales d sc[g] dx[g] in a vector; no offsets
+    for (int64_t i = 0; i < blocks; ++i) {
+      const uint8_t* blk = w + i * 136;
+      const __m256 d_sc = _mm256_mul_ps(_mm256_cvtepi32_ps(iq4_xs_scale_vector(blk)), _mm256_set1_ps(half_at(blk)));
+      alignas(32) float scale[R][8];  // each group's lane broadcast from here (a load, not a shuffle)
+      for (int r = 0; r < R; ++r) _mm256_store_ps(scale[r], _mm256_mul_ps(d_sc, _mm256_loadu_ps(dx[r] + i * 8)));
+#pragma GCC unroll 8
+      for (int g = 0; g < 8; ++g) {
+        const __m256i codes = iq4_codes(blk + 8 + 16 * g);
+        for (int r = 0; r < R; ++r)
+          acc[r][g % C] = _mm256_fmadd_ps(products(codes, r, i * 8 + g), _mm256_broadcast_ss(&scale[r][g]), acc[r][g % C]);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      __m256 sum = acc[r][0];
+      if constexpr (C == 2) sum = _mm256_add_ps(sum, acc[r][1]);
+      out[r] = hsum(sum);
     }
   } else if constexpr (T == kQ4_K || T == kQ5_K) {
     // per block, the eight groups' scales d sc[g] dx[g] and offsets -dmin mn[g] (x's sum) in vectors
@@ -1151,9 +1302,7 @@ __attribute__((noinline)) void dot_rows(const uint8_t* w, int64_t blocks, const 
         const __m256 minus32 = _mm256_set1_ps(-32.f);
         b_lo = _mm256_mul_ps(minus32, a_lo), b_hi = _mm256_mul_ps(minus32, a_hi);
       } else {
-        alignas(32) float a[16], b[16];
-        low_bit_scales<T>(blk, a, b);
-        a_lo = _mm256_load_ps(a), a_hi = _mm256_load_ps(a + 8), b_lo = _mm256_load_ps(b), b_hi = _mm256_load_ps(b + 8);
+        low_bit_scale_vectors<T>(blk, &a_lo, &a_hi, &b_lo, &b_hi);
       }
       __m256 scales[R][2];
       for (int r = 0; r < R; ++r) {
@@ -1298,6 +1447,7 @@ inline PairFn pair_fn(int64_t type) {
     case kQ4_1: return dot_row_pair<kQ4_1>;
     case kQ5_0: return dot_row_pair<kQ5_0>;
     case kQ5_1: return dot_row_pair<kQ5_1>;
+    case kIQ4_NL: return dot_row_pair<kIQ4_NL>;
     case kQ8_0: return dot_row_pair<kQ8_0>;
     case kMXFP4: return dot_row_pair<kMXFP4>;
     default: return nullptr;
@@ -1385,12 +1535,15 @@ RowFn row_fn(int64_t type) {
     case kQ3_K: return row_times_x<kQ3_K, kFloat>;
     case kQ4_K: return row_times_x<kQ4_K, kFloat>;
     case kQ5_K: return row_times_x<kQ5_K, kFloat>;
+    case kIQ4_NL: return row_times_x<kIQ4_NL, kFloat>;
+    case kIQ4_XS: return row_times_x<kIQ4_XS, kFloat>;
     case kQ4_0x4: return row_times_x<kQ4_0x4, kFloat>;
     case kQ4_1x4: return row_times_x<kQ4_1x4, kFloat>;
     case kQ5_0x4: return row_times_x<kQ5_0x4, kFloat>;
     case kQ5_1x4: return row_times_x<kQ5_1x4, kFloat>;
     case kQ8_0x4: return row_times_x<kQ8_0x4, kFloat>;
     case kMXFP4x4: return row_times_x<kMXFP4x4, kFloat>;
+    case kIQ4_NLx4: return row_times_x<kIQ4_NLx4, kFloat>;
     case kMXFP4: return row_times_x<kMXFP4, kFloat>;
     default: return row_times_x<kQ6_K, kFloat>;
   }

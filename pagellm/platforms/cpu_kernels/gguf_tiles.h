@@ -86,7 +86,7 @@ inline void tile_chunk(__m256i w, __m256i xv, __m256i ones, __m256i& pairs, __m2
 #else
   constexpr bool kFifthBit = T == kQ5_0 || T == kQ5_1 || T == kQ5_K;
   // Q2_K and Q3_K (codes up to 3 and 7) would allow more, but their halves are summed apart: four
-  constexpr int kSum = T == kQ8_0 ? 1 : T == kQ6_K ? 2 : (kFifthBit || T == kMXFP4 || kHalves) ? 4 : 8;
+  constexpr int kSum = kSigned ? 1 : T == kQ6_K ? 2 : (kFifthBit || T == kMXFP4 || kHalves) ? 4 : 8;
   const __m256i p =
       kSigned ? _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(xv, w)) : _mm256_maddubs_epi16(w, xv);
   pairs = c % kSum == 0 ? p : _mm256_add_epi16(pairs, p);
@@ -198,12 +198,15 @@ TileFn tile_fn(int64_t type) {
     case kQ3_K: return tile_rows<kQ3_K>;
     case kQ4_K: return tile_rows<kQ4_K>;
     case kQ5_K: return tile_rows<kQ5_K>;
+    case kIQ4_NL: return tile_rows<kIQ4_NL>;
+    case kIQ4_XS: return tile_rows<kIQ4_XS>;
     case kQ4_0x4: return tile_rows<kQ4_0x4>;
     case kQ4_1x4: return tile_rows<kQ4_1x4>;
     case kQ5_0x4: return tile_rows<kQ5_0x4>;
     case kQ5_1x4: return tile_rows<kQ5_1x4>;
     case kQ8_0x4: return tile_rows<kQ8_0x4>;
     case kMXFP4x4: return tile_rows<kMXFP4x4>;
+    case kIQ4_NLx4: return tile_rows<kIQ4_NLx4>;
     case kMXFP4: return tile_rows<kMXFP4>;
     default: return tile_rows<kQ6_K>;
   }
