@@ -27,9 +27,13 @@ TYPES = {
     6: (32, 22),
     7: (32, 24),
     8: (32, 34),
+    10: (256, 84),
+    11: (256, 110),
     12: (256, 144),
     13: (256, 176),
     14: (256, 210),
+    20: (32, 18),
+    23: (256, 136),
 }
 """GGML type number -> (weights per block, bytes per block) of the types the kernel reads."""
 
@@ -121,6 +125,30 @@ def _gguf_matmul(
             d_hi = tl.load(row + 209, mask=tile_mask, other=0).to(tl.int32)
             d = (d_lo | (d_hi << 8)).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
             w = (d * (s - ((s >> 7) << 8)).to(tl.float32)) * (q - 32).to(tl.float32)
+        elif TYPE == 10 or TYPE == 11:  # Q2_K: 16 scale bytes, 64 of 2-bit codes, d, dmin; Q3_K: 32 bytes of
+            # third bits (bit e // 32 of byte e % 32, clear meaning minus 4), 64 of 2-bit codes, 12 of 6-bit
+            # scales less 32, d. Weight e's two bits: byte e // 128 * 32 + e % 32 of the codes, bits 2 (e % 128 // 32)
+            CODES: tl.constexpr = 16 if TYPE == 10 else 32
+            D_AT: tl.constexpr = 80 if TYPE == 10 else 108
+            code = tl.load(row + (CODES + e // 128 * 32 + e % 32), mask=tile_mask, other=0).to(tl.int32)
+            q = (code >> (e % 128 // 32 * 2)) & 3
+            d_lo = tl.load(row + D_AT, mask=tile_mask, other=0).to(tl.int32)
+            d_hi = tl.load(row + (D_AT + 1), mask=tile_mask, other=0).to(tl.int32)
+            d = (d_lo | (d_hi << 8)).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+            j = e // 16
+            if TYPE == 10:
+                sc = tl.load(row + j, mask=tile_mask, other=0).to(tl.int32)
+                m_lo = tl.load(row + 82, mask=tile_mask, other=0).to(tl.int32)
+                m_hi = tl.load(row + 83, mask=tile_mask, other=0).to(tl.int32)
+                m = (m_lo | (m_hi << 8)).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+                w = (d * (sc & 0xF).to(tl.float32)) * q.to(tl.float32) - m * (sc >> 4).to(tl.float32)
+            else:
+                low = tl.load(row + (96 + j % 8), mask=tile_mask, other=0).to(tl.int32)
+                high = tl.load(row + (104 + j % 4), mask=tile_mask, other=0).to(tl.int32)
+                sc = (((low >> (j // 8 * 4)) & 0xF) | (((high >> (j // 4 * 2)) & 3) << 4)) - 32
+                third = tl.load(row + e % 32, mask=tile_mask, other=0).to(tl.int32)
+                q = q - (((third >> (e // 32)) & 1) ^ 1) * 4
+                w = (d * sc.to(tl.float32)) * q.to(tl.float32)
         else:
             d_lo = tl.load(row, mask=tile_mask, other=0).to(tl.int32)
             d_hi = tl.load(row + 1, mask=tile_mask, other=0).to(tl.int32)
@@ -132,6 +160,34 @@ def _gguf_matmul(
             if TYPE == 8:  # Q8_0: d, 32 int8
                 q = tl.load(row + (2 + e), mask=tile_mask, other=0).to(tl.int32)
                 w = d * (q - ((q >> 7) << 8)).to(tl.float32)
+            elif TYPE == 20 or TYPE == 23:  # IQ4_NL: d, 16 bytes of nibbles; IQ4_XS: d, the scales' high bit
+                # pairs (16 bits), their low nibbles (4 bytes), 128 bytes of nibbles, 16 per 32 weights
+                CODES: tl.constexpr = 2 if TYPE == 20 else 8
+                code = tl.load(row + (CODES + e // 32 * 16 + e % 16), mask=tile_mask, other=0).to(tl.int32)
+                n = (code >> (e % 32 // 16 * 4)) & 0xF
+                # the grid value of nibble n (llama.cpp's kvalues_iq4nl), as a tree of selects
+                v = tl.where(
+                    n < 8,
+                    tl.where(
+                        n < 4,
+                        tl.where(n < 2, tl.where(n == 0, -127, -104), tl.where(n == 2, -83, -65)),
+                        tl.where(n < 6, tl.where(n == 4, -49, -35), tl.where(n == 6, -22, -10)),
+                    ),
+                    tl.where(
+                        n < 12,
+                        tl.where(n < 10, tl.where(n == 8, 1, 13), tl.where(n == 10, 25, 38)),
+                        tl.where(n < 14, tl.where(n == 12, 53, 69), tl.where(n == 14, 89, 113)),
+                    ),
+                ).to(tl.float32)
+                if TYPE == 20:
+                    w = d * v
+                else:
+                    g = e // 32
+                    low = tl.load(row + (4 + g // 2), mask=tile_mask, other=0).to(tl.int32)
+                    h_lo = tl.load(row + 2, mask=tile_mask, other=0).to(tl.int32)
+                    h_hi = tl.load(row + 3, mask=tile_mask, other=0).to(tl.int32)
+                    sc = (((low >> (g % 2 * 4)) & 0xF) | ((((h_lo | (h_hi << 8)) >> (g * 2)) & 3) << 4)) - 32
+                    w = (d * sc.to(tl.float32)) * v
             elif TYPE == 12 or TYPE == 13:  # Q4_K, Q5_K: d, dmin, 12 bytes of 6-bit scales and mins, codes
                 j = e // 32  # the sub-block; its scale and min unpacked as gguf-py's get_scale_min
                 first = tl.load(row + (4 + j % 4), mask=tile_mask, other=0).to(tl.int32)
