@@ -205,6 +205,20 @@ def _iq4_xs(blocks: torch.Tensor) -> torch.Tensor:
     return ((_scales(blocks, 0) * scales).unsqueeze(-1) * grid).flatten(-2)
 
 
+_MXFP4_VALUES = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
+"""MXFP4's E2M1 codes as twice their values (GGML's block stores half the scale)."""
+
+
+def _mxfp4(blocks: torch.Tensor) -> torch.Tensor:
+    """An E8M0 exponent byte e (the scale 2^(e - 128) as float32 bits: (e - 1) << 23, or the subnormal
+    0x00200000 << e below 2, as ggml_e8m0_to_fp32_half), then 16 bytes of nibbles."""
+    e = blocks[..., 0:1].int()
+    bits = torch.where(e < 2, 0x00200000 << e, (e - 1) << 23)
+    grid = torch.tensor(_MXFP4_VALUES, dtype=torch.float32, device=blocks.device)
+    qs = blocks[..., 1:17]
+    return bits.view(torch.float32) * grid[torch.cat([qs & 0xF, qs >> 4], dim=-1).long()]
+
+
 def _float(dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
     return lambda blocks: blocks.contiguous().view(dtype)
 
@@ -235,6 +249,7 @@ GGML_TYPES = {
     20: GgmlType("IQ4_NL", 32, 18, _iq4_nl),
     23: GgmlType("IQ4_XS", 256, 136, _iq4_xs),
     30: GgmlType("BF16", 1, 2, _float(torch.bfloat16)),
+    39: GgmlType("MXFP4", 32, 17, _mxfp4),
 }
 """GGML type number (gguf.GGMLQuantizationType) -> layout, with a vectorised torch dequantization equal to
 gguf-py's bit for bit (float32)."""
@@ -556,7 +571,7 @@ def _on_cpu(model: nn.Module) -> bool:
 
 def _widen(raw: torch.Tensor, type_id: int, dtype: torch.dtype) -> torch.Tensor:
     """A part of a type the kernels will read, widened for the time they build: vectorised torch where
-    `GGML_TYPES` has the type (the bits of gguf-py's), else gguf-py's own code (MXFP4)."""
+    `GGML_TYPES` has the type (the bits of gguf-py's, every kernel type), else gguf-py's own code."""
     if type_id in GGML_TYPES:
         return dequantize(raw, type_id, dtype)
     from gguf import GGMLQuantizationType, quants

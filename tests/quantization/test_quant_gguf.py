@@ -53,7 +53,7 @@ def test_dequantize_matches_the_gguf_package(ggml_type):
 
 @pytest.mark.parametrize(
     "ggml_type",
-    [T.Q5_0, T.Q5_1, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_NL, T.IQ4_XS],
+    [T.Q5_0, T.Q5_1, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_NL, T.IQ4_XS, T.MXFP4],
     ids=lambda t: t.name,
 )
 def test_the_torch_dequantization_of_every_kernel_type_is_the_gguf_packages(ggml_type):
