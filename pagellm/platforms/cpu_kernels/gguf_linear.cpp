@@ -2,7 +2,8 @@
 // is multiplied).
 //
 // Work split: output features in one contiguous run per thread (each thread streams its rows of blocks in
-// memory order); each weight row is multiplied with every x row. bfloat16 x: up to four rows straight from
+// memory order; for a few x rows, from four places of its run at once, each place's next row prefetched);
+// each weight row is multiplied with every x row. bfloat16 x: up to four rows straight from
 // the blocks (a decode step, a few), more in tiles of eight (gguf_tiles.h: a batch, a prefill chunk). float32
 // x: from kSlabRows rows, slabs of dequantized rows through torch's float32 GEMM.
 //
@@ -126,23 +127,27 @@ at::Tensor gguf_linear(const at::Tensor& input, at::TensorList parts, at::IntArr
       const PairFn pair =
           bf16 && m == 1 && parts[p].numel() <= kPairedPartBytes ? pair_fn(types[p]) : nullptr;
       const uint8_t* w = static_cast<const uint8_t*>(parts[p].data_ptr());
-      // one x row: the rows (or pairs) taken from kRowStreams parts of the run in turn, so the loads of
-      // several places are in flight at once (`stream_order`)
-      const int64_t streams = m == 1 ? kRowStreams : 1;
+      // a few x rows (a decode step, up to kDirectRows): the rows (or pairs) taken from kRowStreams parts of
+      // the run in turn, so the loads of several places are in flight at once (`stream_order`), and the
+      // next row (pair) of the same part asked into L1 while this one is multiplied (`prefetch_row`)
+      const bool direct = m <= kDirectRows;
+      const int64_t streams = direct ? kRowStreams : 1;
+      const auto row_at = [&](int64_t i) { return w + (i - starts[p]) * row_bytes; };
       int64_t j = lo;
       if (pair != nullptr) {
         const int64_t pairs = (hi - lo) / 2;
         for (int64_t t = 0; t < pairs; ++t) {
           const int64_t i = lo + 2 * stream_order(pairs, streams, t);
-          const uint8_t* row = w + (i - starts[p]) * row_bytes;
-          pair(row, row + row_bytes, blocks, q, sums.data() + (i - begin), sums.data() + (i + 1 - begin));
+          if (t + streams < pairs) prefetch_row(row_at(lo + 2 * stream_order(pairs, streams, t + streams)), 2 * row_bytes);
+          pair(row_at(i), row_at(i) + row_bytes, blocks, q, sums.data() + (i - begin), sums.data() + (i + 1 - begin));
         }
         j = lo + 2 * pairs;
       }
       for (int64_t t = 0, count = hi - j; t < count; ++t) {
         const int64_t i = j + stream_order(count, streams, t);
+        if (direct && t + streams < count) prefetch_row(row_at(j + stream_order(count, streams, t + streams)), row_bytes);
         float* dst = bf16 ? sums.data() + (i - begin) : out.data_ptr<float>() + i;
-        fn(w + (i - starts[p]) * row_bytes, blocks, q, 0, m, dst, bf16 ? end - begin : n);
+        fn(row_at(i), blocks, q, 0, m, dst, bf16 ? end - begin : n);
       }
     }
     if (bf16) {
