@@ -49,7 +49,15 @@ SOURCES = (
     "recurrent.cpp",
     "ops.cpp",
 )
-HEADERS = ("kernels.h", "amx_tiles.h", "panels.h", "gguf_blocks.h", "gguf_tiles.h", "moe_routing.h")
+HEADERS = (
+    "kernels.h",
+    "amx_tiles.h",
+    "panels.h",
+    "gguf_blocks.h",
+    "gguf_tiles.h",
+    "gguf_amx.h",
+    "moe_routing.h",
+)
 ENV_SWITCH = "PAGELLM_CPU_KERNELS"
 ARCH_SWITCH = "PAGELLM_CPU_KERNELS_ARCH"
 """The build's -march (default native); e.g. x86-64 builds the plain C++ paths, to check them on any CPU."""

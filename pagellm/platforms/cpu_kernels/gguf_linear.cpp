@@ -18,13 +18,17 @@
 #include <string>
 #include <vector>
 
+#include "gguf_amx.h"
 #include "gguf_blocks.h"
 #include "gguf_tiles.h"
 #include "kernels.h"
 
 bool gguf_kernel_type(int64_t type) { return has_kernel(type); }
 
-std::string gguf_isa() { return GG_AVX2 ? (GG_VNNI ? "avx2+vnni" : "avx2") : "scalar"; }
+std::string gguf_isa() {
+  const std::string vectors = GG_AVX2 ? (GG_VNNI ? "avx2+vnni" : "avx2") : "scalar";
+  return amx_tiles() ? "amx-int8+" + vectors : vectors;
+}
 
 namespace {
 
@@ -92,7 +96,8 @@ at::Tensor gguf_linear(const at::Tensor& input, at::TensorList parts, at::IntArr
 #if GG_AVX2
   if (tiles) {
     XTiles xt;
-    xt.reset(k, tiles_for(m));
+    const int64_t lanes = tile_lanes(m);
+    xt.reset(k, tiles_for(m, lanes), lanes);
     interleave(q, 0, m, xt, 0);
     at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
       std::vector<float> sums((end - begin) * m);
@@ -102,7 +107,7 @@ at::Tensor gguf_linear(const at::Tensor& input, at::TensorList parts, at::IntArr
         Layout layout;
         layout_of(types[p], &layout);
         const int64_t blocks = k / layout.block;
-        tile_fn(types[p])(static_cast<const uint8_t*>(parts[p].data_ptr()), blocks * layout.bytes, blocks,
+        tile_fn(types[p], lanes)(static_cast<const uint8_t*>(parts[p].data_ptr()), blocks * layout.bytes, blocks,
                           lo - starts[p], hi - starts[p], xt, 0, m, sums.data() + (lo - begin), end - begin);
       }
       c10::BFloat16* y = out.data_ptr<c10::BFloat16>();
@@ -138,14 +143,16 @@ at::Tensor gguf_linear(const at::Tensor& input, at::TensorList parts, at::IntArr
         const int64_t pairs = (hi - lo) / 2;
         for (int64_t t = 0; t < pairs; ++t) {
           const int64_t i = lo + 2 * stream_order(pairs, streams, t);
-          if (t + streams < pairs) prefetch_row(row_at(lo + 2 * stream_order(pairs, streams, t + streams)), 2 * row_bytes);
+          if (t + streams < pairs)
+            prefetch_row(row_at(lo + 2 * stream_order(pairs, streams, t + streams)), 2 * row_bytes);
           pair(row_at(i), row_at(i) + row_bytes, blocks, q, sums.data() + (i - begin), sums.data() + (i + 1 - begin));
         }
         j = lo + 2 * pairs;
       }
       for (int64_t t = 0, count = hi - j; t < count; ++t) {
         const int64_t i = j + stream_order(count, streams, t);
-        if (direct && t + streams < count) prefetch_row(row_at(j + stream_order(count, streams, t + streams)), row_bytes);
+        if (direct && t + streams < count)
+          prefetch_row(row_at(j + stream_order(count, streams, t + streams)), row_bytes);
         float* dst = bf16 ? sums.data() + (i - begin) : out.data_ptr<float>() + i;
         fn(row_at(i), blocks, q, 0, m, dst, bf16 ? end - begin : n);
       }

@@ -27,6 +27,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "gguf_amx.h"
 #include "gguf_blocks.h"
 #include "gguf_tiles.h"
 #include "kernels.h"
@@ -81,13 +82,16 @@ void prepare_rows(const In* x, int64_t m, int64_t k, bool floats, Rows& q) {
 }
 
 // x tiles (gguf_tiles.h) of the experts in `tiled`: each expert's rows (consecutive in q) in tiles of their
-// own, first_tile[i] the first of expert tiled[i]'s.
+// own, first_tile[i] the first of expert tiled[i]'s; AMX's tiles of sixteen where they run and the experts
+// average more than eight rows (`tile_lanes`).
 void tile_experts(const Rows& q, const Routing& routing, const std::vector<int64_t>& tiled,
                   std::vector<int64_t>& first_tile, XTiles& x) {
   first_tile.assign(tiled.size(), 0);
-  int64_t total = 0;
-  for (size_t i = 0; i < tiled.size(); ++i) first_tile[i] = total, total += tiles_for(routing.count[tiled[i]]);
-  x.reset(q.k, total);
+  int64_t total = 0, pairs = 0;
+  for (const int64_t c : tiled) pairs += routing.count[c];
+  const int64_t lanes = tiled.empty() ? kLanes : tile_lanes(pairs / static_cast<int64_t>(tiled.size()));
+  for (size_t i = 0; i < tiled.size(); ++i) first_tile[i] = total, total += tiles_for(routing.count[tiled[i]], lanes);
+  x.reset(q.k, total, lanes);
   for (size_t i = 0; i < tiled.size(); ++i)
     interleave(q, routing.start[tiled[i]], routing.count[tiled[i]], x, first_tile[i]);
 }
@@ -171,8 +175,10 @@ void run_chunk(const at::Tensor& xs, const Routing& routing, const Stack& gate, 
 #if GG_AVX2
       for (size_t i = 0; i < tiled.size(); ++i) {
         const int64_t c = tiled[i], e = routing.experts[c], m = routing.count[c];
-        tile_fn(gate.type)(gate.row(e, 0), gate.row_bytes, gate.blocks, begin, end, xt, first_tile[i], m, g.data(), n);
-        tile_fn(up.type)(up.row(e, 0), up.row_bytes, up.blocks, begin, end, xt, first_tile[i], m, u.data(), n);
+        tile_fn(gate.type, xt.lanes)(gate.row(e, 0), gate.row_bytes, gate.blocks, begin, end, xt, first_tile[i], m,
+                                     g.data(), n);
+        tile_fn(up.type, xt.lanes)(up.row(e, 0), up.row_bytes, up.blocks, begin, end, xt, first_tile[i], m, u.data(),
+                                   n);
         activate_rows(e, routing.start[c], m);
       }
 #endif
@@ -201,8 +207,8 @@ void run_chunk(const at::Tensor& xs, const Routing& routing, const Stack& gate, 
 #if GG_AVX2
     for (size_t i = 0; i < tiled.size(); ++i) {
       const int64_t c = tiled[i], e = routing.experts[c], s0 = routing.start[c];
-      tile_fn(down.type)(down.row(e, 0), down.row_bytes, down.blocks, begin, end, act_tiles, first_tile[i], routing.count[c],
-                         ys + s0 * h + begin, h);
+      tile_fn(down.type, act_tiles.lanes)(down.row(e, 0), down.row_bytes, down.blocks, begin, end, act_tiles,
+                                          first_tile[i], routing.count[c], ys + s0 * h + begin, h);
     }
 #endif
   });

@@ -22,44 +22,45 @@ constexpr int64_t kTileBytes = int64_t(192) << 10;  // x codes multiplied per pa
 // Types with a scale and an offset per half group (16 weights), the others' per group.
 constexpr bool half_scaled(int64_t type) { return type == kQ6_K || type == kQ3_K || type == kQ2_K; }
 
-// Rows of x interleaved by kLanes (the last tile of a run padded with zero rows). Per tile: codes
-// [k / 4][8 rows][4 codes], then per group the scales dx [k / 32][8] and the offsets' factors: dx times the
-// code sums of each half group [k / 16][8] and of each group [k / 32][8].
+// Rows of x interleaved by `lanes` (kLanes for the AVX2 tiles, kAmxLanes for AMX's, gguf_amx.h; the last
+// tile of a run padded with zero rows). Per tile: codes [k / 4][lanes rows][4 codes], then per group the
+// scales dx [k / 32][lanes] and the offsets' factors: dx times the code sums of each half group
+// [k / 16][lanes] and of each group [k / 32][lanes].
 struct XTiles {
-  int64_t k = 0;
+  int64_t k = 0, lanes = kLanes;
   std::vector<int8_t> codes;
   std::vector<float> dx, halves, wholes;
-  void reset(int64_t columns, int64_t tiles) {
-    k = columns;
-    codes.assign(tiles * k * kLanes, 0);
-    dx.assign(tiles * (k / kGroup) * kLanes, 0.f);
-    halves.assign(tiles * (k / 16) * kLanes, 0.f);
-    wholes.assign(tiles * (k / kGroup) * kLanes, 0.f);
+  void reset(int64_t columns, int64_t tiles, int64_t tile_lanes = kLanes) {
+    k = columns, lanes = tile_lanes;
+    codes.assign(tiles * k * lanes, 0);
+    dx.assign(tiles * (k / kGroup) * lanes, 0.f);
+    halves.assign(tiles * (k / 16) * lanes, 0.f);
+    wholes.assign(tiles * (k / kGroup) * lanes, 0.f);
   }
-  const int8_t* codes_of(int64_t t) const { return codes.data() + t * k * kLanes; }
-  const float* dx_of(int64_t t) const { return dx.data() + t * (k / kGroup) * kLanes; }
-  const float* halves_of(int64_t t) const { return halves.data() + t * (k / 16) * kLanes; }
-  const float* wholes_of(int64_t t) const { return wholes.data() + t * (k / kGroup) * kLanes; }
+  const int8_t* codes_of(int64_t t) const { return codes.data() + t * k * lanes; }
+  const float* dx_of(int64_t t) const { return dx.data() + t * (k / kGroup) * lanes; }
+  const float* halves_of(int64_t t) const { return halves.data() + t * (k / 16) * lanes; }
+  const float* wholes_of(int64_t t) const { return wholes.data() + t * (k / kGroup) * lanes; }
 };
 
-inline int64_t tiles_for(int64_t rows) { return (rows + kLanes - 1) / kLanes; }
+inline int64_t tiles_for(int64_t rows, int64_t lanes = kLanes) { return (rows + lanes - 1) / lanes; }
 
 // Quantized rows first..first + m - 1 of q into tiles t0, t0 + 1, ... of x (reset beforehand, so the padding
 // rows are zeros).
 inline void interleave(const Rows& q, int64_t first, int64_t m, XTiles& x, int64_t t0) {
-  const int64_t k = q.k, groups = k / kGroup;
+  const int64_t k = q.k, groups = k / kGroup, lanes = x.lanes;
   for (int64_t r = 0; r < m; ++r) {
-    const int64_t t = t0 + r / kLanes, lane = r % kLanes;
+    const int64_t t = t0 + r / lanes, lane = r % lanes;
     const int8_t* src = q.row(first + r);
-    int8_t* dst = x.codes.data() + t * k * kLanes + lane * 4;
-    for (int64_t c = 0; c < k / 4; ++c) std::memcpy(dst + c * 4 * kLanes, src + 4 * c, 4);
+    int8_t* dst = x.codes.data() + t * k * lanes + lane * 4;
+    for (int64_t c = 0; c < k / 4; ++c) std::memcpy(dst + c * 4 * lanes, src + 4 * c, 4);
     const float *scale = q.scale(first + r), *half = q.sums(first + r), *whole = q.whole_sums(first + r);
-    float* dx = x.dx.data() + t * groups * kLanes + lane;
-    float* halves = x.halves.data() + t * groups * 2 * kLanes + lane;
-    float* wholes = x.wholes.data() + t * groups * kLanes + lane;
+    float* dx = x.dx.data() + t * groups * lanes + lane;
+    float* halves = x.halves.data() + t * groups * 2 * lanes + lane;
+    float* wholes = x.wholes.data() + t * groups * lanes + lane;
     for (int64_t g = 0; g < groups; ++g) {
-      dx[g * kLanes] = scale[g], wholes[g * kLanes] = whole[g];
-      halves[2 * g * kLanes] = half[2 * g], halves[(2 * g + 1) * kLanes] = half[2 * g + 1];
+      dx[g * lanes] = scale[g], wholes[g * lanes] = whole[g];
+      halves[2 * g * lanes] = half[2 * g], halves[(2 * g + 1) * lanes] = half[2 * g + 1];
     }
   }
 }
@@ -187,30 +188,41 @@ void tile_rows(const uint8_t* w, int64_t row_bytes, int64_t blocks, int64_t lo, 
 using TileFn = void (*)(const uint8_t*, int64_t, int64_t, int64_t, int64_t, const XTiles&, int64_t, int64_t, float*,
                         int64_t);
 
-TileFn tile_fn(int64_t type) {
+// A tile family's row products of a type: F<T>::fn for each type the kernels read (F: `Avx2TileRows` here,
+// gguf_amx.h's `AmxTileRows`).
+template <template <int64_t> class F>
+TileFn tile_fn_of(int64_t type) {
   switch (type) {
-    case kQ4_0: return tile_rows<kQ4_0>;
-    case kQ4_1: return tile_rows<kQ4_1>;
-    case kQ5_0: return tile_rows<kQ5_0>;
-    case kQ5_1: return tile_rows<kQ5_1>;
-    case kQ8_0: return tile_rows<kQ8_0>;
-    case kQ2_K: return tile_rows<kQ2_K>;
-    case kQ3_K: return tile_rows<kQ3_K>;
-    case kQ4_K: return tile_rows<kQ4_K>;
-    case kQ5_K: return tile_rows<kQ5_K>;
-    case kIQ4_NL: return tile_rows<kIQ4_NL>;
-    case kIQ4_XS: return tile_rows<kIQ4_XS>;
-    case kQ4_0x4: return tile_rows<kQ4_0x4>;
-    case kQ4_1x4: return tile_rows<kQ4_1x4>;
-    case kQ5_0x4: return tile_rows<kQ5_0x4>;
-    case kQ5_1x4: return tile_rows<kQ5_1x4>;
-    case kQ8_0x4: return tile_rows<kQ8_0x4>;
-    case kMXFP4x4: return tile_rows<kMXFP4x4>;
-    case kIQ4_NLx4: return tile_rows<kIQ4_NLx4>;
-    case kMXFP4: return tile_rows<kMXFP4>;
-    default: return tile_rows<kQ6_K>;
+    case kQ4_0: return F<kQ4_0>::fn;
+    case kQ4_1: return F<kQ4_1>::fn;
+    case kQ5_0: return F<kQ5_0>::fn;
+    case kQ5_1: return F<kQ5_1>::fn;
+    case kQ8_0: return F<kQ8_0>::fn;
+    case kQ2_K: return F<kQ2_K>::fn;
+    case kQ3_K: return F<kQ3_K>::fn;
+    case kQ4_K: return F<kQ4_K>::fn;
+    case kQ5_K: return F<kQ5_K>::fn;
+    case kIQ4_NL: return F<kIQ4_NL>::fn;
+    case kIQ4_XS: return F<kIQ4_XS>::fn;
+    case kQ4_0x4: return F<kQ4_0x4>::fn;
+    case kQ4_1x4: return F<kQ4_1x4>::fn;
+    case kQ5_0x4: return F<kQ5_0x4>::fn;
+    case kQ5_1x4: return F<kQ5_1x4>::fn;
+    case kQ8_0x4: return F<kQ8_0x4>::fn;
+    case kMXFP4x4: return F<kMXFP4x4>::fn;
+    case kIQ4_NLx4: return F<kIQ4_NLx4>::fn;
+    case kMXFP4: return F<kMXFP4>::fn;
+    default: return F<kQ6_K>::fn;
   }
 }
+
+template <int64_t T>
+struct Avx2TileRows {
+  static constexpr TileFn fn = tile_rows<T>;
+};
+
+// The AVX2 tiles' row products of a type (gguf_amx.h's `tile_fn` picks AMX's instead where they run).
+inline TileFn avx2_tile_fn(int64_t type) { return tile_fn_of<Avx2TileRows>(type); }
 
 #endif
 
