@@ -11,9 +11,13 @@ with those same bytes.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from pagellm.platforms import cpu_kernels
+
+logger = logging.getLogger("pagellm")
 
 torch.library.define("pagellm::gguf_linear", "(Tensor x, Tensor[] parts, int[] types) -> Tensor")
 
@@ -96,10 +100,26 @@ def interleave(raw: torch.Tensor, type_id: int) -> tuple[torch.Tensor, int]:
     kernels = cpu_kernels.load()
     if kernels is None:
         return raw, type_id
+    _say_instructions(kernels)
     to = int(kernels.gguf_interleaved_type(type_id))
     if to < 0 or raw.shape[-1] % (4 * _layout(type_id)[1]):
         return raw, type_id
     return kernels.gguf_interleave(raw.contiguous(), type_id), to
+
+
+_said: list[str] = []
+
+
+def _say_instructions(kernels) -> None:
+    """Log once, as the first weight goes on the kernel (every one passes `interleave`), which instructions
+    multiply the blocks here (`gguf_isa`): scalar C++, AVX2, AVX2 with VNNI's byte products, and AMX's int8
+    tiles for products of nine x rows or more where the CPU has them."""
+    if _said:
+        return
+    isa = str(kernels.gguf_isa())
+    _said.append(isa)
+    tiles = ", AMX's int8 tiles from nine x rows" if isa.startswith("amx-int8") else ""
+    logger.info("gguf: blocks multiplied in place on the native CPU kernel (%s%s)", isa, tiles)
 
 
 def linear(x: torch.Tensor, parts: list[torch.Tensor], types: list[int]) -> torch.Tensor:

@@ -5,6 +5,7 @@ many, for fused parts of mixed types."""
 
 from __future__ import annotations
 
+import logging
 import sys
 from pathlib import Path
 
@@ -225,3 +226,13 @@ def test_x_codes_round_half_to_even_as_the_reference(dtype):
     reference = quantized_x(x.float()) if dtype == torch.bfloat16 else x.double()
     expected = reference @ torch.from_numpy(quants.dequantize(raw, T.Q8_0)).double().T
     assert torch.equal(got, expected.to(dtype).double()), (got[0, :2], expected[0, :2])
+
+
+def test_the_first_weight_on_the_kernel_says_which_instructions_multiply(caplog, monkeypatch):
+    monkeypatch.setattr(cpu_gguf, "_said", [])
+    raw = torch.from_numpy(random_blocks(T.Q4_0, 8, 256, seed=0))
+    with caplog.at_level(logging.INFO, logger="pagellm"):
+        cpu_gguf.interleave(raw, int(T.Q4_0))
+        cpu_gguf.interleave(raw, int(T.Q4_0))
+    said = [r.getMessage() for r in caplog.records if "native CPU kernel" in r.getMessage()]
+    assert len(said) == 1 and f"({cpu_kernels.load().gguf_isa()}" in said[0], said
