@@ -87,13 +87,21 @@ def _q8_0(blocks: torch.Tensor) -> torch.Tensor:
     return blocks[..., 2:].contiguous().view(torch.int8).float() * _scales(blocks, 0)
 
 
+_FIFTH_BIT_BYTES: dict[torch.device, torch.Tensor] = {}
+"""Per device: for each byte value v, eight bytes whose byte j is 16 where bit j of v is set (one int64)."""
+
+
 def _fifth_bits(blocks: torch.Tensor, start: int) -> torch.Tensor:
-    """Q5_0/Q5_1's 32 fifth bits (a little-endian uint32 at byte `start`) at bit 4: [..., 32] of 0 or 16."""
-    shifts = torch.arange(8, device=blocks.device, dtype=torch.uint8)
-    bits = (
-        blocks[..., start : start + 4].unsqueeze(-1) >> shifts
-    )  # bit j of the word: byte j // 8's bit j % 8
-    return ((bits & 1) << 4).flatten(-2)
+    """Q5_0/Q5_1's 32 fifth bits (a little-endian uint32 at byte `start`) at bit 4: [..., 32] of 0 or 16.
+    Each byte of the word looked up as its eight values at once (a shift per bit over [..., 4, 8] took a
+    third of Q5_0's widening)."""
+    table = _FIFTH_BIT_BYTES.get(blocks.device)
+    if table is None:
+        values = torch.arange(256, device=blocks.device)[:, None] >> torch.arange(8, device=blocks.device)
+        table = ((values & 1) << 4).to(torch.uint8).contiguous().view(torch.int64).view(256)
+        _FIFTH_BIT_BYTES[blocks.device] = table
+    codes = blocks[..., start : start + 4].long()
+    return table[codes].view(torch.uint8).view(*codes.shape[:-1], 32)
 
 
 def _q5_0(blocks: torch.Tensor) -> torch.Tensor:
