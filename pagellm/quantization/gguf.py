@@ -149,8 +149,7 @@ def _q5_k(blocks: torch.Tensor) -> torch.Tensor:
 def _q6_k(blocks: torch.Tensor) -> torch.Tensor:
     """ql: two halves of 64 bytes (low nibbles: weights 0-63 of a half, high: 64-127); qh: two halves of 32
     bytes, each byte's 2-bit pairs the fifth and sixth bits of four weights 32 apart; sixteen int8 scales."""
-    ql = blocks[..., 0:128].unflatten(-1, (2, 1, 64))
-    ql = torch.cat([ql & 0xF, ql >> 4], dim=-2).flatten(-3)
+    ql = _nibble_runs(blocks[..., 0:128], 64)
     shifts = torch.arange(0, 8, 2, device=blocks.device, dtype=torch.uint8)[:, None]
     qh = ((blocks[..., 128:192].unflatten(-1, (2, 1, 32)) >> shifts) & 3).flatten(-3)
     q = ((ql | (qh << 4)).view(torch.int8) - 32).float().unflatten(-1, (16, 16))
@@ -200,7 +199,7 @@ _IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 
 def _iq4_grid(qs: torch.Tensor) -> torch.Tensor:
     """[..., 16] code bytes -> [..., 32] grid values (low nibbles first), float32."""
     grid = torch.tensor(_IQ4_VALUES, dtype=torch.float32, device=qs.device)
-    return grid[torch.cat([qs & 0xF, qs >> 4], dim=-1).long()]
+    return grid[_nibble_runs(qs, 16).long()]
 
 
 def _iq4_nl(blocks: torch.Tensor) -> torch.Tensor:
@@ -229,7 +228,7 @@ def _mxfp4(blocks: torch.Tensor) -> torch.Tensor:
     bits = torch.where(e < 2, 0x00200000 << e, (e - 1) << 23)
     grid = torch.tensor(_MXFP4_VALUES, dtype=torch.float32, device=blocks.device)
     qs = blocks[..., 1:17]
-    return bits.view(torch.float32) * grid[torch.cat([qs & 0xF, qs >> 4], dim=-1).long()]
+    return bits.view(torch.float32) * grid[_nibble_runs(qs, 16).long()]
 
 
 def _float(dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
