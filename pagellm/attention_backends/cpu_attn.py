@@ -27,6 +27,7 @@ over a group of decodes is not)."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -106,7 +107,7 @@ class CpuAttnMetadata(PagedMetadata):
             s = impl.spec
             if kv_cache.dtype != s.dtype:
                 return
-            plan = self.plan(s, kv_cache.shape[3], True, kv_cache.shape[1])
+            plan = self.plan(s, kv_cache.shape[3], True, kv_cache.shape[1], impl.prefills_on_kernel)
             if plan.prefills or plan.kernel_reqs is None:
                 return
             sinks = getattr(layer, "sinks", None) if s.has_sinks else None
@@ -143,9 +144,16 @@ class CpuAttnMetadata(PagedMetadata):
             self.native.end_native_step()
             self.native = None
 
-    def plan(self, spec: AttentionSpec, block_size: int, kernel: bool, num_kv: int) -> _Plan:
+    def plan(
+        self,
+        spec: AttentionSpec,
+        block_size: int,
+        kernel: bool,
+        num_kv: int,
+        prefills_on_kernel: bool = False,
+    ) -> _Plan:
         """Gather indices and masks, built by the first layer that asks and reused by the others."""
-        key = (spec.sliding_window, block_size, spec.dtype, kernel, spec.batch_invariant)
+        key = (spec.sliding_window, block_size, spec.dtype, kernel, spec.batch_invariant, prefills_on_kernel)
         if key not in self.plans:
             self.plans[key] = _make_plan(
                 self.batch,
@@ -155,6 +163,7 @@ class CpuAttnMetadata(PagedMetadata):
                 kernel,
                 num_kv,
                 spec.batch_invariant,
+                prefills_on_kernel,
             )
         return self.plans[key]
 
@@ -185,6 +194,24 @@ class CpuAttnBackend(PagedBackend):
         self.kernel = None if spec.latent_kv else cpu_kernels.load()  # latent layers: the PyTorch path
         if self.kernel is not None:
             self.graph_op = torch.ops.pagellm.cpu_attention.default
+
+    @functools.cached_property
+    def prefills_on_kernel(self) -> bool:
+        """Whether prefill chunks go to the native kernel too: where it multiplies them as AMX tiles
+        (bfloat16 queries and cache, head size 64 or 128, blocks of 16 tokens, at most 16 query heads per
+        KV head), faster than torch's fused kernel over gathered K/V. Elsewhere the kernel's vector paths
+        take one dot product per key and query row, several times slower than torch's, so chunks stay there."""
+        s = self.spec
+        return (
+            self.kernel is not None
+            and self.use_amx
+            and "amx" in self.kernel.isa()
+            and s.dtype == s.cache_dtype == torch.bfloat16
+            and s.head_size == s.v_size
+            and s.head_size in (64, 128)
+            and s.block_size % 16 == 0
+            and s.num_heads // s.num_kv_heads <= 16
+        )
 
     @classmethod
     def unsupported_reasons(cls, spec: AttentionSpec, platform: type[Platform]) -> list[str]:
@@ -228,7 +255,8 @@ class CpuAttnBackend(PagedBackend):
             sinks = sinks.detach().float().contiguous()  # the layer's parameter already is
         num_kv, block_size = kv_cache.shape[1], kv_cache.shape[3]
         self._store(kv_cache, k, v, metadata)
-        plan = metadata.plan(self.spec, block_size, self.kernel is not None, num_kv)
+        kernel = self.kernel is not None
+        plan = metadata.plan(self.spec, block_size, kernel, num_kv, kernel and self.prefills_on_kernel)
         q = q.contiguous()
         out = torch.empty((*q.shape[:2], self.spec.v_size), dtype=q.dtype, device=q.device)
         if plan.kernel_reqs is not None:
@@ -422,10 +450,11 @@ def _make_plan(
     kernel: bool,
     num_kv: int,
     invariant: bool = False,
+    prefills_on_kernel: bool = False,
 ) -> _Plan:
     """Split the step into prefill chunks and decodes; build the block lists and masks the PyTorch path
-    needs, or the kernel's request list and partition size. Batch-invariant: every request to the kernel,
-    each context whole.
+    needs, or the kernel's request list and partition size. Batch-invariant, or prefills on the kernel:
+    every request to the kernel (batch-invariant: each context whole).
 
     Query token j of a request with L tokens of context and Q query tokens sits at position L - Q + j and
     sees positions <= that, and > that - window when a window is set. Blocks older than every query's
@@ -438,31 +467,36 @@ def _make_plan(
             return _Plan([], [])
         longest = max(seq_lens[i] for i in reqs)
         return _Plan([], [], torch.tensor(reqs, dtype=torch.int32), longest)
+    # the kernel reads a chunk's own keys from the cache: a step that stores nothing (a dummy step's slots
+    # of -1) attends over its new k/v on torch's path
+    prefills_on_kernel = prefills_on_kernel and not bool((batch.slot_mapping < 0).any())
     prefills, decodes = [], []
     for i, seq_len in enumerate(seq_lens):
         query_len = starts[i + 1] - starts[i]
-        if query_len == 1:
+        if query_len == 1 or (query_len > 1 and kernel and prefills_on_kernel):
             decodes.append(i)
         elif query_len > 1:
             prefills.append(_make_prefill(batch, i, starts[i], query_len, seq_len, window, block_size, dtype))
     if kernel:
         if not decodes:
             return _Plan(prefills, [])
-        return _Plan(
-            prefills, [], torch.tensor(decodes, dtype=torch.int32), _partition(decodes, seq_lens, num_kv)
-        )
+        partition = _partition(decodes, seq_lens, [starts[i + 1] - starts[i] for i in decodes], num_kv)
+        return _Plan(prefills, [], torch.tensor(decodes, dtype=torch.int32), partition)
     groups = []
     for members in _group_decodes(decodes, seq_lens, window, block_size):
         groups.append(_make_decode_group(batch, members, starts, seq_lens, window, block_size))
     return _Plan(prefills, groups)
 
 
-def _partition(decodes: list[int], seq_lens: list[int], num_kv: int) -> int:
+def _partition(reqs: list[int], seq_lens: list[int], query_lens: list[int], num_kv: int) -> int:
     """Context tokens per kernel work item: whole contexts when there are enough (request, KV head)
-    pairs to keep every thread busy, else split so there are (flash-decoding)."""
-    longest = max(seq_lens[i] for i in decodes)
+    pairs to keep every thread busy, or a prefill chunk (whose blocks of query tokens the kernel spreads
+    over the threads), else split so there are (flash-decoding)."""
+    longest = max(seq_lens[i] for i in reqs)
+    if max(query_lens) > 1:
+        return longest
     wanted = KERNEL_ITEMS_PER_THREAD * torch.get_num_threads()
-    pairs = len(decodes) * num_kv
+    pairs = len(reqs) * num_kv
     if pairs >= wanted:
         return longest
     splits = -(-wanted // pairs)

@@ -84,7 +84,7 @@ def test_bf16_decode_shapes(head_size, heads, block_size, decode_path):
     blocks of any multiple of 16 tokens; contexts ending mid-tile and mid-block. AVX2's tiles of 8 keys
     take a group's rows four at a time for the values (7: four, then three)."""
     spec = AttentionSpec(*heads, head_size, torch.bfloat16, block_size=block_size)
-    cases = [([1, 15, 16, 17, 31, 33, 100], [1] * 7), ([47, 20], [1, 20])]
+    cases = [([1, 15, 16, 17, 31, 33, 100], [1] * 7), ([47, 20], [1, 20]), ([150, 70, 9], [150, 40, 1])]
     assert check_backend(CpuAttnBackend, spec, "cpu", cases) < TOLERANCE[torch.bfloat16]
 
 
@@ -223,6 +223,17 @@ def test_split_contexts_count_the_sink_once(features, monkeypatch, decode_path):
     assert check_backend(CpuAttnBackend, spec, "cpu", [([1500, 40], [1, 1]), ([1500], [1])]) < 1e-5
 
 
+@pytest.mark.parametrize("features", [{}, FEATURES["sinks-window"]], ids=["plain", "sinks-window"])
+def test_prefill_blocks_merge_across_partitions(features, monkeypatch, decode_path):
+    """The kernel's blocks of a prefill chunk's query tokens over contexts split into partitions (the plan
+    keeps a step with chunks whole, but the kernel takes any partition): a partition past a block's last
+    token sees nothing, and the merge finds each row's block."""
+    monkeypatch.setattr(cpu_attn, "_partition", lambda *args: 48)
+    spec = AttentionSpec(12, 4, 64, torch.bfloat16, block_size=16, **features)
+    cases = [([150, 70, 9], [150, 40, 1]), ([200], [3]), ([100, 120], [1, 1])]
+    assert check_backend(CpuAttnBackend, spec, "cpu", cases) < TOLERANCE[torch.bfloat16]
+
+
 class _Layer:
     """What `pagellm::attention` and `begin_forward` read of an attention layer: the backend, `attend`,
     its sinks."""
@@ -244,8 +255,8 @@ class _Layer:
 @pytest.mark.parametrize("features", [{}, FEATURES["sinks-soft_cap-window"]], ids=["plain", "sinks-soft_cap"])
 def test_compiled_graphs_op_runs_decode_steps_natively(dtype, features, monkeypatch):
     """pagellm::cpu_attention (what compiled graphs call) gives the Python path's output and cache for
-    decode-only steps, which it runs in C++ (no Python call); other steps, and calls outside a forward,
-    go through pagellm::attention."""
+    decode-only steps, which it runs in C++ (no Python call), and for steps with prefill chunks where those
+    go to the kernel too (AMX); other steps, and calls outside a forward, go through pagellm::attention."""
     if shutil.which(os.environ.get("CXX", "c++")) is None:
         pytest.skip("no C++ compiler here")
     from pagellm.models.context import set_forward_context
@@ -274,7 +285,7 @@ def test_compiled_graphs_op_runs_decode_steps_natively(dtype, features, monkeypa
         python_calls.clear()
         with set_forward_context(CpuAttnBackend.build_metadata(batch), [cache], [layer]):
             out = torch.ops.pagellm.cpu_attention(q, k, v, 0)
-        assert python_calls == ([] if native else [1])
+        assert python_calls == ([] if native or impl.prefills_on_kernel else [1])
         torch.testing.assert_close(out, expected, rtol=0, atol=0)
         assert torch.equal(cache, expected_cache)
     # a pipeline stage's layers (None where another stage holds one) keep the Python op
@@ -302,6 +313,46 @@ def test_kernel_plan_lists_decodes_and_splits_long_contexts(monkeypatch):
     invariant = dataclasses.replace(_PLAN_SPEC, batch_invariant=True)
     plan = CpuAttnBackend.build_metadata(batch).plan(invariant, 16, True, 1)
     assert plan.kernel_reqs.tolist() == [0, 1, 2] and plan.prefills == [] and plan.partition == 3000  # whole
+    # prefill chunks on the kernel (AMX): every request there, contexts whole (the chunk's query blocks
+    # are the work items that keep the threads busy)
+    plan = CpuAttnBackend.build_metadata(batch).plan(_PLAN_SPEC, 16, True, 1, prefills_on_kernel=True)
+    assert plan.kernel_reqs.tolist() == [0, 1, 2] and plan.prefills == [] and plan.partition == 3000
+    plan = CpuAttnBackend.build_metadata(batch).plan(_PLAN_SPEC, 16, False, 1, prefills_on_kernel=True)
+    assert plan.kernel_reqs is None and len(plan.prefills) == 1  # no kernel: torch's fused kernel
+
+
+def test_a_prefill_that_stores_nothing_attends_over_its_own_keys(decode_path):
+    """A dummy step (slots -1, as the compile check's) stores no key: its prefill reads its new k/v, not
+    the cache the kernel would read."""
+    spec = AttentionSpec(9, 3, 64, torch.bfloat16, block_size=16)
+    impl = CpuAttnBackend(spec)
+    batch = make_paged_batch([40], [40], 16)
+    batch = dataclasses.replace(batch, slot_mapping=torch.full_like(batch.slot_mapping, -1))
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(40, n, 64, generator=gen).bfloat16() for n in (9, 3, 3))
+    cache = torch.full(CpuAttnBackend.kv_cache_shape(4, 16, 3, 64), float("nan"), dtype=torch.bfloat16)
+    out = impl.forward(q, k, v, cache, CpuAttnBackend.build_metadata(batch))
+    assert cache.isnan().all()  # nothing stored
+    expected = reference_attention(q, k, v, [40], [40])
+    assert (out.float() - expected).abs().max() < TOLERANCE[torch.bfloat16]
+
+
+def test_prefills_go_to_the_kernel_only_on_its_amx_path(monkeypatch):
+    kernel = cpu_kernels.load()
+    if kernel is None:
+        pytest.skip(cpu_kernels.why_unavailable())
+    amx = "amx" in kernel.isa()
+    bf16 = AttentionSpec(9, 3, 64, torch.bfloat16, block_size=16)
+    assert CpuAttnBackend(bf16).prefills_on_kernel == amx
+    for other in (
+        dataclasses.replace(bf16, dtype=torch.float32),
+        dataclasses.replace(bf16, kv_cache_dtype=torch.int8),
+        dataclasses.replace(bf16, head_size=32),
+        dataclasses.replace(bf16, num_heads=32, num_kv_heads=1),  # 32 query heads a KV head: not one tile
+    ):
+        assert not CpuAttnBackend(other).prefills_on_kernel
+    monkeypatch.setattr(CpuAttnBackend, "use_amx", False)
+    assert not CpuAttnBackend(bf16).prefills_on_kernel
 
 
 @pytest.mark.slow

@@ -1,12 +1,14 @@
 // Paged attention for CPUs that reads K/V in place through the block table.
 //
-// One work item is (request, KV head, context partition): it loads each cached key and value once for all
-// query tokens of the request and all query heads of the KV head's group (GQA), computes float32 scores,
-// a softmax over its partition and the weighted sum of values. Long contexts are split into partitions
-// (flash-decoding) so that both cores stay busy at small batch; a second pass merges the partitions with
-// their maxima and sums. Built at run time with -march=native (see __init__.py): the AVX-512 path, the AVX2
-// path or plain C++ is chosen by what the compiler may use on this CPU. On CPUs with AMX, bfloat16 decode
-// work multiplies tiles instead (scores and values as tile products; see "AMX" below).
+// One work item is (request, KV head, block of query tokens, context partition): it loads each cached key
+// and value once for the block's query tokens and all query heads of the KV head's group (GQA), computes
+// float32 scores, a softmax over its partition and the weighted sum of values. A decode is one block; a
+// prefill chunk's tokens are split into blocks of at most 16 query rows (one AMX tile), which the threads
+// claim one at a time. Long contexts are split into partitions (flash-decoding) so that both cores
+// stay busy at small batch; a second pass merges the partitions with their maxima and sums. Built at run
+// time with -march=native (see __init__.py): the AVX-512 path, the AVX2 path or plain C++ is chosen by
+// what the compiler may use on this CPU. On CPUs with AMX, bfloat16 work
+// multiplies tiles instead (scores and values as tile products; see "AMX" below).
 //
 // Cache layouts: k_cache, v_cache [num_kv_heads, num_blocks, block_size, head_size] of
 //   kind 0: float32, 1: bfloat16, 2: float16, 3: fp8 e4m3fn, 4: fp8 e5m2 (uint8 storage for both fp8),
@@ -22,6 +24,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -369,6 +372,17 @@ struct QueryReader {
   explicit QueryReader(const at::Tensor& q) : type(q.scalar_type()), data(q.data_ptr()) {
     TORCH_CHECK(type == at::kFloat || type == at::kBFloat16 || type == at::kHalf, "q must be float32, bfloat16 or float16");
   }
+  // elements [flat, flat + n) into dst: a loop the compiler vectorises for bfloat16 and float32
+  void row(int64_t flat, int64_t n, float* dst) const {
+    if (type == at::kBFloat16) {
+      const uint16_t* src = static_cast<const uint16_t*>(data) + flat;
+      for (int64_t e = 0; e < n; ++e) dst[e] = bits_to_float(uint32_t(src[e]) << 16);
+    } else if (type == at::kFloat) {
+      std::memcpy(dst, static_cast<const float*>(data) + flat, n * sizeof(float));
+    } else {
+      for (int64_t e = 0; e < n; ++e) dst[e] = (*this)(flat + e);
+    }
+  }
   float operator()(int64_t flat) const {
     if (type == at::kBFloat16) return bits_to_float(uint32_t(static_cast<const uint16_t*>(data)[flat]) << 16);
     if (type == at::kHalf) return half_to_float(static_cast<const uint16_t*>(data)[flat]);
@@ -397,6 +411,8 @@ struct Problem {
 struct ItemKeys {
   const int32_t* table = nullptr;  // null: no such item
   int64_t r = 0, h = 0;            // request, KV head
+  int64_t first = 0, count = 1;    // its query tokens: [first, first + count) of the request's
+  int64_t len = 0;                 // the last of them sits at position len - 1
   int64_t head_base = 0, lo = 0, hi = 0;
   int64_t offset(const Problem& P, int64_t t) const {
     return head_base + (int64_t(table[t / P.block_size]) * P.block_size + t % P.block_size) * P.row;
@@ -575,7 +591,7 @@ void accumulate_rows_pairs(const Problem& P, const float* scores, int64_t width,
 #endif
 
 #if PL_AMX_ATTN
-// ---- AMX: the decode path for bfloat16 caches and queries -------------------------------------------
+// ---- AMX: the path for bfloat16 caches and queries ------------------------------------------------------
 //
 // Scores as tile products: a tile of 16 cached keys (16 consecutive rows of one block, as they lie in
 // memory) times the group's queries laid out as AMX's B operand gives 16 tokens x up to 16 query rows at
@@ -595,6 +611,33 @@ struct alignas(64) AmxScratch {
 inline AmxScratch& amx_scratch() {
   static thread_local AmxScratch s;
   return s;
+}
+
+// r[i][j] -> r[j][i]: four rounds of shuffles within and across 128-bit lanes
+inline void transpose16(__m512 r[16]) {
+  __m512 t[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    const __m512d a = _mm512_castps_pd(t[4 * i]), b = _mm512_castps_pd(t[4 * i + 1]);
+    const __m512d c = _mm512_castps_pd(t[4 * i + 2]), e = _mm512_castps_pd(t[4 * i + 3]);
+    r[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
+    r[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
+    r[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, e));
+    r[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, e));
+  }
+  for (int i = 0; i < 4; ++i) {
+    t[i] = _mm512_shuffle_f32x4(r[i], r[4 + i], 0x88);
+    t[4 + i] = _mm512_shuffle_f32x4(r[i], r[4 + i], 0xdd);
+    t[8 + i] = _mm512_shuffle_f32x4(r[8 + i], r[12 + i], 0x88);
+    t[12 + i] = _mm512_shuffle_f32x4(r[8 + i], r[12 + i], 0xdd);
+  }
+  for (int i = 0; i < 8; ++i) {
+    r[i] = _mm512_shuffle_f32x4(t[i], t[8 + i], 0x88);
+    r[8 + i] = _mm512_shuffle_f32x4(t[i], t[8 + i], 0xdd);
+  }
 }
 
 // scores[row * width + i] = scale * q[row] . k[lo + i] for the item's `rows` query rows
@@ -642,10 +685,23 @@ inline void amx_scores(const Problem& P, const uint16_t* q, int64_t rows, int64_
     }
     _tile_stored(0, sc + tile * 256, 64);
   }
-  // [token][row] -> [row][token], scaled
+  // [token][row] -> [row][token], scaled: a prefill block's many rows as 16 x 16 transposes (shuffles),
+  // a decode's few rows by gathering each row's column (a transpose per tile cost more than those gathers)
+  const __m512 scale = _mm512_set1_ps(P.scale);
+  if (rows > 4) {
+    for (int64_t tile = 0; tile < tiles; ++tile) {
+      __m512 r[16];
+      for (int i = 0; i < 16; ++i) r[i] = _mm512_load_ps(sc + tile * 256 + i * 16);
+      transpose16(r);
+      const int64_t t = tile * 16, n = std::min<int64_t>(16, width - t);
+      const __mmask16 mask = static_cast<__mmask16>(n == 16 ? 0xffff : (1u << n) - 1);
+      for (int64_t row = 0; row < rows; ++row)
+        _mm512_mask_storeu_ps(scores + row * width + t, mask, _mm512_mul_ps(r[row], scale));
+    }
+    return;
+  }
   const __m512i column = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                                             _mm512_set1_epi32(16));
-  const __m512 scale = _mm512_set1_ps(P.scale);
   for (int64_t row = 0; row < rows; ++row) {
     float* dst = scores + row * width;
     int64_t i = 0;
@@ -674,29 +730,27 @@ inline void amx_softmax_weights(const float* scores, int64_t rows, int64_t width
     uint16_t* dst = pw + row * stride;
     __m512 mv = _mm512_set1_ps(NEG_INF);
     int64_t i = 0;
-    for (; i + 16 <= width; i += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(src + i));
-    float m = _mm512_reduce_max_ps(mv);
-    for (; i < width; ++i) m = std::max(m, src[i]);
+    // the last partial 16 as masked lanes (-inf for the maximum, 0 for the sum): short rows, as a prefill
+    // block's early tokens have, spent most of their time in scalar tails
+    const int64_t full = width & ~int64_t(15), padded = (width + 15) & ~int64_t(15);
+    const __mmask16 tail = static_cast<__mmask16>((1u << (width - full)) - 1);
+    for (; i < full; i += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(src + i));
+    if (tail) mv = _mm512_max_ps(mv, _mm512_mask_loadu_ps(mv, tail, src + full));
+    const float m = _mm512_reduce_max_ps(mv);
     float sum = 0.f;
     if (m == NEG_INF) {  // nothing visible: all weights 0
       std::fill(dst, dst + stride, uint16_t(0));
     } else {
       const __m512 mb = _mm512_set1_ps(m);
       __m512 sv = _mm512_setzero_ps();
-      for (i = 0; i + 16 <= width; i += 16) {
-        const __m512 e = vexp(_mm512_sub_ps(_mm512_loadu_ps(src + i), mb));
+      for (i = 0; i < padded; i += 16) {
+        const __mmask16 lanes = i < full ? __mmask16(0xffff) : tail;
+        const __m512 e = _mm512_maskz_mov_ps(lanes, vexp(_mm512_sub_ps(_mm512_maskz_loadu_ps(lanes, src + i), mb)));
         sv = _mm512_add_ps(sv, e);
         _mm256_store_si256(reinterpret_cast<__m256i*>(dst + i), (__m256i)_mm512_cvtneps_pbh(e));
       }
       sum = _mm512_reduce_add_ps(sv);
-      for (; i < width; ++i) {  // round to nearest even, as the instruction does (weights are finite)
-        const float e = std::exp(src[i] - m);
-        sum += e;
-        uint32_t bits;
-        std::memcpy(&bits, &e, 4);
-        dst[i] = uint16_t((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
-      }
-      std::fill(dst + width, dst + stride, uint16_t(0));
+      std::fill(dst + padded, dst + stride, uint16_t(0));
     }
     row_max[row] = m;
     row_sum[row] = sum;
@@ -760,19 +814,19 @@ inline void amx_values(const Problem& P, int64_t rows, int64_t width, const int6
 }
 #endif
 
-// One work item: request `r`, KV head `h`, context positions [lo, hi). Writes, for each of the request's
-// query tokens j and query heads g of the group, row (j * group + g): the running max, the sum of
+// One work item: request `r`, KV head `h`, context positions [lo, hi), for Q query tokens whose last sits at
+// position L - 1 (a request's whole query, or one block of a prefill chunk's: see run). Writes, for each
+// query token j and query head g of the group, row (j * group + g): the running max, the sum of
 // exponentials and the unnormalised weighted sum of values (head_size floats). Rows whose visible range
 // does not meet [lo, hi) get max = -inf, sum = 0, acc = 0. `qf` holds the rows' queries in float32 and, when
 // the query is bfloat16, `qb` the same bits as bfloat16 pairs for the dot-product instruction.
 template <int64_t K>
-void attend_partition(const Problem& P, const float* qf, const void* qb, int64_t r, int64_t h, int64_t lo, int64_t hi,
-                      float* row_max, float* row_sum, float* row_acc, std::vector<float>& scores,
-                      std::vector<float>& vrow, std::vector<int64_t>& offsets, std::vector<uint16_t>& weights,
-                      const ItemKeys& next) {
+void attend_partition(const Problem& P, const float* qf, const void* qb, int64_t r, int64_t L, int64_t Q, int64_t h,
+                      int64_t lo, int64_t hi, float* row_max, float* row_sum, float* row_acc,
+                      std::vector<float>& scores, std::vector<float>& vrow, std::vector<int64_t>& offsets,
+                      std::vector<uint16_t>& weights, const ItemKeys& next) {
   constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
   const int64_t d = P.head_size, G = P.group;
-  const int64_t Q = P.query_start[r + 1] - P.query_start[r], L = P.seq_lens[r];
   const int64_t rows = Q * G, width = hi - lo;
   scores.resize(rows * width);
   const int32_t* table = P.block_tables + r * P.max_blocks;
@@ -1027,6 +1081,16 @@ inline void store_out(at::Tensor& out, int64_t flat, const float* src, float inv
 }
 
 inline void write_row(at::Tensor& out, int64_t flat, const float* src, float inv, int64_t d) {
+#if PL_AVX512 && defined(__AVX512BF16__)
+  if (out.scalar_type() == at::kBFloat16 && d % 16 == 0) {  // rounded to nearest even, as store_out's
+    uint16_t* dst = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()) + flat;
+    const __m512 scale = _mm512_set1_ps(inv);
+    for (int64_t i = 0; i < d; i += 16)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i),
+                          (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(src + i), scale)));
+    return;
+  }
+#endif
   switch (out.scalar_type()) {
     case at::kFloat: store_out<float>(out, flat, src, inv, d); break;
     case at::kBFloat16: store_out<at::BFloat16>(out, flat, src, inv, d); break;
@@ -1035,39 +1099,55 @@ inline void write_row(at::Tensor& out, int64_t flat, const float* src, float inv
   }
 }
 
+// Query tokens per work item: as many as keep an item's rows (tokens x the group's query heads) within the
+// 16 columns of one AMX tile, at least one. A decode's single token is one block; a prefill chunk's tokens
+// are many, so its keys are multiplied as tiles and its blocks spread over the threads.
+inline int64_t block_tokens(int64_t group) { return std::max<int64_t>(1, 16 / group); }
+
 template <int64_t K>
 void run(at::Tensor& out, const at::Tensor& q, const Problem& P, int64_t num_reqs, int64_t partition) {
-  const int64_t d = P.head_size, G = P.group, KV = P.num_kv;
-  // work items: (request, KV head, partition)
-  std::vector<int64_t> item_start(num_reqs + 1, 0), parts(num_reqs);
+  const int64_t d = P.head_size, G = P.group, KV = P.num_kv, B = block_tokens(G);
+  // work items: (request, KV head, block of query tokens, partition)
+  std::vector<int64_t> item_start(num_reqs + 1, 0), parts(num_reqs), blocks(num_reqs);
   int64_t max_rows = 1;
+  bool prefill = false;
   for (int64_t i = 0; i < num_reqs; ++i) {
     const int64_t r = P.reqs[i], L = P.seq_lens[r], Q = P.query_start[r + 1] - P.query_start[r];
     parts[i] = std::max<int64_t>(1, (L + partition - 1) / partition);
-    item_start[i + 1] = item_start[i] + parts[i] * KV;
-    max_rows = std::max(max_rows, Q * G);
+    blocks[i] = std::max<int64_t>(1, (Q + B - 1) / B);
+    item_start[i + 1] = item_start[i] + parts[i] * blocks[i] * KV;
+    max_rows = std::max(max_rows, std::min(Q, B) * G);
+    prefill = prefill || Q > B;
   }
   const int64_t num_items = item_start[num_reqs];
   // per item: max_rows maxima, sums and accumulators; when no context is split (a busy decode step),
   // each item writes its own output rows and one buffer per thread is enough (no merge pass)
   const int64_t stride = max_rows * (2 + d);
-  const bool whole = item_start[num_reqs] == num_reqs * KV;
+  bool whole = true;
+  for (int64_t i = 0; i < num_reqs; ++i) whole = whole && parts[i] == 1;
   std::vector<float> partial(whole ? 0 : num_items * stride);
 
   const QueryReader q_at(q);
-  auto locate = [&](int64_t item) {  // work item -> its request's table, KV head and context range
+  auto locate = [&](int64_t item) {  // work item -> its request's table, KV head, query block and context range
     const int64_t i = std::upper_bound(item_start.begin(), item_start.end(), item) - item_start.begin() - 1;
-    const int64_t r = P.reqs[i], local = item - item_start[i];
+    const int64_t r = P.reqs[i], local = item - item_start[i], Q = P.query_start[r + 1] - P.query_start[r];
     ItemKeys keys;
     keys.table = P.block_tables + r * P.max_blocks;
     keys.r = r;
-    keys.h = local / parts[i];
+    keys.h = local / (parts[i] * blocks[i]);
+    keys.first = local / parts[i] % blocks[i] * B;
+    keys.count = std::min(B, Q - keys.first);
+    keys.len = P.seq_lens[r] - Q + keys.first + keys.count;
     keys.head_base = keys.h * P.num_blocks * P.block_size * P.row;
     keys.lo = local % parts[i] * partition;
-    keys.hi = std::min<int64_t>(P.seq_lens[r], keys.lo + partition);
+    keys.hi = std::min<int64_t>(keys.len, keys.lo + partition);
     return keys;
   };
-  at::parallel_for(0, num_items, 1, [&](int64_t begin, int64_t end) {
+  // decode steps: each thread takes its share of the items in order; a prefill chunk's blocks differ in cost
+  // (its later tokens see more keys), so the threads claim items one at a time instead
+  std::atomic<int64_t> claimed{0};
+  const int64_t shares = prefill ? std::min<int64_t>(at::get_num_threads(), num_items) : num_items;
+  at::parallel_for(0, shares, 1, [&](int64_t begin, int64_t end) {
 #if PL_AMX_ATTN
     if (P.amx) pagellm_amx::configure_full_tiles();
 #endif
@@ -1075,19 +1155,23 @@ void run(at::Tensor& out, const at::Tensor& q, const Problem& P, int64_t num_req
     std::vector<int64_t> offsets;
     std::vector<uint16_t> qb, weights;
     const bool bf16_query = q.scalar_type() == at::kBFloat16;
-    for (int64_t item = begin; item < end; ++item) {
-      const ItemKeys here = locate(item), next = item + 1 < end ? locate(item + 1) : ItemKeys{};
-      const int64_t r = here.r, h = here.h;
-      const int64_t q0 = P.query_start[r], Q = P.query_start[r + 1] - q0;
-      const int64_t lo = here.lo, hi = here.hi;
+    const int64_t last = prefill ? num_items : end;
+    auto next_item = [&](int64_t item) { return prefill ? claimed.fetch_add(1) : item + 1; };
+    for (int64_t item = prefill ? claimed.fetch_add(1) : begin; item < last;) {
+      const int64_t following = next_item(item);
+      const ItemKeys here = locate(item), next = following < last ? locate(following) : ItemKeys{};
+      const int64_t r = here.r, h = here.h, q0 = P.query_start[r] + here.first, Q = here.count;
+      float* base = whole ? own.data() : partial.data() + item * stride;
+      item = following;
+      if (here.lo >= here.hi) {  // a partition past the block's last token: it sees nothing there
+        std::fill(base, base + Q * G, -std::numeric_limits<float>::infinity());
+        std::fill(base + max_rows, base + max_rows + Q * G, 0.f);
+        continue;
+      }
       // this KV head's query rows, scaled, as float32: [Q, G, d]
       qf.resize(Q * G * d);
       for (int64_t j = 0; j < Q; ++j)
-        for (int64_t g = 0; g < G; ++g) {
-          const int64_t src = ((q0 + j) * P.num_heads + h * G + g) * d;
-          float* dst = qf.data() + (j * G + g) * d;
-          for (int64_t e = 0; e < d; ++e) dst[e] = q_at(src + e);
-        }
+        q_at.row(((q0 + j) * P.num_heads + h * G) * d, G * d, qf.data() + j * G * d);
       if (bf16_query) {  // 64-byte aligned for the vector loads
         qb.resize(Q * G * d + 32);
         uint16_t* aligned = reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(qb.data()) + 63) & ~uintptr_t(63));
@@ -1095,10 +1179,9 @@ void run(at::Tensor& out, const at::Tensor& q, const Problem& P, int64_t num_req
         for (int64_t j = 0; j < Q; ++j)
           std::memcpy(aligned + j * G * d, bits + ((q0 + j) * P.num_heads + h * G) * d, G * d * 2);
       }
-      float* base = whole ? own.data() : partial.data() + item * stride;
       const void* qbits = bf16_query ? reinterpret_cast<const void*>((reinterpret_cast<uintptr_t>(qb.data()) + 63) & ~uintptr_t(63)) : nullptr;
-      attend_partition<K>(P, qf.data(), qbits, r, h, lo, hi, base, base + max_rows, base + 2 * max_rows, scores, vrow, offsets,
-                         weights, next);
+      attend_partition<K>(P, qf.data(), qbits, r, here.len, Q, h, here.lo, here.hi, base, base + max_rows,
+                          base + 2 * max_rows, scores, vrow, offsets, weights, next);
       if (whole) {
         for (int64_t row = 0; row < Q * G; ++row) {
           const float sum = base[max_rows + row];
@@ -1121,19 +1204,21 @@ void run(at::Tensor& out, const at::Tensor& q, const Problem& P, int64_t num_req
       const int64_t i = w / KV, h = w % KV, r = P.reqs[i];
       const int64_t q0 = P.query_start[r], Q = P.query_start[r + 1] - q0;
       for (int64_t row = 0; row < Q * G; ++row) {
+        // the row's block of query tokens, its row within that block's items, and the block's first item
+        const int64_t block = row / G / B, local = row - block * B * G;
+        const float* item0 = partial.data() + (item_start[i] + (h * blocks[i] + block) * parts[i]) * stride;
         // a sink is one more logit of the row: it starts the maximum and adds e^(sink - m) to the sum
         const float* sink = P.sinks ? P.sinks + h * G + row % G : nullptr;
         float m = sink ? *sink : -std::numeric_limits<float>::infinity();
-        for (int64_t p = 0; p < parts[i]; ++p)
-          m = std::max(m, partial[(item_start[i] + h * parts[i] + p) * stride + row]);
+        for (int64_t p = 0; p < parts[i]; ++p) m = std::max(m, item0[p * stride + local]);
         float sum = sink && m != -std::numeric_limits<float>::infinity() ? std::exp(*sink - m) : 0.f;
         std::fill(acc.begin(), acc.end(), 0.f);
         for (int64_t p = 0; p < parts[i]; ++p) {
-          const float* base = partial.data() + (item_start[i] + h * parts[i] + p) * stride;
-          if (base[max_rows + row] == 0.f) continue;
-          const float c = std::exp(base[row] - m);
-          sum += c * base[max_rows + row];
-          const float* a = base + 2 * max_rows + row * d;
+          const float* base = item0 + p * stride;
+          if (base[max_rows + local] == 0.f) continue;
+          const float c = std::exp(base[local] - m);
+          sum += c * base[max_rows + local];
+          const float* a = base + 2 * max_rows + local * d;
           for (int64_t e = 0; e < d; ++e) acc[e] += c * a[e];
         }
         const float inv = sum > 0.f ? 1.f / sum : 0.f;
