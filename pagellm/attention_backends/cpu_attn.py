@@ -601,9 +601,9 @@ def pagellm_attention_backends() -> list[type[AttentionBackend]]:
 
 # The compiled CPU graph's attention op where the kernels load: native for decode-only steps (see
 # `CpuAttnMetadata.begin_forward`), else it calls pagellm::attention; implemented in cpu_kernels/ops.cpp.
-torch.library.define("pagellm::cpu_attention", "(Tensor q, Tensor k, Tensor v, int layer_idx) -> Tensor")
+torch.library.define("pagellm::cpu_attention", "(Tensor q, Tensor k, Tensor v, Tensor layer_index) -> Tensor")
 
 
 @torch.library.register_fake("pagellm::cpu_attention")
-def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx: int) -> torch.Tensor:
+def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_index: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(q)

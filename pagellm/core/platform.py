@@ -241,12 +241,17 @@ class Platform:
         return None
 
     @classmethod
-    def compile_ahead(cls, model: torch.nn.Module, args: tuple[torch.Tensor, ...]) -> Any | None:
+    def compile_ahead(
+        cls, model: torch.nn.Module, args: tuple[torch.Tensor, ...], regional: bool = False
+    ) -> Any | None:
         """The model's forward compiled for `args` before it runs, as an object with
         `save_compiled_function(path)` that `torch.compiler.load_compiled_function` reads back in another
         process (torch's AOT precompile: one whole graph, no guards kept), called as `fn(model, *args)`; or
         None where this device has no such compile (the runner then uses `compile_model`). The caller sets
-        the forward context the trace reads. Raising says the model cannot be compiled this way."""
+        the forward context the trace reads. Raising says the model cannot be compiled this way.
+        `regional`: the caller has marked the decoder layers as nested compile regions
+        (worker/regional.py), to be compiled once each and called from the graph: the options that
+        cannot call a region (a C++ wrapper) are off."""
         return None
 
     @classmethod

@@ -363,6 +363,7 @@ class LLMEngine:
             self.scheduler.stats(),
             num_grammar_matchers_live=self.processor.grammar_matchers_live,
             forward_compiled=self.runner.forward is not self.runner.model,
+            forward_regional=self.runner.forward is not self.runner.model and self.runner.compiler.regional,
             kernels_pending=self.runner.kernels_pending,
         )
 

@@ -71,6 +71,9 @@ class SchedulerStats:
     num_loras_active: int = 0  # distinct adapters of those: the device slots the running batch needs
     num_grammar_matchers_live: int = 0  # structured-output matchers not yet freed (LLMEngine.stats adds it)
     forward_compiled: bool = False  # the steps run the compiled forward, not the eager one (LLMEngine.stats)
+    forward_regional: bool = (
+        False  # that forward is the regional one (layers compiled once), the whole to come
+    )
     kernels_pending: bool = (
         False  # the platform's kernels are still building: PyTorch paths (LLMEngine.stats)
     )

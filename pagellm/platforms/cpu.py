@@ -306,15 +306,20 @@ class CpuPlatform(Platform):
         return torch.compile(model, dynamic=True, options=COMPILE_OPTIONS)
 
     @classmethod
-    def compile_ahead(cls, model: torch.nn.Module, args: tuple[torch.Tensor, ...]) -> Any | None:
+    def compile_ahead(
+        cls, model: torch.nn.Module, args: tuple[torch.Tensor, ...], regional: bool = False
+    ) -> Any | None:
         """The same inductor graph as `compile_model`, compiled ahead of time as one whole graph. Every guard
         is dropped (`guard_filter_fn`): what a guard would check is in the artifact's key instead
         (worker/compiled_forward.py), and a model whose traced code reads per-step state is not compiled
         this way. Floats stay constants (`specialize_float`): the precompile path cannot restart the trace
-        that turning them into inputs needs."""
+        that turning them into inputs needs. `regional`: with a Python wrapper, the only one that calls
+        the layers' compile regions."""
         if shutil.which(os.environ.get("CXX", "c++")) is None:
             return None
         options = {**COMPILE_OPTIONS, "guard_filter_fn": lambda entries: [False] * len(entries)}
+        if regional:
+            options["cpp_wrapper"] = False
         compiled = torch.compile(model.forward, dynamic=True, fullgraph=True, options=options)
         with torch._dynamo.config.patch(specialize_float=True):
             return compiled.aot_compile((args, {}))
@@ -342,6 +347,10 @@ COMPILE_OPTIONS = {
     # the graph's wrapper (allocations, views, ~150 op calls a decode step) in C++ rather than Python:
     # model S's batch-64 decode step 79-81 -> 74-76 ms; the one-time compile takes longer
     "cpp_wrapper": True,
+    # ... built apart from the kernels, at -O1 where they take -O3: model S's compile on one core of the
+    # AMX Xeon 97 -> 65 s (the wrapper was 55 s of the C++ compiler's 70), its steps as fast (one user
+    # 15.4-15.6 ms against 15.3-16.2, batch 16 21.4-21.7 against 21.6-21.8, alternated three times)
+    "cpp_wrapper_build_separate": True,
 }
 """Inductor and Dynamo options for the CPU model graph."""
 

@@ -69,6 +69,11 @@ class PrometheusStatLogger:
             "1 when steps run the compiled forward, 0 while they run the eager one (before a background "
             "compile is swapped in, or with --enforce-eager).",
         )
+        self.forward_regional = gauge(
+            "forward_regional",
+            "1 while the compiled forward is the regional one (each decoder layer compiled once, a few "
+            "percent slower), before the whole graph compiled after it is swapped in.",
+        )
         self.kernels_pending = gauge(
             "kernels_pending",
             "1 while the platform's native kernels build in the background and steps run the PyTorch paths, "
@@ -133,6 +138,7 @@ class PrometheusStatLogger:
         self.loras_active.set(s.num_loras_active)
         self.grammar_matchers_live.set(s.num_grammar_matchers_live)
         self.forward_compiled.set(int(s.forward_compiled))
+        self.forward_regional.set(int(s.forward_regional))
         self.kernels_pending.set(int(s.kernels_pending))
         for counter, name in self._cumulative:  # cumulative counts; Prometheus counters take increments
             counter.inc(max(0, getattr(s, name) - getattr(last, name)))

@@ -4,13 +4,16 @@ Where the platform compiles ahead of time (`Platform.compile_ahead`) and the mod
 per step beside its inputs, the forward is loaded from the cache folder when a start before saved it
 (worker/compiled_forward.py), else compiled and saved there; with --compile-in-background the runner serves on
 the eager model at once while a thread loads the saved forward, or a compile process makes it and then a
-thread loads it, and `swapped` checks it and hands it over between two steps. Any
+thread loads it, and `swapped` checks it and hands it over between two steps. A compile process saves the
+regional forward first (each decoder layer compiled once: worker/regional.py), which is swapped in as soon as
+it is there, and then the whole graph, which replaces it. Any
 other model, or a failure of the ahead-of-time compile, takes `Platform.compile_model`, warmed up on a dummy
 step (`_warm_up`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -22,6 +25,7 @@ import torch
 from pagellm.core.attention import AttentionBatch
 from pagellm.models.context import set_forward_context
 from pagellm.worker import compiled_forward
+from pagellm.worker.regional import layers_compiled_once
 from pagellm.worker.step import EngineSetup
 
 logger = logging.getLogger("pagellm")
@@ -63,12 +67,16 @@ class RunnerCompile:
         self.blocks_of_one_request = blocks_of_one_request
         self.process: compiled_forward.CompileProcess | None = None  # the background compile, until it ends
         self.loading: compiled_forward.BackgroundLoad | None = None  # the saved forward, until swapped in
+        self.queued: Path | None = None  # the whole graph, saved while the regional forward was loading
+        self.regional = (
+            False  # the steps run the regional forward (worker/regional.py), the whole graph to come
+        )
         self._put_off_until = 0.0  # a put-off load starts at the first step after this (time.monotonic())
         self.cores = cores or CoreYield()
 
     @property
     def pending(self) -> bool:
-        return self.process is not None or self.loading is not None
+        return self.process is not None or self.loading is not None or self.queued is not None
 
     @property
     def waits_for_idle(self) -> bool:
@@ -108,17 +116,23 @@ class RunnerCompile:
         """With --compile-in-background, the eager model while a thread loads the forward a start before saved,
         or a compile process makes it. Else the saved forward, or one compiled here and saved. None where this
         platform cannot, or the compile fails (said why)."""
-        path = compiled_forward.artifact_path(self.key())
-        if path.exists() and self.setup.config.compile_in_background:
-            self.loading = compiled_forward.BackgroundLoad(path, self.model, start=False)
-            self._put_off_until = time.monotonic() + LOAD_PUT_OFF_AT_MOST_S
-            logger.info(
-                "found the compiled forward %s; serving on the eager forward, loading it once the engine idles",
-                path,
-            )
-            return self.model
+        key = self.key()
+        path, regional = (
+            compiled_forward.artifact_path(key),
+            compiled_forward.artifact_path(key, regional=True),
+        )
         if self.setup.config.compile_in_background:
-            self._compile_in_background(path)
+            found = path if path.exists() else regional if regional.exists() else None
+            if found is not None:
+                self.loading = compiled_forward.BackgroundLoad(found, self.model, start=False)
+                self._put_off_until = time.monotonic() + LOAD_PUT_OFF_AT_MOST_S
+                logger.info(
+                    "found the compiled forward %s; serving on the eager forward, loading it once the engine "
+                    "idles",
+                    found,
+                )
+            if found is not path:  # none, or only the regional one: the whole graph compiles meanwhile
+                self._compile_in_background(path, None if found else regional)
             return self.model
         if path.exists():
             started = time.monotonic()
@@ -150,8 +164,9 @@ class RunnerCompile:
         )
         return forward
 
-    def _compile_in_background(self, path: Path) -> None:
-        """Start the compile process that saves the forward to `path` (the runner serves eagerly meanwhile)."""
+    def _compile_in_background(self, path: Path, regional: Path | None = None) -> None:
+        """Start the compile process that saves the forward to `path`, and first the regional one to `regional`
+        where given (the runner serves eagerly meanwhile)."""
         config = self.setup.config.replace(
             attention_backend=self.setup.backend.name,
             block_size=self.block_size,
@@ -161,9 +176,10 @@ class RunnerCompile:
         )
         auto = self.setup.config.attention_backend in (None, "auto")
         timings = self.setup.config.replace(compile_in_background=False, enforce_eager=True) if auto else None
-        self.process = compiled_forward.CompileProcess(
-            compiled_forward.CompileRequest(config, str(path), path.stem, timings)
+        request = compiled_forward.CompileRequest(
+            config, str(path), path.stem, timings, str(regional) if regional is not None else None
         )
+        self.process = compiled_forward.CompileProcess(request)
         self.yield_a_core()
 
     def yield_a_core(self) -> None:
@@ -173,30 +189,59 @@ class RunnerCompile:
         self.cores.take_back()
 
     @torch.inference_mode()
-    def compile_ahead(self) -> Any | None:
-        """`Platform.compile_ahead` on the dummy step `_warm_up` runs (the token count unbacked)."""
+    def compile_ahead(self, regional: bool = False) -> Any | None:
+        """`Platform.compile_ahead` on the dummy step `_warm_up` runs (the token count unbacked); `regional`:
+        each decoder layer compiled once (worker/regional.py)."""
         from torch._dynamo.decorators import mark_unbacked
 
         input_ids, positions, context = self._dummy_step()
         mark_unbacked(input_ids, 0)
         mark_unbacked(positions, 0)
-        with context:
-            return self.setup.platform.compile_ahead(self.model, (input_ids, positions))
+        marked = layers_compiled_once(self.model) if regional else contextlib.nullcontext()
+        with context, marked:
+            return self.setup.platform.compile_ahead(self.model, (input_ids, positions), regional=regional)
 
     def swapped(self, current: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
         """Between two steps: the compiled forward once it is loaded and checked, else `current`. A compile
-        process that saved it hands over to a load on a thread."""
+        process's files are handed to a load on a thread as it saves them: the regional forward first, the
+        whole graph when the process ends."""
         if self.process is not None:
-            done = self.process.poll()
-            if done is None:
-                return current
-            process, self.process = self.process, None
-            self.take_the_core_back()
-            if done:
-                logger.info("compile process done in %.1fs", time.monotonic() - process.started)
-                self.loading = compiled_forward.BackgroundLoad(Path(process.request.path), self.model)
-                self.loading.compiled_now = True
-            return current
+            self._follow_process()
+        if self.loading is not None:
+            current = self._take_load(current)
+        if self.loading is None and self.queued is not None:
+            self.loading = self._load_now(self.queued)
+            self.queued = None
+        return current
+
+    def _follow_process(self) -> None:
+        process = self.process
+        done = process.poll()
+        if done is None:
+            regional = process.regional_saved()
+            if regional is not None and self.loading is None:
+                logger.info(
+                    "the compile process saved the regional forward (layers compiled once); loading it"
+                )
+                self.loading = self._load_now(regional)
+            return
+        self.process = None
+        self.take_the_core_back()
+        if not done:
+            return
+        logger.info("compile process done in %.1fs", time.monotonic() - process.started)
+        whole = Path(process.request.path)
+        if self.loading is None or self.loading.started is None:
+            self.loading = self._load_now(whole)
+        else:  # the regional forward is loading: the whole graph after it
+            self.queued = whole
+
+    def _load_now(self, path: Path) -> compiled_forward.BackgroundLoad:
+        loading = compiled_forward.BackgroundLoad(path, self.model)
+        loading.compiled_now = True
+        return loading
+
+    def _take_load(self, current: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
         if self.loading.started is None and time.monotonic() >= self._put_off_until:
             logger.info("loading the compiled forward from %s (put off while busy)", self.loading.path)
             self.loading.start()
@@ -213,13 +258,18 @@ class RunnerCompile:
                 error,
             )
             loading.path.unlink(missing_ok=True)
-            if not loading.compiled_now:  # a file from before (truncated, another torch's): made again
-                self._compile_in_background(loading.path)
+            if not loading.compiled_now and self.process is None:  # a file from before: made again
+                self._compile_in_background(compiled_forward.artifact_path(self.key()))
             return current
         if not self._agrees(loading.forward):
             loading.path.unlink(missing_ok=True)
             return current
-        logger.info("compiled forward swapped in (loaded in %.1fs)", time.monotonic() - loading.started)
+        self.regional = loading.path.name.endswith(".regional.bin")
+        logger.info(
+            "compiled forward swapped in (loaded in %.1fs)%s",
+            time.monotonic() - loading.started,
+            "; its layers compiled once, the whole graph to come" if self.regional else "",
+        )
         return loading.forward
 
     def stop(self) -> None:
@@ -227,7 +277,7 @@ class RunnerCompile:
             self.process.stop()
             self.process = None
             self.take_the_core_back()
-        self.loading = None
+        self.loading = self.queued = None
 
     def _checked(self, path: Path) -> Callable[..., torch.Tensor] | None:
         """A saved forward loaded and checked against the eager one; None (the file removed) if it fails."""

@@ -29,7 +29,7 @@ def _run(layer: Attention, seq_lens, query_lens, compiled_op: bool = False):
     num_blocks = int(batch.block_tables.max()) + 1
     kv_cache = torch.zeros(layer.impl.kv_cache_shape(num_blocks, s.block_size, s.num_kv_heads, s.head_size))
     with set_forward_context(layer.impl.build_metadata(batch), [kv_cache], [layer]):
-        out = torch.ops.pagellm.attention(q, k, v, 0) if compiled_op else layer(q, k, v)
+        out = torch.ops.pagellm.attention(q, k, v, torch.tensor(0)) if compiled_op else layer(q, k, v)
     shape = (-1, s.num_heads, s.head_size), (-1, s.num_kv_heads, s.head_size)
     return q.view(shape[0]), k.view(shape[1]), v.view(shape[1]), out.view(shape[0])
 

@@ -284,7 +284,7 @@ def test_compiled_graphs_op_runs_decode_steps_natively(dtype, features, monkeypa
         expected = layer.attend(q, k, v, _Ctx([expected_cache], CpuAttnBackend.build_metadata(batch)))
         python_calls.clear()
         with set_forward_context(CpuAttnBackend.build_metadata(batch), [cache], [layer]):
-            out = torch.ops.pagellm.cpu_attention(q, k, v, 0)
+            out = torch.ops.pagellm.cpu_attention(q, k, v, torch.tensor(0))
         assert python_calls == ([] if native or impl.prefills_on_kernel else [1])
         torch.testing.assert_close(out, expected, rtol=0, atol=0)
         assert torch.equal(cache, expected_cache)
@@ -294,7 +294,7 @@ def test_compiled_graphs_op_runs_decode_steps_natively(dtype, features, monkeypa
     assert metadata.native is None
     # after the forward, the op holds nothing of it: a call outside one reaches the Python op, which says so
     with pytest.raises(RuntimeError, match="outside set_forward_context"):
-        torch.ops.pagellm.cpu_attention(q, k, v, 0)
+        torch.ops.pagellm.cpu_attention(q, k, v, torch.tensor(0))
 
 
 class _Ctx:

@@ -98,8 +98,8 @@ def test_a_broken_saved_forward_is_replaced(tiny_llama, compiled_forwards_of_thi
 def test_background_compile_swaps_in_between_steps_with_the_same_tokens(
     tiny_llama, compiled_forwards_of_this_test, monkeypatch
 ):
-    """Ready on the eager forward at once; requests stream across the swap and every one's tokens equal the
-    eager engine's."""
+    """Ready on the eager forward at once; requests stream across both swaps (the regional forward, then the
+    whole graph) and every one's tokens equal the eager engine's."""
     prompts = mixed_prompts(300)[:2]
     expected = greedy(engine(tiny_llama), prompts)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)  # a two-core machine's engine
@@ -112,13 +112,17 @@ def test_background_compile_swaps_in_between_steps_with_the_same_tokens(
     assert threads == [1], "the steps leave the compile process a core"
     paths, deadline = [], time.monotonic() + 600
     while time.monotonic() < deadline:
-        paths.append(llm.engine.stats().forward_compiled)
+        stats = llm.engine.stats()
+        paths.append("regional" if stats.forward_regional else "whole" if stats.forward_compiled else "eager")
         assert greedy(llm, prompts) == expected
-        if paths[-1]:
+        if paths[-1] == "whole":
             break
         time.sleep(0.5)
-    assert paths[0] is False and paths[-1] is True, "the compiled forward was never swapped in"
+    stages = list(dict.fromkeys(paths))
+    assert stages == ["eager", "regional", "whole"], f"the forwards swapped in: {stages}"
     assert not runner.compiler.pending
+    saved = sorted(path.name for path in compiled_forwards_of_this_test.glob("*.bin"))
+    assert [name.endswith(".regional.bin") for name in saved] == [False, True], saved
     assert threads == [1, 2], "the core is taken back once the compile ended"
     assert greedy(llm, prompts) == expected
 

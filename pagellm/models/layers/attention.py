@@ -34,6 +34,12 @@ class Attention(nn.Module):
             spec, kv_cache_dtype=init.kv_cache_dtype, batch_invariant=init.batch_invariant
         )
         self.layer_idx = layer_idx
+        # the graph's attention op finds its layer by this tensor, not a constant, so that every layer's
+        # trace is the same and one compiled layer serves them all (worker/regional.py); on the CPU
+        # whatever the device: the op reads it on the host
+        self.register_buffer(
+            "layer_index", torch.tensor(layer_idx, dtype=torch.int64, device="cpu"), persistent=False
+        )
         self.impl = init.attention_backend(self.spec)
         self.tp_rank = init.parallel.tp.rank
         self.sinks = (
@@ -52,7 +58,7 @@ class Attention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():
             op = self.impl.graph_op or torch.ops.pagellm.attention
-            return op(q, k, v, self.layer_idx)
+            return op(q, k, v, self.layer_index)
         return self.attend(q, k, v, get_forward_context())
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
@@ -72,13 +78,16 @@ class Attention(nn.Module):
 
 
 @torch.library.custom_op("pagellm::attention", mutates_args=())
-def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx: int) -> torch.Tensor:
-    """Attention layer `layer_idx` of the running model; it writes the KV cache, which is not an argument."""
+def _attention_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_index: torch.Tensor
+) -> torch.Tensor:
+    """Attention layer `layer_index` (a one-element tensor) of the running model; it writes the KV cache,
+    which is not an argument."""
     ctx = get_forward_context()
-    return ctx.attention_layers[layer_idx].attend(q, k, v, ctx)
+    return ctx.attention_layers[int(layer_index)].attend(q, k, v, ctx)
 
 
 @_attention_op.register_fake
-def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx: int) -> torch.Tensor:
+def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_index: torch.Tensor) -> torch.Tensor:
     # [T, H * Dv]: the query's width with each head's D turned into Dv (k and v have the same KV heads)
     return q.new_empty(q.shape[0], q.shape[1] // k.shape[1] * v.shape[1])

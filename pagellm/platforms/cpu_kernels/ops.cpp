@@ -76,7 +76,13 @@ void begin_native_step(at::Tensor block_tables, at::Tensor seq_lens, at::Tensor 
 
 void end_native_step() { native_step() = NativeStep(); }
 
-at::Tensor cpu_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t layer_idx) {
+// layer_index: a one-element int64 tensor on the host (the attention layer's buffer, an input of the graph so
+// that one compiled decoder layer serves every layer).
+at::Tensor cpu_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                         const at::Tensor& layer_index) {
+  TORCH_CHECK(layer_index.numel() == 1 && layer_index.scalar_type() == at::kLong && layer_index.is_cpu(),
+              "cpu_attention: layer_index must be one int64 on the CPU");
+  const int64_t layer_idx = *layer_index.data_ptr<int64_t>();
   const NativeStep& step = native_step();
   if (step.active && layer_idx >= 0 && layer_idx < int64_t(step.layers.size())) {
     const NativeLayer& layer = step.layers[layer_idx];
@@ -96,8 +102,8 @@ at::Tensor cpu_attention(const at::Tensor& q, const at::Tensor& k, const at::Ten
   }
   static const auto python_op = c10::Dispatcher::singleton()
                                     .findSchemaOrThrow("pagellm::attention", "")
-                                    .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t)>();
-  return python_op.call(q, k, v, layer_idx);
+                                    .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&)>();
+  return python_op.call(q, k, v, layer_index);
 }
 
 // The compiled graph reaches these through the dispatcher; their schemas, with the fake implementations
