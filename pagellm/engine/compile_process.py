@@ -3,9 +3,9 @@
 It builds the engine's model as the engine did (its config with the start-up's choices pinned: the attention
 backend and block size, no timings, a KV cache of one request), checks that the model's key is the one the
 engine asked for, compiles the forward ahead of time and saves it where the engine looks
-(worker/compiled_forward.py): first with each decoder layer compiled once (worker/regional.py; model S 17 s
-on one core of the AMX Xeon), which the engine takes up at once, then as one whole graph (97 s there), whose
-steps are a few percent faster. It runs niced on one thread, so the serving process keeps the cores, and exits
+(worker/compiled_forward.py): with each decoder layer compiled once where the request says so
+(worker/regional.py; model S 17 s on one core of the AMX Xeon, which the engine asks for first), else as one
+whole graph (65 s there; its steps a few percent faster). It runs niced on one thread, so the serving process keeps the cores, and exits
 when its parent does. Then, where the engine chose its attention backend itself, it times the backends for
 the next start (`time_attention_for_next_start`).
 """
@@ -44,34 +44,17 @@ def main(request_file: str) -> int:
     if key != request.key:
         logger.error("the model built here has key %s, the engine's %s: not compiled", key, request.key)
         return 2
-    if request.regional_path is not None:
-        compile_regional(runner, Path(request.regional_path))
     started = time.monotonic()
-    compiled = runner.compiler.compile_ahead()
+    compiled = runner.compiler.compile_ahead(regional=request.regional)
     if compiled is None:
         logger.error("the platform %s compiles nothing ahead of time", setup.platform.name)
         return 2
     compiled_forward.save(compiled, Path(request.path))
-    logger.info("compiled in %.1fs, saved to %s", time.monotonic() - started, request.path)
+    what = "layers compiled once" if request.regional else "compiled"
+    logger.info("%s in %.1fs, saved to %s", what, time.monotonic() - started, request.path)
     if request.timings_config is not None:
         time_attention_for_next_start(request.timings_config, threads)
     return 0
-
-
-def compile_regional(runner, path: Path) -> None:
-    """The forward with each decoder layer compiled once (worker/regional.py), saved to `path` for the engine
-    to take up while the whole graph compiles. A failure is logged and leaves the whole graph to come."""
-    from pagellm.worker import compiled_forward
-
-    started = time.monotonic()
-    try:
-        compiled = runner.compiler.compile_ahead(regional=True)
-    except Exception as e:  # a region the compiler cannot call: the whole graph all the same
-        logger.warning("the regional compile failed (%s: %s)", type(e).__name__, e)
-        return
-    if compiled is not None:
-        compiled_forward.save(compiled, path)
-        logger.info("layers compiled once in %.1fs, saved to %s", time.monotonic() - started, path)
 
 
 def time_attention_for_next_start(config, threads: int) -> None:

@@ -170,9 +170,8 @@ class CompileRequest:
     path: str
     key: str
     timings_config: Any = None
-    regional_path: str | None = None
-    """Where to save the regional forward before the whole graph (`artifact_path(key, regional=True)`), the
-    engine loading it while the whole graph compiles; None: the whole graph only."""
+    regional: bool = False
+    """Compile the regional forward (worker/regional.py) rather than the whole graph."""
     """The engine's own config where it chose its attention backend itself: once the forward is saved, the
     process times the backends under it for the next start (`compile_process.time_attention_for_next_start`)."""
 
@@ -200,17 +199,8 @@ class CompileProcess:
             self.process.pid,
         )
 
-    def regional_saved(self) -> Path | None:
-        """The regional forward's file once the process has saved it, the first time it is asked; else None."""
-        path = self.request.regional_path
-        if path is None or not os.path.exists(path):
-            return None
-        self.request.regional_path = None
-        return Path(path)
-
     def poll(self) -> bool | None:
-        """None while it runs; then whether it saved the whole graph (a failure is logged with its output's
-        end)."""
+        """None while it runs; then whether it saved the artifact (a failure is logged with its output's end)."""
         code = self.process.poll()
         if code is None:
             return None

@@ -99,7 +99,7 @@ def test_background_compile_swaps_in_between_steps_with_the_same_tokens(
     tiny_llama, compiled_forwards_of_this_test, monkeypatch
 ):
     """Ready on the eager forward at once; requests stream across both swaps (the regional forward, then the
-    whole graph) and every one's tokens equal the eager engine's."""
+    whole graph, compiled only once the engine idles) and every one's tokens equal the eager engine's."""
     prompts = mixed_prompts(300)[:2]
     expected = greedy(engine(tiny_llama), prompts)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)  # a two-core machine's engine
@@ -110,20 +110,32 @@ def test_background_compile_swaps_in_between_steps_with_the_same_tokens(
     assert runner.forward is runner.model and runner.compiler.pending
     assert not llm.engine.stats().forward_compiled
     assert threads == [1], "the steps leave the compile process a core"
-    paths, deadline = [], time.monotonic() + 600
-    while time.monotonic() < deadline:
+    monkeypatch.setattr(runner_compile, "WHOLE_PUT_OFF_AT_MOST_S", 3600.0)
+
+    def stage() -> str:
         stats = llm.engine.stats()
-        paths.append("regional" if stats.forward_regional else "whole" if stats.forward_compiled else "eager")
-        assert greedy(llm, prompts) == expected
-        if paths[-1] == "whole":
-            break
-        time.sleep(0.5)
+        return "regional" if stats.forward_regional else "whole" if stats.forward_compiled else "eager"
+
+    paths = []
+    for wanted in ("regional", "whole"):
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            paths.append(stage())
+            assert greedy(llm, prompts) == expected
+            if paths[-1] == wanted:
+                break
+            time.sleep(0.5)
+        if wanted == "regional":
+            assert runner.compiler.process is None and llm.engine.waits_for_idle(), "the whole graph waits"
+            assert threads == [1, 2], "the core is taken back once the regional compile ended"
+            llm.engine.on_idle()
+            assert runner.compiler.process is not None and not runner.compiler.process.request.regional
     stages = list(dict.fromkeys(paths))
     assert stages == ["eager", "regional", "whole"], f"the forwards swapped in: {stages}"
     assert not runner.compiler.pending
     saved = sorted(path.name for path in compiled_forwards_of_this_test.glob("*.bin"))
     assert [name.endswith(".regional.bin") for name in saved] == [False, True], saved
-    assert threads == [1, 2], "the core is taken back once the compile ended"
+    assert threads == [1, 2, 1, 2], "the core is taken back once each compile ended"
     assert greedy(llm, prompts) == expected
 
 
@@ -195,3 +207,29 @@ def test_a_broken_saved_forward_found_at_a_warm_start_is_compiled_again_in_the_b
     assert "cannot be used" in caplog.text and "compiling the model in a separate process" in caplog.text
     assert runner.compiler.process is not None and not llm.engine.stats().forward_compiled
     runner.compiler.stop()
+
+
+def test_a_start_that_finds_only_the_regional_forward_loads_it_and_compiles_the_whole_graph_later(
+    tiny_llama, compiled_forwards_of_this_test
+):
+    """A server stopped before its whole graph compiled left only the regional file: the next start loads that
+    (once idle) and compiles the whole graph when idle again, never the regional one anew."""
+    prompts = mixed_prompts(300)[:2]
+    expected = greedy(engine(tiny_llama), prompts)
+    first = engine(tiny_llama, enforce_eager=False)
+    compiler = first.engine.runner.compiler
+    key = compiler.key()
+    regional = compiled_forward.artifact_path(key, regional=True)
+    compiled_forward.save(compiler.compile_ahead(regional=True), regional)
+    compiled_forward.artifact_path(key).unlink()
+    llm = engine(tiny_llama, enforce_eager=False, compile_in_background=True)
+    compiler = llm.engine.runner.compiler
+    assert compiler.loading.path == regional and compiler.process is None
+    assert compiler.whole_later == compiled_forward.artifact_path(key)
+    llm.engine.on_idle()
+    compiler.loading.wait()
+    assert greedy(llm, prompts) == expected
+    assert llm.engine.stats().forward_regional and llm.engine.waits_for_idle()
+    llm.engine.on_idle()
+    assert compiler.process is not None and not compiler.process.request.regional
+    compiler.stop()
