@@ -132,3 +132,10 @@ def scale_by_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) ->
     to it (e.g. [H, 1])."""
     factor = torch.sigmoid(lse - sinks.float())
     return (out.float() * factor.unsqueeze(-1)).to(out.dtype)
+
+
+def first_visible(position: int, window: int, chunk: int = 0) -> int:
+    """The first key position the query at `position` sees: the window's or the chunk's start (0 without)."""
+    if chunk:
+        return position // chunk * chunk
+    return max(0, position - window + 1) if window else 0

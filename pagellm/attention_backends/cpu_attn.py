@@ -20,6 +20,9 @@ PyTorch path for decodes too (the grouped `bmm`s above, as MQA over the latent r
 reads V rows as wide as K's and writes outputs of K's width. Prefills with V narrower than K take torch's
 math kernel (the fused one wants one head size), or `explicit_attention` with sinks.
 
+Chunked local attention (`attention_chunk`, Llama 4's rope layers) runs the PyTorch path, decodes too (the
+native kernel knows windows, not chunks): each query's chunk gathered, earlier chunks' keys masked.
+
 Batch-invariant specs (`--batch-invariant`): every query token, prefill chunks' included, goes to the native
 kernel in its fixed order with whole contexts (no flash-decoding split), so a token's output is the same
 bits in a prefill chunk or a decode, alone or in any batch; latent layers cannot (the PyTorch path's `bmm`
@@ -40,6 +43,7 @@ from pagellm.attention_backends._base import (
     PagedMetadata,
     dequantize_int8_rows,
     explicit_attention,
+    first_visible,
     scale_by_sinks,
     store_kv,
 )
@@ -153,7 +157,15 @@ class CpuAttnMetadata(PagedMetadata):
         prefills_on_kernel: bool = False,
     ) -> _Plan:
         """Gather indices and masks, built by the first layer that asks and reused by the others."""
-        key = (spec.sliding_window, block_size, spec.dtype, kernel, spec.batch_invariant, prefills_on_kernel)
+        key = (
+            spec.sliding_window,
+            block_size,
+            spec.dtype,
+            kernel,
+            spec.batch_invariant,
+            prefills_on_kernel,
+            spec.attention_chunk,
+        )
         if key not in self.plans:
             self.plans[key] = _make_plan(
                 self.batch,
@@ -164,6 +176,7 @@ class CpuAttnMetadata(PagedMetadata):
                 num_kv,
                 spec.batch_invariant,
                 prefills_on_kernel,
+                spec.attention_chunk or 0,
             )
         return self.plans[key]
 
@@ -177,6 +190,7 @@ class CpuAttnBackend(PagedBackend):
     supports_sinks = True
     supports_latent_kv = True
     supports_batch_invariant = True
+    supports_attention_chunk = True  # on the PyTorch path
     kv_cache_dtypes = (
         torch.float32,
         torch.bfloat16,
@@ -191,7 +205,8 @@ class CpuAttnBackend(PagedBackend):
 
     def __init__(self, spec: AttentionSpec):
         super().__init__(spec)
-        self.kernel = None if spec.latent_kv else cpu_kernels.load()  # latent layers: the PyTorch path
+        # latent and chunked layers: the PyTorch path
+        self.kernel = None if spec.latent_kv or spec.attention_chunk else cpu_kernels.load()
         if self.kernel is not None:
             self.graph_op = torch.ops.pagellm.cpu_attention.default
 
@@ -218,6 +233,10 @@ class CpuAttnBackend(PagedBackend):
         reasons = super().unsupported_reasons(spec, platform)
         if spec.batch_invariant and spec.latent_kv:
             reasons.append("no batch-invariant mode for latent KV (MLA) layers")
+        elif spec.batch_invariant and spec.attention_chunk is not None:
+            reasons.append(
+                "no batch-invariant mode for chunked local attention (the native kernel has no chunks)"
+            )
         elif spec.batch_invariant and platform.device_type == "cpu" and cpu_kernels.load() is None:
             reasons.append("batch-invariant mode needs the native kernel, which cannot be built here")
         return reasons
@@ -451,14 +470,16 @@ def _make_plan(
     num_kv: int,
     invariant: bool = False,
     prefills_on_kernel: bool = False,
+    chunk: int = 0,
 ) -> _Plan:
     """Split the step into prefill chunks and decodes; build the block lists and masks the PyTorch path
     needs, or the kernel's request list and partition size. Batch-invariant, or prefills on the kernel:
     every request to the kernel (batch-invariant: each context whole).
 
     Query token j of a request with L tokens of context and Q query tokens sits at position L - Q + j and
-    sees positions <= that, and > that - window when a window is set. Blocks older than every query's
-    window are not gathered."""
+    sees positions <= that, and > that - window when a window is set, or those of its own chunk when
+    `chunk` is set (never with the kernel). Blocks older than every query's window or chunk are not
+    gathered."""
     starts = batch.query_start_loc_cpu.tolist()
     seq_lens = batch.seq_lens_cpu.tolist()
     if invariant and kernel:
@@ -476,15 +497,17 @@ def _make_plan(
         if query_len == 1 or (query_len > 1 and kernel and prefills_on_kernel):
             decodes.append(i)
         elif query_len > 1:
-            prefills.append(_make_prefill(batch, i, starts[i], query_len, seq_len, window, block_size, dtype))
+            prefills.append(
+                _make_prefill(batch, i, starts[i], query_len, seq_len, (window, chunk), block_size, dtype)
+            )
     if kernel:
         if not decodes:
             return _Plan(prefills, [])
         partition = _partition(decodes, seq_lens, [starts[i + 1] - starts[i] for i in decodes], num_kv)
         return _Plan(prefills, [], torch.tensor(decodes, dtype=torch.int32), partition)
     groups = []
-    for members in _group_decodes(decodes, seq_lens, window, block_size):
-        groups.append(_make_decode_group(batch, members, starts, seq_lens, window, block_size))
+    for members in _group_decodes(decodes, seq_lens, (window, chunk), block_size):
+        groups.append(_make_decode_group(batch, members, starts, seq_lens, (window, chunk), block_size))
     return _Plan(prefills, groups)
 
 
@@ -509,19 +532,20 @@ def _make_prefill(
     start: int,
     query_len: int,
     seq_len: int,
-    window: int,
+    local: tuple[int, int],
     block_size: int,
     dtype: torch.dtype,
 ) -> _Prefill:
+    """`local`: (window, chunk), 0 where not set."""
     device = batch.block_tables.device
     tokens = slice(start, start + query_len)
     query_pos = torch.arange(seq_len - query_len, seq_len, device=device)
     if query_len == seq_len:  # nothing cached: attend over its own new k/v
         mask = None
-        if window and window < query_len:
-            mask = _additive(_visible(query_pos[:, None] - query_pos, window), dtype)
+        if any(0 < size < query_len for size in local):
+            mask = _additive(_visible(query_pos[:, None], query_pos, local), dtype)
         return _Prefill(tokens, None, 0, mask)
-    first = max(0, seq_len - query_len - window + 1) if window else 0
+    first = first_visible(seq_len - query_len, *local)
     first_block = first // block_size
     blocks = batch.block_tables[req, first_block : (seq_len + block_size - 1) // block_size].long()
     key_pos = torch.arange(first, seq_len, device=device)
@@ -529,11 +553,13 @@ def _make_prefill(
         tokens,
         blocks,
         first - first_block * block_size,
-        _additive(_visible(query_pos[:, None] - key_pos, window), dtype),
+        _additive(_visible(query_pos[:, None], key_pos, local), dtype),
     )
 
 
-def _group_decodes(reqs: list[int], seq_lens: list[int], window: int, block_size: int) -> list[list[int]]:
+def _group_decodes(
+    reqs: list[int], seq_lens: list[int], window: tuple[int, int], block_size: int
+) -> list[list[int]]:
     """Decodes of similar length, so one long context does not make every short one pay its padding, and
     few enough that their gathered context stays within DECODE_GROUP_TOKENS."""
     span = {i: _span_blocks(seq_lens[i], window, block_size) for i in reqs}
@@ -550,8 +576,9 @@ def _group_decodes(reqs: list[int], seq_lens: list[int], window: int, block_size
     return groups
 
 
-def _span_blocks(seq_len: int, window: int, block_size: int) -> int:
-    first = max(0, seq_len - window) if window else 0
+def _span_blocks(seq_len: int, local: tuple[int, int], block_size: int) -> int:
+    """Blocks a decode at the end of `seq_len` tokens reads; `local`: (window, chunk), 0 where not set."""
+    first = first_visible(seq_len - 1, *local)
     return (seq_len - 1) // block_size - first // block_size + 1
 
 
@@ -560,20 +587,24 @@ def _make_decode_group(
     reqs: list[int],
     starts: list[int],
     seq_lens: list[int],
-    window: int,
+    local: tuple[int, int],
     block_size: int,
 ) -> _DecodeGroup:
     device = batch.block_tables.device
     lens = torch.tensor([seq_lens[i] for i in reqs], device=device)
-    first_blocks = (lens - window).clamp(min=0) // block_size if window else torch.zeros_like(lens)
-    per_req = max(_span_blocks(seq_lens[i], window, block_size) for i in reqs)
+    window, chunk = local
+    if chunk:
+        first_blocks = (lens - 1) // chunk * chunk // block_size
+    else:
+        first_blocks = (lens - window).clamp(min=0) // block_size if window else torch.zeros_like(lens)
+    per_req = max(_span_blocks(seq_lens[i], local, block_size) for i in reqs)
     columns = first_blocks[:, None] + torch.arange(per_req, device=device)
     in_table = columns < (lens[:, None] + block_size - 1) // block_size
     rows = torch.tensor(reqs, device=device)
     table = batch.block_tables[rows[:, None], columns.clamp(max=batch.block_tables.shape[1] - 1)].long()
     blocks = torch.where(in_table, table, 0).view(-1)
     pos = first_blocks[:, None] * block_size + torch.arange(per_req * block_size, device=device)
-    visible = _visible((lens - 1)[:, None] - pos, window)  # [B, width]
+    visible = _visible((lens - 1)[:, None], pos, local)  # [B, width]
     mask = _additive(visible, torch.float32)[None, :, None, :]
     token_ids = [starts[i] for i in reqs]
     contiguous = token_ids == list(range(token_ids[0], token_ids[0] + len(token_ids)))
@@ -581,9 +612,14 @@ def _make_decode_group(
     return _DecodeGroup(tokens, blocks, mask)
 
 
-def _visible(diff: torch.Tensor, window: int) -> torch.Tensor:
-    """True where a query may see a key `diff` positions before it (itself at 0)."""
+def _visible(query_pos: torch.Tensor, key_pos: torch.Tensor, local: tuple[int, int]) -> torch.Tensor:
+    """True where a query at `query_pos` may see a key at `key_pos` (broadcast): causal, within the window
+    and the query's chunk where `local` (window, chunk) sets them."""
+    window, chunk = local
+    diff = query_pos - key_pos
     visible = diff >= 0
+    if chunk:
+        visible &= query_pos // chunk == key_pos // chunk
     return visible & (diff < window) if window else visible
 
 

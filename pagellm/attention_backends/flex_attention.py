@@ -56,6 +56,7 @@ class FlexAttentionBackend(TorchSDPABackend):
     supports_logits_soft_cap = True  # a score_mod
     supports_sinks = True  # the output rescaled by the returned log-sum-exp
     supports_bidirectional_spans = True  # the plan's dense masks
+    supports_attention_chunk = True  # the plan's dense masks
     # not the latent layout: the step's block masks, shared by its layers, assume each layer's decodes
     # group the query heads alike, and a latent layer's one KV head groups them all
     supports_latent_kv = False

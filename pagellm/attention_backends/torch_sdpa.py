@@ -3,8 +3,9 @@
 The reference backend, and the fallback where nothing faster fits. K/V are gathered from the paged cache
 through the block tables; all single-token (decode) requests share one padded SDPA call with their query
 heads grouped by KV head, and every other request (a prefill chunk) gets one SDPA call against its whole
-context. Gather indices and masks depend only on the step and the sliding window, so they are built once per
-step and window, and shared by all layers. A `bidirectional_spans` layer's prefill masks also let each of the
+context. Gather indices and masks depend only on the step and the sliding window (or attention chunk), so
+they are built once per step and window, and shared by all layers. A chunked-local-attention layer
+(`attention_chunk`) gathers only its queries' chunks and masks keys of earlier chunks. A `bidirectional_spans` layer's prefill masks also let each of the
 step's spans (an image's tokens) see itself both ways. SDPA can neither cap logits nor take sink logits, so layers with
 either run the same plan through `explicit_attention`: plain float32 ops, queries in slices. A latent (MLA)
 layer's cache holds one row per token; its V is a view of the gathered K rows' first v_size elements, and
@@ -19,7 +20,13 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from pagellm.attention_backends._base import PagedBackend, PagedMetadata, explicit_attention, store_kv
+from pagellm.attention_backends._base import (
+    PagedBackend,
+    PagedMetadata,
+    explicit_attention,
+    first_visible,
+    store_kv,
+)
 from pagellm.core.attention import AttentionBackend, AttentionBatch
 from pagellm.plugins import hookimpl
 
@@ -48,15 +55,21 @@ class _Plan:
 
 @dataclass
 class TorchSDPAMetadata(PagedMetadata):
-    plans: dict[tuple[int | None, int, bool], _Plan] = field(default_factory=dict)
+    plans: dict[tuple[int | None, int, bool, int | None], _Plan] = field(default_factory=dict)
 
-    def plan(self, sliding_window: int | None, block_size: int, bidirectional: bool = False) -> _Plan:
+    def plan(
+        self,
+        sliding_window: int | None,
+        block_size: int,
+        bidirectional: bool = False,
+        chunk: int | None = None,
+    ) -> _Plan:
         """Gather indices and masks, built by the first layer that asks and reused by the others;
-        `bidirectional`: with the batch's bidirectional spans."""
-        key = (sliding_window, block_size, bidirectional)
+        `bidirectional`: with the batch's bidirectional spans; `chunk`: the layer's attention chunk."""
+        key = (sliding_window, block_size, bidirectional, chunk)
         if key not in self.plans:
             spans = self.batch.bidirectional if bidirectional else ()
-            self.plans[key] = _make_plan(self.batch, sliding_window, block_size, spans)
+            self.plans[key] = _make_plan(self.batch, sliding_window, block_size, spans, chunk or 0)
         return self.plans[key]
 
 
@@ -67,6 +80,7 @@ class TorchSDPABackend(PagedBackend):
     supports_sinks = True
     supports_latent_kv = True
     supports_bidirectional_spans = True
+    supports_attention_chunk = True
     kv_cache_dtypes = (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2)
     metadata_type = TorchSDPAMetadata
 
@@ -91,7 +105,7 @@ class TorchSDPABackend(PagedBackend):
                 return rows, rows[..., : s.v_size]
             return rows, v_cache.index_select(0, slots).to(q.dtype)
 
-        plan = metadata.plan(s.sliding_window, kv_cache.shape[2], s.bidirectional_spans)
+        plan = metadata.plan(s.sliding_window, kv_cache.shape[2], s.bidirectional_spans, s.attention_chunk)
         out = q.new_zeros(*q.shape[:2], s.v_size)
         for p in plan.prefills:
             if p.slots is None:
@@ -163,13 +177,15 @@ def _make_plan(
     sliding_window: int | None,
     block_size: int,
     spans: tuple[tuple[int, int, int], ...] = (),
+    chunk: int = 0,
 ) -> _Plan:
     """Split the step into prefill chunks and decodes; build their cache gather indices and masks.
 
     Query token j of a request with L tokens of context and Q query tokens sits at position L - Q + j and
     sees positions <= that, and the rest of a span of `spans` (request index, first, end position) it lies
-    in; and only those > that - sliding_window when set. Context older than every query's window is not
-    gathered at all. A one-token query needs no span: it is the last of any span it lies in."""
+    in; and only those > that - sliding_window when set, and only those of its own `chunk` when set.
+    Context older than every query's window or chunk is not gathered at all. A one-token query needs no
+    span: it is the last of any span it lies in."""
     own: dict[int, list[tuple[int, int]]] = {}
     for i, first, end in spans:
         own.setdefault(i, []).append((first, end))
@@ -188,28 +204,35 @@ def _make_plan(
         tokens = slice(starts[i], starts[i + 1])
         if query_len == seq_len:  # nothing cached: attend over its own new k/v
             mask = None
-            if (window and window < query_len) or i in own:
+            if (window and window < query_len) or (chunk and chunk < query_len) or i in own:
                 pos = torch.arange(query_len, device=device)
-                mask = _visible(pos, pos, window, own.get(i, ()))
+                mask = _visible(pos, pos, window, own.get(i, ()), chunk)
             prefills.append(_Prefill(tokens, None, mask))
             continue
-        first = max(0, seq_len - query_len - window + 1) if window else 0
+        first = first_visible(seq_len - query_len, window, chunk)
         pos = torch.arange(first, seq_len, device=device)
         slots = batch.block_tables[i, pos // block_size].long() * block_size + pos % block_size
         query_pos = torch.arange(seq_len - query_len, seq_len, device=device)
-        prefills.append(_Prefill(tokens, slots, _visible(query_pos, pos, window, own.get(i, ()))))
-    return _Plan(prefills, _make_decode(batch, decode_reqs, starts, seq_lens, window, block_size))
+        prefills.append(_Prefill(tokens, slots, _visible(query_pos, pos, window, own.get(i, ()), chunk)))
+    return _Plan(prefills, _make_decode(batch, decode_reqs, starts, seq_lens, window, block_size, chunk))
 
 
 def _visible(
-    query_pos: torch.Tensor, key_pos: torch.Tensor, window: int, spans: Sequence[tuple[int, int]] = ()
+    query_pos: torch.Tensor,
+    key_pos: torch.Tensor,
+    window: int,
+    spans: Sequence[tuple[int, int]] = (),
+    chunk: int = 0,
 ) -> torch.Tensor:
     """[Q, C], True where the query sees the key: causal or both in one of `spans` ([first, end)
-    positions), then within the window when set (transformers' Gemma 3: AND(window, OR(causal, span)))."""
+    positions), then within the window when set (transformers' Gemma 3: AND(window, OR(causal, span))),
+    and within the query's chunk when set."""
     diff = query_pos[:, None] - key_pos[None, :]
     mask = diff >= 0
     for first, end in spans:
         mask |= ((query_pos >= first) & (query_pos < end))[:, None] & ((key_pos >= first) & (key_pos < end))
+    if chunk:
+        mask &= (query_pos // chunk)[:, None] == (key_pos // chunk)[None, :]
     return mask & (diff < window) if window else mask
 
 
@@ -220,12 +243,13 @@ def _make_decode(
     seq_lens: list[int],
     window: int,
     block_size: int,
+    chunk: int = 0,
 ) -> _Decode | None:
     if not reqs:
         return None
     device = batch.block_tables.device
     lens = [seq_lens[i] for i in reqs]
-    firsts = [max(0, n - window) if window else 0 for n in lens]
+    firsts = [first_visible(n - 1, window, chunk) for n in lens]
     width = max(n - f for n, f in zip(lens, firsts, strict=True))
     pos = torch.tensor(firsts, device=device)[:, None] + torch.arange(width, device=device)
     valid = pos < torch.tensor(lens, device=device)[:, None]

@@ -141,6 +141,10 @@ class ModelShape:
         weights of `dtype`. Raises ValueError for an architecture it does not know."""
         c = hf_config
         kind = getattr(c, "model_type", "")
+        if kind in ("gemma4_text", "gemma3n_text") or getattr(c, "is_heterogeneous", False):
+            # shapes per layer (transformers' per_layer_config refuses the global reads below), shared KV,
+            # per-layer inputs, AltUp: none of which this estimate has
+            raise ValueError(f"no floor model for architecture {kind!r} (layers of several shapes)")
         elem = element_size(dtype)
         kv_elem = element_size(kv_cache_dtype or dtype)
         v_head_size, experts = None, None
@@ -232,7 +236,7 @@ class ModelShape:
         from pagellm.models.deepseek import LatentUpProjection
         from pagellm.models.layers.attention import Attention
         from pagellm.models.layers.linear import Linear
-        from pagellm.worker.kv_cache import kv_block_bytes, num_kv_tensors
+        from pagellm.worker.kv_cache import layers_block_bytes
 
         runner = llm.engine.runner
         model = runner.model
@@ -269,8 +273,11 @@ class ModelShape:
         windows = tuple(a.spec.sliding_window for a in attentions)
         # a hybrid layout (sliding and full layers) shares each KV tensor between layers of different
         # groups, but every layer still reads its own rows: count the cache by layer, not by tensor
-        layer_bytes = kv_block_bytes(runner.setup, runner.parallel.tp, runner.block_size, 1)
-        shared = len(attentions) - num_kv_tensors(runner.layers, runner.kv_layout)
+        # (of each layer's own shape; one reading another layer's cache reads that layer's rows)
+        by_layer, by_tensor = (
+            layers_block_bytes(runner.setup, runner.parallel.tp, runner.block_size, runner.layers, layout)
+            for layout in (None, runner.kv_layout)
+        )
         return cls(
             num_layers=len(attentions),
             num_heads=spec.num_heads,
@@ -281,7 +288,7 @@ class ModelShape:
             lm_head_params=lm_head_params,
             linear_bytes=linear_bytes,
             lm_head_bytes=lm_head_bytes,
-            kv_bytes_per_token=(runner.block_bytes() + shared * layer_bytes) / runner.block_size,
+            kv_bytes_per_token=(runner.block_bytes() - by_tensor + by_layer) / runner.block_size,
             layer_windows=windows if any(w is not None for w in windows) else (),
             v_head_size=spec.v_head_size,
             experts=experts_of_model(model),

@@ -18,7 +18,12 @@ from pagellm.cli.options import (
 )
 from pagellm.core.config import EngineConfig
 from pagellm.engine.process_launch import EngineLaunch
-from pagellm.server.limits import DEFAULT_MAX_BODY_MB, DEFAULT_MAX_N
+from pagellm.server.limits import (
+    DEFAULT_MAX_BODY_MB,
+    DEFAULT_MAX_N,
+    DEFAULT_RESPONSES_STORE_AGE_S,
+    DEFAULT_RESPONSES_STORE_ENTRIES,
+)
 
 logger = logging.getLogger("pagellm")
 
@@ -62,6 +67,27 @@ logger = logging.getLogger("pagellm")
     is_flag=True,
     help="Add POST /v1/load_lora_adapter and /v1/unload_lora_adapter.",
 )
+@click.option(
+    "--enable-responses-store",
+    is_flag=True,
+    help="Keep /v1/responses responses in memory (unless a request sends store: false), for "
+    "previous_response_id, GET /v1/responses/{id} and POST /v1/responses/{id}/cancel.",
+)
+@click.option(
+    "--responses-store-max-entries",
+    default=DEFAULT_RESPONSES_STORE_ENTRIES,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="Most responses the store keeps; the oldest go first.",
+)
+@click.option(
+    "--responses-store-max-age",
+    "responses_store_max_age_s",
+    default=DEFAULT_RESPONSES_STORE_AGE_S,
+    show_default=True,
+    type=click.FloatRange(min=0, min_open=True),
+    help="Seconds the store keeps a response.",
+)
 @serve_options()
 def serve(
     model_arg: str | None,
@@ -73,6 +99,9 @@ def serve(
     max_request_body_mb: float,
     lora_modules: tuple[tuple[str, str], ...],
     allow_runtime_lora_updating: bool,
+    enable_responses_store: bool,
+    responses_store_max_entries: int,
+    responses_store_max_age_s: float,
     served_model_names: tuple[str, ...],
     chat_template: str | None,
     enable_auto_tool_choice: bool,
@@ -80,7 +109,7 @@ def serve(
     **options,
 ) -> None:
     """Serve MODEL (default: the embedded SmolLM2) over the OpenAI API: /v1/completions,
-    /v1/chat/completions, /v1/models, /tokenize, /detokenize, /health, /version, /metrics."""
+    /v1/chat/completions, /v1/responses, /v1/models, /tokenize, /detokenize, /health, /version, /metrics."""
     if model_arg and options.get("model") and model_arg != options["model"]:
         raise click.UsageError(f"MODEL {model_arg!r} and --model {options['model']!r} disagree; give one")
     if options.get("compile_in_background") is None:  # serve answers first and gets faster after
@@ -98,6 +127,9 @@ def serve(
         enable_auto_tool_choice=enable_auto_tool_choice,
         lora_modules=dict(lora_modules),
         allow_runtime_lora_updating=allow_runtime_lora_updating,
+        responses_store=(responses_store_max_entries, responses_store_max_age_s)
+        if enable_responses_store
+        else None,
     )
     # the engine process starts importing now, beside the server's imports below (one engine process: data
     # parallelism starts its own); nothing above imported torch

@@ -25,6 +25,10 @@ attention layer's implementation. Tensor conventions, for every backend:
   k <= q or both lie in one span, and, with a sliding window, q - k < sliding_window all the same (so a
   span's earlier keys beyond the window stay hidden, as in transformers' Gemma 3). The scheduler keeps a
   span's uncached tokens in one step, so every key a query may see is in the cache or in the step.
+- an `attention_chunk` spec (chunked local attention, Llama 4's rope layers) splits each sequence into
+  chunks of that many positions: a query at position q sees key k when k <= q and k // chunk == q // chunk,
+  i.e. k in [q // chunk * chunk, q] (so never more than `chunk` keys, like a window of that size but
+  restarting at every chunk boundary). It does not combine with `sliding_window`.
 """
 
 from __future__ import annotations
@@ -61,8 +65,14 @@ class AttentionSpec:
     latent_kv: bool = False  # one cached row per token and KV head: K, whose first v_size elements are V
     bidirectional_spans: bool = False  # the batch's `bidirectional` spans attend both ways (image tokens)
     batch_invariant: bool = False  # a token's output is the same bits whatever else the step holds
+    # the attention layer (an earlier one, of the same KV cache spec) whose KV cache this layer reads: it keeps
+    # none of its own and is handed that layer's k and v of the step (Gemma 4's shared-KV layers); None: its own
+    kv_source: int | None = None
+    attention_chunk: int | None = None  # chunked local attention: a query sees only its own chunk's keys
 
     def __post_init__(self) -> None:
+        if self.attention_chunk is not None and (self.attention_chunk < 1 or self.sliding_window is not None):
+            raise ValueError("attention_chunk must be positive and does not combine with a sliding window")
         if self.v_head_size is not None and not self.latent_kv:
             raise ValueError("v_head_size is for latent_kv specs, whose V is a prefix of K's cached row")
         if self.v_head_size is not None and not 0 < self.v_head_size <= self.head_size:
@@ -101,6 +111,7 @@ class AttentionSpec:
             + (f"-latent-v{self.v_size}" if self.latent_kv else "")
             + ("-bidir" if self.bidirectional_spans else "")
             + ("-invariant" if self.batch_invariant else "")
+            + (f"-chunk{self.attention_chunk}" if self.attention_chunk is not None else "")
         )
 
 
@@ -156,6 +167,8 @@ class AttentionBackend:
     """Whether it runs `latent_kv` specs (MLA): one cached row per token, V its prefix, outputs of v_size."""
     supports_bidirectional_spans: ClassVar[bool] = False
     """Whether it runs `bidirectional_spans` specs: the batch's spans attend both ways (image tokens)."""
+    supports_attention_chunk: ClassVar[bool] = False
+    """Whether it runs `attention_chunk` specs: chunked local attention (Llama 4's rope layers)."""
     supports_batch_invariant: ClassVar[bool] = False
     """Whether it runs `batch_invariant` specs: each query token's output the same bits whether it comes in
     a prefill chunk or a decode, alone or beside any other requests (`--batch-invariant`)."""
@@ -205,6 +218,8 @@ class AttentionBackend:
             reasons.append("no bidirectional spans (image tokens that attend both ways)")
         if spec.batch_invariant and not cls.supports_batch_invariant:
             reasons.append("no batch-invariant mode")
+        if spec.attention_chunk is not None and not cls.supports_attention_chunk:
+            reasons.append("no chunked local attention")
         return reasons
 
     @classmethod

@@ -114,7 +114,8 @@ class EngineConfig:
     speculative_config: dict[str, Any] | str | None = _opt(
         None,
         'Speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' or '
-        '\'{"method": "draft_model", "model": PATH, "num_speculative_tokens": 3}\'.',
+        '\'{"method": "draft_model", "model": PATH, "num_speculative_tokens": 3}\' or '
+        '\'{"method": "eagle3", "model": HEAD_DIR, "num_speculative_tokens": 3}\'.',
         json=True,
     )
     kv_transfer_config: dict[str, Any] | str | None = _opt(
@@ -182,6 +183,13 @@ class EngineConfig:
         'With --runner pooling: how hidden states become an embedding, as JSON, e.g. \'{"pooling_type": '
         '"MEAN", "normalize": false}\' (pooling_type LAST, MEAN or CLS); default: the model\'s '
         "sentence-transformers config (modules.json), else LAST, normalized.",
+        json=True,
+    )
+    hf_overrides: dict[str, Any] | str | None = _opt(
+        None,
+        "Fields set on the model's Hugging Face config before it loads, as JSON (vLLM's), e.g. to serve "
+        'Qwen3-Reranker as a reranker: \'{"architectures": ["Qwen3ForSequenceClassification"], '
+        '"classifier_from_token": ["no", "yes"], "is_original_qwen3_reranker": true}\'.',
         json=True,
     )
 
@@ -253,7 +261,7 @@ def step_tokens(token_budget: int, enable_chunked_prefill: bool, max_model_len: 
     return token_budget if enable_chunked_prefill else max(token_budget, max_model_len)
 
 
-SPECULATIVE_METHODS = ("ngram", "draft_model")
+SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle3", "mtp")
 
 
 @dataclass(frozen=True)
@@ -262,7 +270,8 @@ class SpeculativeConfig:
 
     ngram proposes the tokens that followed the latest earlier occurrence of the request's last
     `prompt_lookup_max` .. `prompt_lookup_min` tokens; draft_model runs a smaller model with the same
-    vocabulary greedily. Either way the target model verifies every draft, so greedy output is unchanged."""
+    vocabulary greedily; eagle3 runs an EAGLE-3 head (`model`: its directory) on the target's hidden
+    states; mtp runs the checkpoint's own multi-token-prediction layer (docs/speculative-decoding.md). Either way the target model verifies every draft, so greedy output is unchanged."""
 
     method: str
     num_speculative_tokens: int
@@ -300,8 +309,13 @@ class SpeculativeConfig:
                     f"speculative_config: prompt_lookup_min ({lo}) must not exceed prompt_lookup_max ({hi})"
                 )
         model = value.get("model")
-        if method == "draft_model" and not model:
-            raise ConfigError("speculative_config.model: draft_model needs the draft model's path")
+        if method in ("draft_model", "eagle3") and not model:
+            what = "the draft model's path" if method == "draft_model" else "the EAGLE-3 head's directory"
+            raise ConfigError(f"speculative_config.model: {method} needs {what}")
         if method == "ngram" and model:
             raise ConfigError("speculative_config.model: ngram takes no model (did you mean draft_model?)")
+        if method == "mtp" and model:
+            raise ConfigError(
+                "speculative_config.model: mtp takes no model (the MTP layer is the target's own)"
+            )
         return cls(method, k, lo, hi, model)

@@ -4,11 +4,18 @@
 fills what it leaves out from the model's sentence-transformers files (`modules.json`, its Pooling module's
 `config.json`, a Normalize module) and else uses the default for decoder models, LAST and normalized.
 `PoolingParams` is what one embedding request asks for (`dimensions`, `normalize`), as in vLLM.
+
+A `*ForSequenceClassification` model (or a causal LM read through `classifier_from_token`, as vLLM serves
+Qwen3-Reranker) has a `Classifier`: a request with task "classify" gets its head's logits at the last
+token instead of the hidden state; `activate` turns them into the scores and probabilities the server
+answers with.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -17,6 +24,7 @@ from pagellm.core.errors import ConfigError
 from pagellm.core.json_setting import json_setting
 
 POOLING_TYPES = ("LAST", "MEAN", "CLS")
+POOLING_TASKS = ("embed", "classify")
 _ST_MODES = {  # sentence-transformers' Pooling config key -> pooling type
     "pooling_mode_lasttoken": "LAST",
     "pooling_mode_mean_tokens": "MEAN",
@@ -41,6 +49,81 @@ class PoolingParams:
     dimensions: int | None = None
     normalize: bool | None = None
     pooling_type: str | None = None
+    task: str = "embed"  # embed: the pooled hidden state; classify: the classification head's logits
+    classifier: Classifier | None = None  # filled in by `Pooler.resolve` for task "classify"
+
+
+@dataclass(frozen=True)
+class Classifier:
+    """A model's classification head, as the engine runs it on the last token's hidden state.
+
+    `labels`: one name per logit. A `*ForSequenceClassification` checkpoint's head is its `score` layer
+    (names from `id2label`). With `classifier_from_token` (vLLM's hf_overrides for a causal-LM reranker)
+    the logits are the language-model head's for those tokens (`token_ids`, looked up in the tokenizer);
+    `two_way` (`is_original_qwen3_reranker`, or `method` "from_2_way_softmax") makes one logit of two
+    tokens, the second's minus the first's, whose sigmoid is their softmax's second probability: for
+    Qwen3-Reranker's ["no", "yes"] that is the model card's score. `qwen3_reranker`: score prompts are
+    written in Qwen3-Reranker's template."""
+
+    labels: tuple[str, ...]
+    problem_type: str | None = None
+    from_tokens: tuple[str, ...] = ()
+    token_ids: tuple[int, ...] = ()
+    two_way: bool = False
+    qwen3_reranker: bool = False
+
+    @property
+    def num_labels(self) -> int:
+        return len(self.labels)
+
+    def with_token_ids(self, tokenizer: Any) -> Classifier:
+        """`from_tokens` looked up in the tokenizer's vocabulary; ConfigError for one it lacks."""
+        if not self.from_tokens:
+            return self
+        vocab = tokenizer.get_vocab()
+        missing = [t for t in self.from_tokens if t not in vocab]
+        if missing:
+            raise ConfigError(
+                f"classifier_from_token: the tokenizer has no token {missing[0]!r}; name tokens of its vocabulary",
+                param="hf_overrides",
+            )
+        return dataclasses.replace(self, token_ids=tuple(vocab[t] for t in self.from_tokens))
+
+
+def classifier_of(hf_config: Any) -> Classifier | None:
+    """The classification head of a `*ForSequenceClassification` config; None for any other model."""
+    architectures = list(getattr(hf_config, "architectures", None) or [])
+    if not any(a.endswith("ForSequenceClassification") for a in architectures):
+        return None
+    tokens = tuple(getattr(hf_config, "classifier_from_token", None) or ())
+    qwen3 = bool(getattr(hf_config, "is_original_qwen3_reranker", False))
+    two_way = qwen3 or getattr(hf_config, "method", None) == "from_2_way_softmax"
+    problem_type = getattr(hf_config, "problem_type", None)
+    if tokens:
+        if two_way and len(tokens) != 2:
+            raise ConfigError(
+                f"classifier_from_token: a two-way softmax needs two tokens, not {len(tokens)}",
+                param="hf_overrides",
+            )
+        return Classifier(tokens[1:] if two_way else tokens, problem_type, tokens, (), two_way, qwen3)
+    id2label = {int(k): str(v) for k, v in (getattr(hf_config, "id2label", None) or {}).items()}
+    num_labels = int(getattr(hf_config, "num_labels", len(id2label)))
+    labels = tuple(id2label.get(i, f"LABEL_{i}") for i in range(num_labels))
+    return Classifier(labels, problem_type, qwen3_reranker=qwen3)
+
+
+def activate(logits: list[float], problem_type: str | None) -> list[float]:
+    """Scores from a head's logits, as transformers' losses read them (and vLLM answers): a regression's
+    as they are, a multi-label head's each through a sigmoid, one logit through a sigmoid, several
+    through a softmax."""
+    if problem_type == "regression":
+        return list(logits)
+    if problem_type == "multi_label_classification" or len(logits) < 2:
+        return [1.0 / (1.0 + math.exp(-x)) if x >= 0 else math.exp(x) / (1.0 + math.exp(x)) for x in logits]
+    top = max(logits)
+    exps = [math.exp(x - top) for x in logits]
+    total = sum(exps)
+    return [e / total for e in exps]
 
 
 @dataclass(frozen=True)
@@ -86,9 +169,17 @@ class Pooler:
     matryoshka_dimensions: tuple[int, ...] | None = None  # the sizes the model was trained to truncate to
     is_matryoshka: bool = False  # any size up to hidden_size may be asked for
     source: str = "default"  # where pooling_type and normalize came from, for the log
+    classifier: Classifier | None = None  # a classification model's head
 
     def resolve(self, params: PoolingParams) -> PoolingParams:
         """`params` with the engine's choices filled in; ConfigError (naming the field) when it cannot run."""
+        if params.task not in POOLING_TASKS:
+            raise ConfigError(
+                f"task: {params.task!r} is not a pooling task; use one of {', '.join(POOLING_TASKS)}",
+                param="task",
+            )
+        if params.task == "classify":
+            return self._resolve_classify(params)
         pooling_type = self.pooling_type
         if params.pooling_type is not None:
             pooling_type = check_pooling_type(params.pooling_type, "pooling_type")
@@ -113,6 +204,19 @@ class Pooler:
                     param="dimensions",
                 )
         return PoolingParams(d, normalize, pooling_type)
+
+    def _resolve_classify(self, params: PoolingParams) -> PoolingParams:
+        """A classify request: the head's logits at the last token (as transformers computes them), neither
+        truncated nor normalised."""
+        if self.classifier is None:
+            raise ConfigError(
+                "this model has no classification head: classification and scores need a "
+                "*ForSequenceClassification model (or a reranker given by classifier_from_token)",
+                param="model",
+            )
+        if params.dimensions is not None:
+            raise ConfigError("dimensions applies to embeddings, not to classification", param="dimensions")
+        return PoolingParams(None, False, "LAST", "classify", self.classifier)
 
 
 def resolve_pooler(model_dir: str | None, hf_config: Any, override: PoolerConfig) -> Pooler:
@@ -145,6 +249,7 @@ def resolve_pooler(model_dir: str | None, hf_config: Any, override: PoolerConfig
         matryoshka_dimensions=dims,
         is_matryoshka=dims is not None or bool(getattr(hf_config, "is_matryoshka", False)),
         source=" and ".join(sources) or "default",
+        classifier=classifier_of(hf_config),
     )
 
 

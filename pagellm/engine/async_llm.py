@@ -23,7 +23,7 @@ from typing import Any, Protocol
 
 from pagellm.core.config import EngineConfig
 from pagellm.core.errors import ConfigError
-from pagellm.core.pooling import PoolingParams
+from pagellm.core.pooling import Pooler, PoolingParams
 from pagellm.engine.core import (
     ACCEPTED,
     AbortRequest,
@@ -241,6 +241,11 @@ class AsyncLLM:
     def takes_images(self) -> bool:
         """Whether the model's prompts may hold images."""
         return self.facts.takes_images
+
+    @property
+    def pooler(self) -> Pooler | None:
+        """A pooling engine's pooling and classification head (None for a generating one)."""
+        return self.facts.pooler
 
     @property
     def kv_cache_tokens(self) -> int:

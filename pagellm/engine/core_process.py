@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagellm.core.config import EngineConfig
+from pagellm.core.pooling import Pooler
 from pagellm.engine.core import Command, EngineCore, EngineError, Turn
 from pagellm.engine.process_launch import EngineLaunch
 from pagellm.engine.scheduler import SchedulerStats
@@ -50,6 +51,7 @@ class EngineFacts:
     scheduler_stats: SchedulerStats
     eos_token_ids: frozenset[int] = frozenset()  # the model's EOS tokens (beam search ends beams on them)
     takes_images: bool = False  # the model's prompts may hold images
+    pooler: Pooler | None = None  # runner="pooling": its pooling and classification head
 
     @classmethod
     def of(cls, engine: Any) -> EngineFacts:
@@ -61,6 +63,7 @@ class EngineFacts:
             scheduler_stats=engine.stats(),
             eos_token_ids=frozenset(engine.eos_token_ids),
             takes_images=engine.processor.images is not None,
+            pooler=engine.processor.pooler,
         )
 
 

@@ -7,7 +7,9 @@ shared pool. A full-attention group keeps every block. A sliding-window group (w
 blocks a query can still read (vLLM's `SlidingWindowManager.remove_skipped_blocks`): the next step's
 first query, at position c = num_computed_tokens, looks back to c - W + 1, so the blocks wholly before
 that are freed when the request next allocates, and the null block (id 0) takes their place in the
-group's table. A prefill chunk keeps all its own blocks until it has run (its first query reads W - 1
+group's table. A chunked-local-attention group (chunk C, a `LocalChunk` among the windows) keeps only the
+blocks of the chunk that position c lies in, from c // C * C on: a query never reads an earlier chunk.
+A prefill chunk keeps all its own blocks until it has run (its first query reads W - 1
 tokens before the chunk, its last query its own chunk); drafts to verify and a draft model's lookahead
 slots come after c; a preempted request frees everything and recomputes (or finds its prefix cached). A
 group whose whole table another reader needs (a draft model reads group 0's, a KV connector every
@@ -18,7 +20,9 @@ equal hashes mean equal prefixes; group g > 0 caches its block under (g, hash). 
 hashed and a hit must match it exactly, so a hash collision is a miss, never wrong KV. A request's hashes
 are computed once per block and kept on the request. A hit of n blocks needs blocks 0..n-1 of every
 full-attention group, but of a sliding-window group only those holding the W - 1 tokens before position
-n * block_size, found scanning from the right (vLLM's `find_longest_cache_hit`); the hit is the longest n
+n * block_size, found scanning from the right (vLLM's `find_longest_cache_hit`), and of a chunked group only
+those from the chunk start of position n * block_size on (none when that position starts a chunk); the
+hit is the longest n
 that every group agrees on (each kind of group is asked again with the shorter n until none shortens it).
 
 Blocks are cached when their tokens have been computed (`cache_blocks`, called after each step), not
@@ -31,7 +35,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 
-from pagellm.core.kv_cache_spec import blocks_per_request, window_blocks
+from pagellm.core.kv_cache_spec import LocalChunk, blocks_per_request, window_blocks
 from pagellm.engine.block_pool import BlockPool, KVBlock
 from pagellm.engine.request import Request
 from pagellm.multimodal.inputs import block_image_keys
@@ -77,7 +81,7 @@ class KVCacheManager:
         for g, w in enumerate(self.windows):
             kinds.setdefault(w, []).append(g)
         # groups by window, full attention first: a prefix-cache hit is checked kind by kind
-        self._kinds = sorted(kinds.items(), key=lambda kind: (kind[0] is not None, kind[0] or 0))
+        self._kinds = sorted(kinds.items(), key=lambda kind: (kind[0] is not None, int(kind[0] or 0)))
         self._blocks: dict[str, tuple[list[KVBlock], ...]] = {}  # per group, null block where freed
         self._block_ids: dict[str, tuple[list[int], ...]] = {}
         self._num_cached: dict[str, int] = {}  # leading blocks of each request already offered to the cache
@@ -134,6 +138,8 @@ class KVCacheManager:
             for window, groups in self._kinds:
                 if window is None:
                     found = self._full_hit(request, groups, n, keys)
+                elif isinstance(window, LocalChunk):
+                    found = self._chunk_hit(request, groups, window, n, keys)
                 else:
                     found = self._window_hit(request, groups, window, n, keys)
                 for g, blocks in zip(groups, found, strict=True):
@@ -251,7 +257,11 @@ class KVCacheManager:
         held, block_ids = self._blocks[request_id], self._block_ids[request_id]
         skipped, null = self._num_skipped[request_id], self.pool.null_block
         for g, window in self._sliding:
-            start, end = skipped[g], min(max(0, num_computed - window + 1) // self.block_size, len(held[g]))
+            if isinstance(window, LocalChunk):  # every later query reads from its chunk's start on
+                first = num_computed // window * window
+            else:
+                first = max(0, num_computed - window + 1)
+            start, end = skipped[g], min(first // self.block_size, len(held[g]))
             if end <= start:
                 continue
             freed = [block for block in held[g][start:end] if block is not null]
@@ -301,6 +311,27 @@ class KVCacheManager:
             if run >= need:
                 return [f[: i + run] for f in found]
         return [f[:run] for f in found]  # no whole window: only blocks 0..run-1 all cached count
+
+    def _chunk_hit(
+        self, request: Request, groups: list[int], chunk: int, n: int, keys: dict
+    ) -> list[list[KVBlock]]:
+        """Chunked-local-attention groups: the longest hit of m <= n blocks whose blocks from the chunk start
+        of position m * block_size up to m (what a query right after it reads) every one of them has cached;
+        the null block before those. A missing block i rules out every m > i, so the scan goes on at i."""
+        null, m = self.pool.null_block, n
+        while m > 0:
+            first = m * self.block_size // chunk * chunk // self.block_size
+            found = [[null] * m for _ in groups]
+            for i in range(m - 1, first - 1, -1):
+                blocks = [self._cached_block(request, i, g, keys) for g in groups]
+                if any(block is None for block in blocks):
+                    m = i
+                    break
+                for f, block in zip(found, blocks, strict=True):
+                    f[i] = block
+            else:
+                return found
+        return [[] for _ in groups]
 
     def _uses_prefix_cache(self, request: Request) -> bool:
         return self.enable_prefix_caching and not request.needs_every_prompt_position

@@ -469,7 +469,10 @@ def _check_kv_transfer(setup: EngineSetup) -> None:
     known[transfer.kv_connector].check_config(transfer)
     refused = [
         (config.tensor_parallel_size * config.pipeline_parallel_size > 1, "tensor or pipeline parallelism"),
-        (config.speculative is not None and config.speculative.method == "draft_model", "a draft model"),
+        (
+            config.speculative is not None and config.speculative.method in ("draft_model", "eagle3", "mtp"),
+            "a draft model, an EAGLE-3 head or MTP (their KV is not transferred)",
+        ),
         (not config.enable_prefix_caching, "prefix caching off (loaded KV is found as prefix-cache hits)"),
         (getattr(config, "runner", "generate") != "generate", "runner='pooling'"),
         (

@@ -9,13 +9,14 @@ matcher when the output is constrained.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 from typing import Any
 
 from pagellm.core.config import EngineConfig
 from pagellm.core.errors import ConfigError
-from pagellm.core.pooling import Pooler, PoolerConfig, PoolingParams, resolve_pooler
+from pagellm.core.pooling import Pooler, PoolerConfig, PoolingParams, classifier_of, resolve_pooler
 from pagellm.engine.images import PromptImages
 from pagellm.engine.request import Request
 from pagellm.lora.request import LoRARequest
@@ -70,6 +71,11 @@ def make_pooler(setup: EngineSetup) -> Pooler | None:
     if config.runner != "pooling":
         if config.pooler_config not in (None, "", {}):
             raise ConfigError("pooler_config applies to embeddings; start with runner='pooling' to use it")
+        if classifier_of(setup.hf_config) is not None:
+            raise ConfigError(
+                f"{setup.hf_config.architectures[0]} classifies rather than generates: start it with "
+                "runner='pooling' (/classify, /v1/score, /v1/rerank)"
+            )
         return None
     if config.speculative_config not in (None, "", {}):
         raise ConfigError(
@@ -77,6 +83,10 @@ def make_pooler(setup: EngineSetup) -> Pooler | None:
         )
     override = PoolerConfig.parse(config.pooler_config)
     pooler = resolve_pooler(setup.source.directory, setup.hf_config, override)
+    if pooler.classifier is not None and config.tensor_parallel_size * config.pipeline_parallel_size > 1:
+        raise ConfigError(
+            "a classification model runs on one rank: leave tensor and pipeline parallelism at 1"
+        )
     logger.info(
         "pooling runner: %s pooling, %snormalized (from %s)",
         pooler.pooling_type,
@@ -93,6 +103,8 @@ class Processor:
         self.vocab_size = setup.hf_config.vocab_size
         self.max_model_len = setup.max_model_len
         self.eos_token_ids = eos_token_ids
+        if pooler is not None and pooler.classifier is not None:  # classifier_from_token's ids
+            pooler = dataclasses.replace(pooler, classifier=pooler.classifier.with_token_ids(tokenizer))
         self.pooler = pooler  # None unless runner="pooling"
         self._grammar_compiler: grammar.GrammarCompiler | None = None
         parser = setup.reasoning_parser
@@ -283,9 +295,11 @@ class Processor:
             if mrope is not None:
                 child.mrope_positions, child.mrope_delta = mrope
         if params.structured_outputs is not None:
+            # a structural tag describes the whole reply, the thinking included: it applies from the start
+            whole = params.structured_outputs.kind == "structural_tag"
             for child in children:
                 child.grammar = self._grammars().request_grammar(
-                    params.structured_outputs, self._reasoning_end
+                    params.structured_outputs, [] if whole else self._reasoning_end
                 )
         return children
 

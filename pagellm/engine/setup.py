@@ -7,6 +7,7 @@ under a second, and `pagellm plugins --explain MODEL` can print the same decisio
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 import time
@@ -125,6 +126,22 @@ def load_model_config(source: ModelSource) -> Any:
     from transformers import AutoConfig
 
     return AutoConfig.from_pretrained(source.directory)
+
+
+def apply_hf_overrides(hf_config: Any, overrides: dict[str, Any] | str | None) -> Any:
+    """`hf_config` with each field of `--hf-overrides` (a JSON object) set on it; ConfigError if not one."""
+    if overrides is None or overrides == "" or overrides == {}:
+        return hf_config
+    if isinstance(overrides, str):
+        try:
+            overrides = json.loads(overrides)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"hf_overrides: not valid JSON ({e.msg} at column {e.colno})") from None
+    if not isinstance(overrides, dict):
+        raise ConfigError('hf_overrides: expected a JSON object such as {"num_labels": 1}')
+    for key, value in overrides.items():
+        setattr(hf_config, key, value)
+    return hf_config
 
 
 def decoder_config(hf_config: Any) -> Any:
@@ -254,7 +271,7 @@ def _resolve_model(config: EngineConfig, registry: Any) -> tuple[ModelSource, An
     tokenizer = resolve_tokenizer(config)
     if tokenizer is not None:
         config.tokenizer = tokenizer  # a local directory from here on: everything after start-up reads it
-    model_config = load_model_config(source)
+    model_config = apply_hf_overrides(load_model_config(source), config.hf_overrides)
     hf_config = decoder_config(model_config)
     model_class_path = resolve_model_class(hf_config, registry.models)
     check_parallel(config, hf_config, import_model_class(model_class_path))
@@ -430,8 +447,8 @@ def check_parallel(config: EngineConfig, hf_config: Any, model_class: type) -> N
     refused = {
         "quantization": config.quantization is not None or checkpoint_quantization(hf_config, model_class),
         "LoRA (enable_lora)": config.enable_lora,
-        "a draft model (speculative_config)": (config.speculative or None)
-        and config.speculative.method == "draft_model",
+        "a draft model, an EAGLE-3 head or MTP (speculative_config)": (config.speculative or None)
+        and config.speculative.method in ("draft_model", "eagle3", "mtp"),
     }
     for what, on in refused.items():
         if on:

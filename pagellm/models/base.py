@@ -92,8 +92,8 @@ class CausalLM(nn.Module):
     @classmethod
     def selection_spec(cls, hf_config: Any, dtype: torch.dtype, block_size: int) -> AttentionSpec:
         """The spec the attention backend is selected for: the most demanding layer's (a sliding window, a
-        soft-cap, sinks, a latent KV layout or bidirectional spans, which not every backend has), else the
-        first layer's."""
+        soft-cap, sinks, a latent KV layout, bidirectional spans or chunked local attention, which not every
+        backend has), else the first layer's."""
         specs = [
             cls.attention_spec(hf_config, dtype, block_size, i)
             for i in range(cls.num_attention_layers(hf_config))
@@ -106,6 +106,7 @@ class CausalLM(nn.Module):
                 s.has_sinks,
                 s.latent_kv,
                 s.bidirectional_spans,
+                s.attention_chunk is not None,
             ),
         )
 

@@ -36,7 +36,8 @@ per-expert `mlp.experts.{e}.gate_proj/up_proj/down_proj`), and `n_shared_experts
 token runs, one gated MLP of width n_shared_experts x moe_intermediate_size (`mlp.shared_experts`). The
 router is float32 (weights and logits), as transformers keeps it; `deepseek_routing` reads its scoring
 from the config. DeepSeek-V3 checkpoints carry the multi-token-prediction module as layer
-`num_hidden_layers` (`num_nextn_predict_layers`); it is skipped, not used as a draft.
+`num_hidden_layers` (`num_nextn_predict_layers`); the model skips it, and speculative decoding's `mtp`
+method loads it as a draft head (`spec_decode/mtp.py`).
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ from pagellm.models.layers.fused_moe.loading import copy_weights_with_experts
 from pagellm.models.layers.fused_moe.routing import SIGMOID, SOFTMAX, Routing
 from pagellm.models.layers.linear import Linear, Shard
 from pagellm.models.layers.norm import RMSNorm
+from pagellm.models.layers.position_scale import scale_query
 from pagellm.models.layers.rotary import apply_rotary, rope_parameters
 from pagellm.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, LlamaModel, SpecFn
 
@@ -269,7 +271,11 @@ class MLAAttention(nn.Module):
             x = torch.cat([x[..., 0::2], x[..., 1::2]], dim=-1)
         return apply_rotary(x, cos, sin)
 
-    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_scale: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """`q_scale` [T]: each token's query scale (Mistral 4's position scaling), on the whole query after
+        rotary as transformers applies it; linear, so it may scale the absorbed query."""
         tokens = h.shape[0]
         q, latent = self.fused_qkv_a_proj(h).split([self.q_in, self.rank + self.rope], dim=-1)
         if self.q_b_proj is not None:
@@ -277,6 +283,8 @@ class MLAAttention(nn.Module):
         q_nope, q_pe = q.view(tokens, self.num_heads, self.nope + self.rope).split([self.nope, self.rope], -1)
         c_kv, k_pe = latent.split([self.rank, self.rope], dim=-1)
         q = torch.cat([self.kv_b_proj.absorb_query(q_nope), self._rotate(q_pe, cos, sin)], dim=-1)
+        if q_scale is not None:
+            q = scale_query(q, q_scale)
         k = torch.cat([self.kv_a_layernorm(c_kv), self._rotate(k_pe.unsqueeze(1), cos, sin)[:, 0]], dim=-1)
         out = self.attn(q.reshape(tokens, -1), k, k[:, : self.rank])  # V: the latent c_kv, k's prefix
         out = self.kv_b_proj.expand_output(out.view(tokens, self.num_heads, self.rank))

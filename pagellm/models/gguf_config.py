@@ -146,6 +146,46 @@ def _mixtral(meta: _Metadata, fields: Fields) -> Fields:
     }
 
 
+def _starcoder2(meta: _Metadata, fields: Fields) -> Fields:
+    """Refused: transformers' reader of a `starcoder2` file drops its rope base (`rope.freq_base`: 1e5 to 1e6
+    in the released models, against the config's default 10000) and its sliding window, so the file would
+    run as another model than the checkpoint it came from; no rule here reads them back (none is tested)."""
+    raise ConfigError(
+        "StarCoder2 GGUF files are not supported (transformers' GGUF reader drops the rope base and the "
+        "sliding window); run the safetensors checkpoint (--quantization quantizes it at load)"
+    )
+
+
+def _minimax_m2(meta: _Metadata, fields: Fields) -> Fields:
+    """Refused: transformers reads `minimax-m2` files, but no test checks pagellm on one against the
+    checkpoint it came from (pagellm.bench.gguf_convert writes none), and the reader turns some fields into
+    other values than config.json's (`expert_gating_func` an enum number for `scoring_func`)."""
+    raise ConfigError(
+        "MiniMax-M2 GGUF files are not supported (no conversion of one is checked against transformers); "
+        "run the safetensors checkpoint"
+    )
+
+
+def _gemma4(meta: _Metadata, fields: Fields) -> Fields:
+    """Refused: transformers reads `gemma4` files, but no test checks pagellm on one against the checkpoint
+    it came from (pagellm.bench.gguf_convert writes none), and Gemma 4's config is per layer (head sizes and
+    KV heads of the full layers, shared KV, per-layer inputs), which no rule here checks is read back."""
+    raise ConfigError(
+        "Gemma 4 GGUF files are not supported (no conversion of one is checked against transformers); run "
+        "the safetensors checkpoint"
+    )
+
+
+def _lfm2(meta: _Metadata, fields: Fields) -> Fields:
+    """Refused: transformers reads `lfm2` files (deriving the conv layers from the per-layer KV head counts),
+    but no test checks pagellm on one against the checkpoint it came from (pagellm.bench.gguf_convert writes
+    none)."""
+    raise ConfigError(
+        "LFM2 GGUF files are not supported (no conversion of one is checked against transformers); run the "
+        "safetensors checkpoint"
+    )
+
+
 _QWEN_MOE_WIDTHS = {
     "expert_feed_forward_length": "moe_intermediate_size",
     "expert_shared_feed_forward_length": "shared_expert_intermediate_size",
@@ -170,6 +210,10 @@ _RULES: dict[str, tuple[Rule, ...]] = {
     "qwen3moe": (_stated(_QWEN_MOE_WIDTHS), _topk_renormalised(fixed=True)),
     "qwen2moe": (_stated(_QWEN_MOE_WIDTHS), _topk_renormalised(fixed=False)),
     "llama": (_mixtral,),
+    "starcoder2": (_starcoder2,),
+    "minimax-m2": (_minimax_m2,),
+    "gemma4": (_gemma4,),
+    "lfm2": (_lfm2,),
 }
 
 

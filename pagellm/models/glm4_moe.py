@@ -11,7 +11,7 @@ Llama's decoder (fused q/k/v, tensor and pipeline parallel split) with
 
 The checkpoints hold `num_nextn_predict_layers` multi-token-prediction layers after the decoder layers
 (`model.layers.<num_hidden_layers>...`); they belong to no pipeline stage's layers, so the loader skips
-them: no drafts from them.
+them; speculative decoding's `mtp` method loads the first as a draft head (`spec_decode/mtp.py`).
 
 Tensor parallelism as Qwen2-MoE: attention by heads, the experts by width (or whole with
 --enable-expert-parallel), the shared experts by width, one all-reduce per MoE block; the router and its

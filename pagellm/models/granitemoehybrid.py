@@ -26,6 +26,7 @@ from torch import nn
 
 from pagellm.core.attention import AttentionSpec
 from pagellm.models.base import CausalLM, ModelInit, head_size
+from pagellm.models.granitemoe import split_granite_experts
 from pagellm.models.layers.embedding import Embedding
 from pagellm.models.layers.fused_moe.block import SparseMoeBlock, expert_count
 from pagellm.models.layers.fused_moe.loading import copy_weights_with_experts
@@ -164,10 +165,9 @@ class GraniteMoeHybridForCausalLM(CausalLM):
 
     def _rename(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         """The checkpoint's Granite names onto the layers': the shared MLP's `input_linear` (gate rows, then
-        up rows) is the fused `gate_up_proj`; the experts' stacked `input_linear` [E, 2I, H] and
-        `output_linear` [E, H, I] are split into each expert's gate, up and down projections; the router's
-        `router.layer` is the block's `gate`."""
-        for name, tensor in weights:
+        up rows) is the fused `gate_up_proj`; the routed experts' names as Granite MoE's
+        (`split_granite_experts`)."""
+        for name, tensor in split_granite_experts(weights):
             if self.tied and name == "lm_head.weight":
                 continue
             if ".shared_mlp." in name:
@@ -177,16 +177,5 @@ class GraniteMoeHybridForCausalLM(CausalLM):
                     ),
                     tensor,
                 )
-            elif name.endswith(".block_sparse_moe.router.layer.weight"):
-                yield name.replace(".router.layer.", ".gate."), tensor
-            elif name.endswith(".block_sparse_moe.input_linear.weight"):
-                prefix = name.removesuffix("input_linear.weight")
-                for e, (gate, up) in enumerate(t.chunk(2) for t in tensor):
-                    yield f"{prefix}experts.{e}.gate_proj.weight", gate
-                    yield f"{prefix}experts.{e}.up_proj.weight", up
-            elif name.endswith(".block_sparse_moe.output_linear.weight"):
-                prefix = name.removesuffix("output_linear.weight")
-                for e, down in enumerate(tensor):
-                    yield f"{prefix}experts.{e}.down_proj.weight", down
             else:
                 yield name, tensor

@@ -186,6 +186,8 @@ class LlamaModel(nn.Module):
     layer_class: type[nn.Module] = LlamaDecoderLayer
     norm_class: type[nn.Module] = RMSNorm
     """The final norm's class."""
+    eps_field = "rms_norm_eps"
+    """The config field holding the final norm's epsilon (LayerNorm families: StarCoder2's `norm_epsilon`)."""
 
     def __init__(self, init: ModelInit, qkv_bias: bool, qk_norm: bool, spec_fn: SpecFn = attention_spec):
         super().__init__()
@@ -201,7 +203,7 @@ class LlamaModel(nn.Module):
             self.layer_class(init, i, qkv_bias, qk_norm, spec_fn) if i in self.own else nn.Identity()
             for i in range(c.num_hidden_layers)
         )
-        self.norm = self.norm_class(c.hidden_size, c.rms_norm_eps, init.dtype) if last else None
+        self.norm = self.norm_class(c.hidden_size, getattr(c, self.eps_field), init.dtype) if last else None
         self.hidden_size, self.dtype = c.hidden_size, init.dtype
 
     def init_rope(self, hf_config) -> None:

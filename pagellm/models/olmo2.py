@@ -60,23 +60,31 @@ class Olmo2Attention(LlamaAttention):
         self.q_norm = ProjectionRMSNorm((tp.rank * self.q_size, self.q_size), eps, dtype, tp)
         self.k_norm = ProjectionRMSNorm((kv_head * self.head_dim, self.kv_size), eps, dtype, tp)
 
-    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None) -> torch.Tensor:
+        """cos/sin None: no rotary (OLMo Hybrid's NoPE attention)."""
         q, k, v = self.qkv_proj(h).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = self.q_norm(q).reshape(-1, self.num_heads, self.head_dim)
         k = self.k_norm(k).reshape(-1, self.num_kv_heads, self.head_dim)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if cos is not None:
+            # in float32, cast back after: transformers' OLMo 2/3 keep cos/sin float32, which promotes q and k
+            q = apply_rotary(q.float(), cos, sin).to(q.dtype)
+            k = apply_rotary(k.float(), cos, sin).to(k.dtype)
         out = self.attn(q.reshape(-1, self.q_size), k.reshape(-1, self.kv_size), v)
         return self.o_proj(out)
 
 
 class Olmo2DecoderLayer(nn.Module):
+    attention_class: type[nn.Module] = Olmo2Attention
+    norm_class: type[nn.Module] = Olmo2RMSNorm
+    """The two norms' class (EXAONE 4 scales by the weight after the cast back, as Llama does)."""
+
     def __init__(self, init: ModelInit, layer_idx: int, qkv_bias: bool, qk_norm: bool, spec_fn: SpecFn):
         super().__init__()
         c = init.hf_config
-        self.self_attn = Olmo2Attention(init, layer_idx, qkv_bias, qk_norm, spec_fn)
+        self.self_attn = self.attention_class(init, layer_idx, qkv_bias, qk_norm, spec_fn)
         self.mlp = LlamaMLP(init)
-        self.post_attention_layernorm = Olmo2RMSNorm(c.hidden_size, c.rms_norm_eps, init.dtype)
-        self.post_feedforward_layernorm = Olmo2RMSNorm(c.hidden_size, c.rms_norm_eps, init.dtype)
+        self.post_attention_layernorm = self.norm_class(c.hidden_size, c.rms_norm_eps, init.dtype)
+        self.post_feedforward_layernorm = self.norm_class(c.hidden_size, c.rms_norm_eps, init.dtype)
 
     def forward(
         self, h: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor

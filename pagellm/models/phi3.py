@@ -21,6 +21,9 @@ from pagellm.models.loader import CheckpointSlice, copy_weights
 
 
 class Phi3ForCausalLM(LlamaForCausalLM):
+    family = "Phi-3"
+    """The family named where a pre-quantized checkpoint is refused (GLM-4 reuses this loader)."""
+
     def __init__(self, init: ModelInit):
         super().__init__(init)
         c = init.hf_config
@@ -51,8 +54,9 @@ class Phi3ForCausalLM(LlamaForCausalLM):
                 continue
             if not name.endswith((".weight", ".bias")) and not (self.gguf_rows and name.endswith(".qweight")):
                 raise ConfigError(
-                    f"checkpoint tensor {name!r}: pre-quantized Phi-3 checkpoints (fused, packed tensors) are "
-                    f"not supported; use an unquantized checkpoint (--quantization quantizes it at load)"
+                    f"checkpoint tensor {name!r}: pre-quantized {self.family} checkpoints (fused, packed "
+                    f"tensors) are not supported; use an unquantized checkpoint (--quantization quantizes it "
+                    f"at load)"
                 )
             start = 0
             for part, size in self.fused_parts[fused]:

@@ -22,10 +22,11 @@ def smollm3_attention_spec(hf_config, dtype: torch.dtype, block_size: int, layer
     return dataclasses.replace(spec, sliding_window=hf_config.sliding_window if sliding else None)
 
 
-class SmolLM3DecoderLayer(LlamaDecoderLayer):
-    def __init__(self, init: ModelInit, layer_idx: int, qkv_bias: bool, qk_norm: bool, spec_fn: SpecFn):
-        super().__init__(init, layer_idx, qkv_bias, qk_norm, spec_fn)
-        self.use_rope = bool(init.hf_config.no_rope_layers[layer_idx])
+class NoPEWhereOff:
+    """Mixed in before a decoder layer class whose __init__ sets `use_rope` (SmolLM3's, EXAONE 4's): a
+    layer without rope hands its attention no cos and sin, so it attends without positions."""
+
+    use_rope: bool
 
     def forward(
         self, h: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor
@@ -33,6 +34,12 @@ class SmolLM3DecoderLayer(LlamaDecoderLayer):
         if not self.use_rope:
             cos = sin = None
         return super().forward(h, residual, cos, sin)
+
+
+class SmolLM3DecoderLayer(NoPEWhereOff, LlamaDecoderLayer):
+    def __init__(self, init: ModelInit, layer_idx: int, qkv_bias: bool, qk_norm: bool, spec_fn: SpecFn):
+        super().__init__(init, layer_idx, qkv_bias, qk_norm, spec_fn)
+        self.use_rope = bool(init.hf_config.no_rope_layers[layer_idx])
 
 
 class SmolLM3Model(LlamaModel):

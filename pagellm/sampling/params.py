@@ -16,26 +16,31 @@ _LOGPROBS_RANGE = f"must be in [0, {MAX_LOGPROBS}]"
 # what a torch.Generator takes as a seed: any 64-bit value, signed or not (-1 and 2**64 - 1 are one seed)
 SEED_MIN, SEED_END = -(2**63), 2**64
 TOP_K_END = 2**63  # top_k becomes an int64 tensor; any k >= the vocabulary size means off
+KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")  # of StructuredOutputsParams
 
 
 @dataclass
 class StructuredOutputsParams:
     """Constrain the output to a grammar (vLLM's names): exactly one of a JSON schema, any JSON object, a
-    regular expression, one of a list of strings, or an EBNF grammar (xgrammar's GBNF dialect)."""
+    regular expression, one of a list of strings, an EBNF grammar (xgrammar's GBNF dialect), or an xgrammar
+    structural tag (a format of tagged parts, such as a harmony reply's messages: unlike the others it
+    describes the whole reply, thinking included, so it applies from the first token even with a reasoning
+    parser)."""
 
     json: dict | str | None = None
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    structural_tag: dict | str | None = None
     disable_any_whitespace: bool = False  # JSON: no free whitespace between tokens (compact output)
 
     def __post_init__(self) -> None:
-        given = [k for k in ("json", "regex", "choice", "grammar", "json_object") if getattr(self, k)]
+        given = [k for k in KINDS if getattr(self, k)]
         if len(given) != 1:
             raise ConfigError(
-                "structured_outputs needs exactly one of json, regex, choice, grammar or json_object"
-                + (f", got {', '.join(given)}" if given else ""),
+                "structured_outputs needs exactly one of json, regex, choice, grammar, json_object or "
+                "structural_tag" + (f", got {', '.join(given)}" if given else ""),
                 param="structured_outputs",
             )
         if self.choice is not None and not all(isinstance(c, str) and c for c in self.choice):
@@ -45,7 +50,7 @@ class StructuredOutputsParams:
 
     @property
     def kind(self) -> str:
-        return next(k for k in ("json", "regex", "choice", "grammar", "json_object") if getattr(self, k))
+        return next(k for k in KINDS if getattr(self, k))
 
 
 @dataclass

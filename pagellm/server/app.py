@@ -1,8 +1,10 @@
-"""The OpenAI- and Anthropic-compatible FastAPI app over an AsyncLLM: `build_app` and its route table.
+"""The OpenAI-, Anthropic- and Ollama-compatible FastAPI app over an AsyncLLM: `build_app` and its route table.
 
 Each API family is served by a module of its own, on the shared `serving_base.ServingBase`:
-serving_completion.py, serving_chat.py, serving_embedding.py, anthropic.py (Anthropic's Messages API)
-and serving_admin.py (health, version, metrics, models, tokenize, detokenize, LoRA adapters); the
+serving_completion.py, serving_chat.py, serving_responses.py (the Responses API), serving_embedding.py,
+serving_score.py (scores, reranking,
+classification), anthropic.py (Anthropic's Messages API), serving_ollama.py and ollama_models.py
+(Ollama's API) and serving_admin.py (health, version, metrics, models, tokenize, detokenize, LoRA adapters); the
 middleware (API keys, body size) is middleware.py, the error bodies and their handlers errors.py.
 """
 
@@ -20,13 +22,19 @@ from pagellm.engine.async_llm import AsyncLLM
 from pagellm.server import errors
 from pagellm.server.anthropic import MessagesResponse, ServingMessages
 from pagellm.server.limits import DEFAULT_MAX_BODY_MB, DEFAULT_MAX_N
-from pagellm.server.middleware import APIKeyMiddleware, BodySizeLimitMiddleware
+from pagellm.server.middleware import APIKeyMiddleware, BodySizeLimitMiddleware, OllamaJSONBodyMiddleware
+from pagellm.server.ollama_models import OllamaModels
 from pagellm.server.protocol import ChatCompletionResponse, CompletionResponse
+from pagellm.server.protocol_ollama import OllamaChatResponse, OllamaGenerateResponse
+from pagellm.server.protocol_responses import ResponseObject
 from pagellm.server.serving_admin import ServingAdmin
 from pagellm.server.serving_chat import ServingChat
 from pagellm.server.serving_completion import ServingCompletion
 from pagellm.server.serving_embedding import ServingEmbedding
 from pagellm.server.serving_models import ServedModels
+from pagellm.server.serving_ollama import ServingOllama, json_or_lines
+from pagellm.server.serving_responses import ServingResponses
+from pagellm.server.serving_score import ServingScore
 
 
 def build_app(
@@ -42,11 +50,13 @@ def build_app(
     enable_auto_tool_choice: bool = False,
     lora_modules: dict[str, str] | None = None,
     allow_runtime_lora_updating: bool = False,
+    responses_store: tuple[int, float] | None = None,
 ) -> FastAPI:
     """The app serving `llm` under `served_model_names` (the first is the default for requests naming none).
 
     With `api_keys`, every path but /health and /metrics needs `Authorization: Bearer <one of them>`. Bodies
-    over `max_body_bytes` get 413, requests for more than `max_n` samples 400."""
+    over `max_body_bytes` get 413, requests for more than `max_n` samples 400. `responses_store`: (most
+    responses, seconds each) that /v1/responses keeps (--enable-responses-store); None keeps none."""
     models = ServedModels(llm, served_model_names)
     options: dict[str, Any] = {"chat_template": chat_template, "log_requests": log_requests, "max_n": max_n}
     tools = {"tool_call_parser": tool_call_parser, "enable_auto_tool_choice": enable_auto_tool_choice}
@@ -55,6 +65,8 @@ def build_app(
     messages = ServingMessages(llm, models, **tools, **options)
     completion = ServingCompletion(llm, models, **options)
     embedding = ServingEmbedding(llm, models, **options)
+    scoring = ServingScore(llm, models, **options)
+    ollama, ollama_models = ServingOllama(chat, embedding), OllamaModels(chat)
     for name, path in (lora_modules or {}).items():
         models.add_lora(name, path)
 
@@ -63,6 +75,7 @@ def build_app(
     if api_keys:
         app.add_middleware(APIKeyMiddleware, api_keys=list(api_keys))
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_body_bytes)
+    app.add_middleware(OllamaJSONBodyMiddleware)
 
     keyed = errors.openapi_errors(401, 500)
     posted = errors.openapi_errors(400, 401, 404, 408, 413, 500, 503)
@@ -85,12 +98,42 @@ def build_app(
     app.post("/tokenize", responses=posted)(admin.tokenize)
     app.post("/detokenize", responses=posted)(admin.detokenize)
     app.post("/v1/embeddings", responses=posted)(embedding.embeddings)
+    _route_responses(app, ServingResponses(llm, models, store=responses_store, **tools, **options), posted)
+    app.post("/v1/score", responses=posted)(scoring.score)
+    for version in ("v1", "v2"):  # Jina's and Cohere's rerank paths
+        app.post(f"/{version}/rerank", responses=posted, operation_id=f"rerank_{version}")(scoring.rerank)
+    app.post("/classify", responses=posted)(scoring.classify)
+    app.post("/pooling", responses=posted)(scoring.pooling)
+    _route_messages(app, messages)
+    ollama_failed = errors.openapi_errors(400, 401, 404, 408, 413, 500, 503, ollama=True)
+    chat_lines = json_or_lines(OllamaChatResponse, "The reply, or its lines")
+    app.post("/api/chat", responses={**chat_lines, **ollama_failed})(ollama.api_chat)
+    generate_lines = json_or_lines(OllamaGenerateResponse, "The reply, or its lines")
+    app.post("/api/generate", responses={**generate_lines, **ollama_failed})(ollama.api_generate)
+    app.post("/api/embed", responses=ollama_failed)(ollama.api_embed)
+    app.post("/api/show", responses=ollama_failed)(ollama_models.show)
+    listed = errors.openapi_errors(401, 500, ollama=True)
+    for path in ("tags", "ps", "version"):  # Ollama's model routes
+        app.get(f"/api/{path}", responses=listed)(getattr(ollama_models, path))
+    _document_400_not_422(app)
+    return app
+
+
+def _route_responses(app: FastAPI, responses: ServingResponses, posted: dict[int | str, Any]) -> None:
+    """OpenAI's Responses API: create, and (answering 404 while the store is off) retrieve and cancel."""
+    response_or_events = _json_or_events(ResponseObject, "The response, or its events")
+    app.post("/v1/responses", responses={**response_or_events, **posted})(responses.create)
+    app.get("/v1/responses/{response_id}", responses=errors.openapi_errors(401, 404, 500))(responses.retrieve)
+    cancelled = errors.openapi_errors(400, 401, 404, 413, 500)
+    app.post("/v1/responses/{response_id}/cancel", responses=cancelled)(responses.cancel)
+
+
+def _route_messages(app: FastAPI, messages: ServingMessages) -> None:
+    """Anthropic's Messages API, its errors in Anthropic's body."""
     anthropic_failed = errors.openapi_errors(400, 401, 404, 408, 413, 500, 503, anthropic=True)
     message_or_events = _json_or_events(MessagesResponse, "The message, or its events")
     app.post("/v1/messages", responses={**message_or_events, **anthropic_failed})(messages.messages)
     app.post("/v1/messages/count_tokens", responses=anthropic_failed)(messages.count_tokens)
-    _document_400_not_422(app)
-    return app
 
 
 SERVER_SENT_EVENT: dict[str, Any] = {

@@ -2,7 +2,7 @@
 with it: 400 names the invalid field, 401 for API keys, 404 for unknown models, 413 for oversized bodies, 503
 with Retry-After when the queue is full (--max-waiting-requests), 500 for failures (with an id to find the details in the server log, never the exception itself). Under
 /v1/messages the same errors take Anthropic's body ({"type": "error", "error": {"type", "message"}}), which
-is what Anthropic's clients parse."""
+is what Anthropic's clients parse; under /api/ Ollama's ({"error": "..."})."""
 
 from __future__ import annotations
 
@@ -20,10 +20,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from pagellm.core.errors import ConfigError
 from pagellm.engine.async_llm import EngineError, OverloadedError, RequestTimeoutError
 from pagellm.server.protocol import AnthropicErrorInfo, AnthropicErrorResponse, ErrorInfo, ErrorResponse
+from pagellm.server.protocol_ollama import OllamaErrorResponse
 
 logger = logging.getLogger("pagellm")
 
 ANTHROPIC_PATH = "/v1/messages"  # it and the paths under it speak Anthropic's Messages API
+OLLAMA_PATH = "/api/"  # the paths under it speak Ollama's API
 _ANTHROPIC_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
@@ -89,6 +91,20 @@ def is_anthropic(path: str) -> bool:
     return path == ANTHROPIC_PATH or path.startswith(ANTHROPIC_PATH + "/")
 
 
+def is_ollama(path: str) -> bool:
+    """Ollama's API (serving_ollama.py) lives under /api/ and answers errors as {"error": "..."}."""
+    return path.startswith(OLLAMA_PATH)
+
+
+def ollama_error(error: APIError) -> OllamaErrorResponse:
+    """Ollama's body is one message: it names the field, as Anthropic's does."""
+    info = error.info
+    message = info.message
+    if info.param and info.param not in message:
+        message = f"{info.param}: {message}"
+    return OllamaErrorResponse(error=message)
+
+
 def anthropic_error(error: APIError) -> AnthropicErrorResponse:
     """Anthropic's body has no `param`: the message names the field instead."""
     info = error.info
@@ -102,6 +118,8 @@ def anthropic_error(error: APIError) -> AnthropicErrorResponse:
 def error_response(error: APIError, headers: Mapping[str, str] | None = None, path: str = "") -> JSONResponse:
     """The error's body in the shape the request's path speaks (OpenAI's, or Anthropic's)."""
     body = anthropic_error(error) if is_anthropic(path) else ErrorResponse(error=error.info)
+    if is_ollama(path):
+        body = ollama_error(error)
     return JSONResponse(
         body.model_dump(), status_code=error.status, headers={**error.headers, **(headers or {})}
     )
@@ -130,9 +148,11 @@ def from_exception(exc: Exception, param: str | None = None) -> APIError:
     )
 
 
-def openapi_errors(*statuses: int, anthropic: bool = False) -> dict[int | str, dict[str, Any]]:
+def openapi_errors(
+    *statuses: int, anthropic: bool = False, ollama: bool = False
+) -> dict[int | str, dict[str, Any]]:
     """OpenAPI `responses` documenting error statuses with the body they carry."""
-    model = AnthropicErrorResponse if anthropic else ErrorResponse
+    model = AnthropicErrorResponse if anthropic else OllamaErrorResponse if ollama else ErrorResponse
     return {status: {"model": model, "description": HTTPStatus(status).phrase} for status in statuses}
 
 

@@ -13,6 +13,11 @@ The markers are special tokens: the parsers that read them say so (`reads_specia
 server keeps special tokens in their text. Like every parser, `messages` is a function of the whole reply
 so far: a message appears once its header is complete and its body only grows (a tail that may still
 become a marker waits), so what the parsers derive from it grows the same way streamed or whole.
+
+The format is read here from the text rather than by the `openai-harmony` package: that package loads its
+`o200k_base` vocabulary by downloading it at run time (an offline server fails to start a parser) and parses
+only that vocabulary's token ids, not those of whatever tokenizer a served checkpoint has. `forced_calls_tag`
+writes the same format as an xgrammar structural tag, for tool calls a request forces.
 """
 
 from __future__ import annotations
@@ -80,6 +85,51 @@ def answer(found: list[Message]) -> str:
     """The reply's text for the user: every message that is neither thinking nor addressed to a tool (the
     final channel, commentary preambles, text outside harmony)."""
     return "\n".join(m.body for m in found if m.recipient is None and m.channel != "analysis")
+
+
+def forced_calls_tag(functions: list[dict], only: str | None, parallel: bool) -> dict:
+    """The xgrammar structural tag of a harmony reply that must call a function (tool_choice "required", or
+    once `only` that one): an optional analysis message, then the calls, each a commentary message
+    `to=functions.NAME` whose body follows the function's parameter schema. A call has no end marker of its
+    own: `<|call|>` is a stop token of GPT-OSS, so the reply ends after the arguments (or, with `parallel`,
+    `<|call|><|start|>assistant` and the next call, for a model that does not stop there). The thinking
+    may not hold markers, so nothing it says is mistaken for a message."""
+    analysis = {
+        "type": "tag",
+        "begin": "<|channel|>analysis<|message|>",
+        "content": {"type": "any_text", "excludes": [m for m in MARKERS if m != "<|end|>"]},
+        "end": "<|end|>",
+    }
+    calls = []
+    for function in functions:
+        if only is not None and function["name"] != only:
+            continue
+        arguments = {
+            "type": "json_schema",
+            "json_schema": function.get("parameters") or {"type": "object"},
+            "max_whitespace_cnt": 1,  # compact: calls need no layout, and a model may loop on whitespace
+        }
+        name = function["name"]
+        for begin in (  # the recipient after the channel (as GPT-OSS writes it) or before it
+            f"<|channel|>commentary to=functions.{name} <|constrain|>json<|message|>",
+            f" to=functions.{name}<|channel|>commentary <|constrain|>json<|message|>",
+        ):
+            calls.append({"type": "tag", "begin": begin, "content": arguments, "end": ""})
+    thinking = {
+        "type": "sequence",
+        "elements": [analysis, {"type": "const_string", "value": "<|start|>assistant"}],
+    }
+    called = {
+        "type": "tags_with_separator",
+        "tags": calls,
+        "separator": "<|call|><|start|>assistant",
+        "at_least_one": True,
+        "stop_after_first": only is not None or not parallel,
+    }
+    return {
+        "type": "structural_tag",
+        "format": {"type": "sequence", "elements": [{"type": "optional", "content": thinking}, called]},
+    }
 
 
 def _partial_marker_len(text: str) -> int:

@@ -1,5 +1,6 @@
-"""The ASGI middleware in front of every endpoint: API keys (`--api-key`) and the body size limit
-(`--max-request-body-mb`). Both answer with the error body of the path's API (errors.py) before any endpoint runs."""
+"""The ASGI middleware in front of every endpoint: API keys (`--api-key`), the body size limit
+(`--max-request-body-mb`) and Ollama's bodies read as JSON. The first two answer with the error body of
+the path's API (errors.py) before any endpoint runs."""
 
 from __future__ import annotations
 
@@ -40,6 +41,20 @@ class APIKeyMiddleware:
             for candidate in given:
                 match |= hmac.compare_digest(candidate, key)
         return match
+
+
+class OllamaJSONBodyMiddleware:
+    """Ollama's clients and its docs' `curl -d` post JSON without saying so (no Content-Type, or curl's
+    form type), and Ollama reads it anyway: bodies posted under /api/ are read as JSON whatever they say."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope.get("method") == "POST" and errors.is_ollama(scope["path"]):
+            headers = [(k, v) for k, v in scope["headers"] if k.lower() != b"content-type"]
+            scope = {**scope, "headers": [*headers, (b"content-type", b"application/json")]}
+        await self.app(scope, receive, send)
 
 
 class BodySizeLimitMiddleware:

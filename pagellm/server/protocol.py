@@ -14,6 +14,7 @@ from pydantic import (
     ConfigDict,
     Field,
     StrictInt,
+    computed_field,
     field_validator,
     model_serializer,
     model_validator,
@@ -136,7 +137,8 @@ class _SamplingFields(OpenAIModel):
             return StructuredOutputsParams(**value)
         except TypeError as e:  # an unknown key
             raise ConfigError(
-                f"{name}: {e}; valid keys: json, regex, choice, grammar, json_object", param=name
+                f"{name}: {e}; valid keys: json, regex, choice, grammar, json_object, structural_tag",
+                param=name,
             ) from None
 
     def _sampling_params(
@@ -304,6 +306,7 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # the template's own variables (vLLM's field)
     add_generation_prompt: bool = True
 
     def to_sampling_params(self, defaults: SamplingParams) -> SamplingParams:
@@ -466,6 +469,12 @@ class ChatResponseMessage(BaseModel):
     reasoning: str | None = None  # the thinking, with --reasoning-parser
     tool_calls: list[ToolCall] = Field(default_factory=list)
 
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def reasoning_content(self) -> str | None:
+        """The thinking again, under the name DeepSeek's API and older vLLM give it (clients read either)."""
+        return self.reasoning
+
 
 class ChatChoice(BaseModel):
     index: int
@@ -492,6 +501,12 @@ class DeltaMessage(BaseModel):
     content: str | None = None
     reasoning: str | None = None
     tool_calls: list[dict[str, Any]] | None = None  # OpenAI's tool-call deltas (index, id, type, function)
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def reasoning_content(self) -> str | None:
+        """`reasoning` under its other name, as `ChatResponseMessage` sends it."""
+        return self.reasoning
 
     @model_serializer(mode="wrap")
     def _drop_none(self, handler: Any) -> dict[str, Any]:

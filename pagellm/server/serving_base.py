@@ -120,11 +120,13 @@ class ServingBase:
         template: str | None,
         add_generation_prompt: bool,
         tools: list[dict] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
         """The token ids of `messages` rendered by the chat template (the request's, else the server's, else
-        the tokenizer's); 400 naming `messages` when there is none or it fails. Run it in a thread."""
+        the tokenizer's), with `template_kwargs` as its variables; 400 naming `messages` when there is none
+        or it fails. Run it in a thread."""
         conversation = [message_dict(m) for m in messages]
-        ids = self._render(conversation, template, add_generation_prompt, tools, tokenize=True)
+        ids = self._render(conversation, template, add_generation_prompt, tools, True, template_kwargs)
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
     def _render(
@@ -134,6 +136,7 @@ class ServingBase:
         add_generation_prompt: bool,
         tools,
         tokenize: bool,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> Any:
         """The chat template's output (token ids or text); 400 naming `messages` when it fails."""
         template = template or self.chat_template
@@ -148,6 +151,7 @@ class ServingBase:
                 add_generation_prompt=add_generation_prompt,
                 tokenize=tokenize,
                 tools=tools,
+                **(template_kwargs or {}),
             )
         except Exception as exc:
             raise errors.bad_request(
@@ -195,6 +199,7 @@ class ServingBase:
         template: str | None,
         add_generation_prompt: bool,
         tools: list[dict] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> tuple[str, list[int]]:
         """A conversation with images rendered by the chat template as text, each image as the model's
         placeholder, and that text's token ids (before the engine expands the placeholders to the images'
@@ -203,7 +208,7 @@ class ServingBase:
             conversation, _ = split_images([message_dict(m, keep_images=True) for m in messages])
         except ConfigError as exc:  # a part that is neither text nor an image
             raise errors.bad_request(str(exc), exc.param) from exc
-        text = self._render(conversation, template, add_generation_prompt, tools, tokenize=False)
+        text = self._render(conversation, template, add_generation_prompt, tools, False, template_kwargs)
         return text, self.tokenizer.encode(text, add_special_tokens=False)
 
     # -- checks -----------------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """OpenAI's chat completions (`POST /v1/chat/completions`, vLLM's `serving_chat.py`): messages rendered by
 the chat template, replies split into reasoning and content by `--reasoning-parser`, tool calls found by
-`--tool-call-parser` (tool_choice auto) or by the format a grammar imposed (required, a named function),
-streamed or whole. Anthropic's Messages API (anthropic.py) serves its requests through `start_chat` and
+`--tool-call-parser` (tool_choice auto) or by the format a grammar imposed (required, a named function:
+bare JSON, or for GPT-OSS a whole harmony reply), streamed or whole. Anthropic's Messages API (anthropic.py) serves its requests through `start_chat` and
 `message`."""
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ from pagellm.engine.async_llm import AsyncLLM, RequestStream
 from pagellm.engine.outputs import CompletionOutput, RequestOutput
 from pagellm.engine.setup import reasoning_parser
 from pagellm.plugins.loader import load_plugins
-from pagellm.server import errors
+from pagellm.sampling.params import SamplingParams, StructuredOutputsParams
+from pagellm.server import errors, harmony
 from pagellm.server.protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -36,7 +37,7 @@ from pagellm.server.protocol import (
     TopLogprob,
     UsageInfo,
 )
-from pagellm.server.reasoning import ReasoningStream
+from pagellm.server.reasoning import GptOssReasoningParser, ReasoningStream
 from pagellm.server.serving_base import (
     MIN_LOGPROB,
     Prompts,
@@ -48,7 +49,13 @@ from pagellm.server.serving_base import (
     usage_of,
 )
 from pagellm.server.serving_models import ServedModels
-from pagellm.server.tool_parsers import NamedToolParser, RequiredToolParser, ToolCallStream, call_id
+from pagellm.server.tool_parsers import (
+    NamedToolParser,
+    OpenAIToolParser,
+    RequiredToolParser,
+    ToolCallStream,
+    call_id,
+)
 
 
 class ServingChat(ServingBase):
@@ -67,6 +74,10 @@ class ServingChat(ServingBase):
         self.reasoning: ReasoningParser | None = _reasoning_parser(llm)
         self.tool_parser: ToolParser | None = tool_parser(tool_call_parser)
         self.enable_auto_tool_choice = enable_auto_tool_choice
+        # GPT-OSS: its replies are harmony messages, forced calls included
+        self.speaks_harmony = isinstance(self.reasoning, GptOssReasoningParser) or isinstance(
+            self.tool_parser, OpenAIToolParser
+        )
 
     async def chat_completions(self, request: ChatCompletionRequest, raw_request: Request) -> Any:
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
@@ -104,6 +115,8 @@ class ServingChat(ServingBase):
         model = self.served.resolve(request.model)
         params = self.sampling_params(request, "top_logprobs")
         tool_parser = self._request_tool_parser(request)
+        if self.speaks_harmony and isinstance(tool_parser, (RequiredToolParser, NamedToolParser)):
+            tool_parser = self._harmony_forced_calls(request, params)
         if reads_special_tokens(self.reasoning) or reads_special_tokens(tool_parser):
             # the parsers read the markers (special tokens) and leave them out of what they return
             params.skip_special_tokens = False
@@ -116,6 +129,7 @@ class ServingChat(ServingBase):
                 request.chat_template,
                 request.add_generation_prompt,
                 tools,
+                request.chat_template_kwargs,
             )
             prompts: Prompts = [(text, ids)]
         else:
@@ -125,6 +139,7 @@ class ServingChat(ServingBase):
                 request.chat_template,
                 request.add_generation_prompt,
                 tools,
+                request.chat_template_kwargs,
             )
             prompts = [(None, ids)]
         self.check_cost(prompts, params)
@@ -179,6 +194,18 @@ class ServingChat(ServingBase):
                 "tool_choice",
             )
         return self.tool_parser
+
+    def _harmony_forced_calls(self, request: ChatCompletionRequest, params: SamplingParams) -> ToolParser:
+        """A harmony model that must call (tool_choice required or a named function): the grammar is a whole
+        harmony reply, its thinking and then the calls as commentary messages, rather than bare JSON (which
+        would leave no room to think, in a format the model was not trained on); the calls are read from
+        it as with tool_choice auto."""
+        choice = request.effective_tool_choice
+        only = choice.function.name if isinstance(choice, NamedToolChoice) else None
+        functions = [t.function.model_dump() for t in request.tools or []]
+        tag = harmony.forced_calls_tag(functions, only, request.parallel_tool_calls)
+        params.structured_outputs = StructuredOutputsParams(structural_tag=tag)
+        return OpenAIToolParser()
 
     def _events(
         self,

@@ -64,25 +64,35 @@ class DraftModelProposer(Proposer):
 
     def _step(self, tokens: np.ndarray, positions: np.ndarray, rows: np.ndarray) -> list[int]:
         """One token per request at `positions`: its KV stored, its argmax next token returned."""
-        n, bs = len(tokens), self.block_size
-        seq_lens = positions + 1
-        max_blocks = int(-(-seq_lens.max() // bs))
-        slots = self.block_table[rows, positions // bs].astype(np.int64) * bs + positions % bs
-        query_start = np.arange(n + 1, dtype=np.int32)
-        attn = AttentionBatch(
-            query_start_loc=self._dev(query_start),
-            seq_lens=self._dev(seq_lens.astype(np.int32)),
-            block_tables=self._dev(np.ascontiguousarray(self.block_table[rows, :max_blocks])),
-            slot_mapping=self._dev(slots),
-            query_start_loc_cpu=torch.from_numpy(query_start),
-            seq_lens_cpu=torch.from_numpy(seq_lens.astype(np.int32)),
-            max_query_len=1,
-            max_seq_len=int(seq_lens.max()),
-        )
+        attn = one_token_batch(self.block_table, rows, positions, self.block_size, self.device)
         with set_forward_context(self.backend.build_metadata(attn), self.kv_caches, self.layers):
-            hidden = self.model(self._dev(tokens), self._dev(positions))
+            hidden = self.model(to_device(tokens, self.device), to_device(positions, self.device))
         return argmax(self.model.compute_logits(hidden)).tolist()
 
-    def _dev(self, array: np.ndarray) -> torch.Tensor:
-        tensor = torch.from_numpy(np.ascontiguousarray(array))
-        return tensor if self.device.type == "cpu" else tensor.to(self.device, non_blocking=True)
+
+def one_token_batch(
+    block_table: np.ndarray, rows: np.ndarray, positions: np.ndarray, block_size: int, device: torch.device
+) -> AttentionBatch:
+    """The attention batch of one query token per request (the request in persistent-batch row `rows[i]`
+    at `positions[i]`), its KV stored at that position's slot of the target's block table: a proposer
+    with a KV cache of its own steps this way, one draft token at a time."""
+    n, bs = len(positions), block_size
+    seq_lens = (positions + 1).astype(np.int32)
+    max_blocks = int(-(-seq_lens.max() // bs))
+    slots = block_table[rows, positions // bs].astype(np.int64) * bs + positions % bs
+    query_start = np.arange(n + 1, dtype=np.int32)
+    return AttentionBatch(
+        query_start_loc=to_device(query_start, device),
+        seq_lens=to_device(seq_lens, device),
+        block_tables=to_device(block_table[rows, :max_blocks], device),
+        slot_mapping=to_device(slots, device),
+        query_start_loc_cpu=torch.from_numpy(query_start),
+        seq_lens_cpu=torch.from_numpy(seq_lens),
+        max_query_len=1,
+        max_seq_len=int(seq_lens.max()),
+    )
+
+
+def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    tensor = torch.from_numpy(np.ascontiguousarray(array))
+    return tensor if device.type == "cpu" else tensor.to(device, non_blocking=True)

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
+import numpy as np
 import torch
 
 from pagellm.core.attention import AttentionBatch
@@ -35,6 +36,7 @@ class StepInputs:
     positions: torch.Tensor  # [T]
     attn: AttentionBatch
     hidden: torch.Tensor  # [T, hidden]: the target's last hidden states (what EAGLE-style heads read)
+    rows: np.ndarray | None = None  # [B]: each request's row of the runner's persistent batch
 
 
 class Proposer(ABC):

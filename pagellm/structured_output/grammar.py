@@ -72,6 +72,8 @@ def check(params: StructuredOutputsParams) -> None:
             xgr.Grammar.from_ebnf(params.grammar)
         elif kind == "choice":
             xgr.Grammar.from_ebnf(_choice_grammar(params.choice))
+        elif kind == "structural_tag":
+            xgr.Grammar.from_structural_tag(_schema_text(params.structural_tag))
     except (ValueError, RuntimeError, TypeError) as e:  # xgrammar's parse errors are RuntimeErrors
         message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ConfigError(f"structured_outputs.{kind}: {message}", param="structured_outputs") from None
@@ -158,6 +160,8 @@ class GrammarCompiler:
             return compiler.compile_regex(params.regex)
         if kind == "choice":
             return compiler.compile_grammar(_choice_grammar(params.choice))
+        if kind == "structural_tag":
+            return compiler.compile_structural_tag(_schema_text(params.structural_tag))
         return compiler.compile_grammar(params.grammar)
 
     def shutdown(self) -> None:
@@ -172,6 +176,7 @@ def _key(params: StructuredOutputsParams) -> tuple:
         "regex": lambda: params.regex,
         "choice": lambda: tuple(params.choice),
         "grammar": lambda: params.grammar,
+        "structural_tag": lambda: _schema_text(params.structural_tag),
     }[kind]()
     return kind, value, params.disable_any_whitespace
 

@@ -29,12 +29,14 @@ def reference_attention(
     scale: float | None = None,
     logits_soft_cap: float | None = None,
     sinks: torch.Tensor | None = None,
+    attention_chunk: int | None = None,
 ) -> torch.Tensor:
     """Plain causal attention per sequence in float32, no paging: the answer every backend must give.
 
     q: [sum(query_lens), H, d], each request's query tokens in order; k_full: [sum(seq_lens), KV, d], v_full:
     [sum(seq_lens), KV, dv], each request's whole sequence in order; sinks: [H] logits that join every softmax and add no value
-    (transformers' GPT-OSS eager attention). Scores are scaled, then capped, then masked. Returns float32
+    (transformers' GPT-OSS eager attention); attention_chunk: a query sees only keys of its own chunk of that
+    many positions (transformers' chunked causal mask, Llama 4). Scores are scaled, then capped, then masked. Returns float32
     [sum(query_lens), H, dv]."""
     scale = scale if scale is not None else q.shape[-1] ** -0.5
     group = q.shape[1] // k_full.shape[1]
@@ -46,10 +48,16 @@ def reference_attention(
         scores = qi @ ki.transpose(-1, -2) * scale
         if logits_soft_cap is not None:
             scores = logits_soft_cap * torch.tanh(scores / logits_soft_cap)
-        diff = torch.arange(seq_len - query_len, seq_len)[:, None] - torch.arange(seq_len)[None, :]
+        query_pos, key_pos = (
+            torch.arange(seq_len - query_len, seq_len)[:, None],
+            torch.arange(seq_len)[None, :],
+        )
+        diff = query_pos - key_pos
         visible = diff >= 0
         if sliding_window is not None:
             visible &= diff < sliding_window
+        if attention_chunk is not None:
+            visible &= query_pos // attention_chunk == key_pos // attention_chunk
         scores = scores.masked_fill(~visible.to(scores.device), float("-inf"))
         if sinks is not None:  # a column of the head's sink logit, dropped after the softmax
             column = sinks.float().to(scores.device).view(-1, 1, 1).expand(-1, query_len, 1)
@@ -142,6 +150,7 @@ def check_layers(
                     spec.softmax_scale,
                     spec.logits_soft_cap,
                     sinks,
+                    spec.attention_chunk,
                 )
                 worst[i] = max(worst[i], (out.float() - expected).abs().max().item())
     return worst

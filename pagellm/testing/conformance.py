@@ -137,7 +137,8 @@ def feature_cases(base: AttentionSpec) -> list[ConformanceCase]:
     after a scale other than head_size ** -0.5); sinks alone, with a window and over long contexts (where
     contexts are split and merged); the latent layout (DeepSeek's MLA in the weight-absorbed form: MQA over
     one row of head_size + 16 per token whose first head_size elements are V), alone and over long contexts;
-    and models whose layers mix them in each step."""
+    chunked local attention (Llama 4) in chunks of a few tokens, one block and more than a block; and
+    models whose layers mix them in each step."""
     b = base.block_size
 
     def case(name: str, steps: tuple[Step, ...], **changes) -> ConformanceCase:
@@ -162,6 +163,18 @@ def feature_cases(base: AttentionSpec) -> list[ConformanceCase]:
             sliding_window=20,
         ),
     ]
+    # chunked local attention (Llama 4): chunks of a few tokens, one block, more than a block
+    chunks = dict.fromkeys((7, b, 20))
+    cases += [case(f"attention_chunk-{c}", MIXED, attention_chunk=c) for c in chunks]
+    cases.append(case("long_context-attention_chunk-300", LONG, attention_chunk=300))
+    chunked = (
+        dataclasses.replace(base, attention_chunk=20),
+        base,
+        dataclasses.replace(base, sliding_window=7),
+    )
+    cases.append(
+        ConformanceCase("mixed_layers-attention_chunk", chunked[0], MIXED, chunked[1:], feature=True)
+    )
     latent = dict(num_kv_heads=1, head_size=base.head_size + 16, v_head_size=base.head_size, latent_kv=True)
     cases += [case("latent_kv", MIXED, **latent), case("long_context-latent_kv", LONG, **latent)]
     # Gemma 2/3- and GPT-OSS-like: local and global layers, capped or with sinks, over one step's metadata

@@ -111,6 +111,7 @@ class InputBatch:
             block_tables=groups[0][0],
             slot_mapping=groups[0][1],
             more_groups=tuple(groups[1:]),
+            batch_rows=np.asarray(rows, dtype=np.int64),
         )
         return arrays, cu
 

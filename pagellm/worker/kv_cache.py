@@ -9,8 +9,10 @@ block, the KV connector's block dimension) asks `kv_cache_shape` here.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import mmap
+from typing import Any
 
 import torch
 
@@ -28,9 +30,22 @@ def rank_spec(setup: EngineSetup, tp: Group) -> AttentionSpec:
     return rank_heads(setup.spec, tp)
 
 
-def kv_cache_shape(setup: EngineSetup, tp: Group, num_blocks: int, block_size: int) -> tuple[int, ...]:
-    """One layer's cache of `num_blocks` blocks, in the backend's layout."""
-    return tuple(setup.backend.layer_cache_shape(rank_spec(setup, tp), num_blocks, block_size))
+def kv_cache_shape(
+    setup: EngineSetup, tp: Group, num_blocks: int, block_size: int, layer: Any = None
+) -> tuple[int, ...]:
+    """One layer's cache of `num_blocks` blocks, in the backend's layout (`layer`: an attention layer
+    whose KV heads or head size may differ from the engine's spec, Gemma 4's full layers)."""
+    return tuple(setup.backend.layer_cache_shape(layer_spec(setup, tp, layer), num_blocks, block_size))
+
+
+def layer_spec(setup: EngineSetup, tp: Group, layer: Any = None) -> AttentionSpec:
+    """The spec a layer's cache is shaped by: this rank's engine spec, with the layer's own KV heads and
+    head size where they differ from it."""
+    spec = rank_spec(setup, tp)
+    own = getattr(layer, "spec", None)
+    if own is None or (own.num_kv_heads, own.head_size) == (spec.num_kv_heads, spec.head_size):
+        return spec
+    return dataclasses.replace(spec, num_kv_heads=own.num_kv_heads, head_size=own.head_size)
 
 
 def kv_layout(setup: EngineSetup, num_layers: int) -> KVCacheLayout:
@@ -53,7 +68,6 @@ def allocate_kv_caches(
     (None). Without `layout` (a draft model's) each layer has a tensor of its own; with one, the layers at
     the same place of their groups share one (`KVCacheLayout.tensor_of`)."""
     dtype = rank_spec(setup, tp).cache_dtype
-    shape = kv_cache_shape(setup, tp, num_blocks, block_size)
     empty = torch.empty(0, dtype=dtype, device=device)
     tensors: dict[int, torch.Tensor] = {}
     caches = []
@@ -63,7 +77,7 @@ def allocate_kv_caches(
             continue
         j = layout.tensor_of(i) if layout is not None else i
         if j not in tensors:
-            tensors[j] = zeroed(shape, dtype, device)
+            tensors[j] = zeroed(kv_cache_shape(setup, tp, num_blocks, block_size, layer), dtype, device)
         caches.append(tensors[j])
     return caches
 
@@ -88,6 +102,20 @@ def num_kv_tensors(layers: list, layout: KVCacheLayout | None) -> int:
     """KV tensors `allocate_kv_caches` makes for these layers (None: another stage's)."""
     local = [i for i, layer in enumerate(layers) if layer is not None]
     return len({layout.tensor_of(i) for i in local}) if layout is not None else len(local)
+
+
+def layers_block_bytes(
+    setup: EngineSetup, tp: Group, block_size: int, layers: list, layout: KVCacheLayout | None
+) -> int:
+    """Bytes of one KV block over the KV tensors `allocate_kv_caches` makes for these layers, each of its
+    own shape (a layer reading another's cache has none)."""
+    itemsize = torch.empty((), dtype=rank_spec(setup, tp).cache_dtype).element_size()
+    sizes: dict[int, int] = {}
+    for i, layer in enumerate(layers):
+        if layer is not None:
+            shape = kv_cache_shape(setup, tp, 1, block_size, layer)
+            sizes[layout.tensor_of(i) if layout is not None else i] = math.prod(shape) * itemsize
+    return sum(sizes.values())
 
 
 def kv_block_bytes(setup: EngineSetup, tp: Group, block_size: int, num_layers: int) -> int:

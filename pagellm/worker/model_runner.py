@@ -111,7 +111,7 @@ class ModelRunner:
             torch.Generator(device=self.device).manual_seed(config.seed), argmax=setup.platform.argmax
         )
         self.spec_decode = self.built.spec_decode(
-            self.input_batch.block_table, self.sampler, self.generators, self.compute_logits
+            self.input_batch.block_table, self.sampler, self.generators, self.compute_logits, self.input_batch
         )
         self.kv_transfer = (
             RunnerKVConnector(setup, self.parallel.tp, self.kv_caches, self.block_size)
@@ -181,7 +181,7 @@ class ModelRunner:
         hidden = self._run_model(step)
         result = StepResult(kv_connector_output=self._kv_transfers_done(out))
         if step.pooling:
-            pool_step(self.pooling_states, hidden, step, result)
+            pool_step(self.pooling_states, hidden, step, result, self.model.compute_logits)
         if step.prompt_logprobs:
             prompt_logprobs(hidden, step, result, self.compute_logits, self.device)
         if not step.sampling:
@@ -276,7 +276,7 @@ class ModelRunner:
             images=images,
         ):
             hidden = self.forward(input_ids, positions)
-        return StepInputs(input_ids, positions, attns[0], hidden)
+        return StepInputs(input_ids, positions, attns[0], hidden, step.batch_rows)
 
     def _kv_transfers_done(self, out: SchedulerOutput) -> KVConnectorOutput | None:
         """After the forward: the KV connector's saves done and the transfers it reports finished."""

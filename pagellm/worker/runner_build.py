@@ -38,15 +38,18 @@ from pagellm.models.layers.rotary import request_length_base
 from pagellm.models.loader import load_model, model_weight_bytes
 from pagellm.sampling.params import MAX_LOGPROBS, SamplingParams
 from pagellm.sampling.sampler import Sampler, SamplingRequest, build_sampling_batch
+from pagellm.spec_decode.eagle import load_eagle3
+from pagellm.spec_decode.mtp import load_mtp
 from pagellm.worker.cuda_graphs import DecodeGraphs, capture_decode_graphs, decode_graphs_allowed
 from pagellm.worker.encoder_cache import EncoderCache
+from pagellm.worker.input_batch import InputBatch
 from pagellm.worker.kv_cache import (
     allocate_kv_caches,
     blocks_in_budget,
     kv_block_bytes,
     kv_cache_shape,
     kv_layout,
-    num_kv_tensors,
+    layers_block_bytes,
     rank_spec,
 )
 from pagellm.worker.runner_compile import CoreYield, RunnerCompile, dummy_prefill
@@ -93,8 +96,10 @@ class RunnerBuild:
         )
         self.draft_setup = draft[0] if draft else None
         self.draft_model = self._load(*draft) if draft else None
+        self.draft_head = self._load_draft_head() if config.speculative else None
         # KV slots a proposer writes past a step's tokens: a draft model's own k - 1 steps ahead, and one more
-        self.num_lookahead_tokens = config.speculative.num_speculative_tokens if self.draft_model else 0
+        own_kv = self.draft_model is not None or self.draft_head is not None
+        self.num_lookahead_tokens = config.speculative.num_speculative_tokens if own_kv else 0
         self.state_layers = self.model.state_layers()
         self.max_num_seqs = self._check_state_layers()
         self.num_blocks = self.parallel.min(self._num_blocks())  # what fits on every rank
@@ -164,6 +169,26 @@ class RunnerBuild:
         if setup.config.batch_invariant:
             check_batch_invariant(model)
         return model
+
+    def _load_draft_head(self):
+        """A draft head reading the target's hidden states, on this device: an EAGLE-3 head
+        (`spec_decode/eagle_head.py`) or the checkpoint's MTP layer (`spec_decode/mtp.py`); None for the
+        other methods. A split target is refused at start-up (`engine/setup.py`: the head reads hidden
+        states the ranks would each hold part of)."""
+        method = self.setup.config.speculative.method
+        if method not in ("eagle3", "mtp"):
+            return None
+        init = ModelInit(self.setup.hf_config, self.setup.dtype, self.setup.backend, self.block_size,
+                         kv_cache_dtype=self.setup.spec.kv_cache_dtype)  # fmt: skip
+        if method == "mtp":
+            head = load_mtp(self.setup, self.model, init, self.device)
+        else:
+            head = load_eagle3(self.setup.config.speculative.model, self.model, init).to(self.device)
+        self.model_bytes += model_weight_bytes(head)
+        speculative = self.setup.config.speculative
+        what = "the checkpoint's MTP layer" if method == "mtp" else f"EAGLE-3 head {speculative.model}"
+        logger.info("speculative decoding: %s, %d tokens a step", what, speculative.num_speculative_tokens)
+        return head
 
     def pack_linears(self, model) -> None:
         """Let the platform prepack every plain linear layer's weight (`Platform.pack_linear`), and the
@@ -238,15 +263,26 @@ class RunnerBuild:
 
     def compile(self) -> Callable[..., torch.Tensor]:
         """The compiled forward (`RunnerCompile`); the eager model with --enforce-eager, LoRA (the LoRA
-        terms' row groups change every step) or a split model (collectives stay out of compiled graphs),
+        terms' row groups change every step), a split model (collectives stay out of compiled graphs), an
+        EAGLE-3 head (it reads hidden states through layer hooks, which a compiled graph does not call),
         and while the platform's kernels build (the graph calls them: compiled after `take_up_kernels`)."""
         config = self.setup.config
-        if config.enforce_eager or self.lora is not None or self.parallel.world_size > 1:
+        if (
+            config.enforce_eager
+            or self.lora is not None
+            or self.parallel.world_size > 1
+            or self._hooks_layers()
+        ):
             return self.model
         if self.kernels_pending:
             self.compiler.yield_a_core()  # the build's, as a compile process's
             return self.model
         return self.compiler.forward()
+
+    def _hooks_layers(self) -> bool:
+        """Whether the proposer reads hidden states through hooks on the target's layers (EAGLE-3)."""
+        speculative = self.setup.config.speculative
+        return speculative is not None and speculative.method == "eagle3"
 
     def take_up_kernels(self) -> None:
         """Between two steps (`ModelRunner.execute`), once the kernels building in the background are built
@@ -314,11 +350,13 @@ class RunnerBuild:
     def block_bytes(self) -> int:
         """Bytes of one KV block over this rank's KV tensors (one per layer with one KV cache group, one per
         layer of a group with several), the draft model's included."""
-        tensors = num_kv_tensors(self.layers, self.kv_layout)
-        total = kv_block_bytes(self.setup, self.parallel.tp, self.block_size, tensors)
+        total = layers_block_bytes(self.setup, self.parallel.tp, self.block_size, self.layers, self.kv_layout)
         if self.draft_model is not None:
             layers = len(self.draft_model.attention_layers())
             total += kv_block_bytes(self.draft_setup, self.parallel.tp, self.block_size, layers)
+        if self.draft_head is not None:
+            head_layers = self.draft_head.attention_layers()
+            total += layers_block_bytes(self.setup, self.parallel.tp, self.block_size, head_layers, None)
         return total
 
     def kv_windows(self) -> tuple[int | None, ...]:
@@ -327,7 +365,7 @@ class RunnerBuild:
         windows = list(self.kv_layout.windows)
         if self.setup.config.kv_transfer is not None:
             windows = [None] * len(windows)
-        elif self.draft_model is not None:
+        elif self.draft_model is not None or self.draft_head is not None:
             windows[0] = None
         return tuple(windows)
 
@@ -376,9 +414,15 @@ class RunnerBuild:
             return None
         config = self.setup.config
         num_tokens = config.step_tokens(self.setup.max_model_len)  # the scheduler's largest step
-        shape = kv_cache_shape(self.setup, self.parallel.tp, 1, self.block_size)
         dtype = rank_spec(self.setup, self.parallel.tp).cache_dtype
-        cache = torch.zeros(shape, dtype=dtype, device=self.device)  # block 0, read, never written
+        caches = [  # block 0 of each layer's shape, read, never written
+            torch.zeros(
+                kv_cache_shape(self.setup, self.parallel.tp, 1, self.block_size, layer),
+                dtype=dtype,
+                device=self.device,
+            )
+            for layer in self.layers
+        ]
         if self.parallel.world_size > 1:
             # ranks load at their own pace, and the step's collectives time out sooner than start-up's
             torch.distributed.barrier(group=self.parallel.startup)
@@ -386,9 +430,7 @@ class RunnerBuild:
         platform.reset_peak_memory(index)
         before = platform.peak_memory_allocated(index)
         attn = dummy_prefill(num_tokens, self.block_size, self.device)
-        with set_forward_context(
-            self.setup.backend.build_metadata(attn), [cache] * len(self.layers), self.layers
-        ):
+        with set_forward_context(self.setup.backend.build_metadata(attn), caches, self.layers):
             hidden = self.model(
                 torch.zeros(num_tokens, dtype=torch.long, device=self.device),
                 torch.arange(num_tokens, device=self.device),
@@ -422,10 +464,12 @@ class RunnerBuild:
         sampler: Sampler,
         generators: dict[str, torch.Generator | None],
         compute_logits: Callable[[torch.Tensor], torch.Tensor],
+        input_batch: InputBatch | None = None,
     ) -> RunnerSpecDecode | None:
         """The proposer (a draft model gets KV tensors of its own, addressed by the target's block tables:
         `block_table`, the runner's persistent batch's) and the verification of its drafts, with the
-        runner's sampler, seeded generators and `compute_logits`; None without --speculative-config."""
+        runner's sampler, seeded generators and `compute_logits` (an EAGLE-3 head also reads the rows' tokens
+        of `input_batch`); None without --speculative-config."""
         if not self.setup.config.speculative:
             return None
         draft = None
@@ -435,6 +479,12 @@ class RunnerBuild:
                 self.draft_setup, self.parallel.tp, layers, self.num_blocks, self.block_size, self.device
             )
             draft = (self.draft_setup, self.draft_model, caches)
+        if self.draft_head is not None:
+            layers = self.draft_head.attention_layers()
+            caches = allocate_kv_caches(
+                self.setup, self.parallel.tp, layers, self.num_blocks, self.block_size, self.device
+            )
+            draft = (self.setup, self.draft_head, caches, self.model, input_batch)  # eagle3 and mtp
         speculative = self.setup.config.speculative
         proposer = make_proposer(speculative, draft, self.block_size, block_table, self.device)
         return RunnerSpecDecode(

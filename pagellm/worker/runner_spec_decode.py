@@ -13,6 +13,8 @@ from pagellm.core.config import SpeculativeConfig
 from pagellm.core.errors import ConfigError
 from pagellm.sampling.sampler import Sampler, SamplingRequest, build_sampling_batch, compute_logprobs
 from pagellm.spec_decode.draft_model import DraftModelProposer
+from pagellm.spec_decode.eagle import make_eagle3_proposer
+from pagellm.spec_decode.mtp import make_mtp_proposer
 from pagellm.spec_decode.ngram import NgramProposer
 from pagellm.spec_decode.proposer import DraftRequest, Proposer, StepInputs
 from pagellm.spec_decode.rejection import verify
@@ -31,11 +33,18 @@ def make_proposer(
     device: torch.device,
 ) -> Proposer:
     """n-gram lookup, or the draft model (`draft`: its setup, model and KV caches) over the target's block
-    tables (the runner's persistent batch)."""
+    tables (the runner's persistent batch), or an EAGLE-3 head or the MTP layer (`draft`: the target's setup,
+    the head, its KV caches, the target model and the runner's persistent batch)."""
     if speculative.method == "ngram":
         return NgramProposer(speculative.prompt_lookup_min, speculative.prompt_lookup_max)
     if draft is None:
-        raise ConfigError("speculative_config: draft_model needs the draft model loaded with the target")
+        raise ConfigError(f"speculative_config: {speculative.method} needs its model loaded with the target")
+    if speculative.method == "eagle3":
+        setup, head, kv_caches, target, batch = draft
+        return make_eagle3_proposer(head, target, kv_caches, setup.backend, block_size, batch, device)
+    if speculative.method == "mtp":
+        setup, head, kv_caches, _, batch = draft
+        return make_mtp_proposer(head, kv_caches, setup.backend, block_size, batch, device)
     setup, model, kv_caches = draft
     return DraftModelProposer(model, kv_caches, setup.backend, block_size, block_table, device)
 

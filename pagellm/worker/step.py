@@ -145,6 +145,8 @@ class StepArrays:
     # [S, 3] int64, for a model whose image tokens attend both ways only (Gemma 3): each of the step's images
     # as (request index, first position, end position), `AttentionBatch.bidirectional`
     bidirectional: np.ndarray | None = None
+    # [B] int64: each request's row of the persistent batch (a proposer that reads the rows' tokens)
+    batch_rows: np.ndarray | None = None
 
     def kv_groups(self) -> list[tuple[np.ndarray, np.ndarray]]:
         """Every KV cache group's (block_tables, slot_mapping), group 0 first."""

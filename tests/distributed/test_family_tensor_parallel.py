@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from parity import FAMILIES, assert_greedy_parity, mixed_prompts, tiny_model_and_reference
+from parity import FAMILIES, assert_greedy_parity, mixed_prompts, small_kv_cache, tiny_model_and_reference
 from safetensors.torch import load_file
 from test_sharded_loading import load_rank
 from tiny import make_tiny_checkpoint
@@ -76,7 +76,12 @@ def test_projection_norm_over_ranks_equals_the_whole(replicated):
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize(
-    "family", [f for f in FAMILIES if f.split("-")[0] in ("phi3", "granite", "olmo2", "smollm3")]
+    "family",
+    [
+        f
+        for f in FAMILIES
+        if f.split("-")[0] in ("phi3", "granite", "olmo2", "smollm3", "olmo3", "seed_oss", "glm4", "exaone4")
+    ],
 )
 @pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)], ids=["tp2", "pp2"])
 def test_greedy_parity_on_two_ranks(tmp_path, family, tp, pp):
@@ -87,7 +92,8 @@ def test_greedy_parity_on_two_ranks(tmp_path, family, tp, pp):
         enforce_eager=True,
         max_num_batched_tokens=64,
         max_num_seqs=16,
-        num_kv_blocks=40,
+        # 40 blocks, or as many as one request of max_model_len needs over a windowed model's KV cache groups
+        num_kv_blocks=max(40, small_kv_cache(path, 512, 64, spare=2)),
         tensor_parallel_size=tp,
         pipeline_parallel_size=pp,
     )

@@ -43,5 +43,8 @@ def test_family_matches_transformers_under_chunking_prefix_hits_and_preemption(f
     assert_greedy_parity(llm, reference, prompts[:1])  # the first request fills the cache
     assert_greedy_parity(llm, reference, prompts[1:])
     stats = llm.engine.stats()
-    assert stats.prefix_cache_hits > 0
+    if llm.engine.runner.state_layers:  # prefix caching is off for models with recurrent layers
+        assert stats.prefix_cache_hits == 0
+    else:
+        assert stats.prefix_cache_hits > 0
     assert stats.num_preemptions > 0

@@ -329,3 +329,64 @@ def test_gemma3_shaped_layers_hold_about_a_quarter_of_an_all_global_cache_at_8k(
     assert run(glob, 1025, 10**6)[0] == 16384
     assert run(mixed, 6150, 10**6)[0] == 81920
     assert KVCacheManager(16, 6150, windows=mixed.windows).capacity_tokens == 93184  # decoding
+
+
+def test_a_chunked_group_frees_whole_chunks_once_every_query_is_past_them():
+    from pagellm.core.kv_cache_spec import LocalChunk
+
+    kv = KVCacheManager(BS, 32, windows=(None, LocalChunk(8)))  # chunks of two blocks
+    r = _req("a", list(range(11)))
+    _run(kv, r, 11)  # one prefill: positions 0..10, three blocks in each group, nothing freed yet
+    assert [len(t) for t in kv.block_tables("a")] == [3, 3] and kv.num_held_blocks("a") == 6
+    _run(kv, r, 1)  # the query at 11 reads 8..11 (its chunk): the first chunk's blocks 0 and 1 go
+    assert kv.block_tables("a")[1][:2] == [0, 0] and 0 not in kv.block_tables("a")[0]
+    assert kv.num_held_blocks("a") == 3 + 1
+    for _ in range(4):  # to the query at 15: still the chunk 8..15
+        _run(kv, r, 1)
+    assert kv.block_tables("a")[1][2:4].count(0) == 0 and kv.num_held_blocks("a") == 4 + 2
+    _run(kv, r, 1)  # the query at 16 starts a chunk: blocks 2 and 3 go, though a window of 8 would keep 3
+    assert kv.block_tables("a")[1][:4] == [0, 0, 0, 0] and kv.num_held_blocks("a") == 5 + 1
+    kv.free(r)
+    assert kv.num_free_blocks == 31
+
+
+def test_a_chunked_hit_needs_only_the_blocks_of_the_chunk_it_ends_in():
+    from pagellm.core.kv_cache_spec import LocalChunk
+
+    kv = KVCacheManager(BS, 64, windows=(None, LocalChunk(8)))
+    a = _req("a", list(range(22)))
+    _run(kv, a, 22)
+    _run(kv, a, 1)  # the query at 22 reads 16..22: the chunked group frees blocks 0..3; they stay cached
+    kv.free(a)
+    null = kv.pool.null_block
+    blocks, num_hit = kv.get_computed_blocks(_req("b", list(range(23))))  # can hit 5 blocks (20 tokens)
+    assert num_hit == 20 and all(block is not null for block in blocks.groups[0])
+    assert [block is null for block in blocks.groups[1]] == [True, True, True, True, False]
+    # the chunked group lost block 4: a hit of 4 blocks (16 tokens) starts a chunk and needs none of it
+    _evict(kv, a, 4, 1)
+    blocks, num_hit = kv.get_computed_blocks(_req("c", list(range(23))))
+    assert num_hit == 16 and all(block is null for block in blocks.groups[1])
+    # a hit of 3 blocks (12 tokens) would need block 2, the chunk 8..15's first: it is cached, but 16 is
+    # still the longest, so losing block 2 changes nothing ...
+    _evict(kv, a, 2, 1)
+    assert kv.get_computed_blocks(_req("d", list(range(23))))[1] == 16
+    # ... while a prompt that ends inside that chunk finds only the hit that starts it (8 tokens)
+    assert kv.get_computed_blocks(_req("e", list(range(14))))[1] == 8
+    # and a full group's missing block caps the hit for every group
+    _evict(kv, a, 0, 0)
+    assert kv.get_computed_blocks(_req("f", list(range(23))))[1] == 0
+
+
+def test_a_chunk_group_is_not_a_window_group_of_the_same_size():
+    import torch
+
+    from pagellm.core.attention import AttentionSpec
+    from pagellm.core.kv_cache_spec import LocalChunk, group_layers
+
+    spec = AttentionSpec(4, 2, 16, torch.float32)
+    chunked = AttentionSpec(4, 2, 16, torch.float32, attention_chunk=8)
+    layout = group_layers([chunked, spec, AttentionSpec(4, 2, 16, torch.float32, sliding_window=8)])
+    assert layout.windows == (None, 8, LocalChunk(8)) and isinstance(layout.windows[2], LocalChunk)
+    assert layout.groups[2].layers == (0,) and "chunked local attention 8" in layout.describe()
+    kv = KVCacheManager(BS, 32, windows=layout.windows)
+    assert len(kv._kinds) == 3

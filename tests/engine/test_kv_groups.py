@@ -47,8 +47,20 @@ def test_layers_are_grouped_by_spec_in_groups_of_equal_size():
     # soft-caps and scales are compute, not KV: they do not split groups
     capped = AttentionSpec(4, 2, 16, torch.float32, 16, logits_soft_cap=30.0)
     assert group_layers([_spec(), capped]).num_groups == 1
-    with pytest.raises(ConfigError, match="different sizes"):
-        group_layers([_spec(), _spec(8, head_size=32)])
+    # another head size or KV heads (Gemma 4's full layers): groups of their own shape, on tensors of their own
+    shapes = group_layers([_spec(), _spec(8, head_size=32), _spec(8, head_size=32), _spec(kv_heads=1)])
+    assert [g.layers for g in shapes.groups] == [(0,), (3,), (1,), (2,)] and shapes.num_tensors == 3
+    assert [shapes.tensor_of(i) for i in range(4)] == [0, 2, 2, 1]
+    # a layer reading an earlier layer's cache (Gemma 4's shared KV) joins no group and takes its tensor
+    reader = AttentionSpec(4, 2, 16, torch.float32, 16, sliding_window=32, kv_source=1)
+    shared = group_layers([_spec(), _spec(32), reader])
+    assert shared.readers == ((2, 1),) and [g.layers for g in shared.groups] == [(0,), (1,)]
+    assert shared.group_of(2) == shared.group_of(1) and shared.tensor_of(2) == shared.tensor_of(1)
+    assert shared.describe().endswith("; 1 layer reading another layer's cache, keeping none")
+    with pytest.raises(ConfigError, match="whose spec differs"):  # a full layer reading a window layer's
+        group_layers([_spec(32), AttentionSpec(4, 2, 16, torch.float32, 16, kv_source=0)])
+    with pytest.raises(ConfigError, match="not an earlier layer"):
+        group_layers([AttentionSpec(4, 2, 16, torch.float32, 16, kv_source=1), _spec()])
 
 
 def test_latent_layers_keep_one_row_and_group_apart():

@@ -131,6 +131,16 @@ def test_unsupported_adapters_are_refused(base, tmp_path):
     assert not llm.engine.has_unfinished_requests()
 
 
+class WithAdapter:
+    """`llm` running every request with `lora`, for `assert_greedy_parity`."""
+
+    def __init__(self, llm, lora):
+        self.engine, self.llm, self.lora = llm.engine, llm, lora
+
+    def generate(self, prompts, params, use_tqdm=False):
+        return self.llm.generate(prompts, params, use_tqdm=use_tqdm, lora_request=self.lora)
+
+
 @pytest.mark.slow
 def test_a_hybrid_models_attention_and_mlp_take_adapters_and_its_recurrent_layers_refuse_them(tmp_path):
     """Qwen3.5: an adapter on the attention layers (whose q_proj carries the output gate too) and the MLPs
@@ -139,16 +149,43 @@ def test_a_hybrid_models_attention_and_mlp_take_adapters_and_its_recurrent_layer
     adapter, merged = make_adapter(base, tmp_path, 4, seed=4)
     llm = engine(base, max_num_seqs=4)
     lora = LoRARequest("a", 1, str(adapter))
-
-    class WithAdapter:
-        def __init__(self, llm):
-            self.engine = llm.engine
-
-        def generate(self, prompts, params, use_tqdm=False):
-            return llm.generate(prompts, params, use_tqdm=use_tqdm, lora_request=lora)
-
-    assert_greedy_parity(WithAdapter(llm), Reference(merged, MAX_TOKENS), mixed_prompts(300)[:4])
+    assert_greedy_parity(WithAdapter(llm, lora), Reference(merged, MAX_TOKENS), mixed_prompts(300)[:4])
     recurrent = make_adapter(base, tmp_path / "delta", 4, seed=5, targets=["in_proj_qkv", "out_proj"])[0]
     with pytest.raises(ConfigError, match="linear_attn.in_proj_qkv"):
         generate(llm, [[5, 6, 7]], [LoRARequest("delta", 2, str(recurrent))])
+    assert not llm.engine.has_unfinished_requests()
+
+
+@pytest.mark.slow
+def test_olmo_hybrids_attention_and_mlp_take_adapters_and_its_delta_nets_refuse_them(tmp_path):
+    """OLMo Hybrid: its delta nets' projections share the attention's names (q_proj, ..., o_proj), so an
+    adapter must name the attention's (`self_attn.q_proj`) to leave them out; one that reaches them is
+    refused, naming the module."""
+    base = make_tiny_checkpoint("olmo_hybrid", tmp_path)
+    attention_and_mlp = [f"self_attn.{t}" for t in TARGETS[:4]] + TARGETS[4:]
+    adapter, merged = make_adapter(base, tmp_path, 4, seed=4, targets=attention_and_mlp)
+    llm = engine(base, max_num_seqs=4)
+    lora = LoRARequest("a", 1, str(adapter))
+    assert_greedy_parity(WithAdapter(llm, lora), Reference(merged, MAX_TOKENS), mixed_prompts(300)[:4])
+    everywhere = make_adapter(base, tmp_path / "delta", 4, seed=5)[0]
+    with pytest.raises(ConfigError, match="linear_attn"):
+        generate(llm, [[5, 6, 7]], [LoRARequest("delta", 2, str(everywhere))])
+    assert not llm.engine.has_unfinished_requests()
+
+
+@pytest.mark.slow
+def test_kimi_linears_latent_attention_output_and_mlp_take_adapters_and_its_kda_layers_refuse_them(tmp_path):
+    """Kimi Linear: an adapter on the latent attention's o_proj (layer 2, the tiny model's MLA layer) and the
+    dense MLP (layer 0; the shared experts take none, as DeepSeek's) equals peft's merge; its KDA layers share
+    the attention's names (`self_attn.q_proj`, ...), and an adapter that reaches them is refused, naming the
+    module."""
+    base = make_tiny_checkpoint("kimi_linear", tmp_path)
+    targets = ["layers.2.self_attn.o_proj", *(f"layers.0.mlp.{t}" for t in TARGETS[4:])]
+    adapter, merged = make_adapter(base, tmp_path, 4, seed=4, targets=targets)
+    llm = engine(base, max_num_seqs=4)
+    lora = LoRARequest("a", 1, str(adapter))
+    assert_greedy_parity(WithAdapter(llm, lora), Reference(merged, MAX_TOKENS), mixed_prompts(300)[:4])
+    everywhere = make_adapter(base, tmp_path / "kda", 4, seed=5, targets=["q_proj", "o_proj"])[0]
+    with pytest.raises(ConfigError, match=r"layers\.0\.self_attn"):
+        generate(llm, [[5, 6, 7]], [LoRARequest("kda", 2, str(everywhere))])
     assert not llm.engine.has_unfinished_requests()

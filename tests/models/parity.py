@@ -34,6 +34,14 @@ PHI3_LONGROPE = {
         "long_factor": [1.0, 1.5, 2.5, 4.0, 8.0, 16.0],
     },
 }
+GEMMA4_MOE = {
+    "enable_moe_block": True,
+    "num_experts": 8,
+    "top_k_experts": 2,
+    "moe_intermediate_size": 32,
+    "num_kv_shared_layers": 0,
+    "hidden_size_per_layer_input": 0,
+}
 FAMILIES: dict[str, dict] = {
     # newer families (and their variants, "family-variant"): one combined check each in the default run
     # (tests/engine/test_family_parity.py), the whole settings matrix of test_llm_parity.py under -m slow
@@ -43,7 +51,18 @@ FAMILIES: dict[str, dict] = {
     "phi3-longrope": PHI3_LONGROPE,
     "granite": {},
     "olmo2": {},
+    # OLMo 3: windows of 32 on three layers of four, a rope per layer type (YaRN on the full layer)
+    "olmo3": {},
     "smollm3": {},
+    # Seed-OSS: head_dim apart from hidden / heads, q/k/v biases without one on o_proj
+    "seed_oss": {},
+    # EXAONE 4: windows of 32 with rotary on three layers of four, the fourth full without rotary (NoPE)
+    "exaone4": {},
+    # StarCoder2: LayerNorms and biases everywhere, the plain MLP, a window of 32 on every layer, tied head
+    "starcoder2": {},
+    # Command R7B / A: the parallel block, 3 window layers with interleaved rotary : 1 global without
+    # (two KV cache groups), logit_scale, tied head
+    "cohere2": {},
     # mixtures of experts (8 experts, 2 per token); Qwen2-MoE's shared expert, and a dense layer between
     "qwen3_moe": {},
     "qwen2_moe-dense-layer": {"num_hidden_layers": 3, "mlp_only_layers": [1]},
@@ -54,8 +73,41 @@ FAMILIES: dict[str, dict] = {
     # (tests/models/tiny.py): V2-Lite-like (softmax top 2) and V3-like (sigmoid, correction bias, groups)
     "deepseek_v2": {},
     "deepseek_v3": {},
+    # GLM-4 dense: half of each head rotating in interleaved pairs, norms after both blocks, fused gate_up
+    "glm4": {},
     # GLM-4.5: partial rotary, q/k norms, q/k/v biases; V3's routing (one group) and a shared expert
     "glm4_moe": {},
+    # Llama 4: chunks of 32 on the rope layers (a KV cache group freeing whole chunks), interleaved rotary,
+    # L2 q/k norms, a NoPE layer with the attention temperature; sigmoid top-2 routing on the experts' input
+    "llama4_text": {},
+    # Gemma 4 (tests/models/tiny.py): per-layer head sizes and KV heads, K = V, KV read by the last 3 layers
+    # (two KV tensor shapes, three layers without a cache), per-layer inputs; and its MoE form (experts
+    # beside the MLP, no shared KV or per-layer inputs: 26B-A4B's shape), under -m slow
+    "gemma4_text": {},
+    "gemma4_text-moe": GEMMA4_MOE,
+    # Gemma 3n: AltUp's 4 streams, LAuReL, activation sparsity, per-layer inputs, KV read by the last 3 layers
+    "gemma3n_text": {},
+    # OLMoE: q/k norms over the whole projections, 8 experts in every layer (top 2, not renormalised)
+    "olmoe": {},
+    # Granite MoE: Granite's scalars, stacked experts (softmax over the top 2), tied embeddings
+    "granitemoe": {},
+    # ERNIE 4.5 MoE: interleaved rotary, dense layers around the sparse ones, correction bias, shared experts
+    "ernie4_5_moe": {},
+    # MiniMax-M2: q/k norms over the whole projections, partial rotary, sigmoid routing with the correction bias
+    "minimax_m2": {},
+    # Hunyuan MoE: q/k norms after the rotary, NTK-alpha rope, a shared MLP beside experts, top k per layer
+    "hunyuan_v1_moe": {},
+    # Ministral 3: YaRN and the queries scaled by position (steps of 32 tokens), head_dim 32
+    "ministral3": {},
+    # Mistral 4: DeepSeek-V3's latent attention with the queries scaled by position, a dense layer, then
+    # experts routed by softmax over groups (no correction bias) and a shared expert
+    "mistral4": {},
+    # OLMo Hybrid: Gated DeltaNet layers with beta in (0, 2) (a recurrent state per sequence: prefix caching
+    # off) beside OLMo attention without rotary
+    "olmo_hybrid": {},
+    # Kimi Linear: KDA layers (per-channel decay, a recurrent state per sequence) beside MLA without rotary,
+    # a dense layer, then V3's routing (sigmoid, correction bias, groups) over 8 experts and a shared expert
+    "kimi_linear": {},
     # Qwen3 with windows on its last layers (max_window_layers): two KV cache groups, full and window 32
     "qwen3-mixed-windows": {
         "num_hidden_layers": 4,
@@ -92,11 +144,12 @@ GGUF_FAMILIES: dict[str, dict] = {
 }
 
 
-SLOW_FAMILIES = {"qwen3_moe", "mixtral", "deepseek_v2"}
+SLOW_FAMILIES = {"qwen3_moe", "mixtral", "deepseek_v2", "gemma4_text-moe"}
 """Families whose combined check runs only under -m slow: the mixtures of experts share one layer, so one
 of them (Qwen2-MoE, the one with a shared expert and a dense layer) stands for them in the default run;
 DeepSeek-V3 stands for V2 (the same latent attention and MoE block; V2's own q path, rope and routing are
-checked against transformers' logits in tests/models/test_deepseek.py)."""
+checked against transformers' logits in tests/models/test_deepseek.py); Gemma 4's MoE form is checked
+against transformers' logits in tests/models/test_gemma4.py."""
 
 
 def tiny_model_and_reference(arch: str, tmp_path: Path, max_tokens: int) -> tuple[Path, Reference]:
@@ -130,6 +183,30 @@ def chunked_llm(path: Path, max_model_len: int, token_budget: int, spare: int = 
         max_num_batched_tokens=token_budget,
         max_num_seqs=8,
     )
+
+
+def assert_two_rank_parity(
+    family: str, tmp_path: Path, every: int, max_model_len: int | None = None, **parallel
+) -> None:
+    """A tiny `family` checkpoint (of FAMILIES) on 2 gloo ranks (`parallel`: tensor_parallel_size=2,
+    pipeline_parallel_size=2, ...) in an eager engine of 64-token steps: greedy parity of every `every`-th
+    mixed prompt. The KV cache is 40 blocks, or with `max_model_len` one request of it over the model's KV
+    cache groups (a windowed model's block holds fewer layers) and spare blocks."""
+    path, reference = tiny_model_and_reference(family, tmp_path, 12)
+    if max_model_len is not None:
+        parallel.update(max_model_len=max_model_len, num_kv_blocks=small_kv_cache(path, max_model_len, 64))
+    llm = LLM(
+        str(path),
+        **{"num_kv_blocks": 40, **parallel},
+        dtype="float32",
+        enforce_eager=True,
+        max_num_batched_tokens=64,
+        max_num_seqs=16,
+    )
+    try:
+        assert_greedy_parity(llm, reference, mixed_prompts(300)[::every])
+    finally:
+        llm.shutdown()
 
 
 def mixed_prompts(vocab: int, seed: int = 0, shared_prefix: int = 0) -> list[list[int]]:

@@ -22,17 +22,31 @@ ARCHS = (
     "opt",
     "gemma2",
     "gemma3_text",
+    "gemma4_text",
+    "gemma3n_text",
     "phi3",
     "granite",
     "olmo2",
+    "olmo3",
     "smollm3",
+    "seed_oss",
+    "exaone4",
+    "starcoder2",
+    "cohere2",
     "qwen3_moe",
     "qwen2_moe",
     "mixtral",
     "gpt_oss",
     "deepseek_v2",
     "deepseek_v3",
+    "glm4",
     "glm4_moe",
+    "llama4_text",
+    "olmoe",
+    "granitemoe",
+    "ernie4_5_moe",
+    "minimax_m2",
+    "hunyuan_v1_moe",
     "qwen3_next",
     "qwen3_5_text",
     "qwen3_5_moe_text",
@@ -40,6 +54,13 @@ ARCHS = (
     "granitemoehybrid_dense",
     "bamba",
     "nemotron_h",
+    "falcon_h1",
+    "lfm2",
+    "lfm2_moe",
+    "olmo_hybrid",
+    "kimi_linear",
+    "ministral3",
+    "mistral4",
 )
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # ids 0, 1, 2
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
@@ -133,6 +154,47 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
     "gemma3_text": dict(
         _LLAMA, num_hidden_layers=6, head_dim=16, sliding_window=32, query_pre_attn_scalar=16
     ),
+    # Gemma 4, E2B-like: windows of 32 on 5 of 8 layers; the full layers with heads of 64 (of which a quarter
+    # of the frequency pairs rotate) over one KV head whose V is its K projection, beside the sliding
+    # layers' 2 KV heads of 16 (so the two kinds' KV pages differ, 64 against 32 elements per token and
+    # row, as Gemma 4's do); the last 3 layers read the KV of layers 2 (full) and 4 (sliding) and have
+    # MLPs twice as wide; per-layer inputs of 8 per layer; a final soft-cap. The MoE form (26B-A4B-like, 8
+    # experts of width 32, top 2, beside the MLP) is the "gemma4_text-moe" variant in parity.py
+    "gemma4_text": dict(
+        _LLAMA,
+        num_hidden_layers=8,
+        layer_types=["sliding_attention"] * 2
+        + ["full_attention"]
+        + ["sliding_attention"] * 2
+        + ["full_attention", "sliding_attention", "full_attention"],
+        head_dim=16,
+        global_head_dim=64,
+        attention_k_eq_v=True,
+        num_global_key_value_heads=1,
+        sliding_window=32,
+        num_kv_shared_layers=3,
+        use_double_wide_mlp=True,
+        hidden_size_per_layer_input=8,
+        vocab_size_per_layer_input=512,
+        final_logit_softcapping=30.0,
+    ),
+    # Gemma 3n, E2B-like: 4 local : 1 global over 10 layers (windows of 32), the last 3 reading the KV of
+    # layers 6 (sliding) and 4 (full); 4 AltUp streams, LAuReL of rank 8, activation sparsity 0.95 in the
+    # first 2 layers, MLP widths per layer, per-layer inputs of 8 from a table smaller than the vocabulary
+    # (the ids past it read row 0); the final soft-cap of 30 (its default)
+    "gemma3n_text": dict(
+        _LLAMA,
+        num_hidden_layers=10,
+        head_dim=16,
+        intermediate_size=[128] * 5 + [96] * 5,
+        sliding_window=32,
+        num_kv_shared_layers=3,
+        altup_num_inputs=4,
+        laurel_rank=8,
+        activation_sparsity_pattern=[0.95] * 2 + [0.0] * 8,
+        hidden_size_per_layer_input=8,
+        vocab_size_per_layer_input=256,
+    ),
     "phi3": dict(_LLAMA),
     "granite": dict(
         _LLAMA,
@@ -142,7 +204,69 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
         logits_scaling=8.0,
     ),
     "olmo2": dict(_LLAMA),
+    # OLMo 3: layers 0-2 sliding (windows of 32), 3 full; a rope per layer type: plain on the sliding
+    # layers, YaRN (4 x 128) with another base on the full one (a config's rope_scaling goes to the full
+    # layers only)
+    "olmo3": dict(
+        _LLAMA,
+        num_hidden_layers=4,
+        sliding_window=32,
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {
+                "rope_type": "yarn",
+                "rope_theta": 500000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 128,
+            },
+        },
+    ),
     "smollm3": dict(_LLAMA, num_hidden_layers=4),  # no_rope_layers: every fourth layer without rotary
+    # Llama 4 (Scout-like): layers 0-2 rope with chunks of 32 (the parity prompts cross them), L2 q/k norm
+    # and llama3 rope scaling, layer 3 NoPE and global with the attention temperature (floor_scale 32, so
+    # it grows within the prompts); layers 1 and 3 MoE (8 experts of width 32, top 2, a shared expert of
+    # 32), 0 and 2 dense MLPs of 128
+    "llama4_text": dict(
+        _LLAMA,
+        num_hidden_layers=4,
+        head_dim=16,
+        attention_chunk_size=32,
+        floor_scale=32,
+        attn_scale=0.1,
+        intermediate_size=32,
+        intermediate_size_mlp=128,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        interleave_moe_layer_step=2,
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    ),
+    # Seed-OSS as released: head_dim 32 (q twice the hidden size wide), GQA, q/k/v biases and none on o_proj
+    # or the MLP (tests/models/test_seed_oss.py switches them); its dropouts are off at inference
+    "seed_oss": dict(_LLAMA, head_dim=32, attention_bias=True, attention_out_bias=False, mlp_bias=False),
+    # EXAONE 4 (32B's kind): layers 0-2 sliding (windows of 32) with rotary, layer 3 full without (NoPE);
+    # per-head q/k norms, norms after the blocks (tests/models/test_exaone4.py: the 1.2B's all-full form)
+    "exaone4": dict(_LLAMA, num_hidden_layers=4, sliding_window=32, sliding_window_pattern=4),
+    # StarCoder2: LayerNorms with biases (norm_epsilon, not rms_norm_eps), biases on every projection, the
+    # plain gelu-tanh MLP, GQA, a window of 32 on every layer, tied embeddings (the config's default)
+    "starcoder2": dict(
+        {k: v for k, v in _LLAMA.items() if k != "rms_norm_eps"}, norm_epsilon=1e-5, sliding_window=32
+    ),
+    # Command R7B / A: 3 window layers of 32 with interleaved rotary, then a global one without rotary
+    # (sliding_window_pattern 4); the parallel block on one bias-free LayerNorm; logits scaled; tied head
+    "cohere2": dict(
+        {k: v for k, v in _LLAMA.items() if k != "rms_norm_eps"},
+        num_hidden_layers=4,
+        layer_norm_eps=1e-5,
+        sliding_window=32,
+        logit_scale=0.25,
+    ),
     # mixtures of experts: 8 experts of width 32, 2 per token
     "qwen3_moe": dict(
         _LLAMA,
@@ -227,6 +351,9 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
             "mscale_all_dim": 0.707,
         },
     ),
+    # GLM-4 dense: GQA with head_dim 32 (not hidden / heads), half of it rotating in interleaved pairs, q/k/v
+    # biases (none on o), the norms after attention and MLP; gate_up fused in the checkpoint
+    "glm4": dict(_LLAMA, head_dim=32, partial_rotary_factor=0.5, attention_bias=True),
     # GLM-4.5: GQA with head_dim 32 (not hidden / heads), half of it rotating, q/k/v biases (none on o),
     # q/k norms; layer 0 dense, layer 1 8 experts of width 32 (top 2, sigmoid with the correction bias,
     # renormalised, scaled by 2.5) and a shared expert; one MTP layer counted (none written)
@@ -246,6 +373,112 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
         n_group=1,
         topk_group=1,
         num_nextn_predict_layers=1,
+    ),
+    # OLMoE: q/k norms over the whole projections (k's 32 wide: 2 KV heads), 8 experts of width 32 (its
+    # intermediate_size) in every layer, top 2 not renormalised, as released (tests/models/test_olmoe.py
+    # adds norm_topk_prob and clip_qkv)
+    "olmoe": dict(_LLAMA, intermediate_size=32, num_experts=8, num_experts_per_tok=2, norm_topk_prob=False),
+    # Granite MoE: Granite's four scalars, 8 experts of width 32 (stacked input_linear / output_linear) in
+    # every layer, softmax over the top 2 logits; tied embeddings, as the released models
+    "granitemoe": dict(
+        _LLAMA,
+        intermediate_size=32,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        embedding_multiplier=12.0,
+        residual_multiplier=0.22,
+        attention_multiplier=0.2,
+        logits_scaling=8.0,
+        tie_word_embeddings=True,
+    ),
+    # ERNIE 4.5 MoE: rotary in interleaved pairs; layer 0 dense, layers 1-2 8 experts of width 32 (softmax,
+    # the correction bias in the choice, top 2 renormalised) and 2 shared experts, layer 3 dense again
+    # (moe_layer_end_index); untied embeddings (the config's default ties them)
+    "ernie4_5_moe": dict(
+        _LLAMA,
+        num_hidden_layers=4,
+        moe_num_experts=8,
+        moe_k=2,
+        moe_intermediate_size=32,
+        moe_num_shared_experts=2,
+        moe_layer_start_index=1,
+        moe_layer_end_index=2,
+        moe_layer_interval=1,
+        tie_word_embeddings=False,
+    ),
+    # MiniMax-M2: q/k norms over the whole projections, head_dim 16 of which half rotates (rotary_dim 8),
+    # 8 experts of width 32 in every layer (sigmoid, the correction bias in the choice, top 2 renormalised)
+    "minimax_m2": dict(
+        _LLAMA,
+        head_dim=16,
+        rotary_dim=8,
+        intermediate_size=32,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+    ),
+    # Hunyuan MoE: per-head q/k norms after the rotary, NTK-alpha rope (the base stretched by alpha 8, for
+    # every length), in every layer a shared MLP and 8 experts, both of width 32, top k per layer (2, 1, 3)
+    "hunyuan_v1_moe": dict(
+        _LLAMA,
+        num_hidden_layers=3,
+        head_dim=16,
+        intermediate_size=32,
+        num_experts=8,
+        moe_topk=[2, 1, 3],
+        rope_parameters={"rope_type": "dynamic", "alpha": 8.0, "factor": 1.0, "rope_theta": 10000.0},
+    ),
+    # Ministral 3: head_dim 32 (q twice the hidden size wide), GQA, YaRN (16 x 32 positions) and the queries
+    # scaled by their position every 32 tokens (llama_4_scaling_beta), so the parity prompts reach scales up
+    # to 1 + 0.1 log 11; no window, as released (tests/models/test_ministral3.py: a window of 32, a tied head)
+    "ministral3": dict(
+        _LLAMA,
+        head_dim=32,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 16.0,
+            "original_max_position_embeddings": 32,
+            "max_position_embeddings": 512,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+            "llama_4_scaling_beta": 0.1,
+        },
+    ),
+    # Mistral 4: MLA (4 heads of 16 nope + 8 rope features, q_lora_rank 24, a 32-wide latent, v_head_dim 24)
+    # with rope in interleaved pairs, YaRN (16 x 32) with mscale_all_dim in the softmax scale, and the queries
+    # scaled by position every 32 tokens; layer 0 dense, layer 1 8 experts of width 32 (softmax, top 2 from
+    # the best 2 of 4 groups scored by their two best, renormalised, scaled by 1.5) and a shared expert
+    # (tests/models/test_mistral4.py: plain q_proj with biases, rope in halves, one group, a tied head)
+    "mistral4": dict(
+        _LLAMA,
+        num_key_value_heads=4,
+        first_k_dense_replace=1,
+        q_lora_rank=24,
+        kv_lora_rank=32,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=24,
+        n_routed_experts=8,
+        n_group=4,
+        topk_group=2,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        routed_scaling_factor=1.5,
+        moe_intermediate_size=32,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 16.0,
+            "original_max_position_embeddings": 32,
+            "max_position_embeddings": 512,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+            "llama_4_scaling_beta": 0.1,
+        },
     ),
     # Gated DeltaNet in layers 0-2, gated attention in 3 (and 7: 8 layers would repeat the pattern); 2 key
     # heads feeding 4 value heads, conv kernel 4; a quarter of each attention head rotates
@@ -330,7 +563,106 @@ _DEFAULTS["nemotron_h"] = dict(
     time_step_max=1.0,
     rescale_prenorm_residual=False,
 )
+# Falcon-H1: attention and Mamba-2 side by side in both layers; head_dim 24 apart from hidden / heads, a Mamba
+# inner width (mamba_d_ssm 48: 4 heads of 12 in 2 groups) apart from expand x hidden, chunks of 16 tokens so
+# that prompts cross them, the gated norm after the gate, and every multiplier away from 1 (near the released
+# 1.5B's, the logits' less shrunk so that greedy choices stay decisive)
+_DEFAULTS["falcon_h1"] = dict(
+    _LLAMA,
+    head_dim=24,
+    mamba_d_ssm=48,
+    mamba_n_heads=4,
+    mamba_d_head=12,
+    mamba_n_groups=2,
+    mamba_d_state=16,
+    mamba_d_conv=4,
+    mamba_chunk_size=16,
+    mamba_rms_norm=True,
+    mamba_norm_before_gate=False,
+    projectors_bias=True,
+    embedding_multiplier=5.6,
+    lm_head_multiplier=0.5,
+    key_multiplier=0.39,
+    attention_in_multiplier=1.2,
+    attention_out_multiplier=0.94,
+    ssm_in_multiplier=1.25,
+    ssm_out_multiplier=0.24,
+    mlp_multipliers=[0.88, 0.59],
+    ssm_multipliers=[0.35, 0.25, 0.18, 0.5, 0.35],
+)
+# LFM2: short convs (3 taps, with biases: the released models have none) in layers 0, 1 and 3, attention with
+# q/k norms in 2; the MLP's width adjusted as transformers does (128 x 2/3 = 85, x 1.3 = 110, rounded up to 128),
+# tied embeddings
+_DEFAULTS["lfm2"] = dict(
+    _SIZES,
+    num_hidden_layers=4,
+    layer_types=["conv", "conv", "full_attention", "conv"],
+    num_key_value_heads=2,
+    intermediate_size=128,
+    block_ffn_dim_multiplier=1.3,
+    block_multiple_of=32,
+    conv_L_cache=3,
+    conv_bias=True,
+    norm_eps=1e-5,
+    initializer_range=0.15,
+)
+# LFM2-MoE: LFM2's layers (no biases), a dense MLP 96 wide (not adjusted) in layer 0, then 8 experts of 32
+# (sigmoid top 2 with the expert bias in the choice, renormalised, times 1.5)
+_DEFAULTS["lfm2_moe"] = dict(
+    {k: v for k, v in _DEFAULTS["lfm2"].items() if not k.startswith(("block_", "conv_bias"))},
+    intermediate_size=96,
+    num_dense_layers=1,
+    num_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    routed_scaling_factor=1.5,
+)
+# OLMo Hybrid as released: Gated DeltaNet in layers 0-2 and OLMo attention without rotary (NoPE) in 3; 2 key
+# heads feeding 4 value heads (16 wide for keys, 32 for values), beta in (0, 2) (negative eigenvalues); A
+# drawn from (0, 1) and dt up to 1 (transformers' defaults: A up to 16, dt up to 0.1) so the decay keeps the
+# states alive across chunks
+_DEFAULTS["olmo_hybrid"] = dict(
+    _LLAMA,
+    num_hidden_layers=4,
+    layer_types=["linear_attention"] * 3 + ["full_attention"],
+    rope_parameters={"rope_type": "default", "rope_theta": None},
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=32,
+    linear_conv_kernel_dim=4,
+    linear_a_log_max=1.0,
+    linear_dt_max=1.0,
+)
+# Kimi Linear: KDA in layers 0, 1 and 3 (4 heads of 16, per-channel decay), MLA without rotary in 2 (no q
+# LoRA, latent 32, 8 k_pe features shared by the heads); a dense layer 0, then 8 experts (sigmoid top 2 of
+# 2 groups, one group kept, correction bias) with a shared expert
+_DEFAULTS["kimi_linear"] = dict(
+    _LLAMA,
+    num_hidden_layers=4,
+    num_key_value_heads=4,
+    layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
+    linear_num_heads=4,
+    linear_head_dim=16,
+    linear_conv_kernel_dim=4,
+    kv_lora_rank=32,
+    q_lora_rank=None,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=16,
+    first_k_dense_replace=1,
+    moe_intermediate_size=32,
+    num_local_experts=8,
+    num_experts_per_tok=2,
+    n_group=2,
+    topk_group=1,
+    n_shared_experts=1,
+)
 _TOKENIZERS = {"gpt_oss": (HARMONY_SPECIAL_TOKENS, HARMONY_CHAT_TEMPLATE)}
+_UNMAPPED_CAUSAL_LMS = {"mistral4": "Mistral4ForCausalLM"}
+"""Architectures whose causal LM class transformers' AutoModelForCausalLM does not map (5.24 maps Mistral 4
+under AutoModelForImageTextToText only); `tiny_config` registers them, so that the checkpoints are built and
+the references loaded as the others'."""
 """Architectures whose tokenizer has other special tokens and chat template than ChatML's."""
 
 
@@ -378,17 +710,31 @@ def tiny_config(arch: str, vocab_size: int, **overrides: Any):
         "opt": transformers.OPTConfig,
         "gemma2": transformers.Gemma2Config,
         "gemma3_text": transformers.Gemma3TextConfig,
+        "gemma4_text": transformers.Gemma4TextConfig,
+        "gemma3n_text": transformers.Gemma3nTextConfig,
         "phi3": transformers.Phi3Config,
         "granite": transformers.GraniteConfig,
         "olmo2": transformers.Olmo2Config,
+        "olmo3": transformers.Olmo3Config,
         "smollm3": transformers.SmolLM3Config,
+        "seed_oss": transformers.SeedOssConfig,
+        "exaone4": transformers.Exaone4Config,
+        "starcoder2": transformers.Starcoder2Config,
+        "cohere2": transformers.Cohere2Config,
         "qwen3_moe": transformers.Qwen3MoeConfig,
         "qwen2_moe": transformers.Qwen2MoeConfig,
         "mixtral": transformers.MixtralConfig,
         "gpt_oss": transformers.GptOssConfig,
         "deepseek_v2": transformers.DeepseekV2Config,
         "deepseek_v3": transformers.DeepseekV3Config,
+        "glm4": transformers.Glm4Config,
         "glm4_moe": transformers.Glm4MoeConfig,
+        "llama4_text": transformers.Llama4TextConfig,
+        "olmoe": transformers.OlmoeConfig,
+        "granitemoe": transformers.GraniteMoeConfig,
+        "ernie4_5_moe": transformers.Ernie4_5_MoeConfig,
+        "minimax_m2": transformers.MiniMaxM2Config,
+        "hunyuan_v1_moe": transformers.HunYuanMoEV1Config,
         "qwen3_next": transformers.Qwen3NextConfig,
         "qwen3_5_text": transformers.Qwen3_5TextConfig,
         "qwen3_5_moe_text": transformers.Qwen3_5MoeTextConfig,
@@ -396,11 +742,21 @@ def tiny_config(arch: str, vocab_size: int, **overrides: Any):
         "granitemoehybrid_dense": transformers.GraniteMoeHybridConfig,
         "bamba": transformers.BambaConfig,
         "nemotron_h": transformers.NemotronHConfig,
+        "olmo_hybrid": transformers.OlmoHybridConfig,
+        "kimi_linear": transformers.KimiLinearConfig,
+        "falcon_h1": transformers.FalconH1Config,
+        "lfm2": transformers.Lfm2Config,
+        "lfm2_moe": transformers.Lfm2MoeConfig,
+        "ministral3": transformers.Ministral3Config,
+        "mistral4": transformers.Mistral4Config,
     }[arch]
     fields = dict(
         _DEFAULTS[arch], vocab_size=vocab_size, bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID
     )
     fields.update(overrides)
+    if arch in _UNMAPPED_CAUSAL_LMS:
+        model_cls = getattr(transformers, _UNMAPPED_CAUSAL_LMS[arch])
+        transformers.AutoModelForCausalLM.register(config_cls, model_cls, exist_ok=True)
     return config_cls(**fields)
 
 
@@ -439,8 +795,10 @@ def make_tiny_checkpoint(
 def randomise_vectors(model: torch.nn.Module) -> None:
     """transformers initialises norm weights to 1 and biases to 0 (stacked experts' biases too, GPT-OSS's
     `gate_up_proj_bias` [E, 2I], and the routers' `e_score_correction_bias` buffer of DeepSeek-V3 and
-    GLM-4.5); spread them so their loading is tested."""
-    corrections = [(n, b) for n, b in model.named_buffers() if n.endswith("e_score_correction_bias")]
+    GLM-4.5, and Gemma 4's `layer_scalar` buffer, one per layer, and LFM2-MoE's `expert_bias` buffer); spread
+    them so their loading is tested."""
+    buffers = ("e_score_correction_bias", "layer_scalar", "expert_bias")
+    corrections = [(n, b) for n, b in model.named_buffers() if n.endswith(buffers)]
     with torch.no_grad():
         for name, param in [*model.named_parameters(), *corrections]:
             if param.dim() == 1 or name.endswith("_bias"):

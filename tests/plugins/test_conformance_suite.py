@@ -85,6 +85,7 @@ def test_wrong_backend_fails(tmp_path):
     assert failed == [
         "WRONG_ATTN-long_context-sliding_window-300",
         "WRONG_ATTN-mixed_layers",
+        "WRONG_ATTN-mixed_layers-attention_chunk",  # its windowed layer
         "WRONG_ATTN-mixed_layers-latent_kv",
         "WRONG_ATTN-mixed_layers-sliding_window",
         "WRONG_ATTN-sinks-sliding_window-7",
@@ -97,7 +98,7 @@ def test_wrong_backend_fails(tmp_path):
     ], result.stdout
     # a window longer than every sequence is no window: that case passes
     assert (
-        "11 failed, 23 passed" in result.stdout and "largest difference from the reference" in result.stdout
+        "12 failed, 27 passed" in result.stdout and "largest difference from the reference" in result.stdout
     )
 
 
@@ -122,6 +123,7 @@ def test_cases_follow_the_backends_claims():
         supports_sliding_window = False
         supports_logits_soft_cap = False
         supports_sinks = False
+        supports_attention_chunk = False
 
     ids = [case.id for case in candidate_cases(Narrow, _CPU)]
     claimed = [
@@ -178,6 +180,11 @@ FEATURES = [
     "sinks-sliding_window-7",
     "long_context-sinks",
     "sinks-soft_cap-5-sliding_window-20",
+    "attention_chunk-7",
+    "attention_chunk-32",
+    "attention_chunk-20",
+    "long_context-attention_chunk-300",
+    "mixed_layers-attention_chunk",
     "latent_kv",
     "long_context-latent_kv",
     "mixed_layers-sliding_window",
@@ -191,7 +198,8 @@ FEATURES = [
     "name", ["TORCH_SDPA", pytest.param("FLEX_ATTENTION", marks=pytest.mark.slow), "CPU_ATTN"]
 )
 def test_builtin_cpu_backends_pass_the_feature_cases(name):
-    """Every built-in backend that runs on CPU claims windows, soft-cap and sinks, and passes those cases
+    """Every built-in backend that runs on CPU claims windows, soft-cap, sinks and chunked local attention,
+    and passes those cases
     (the long-context ones are left to each backend's own tests: minutes here, on one thread); TORCH_SDPA
     and CPU_ATTN also claim the latent (MLA) layout, and FLEX_ATTENTION refuses it."""
     registry = load_plugins()
@@ -201,14 +209,14 @@ def test_builtin_cpu_backends_pass_the_feature_cases(name):
     cases = [case for case in runnable if case.feature and not case.id.startswith("long_context")]
     skipped = {case.id: reasons for case, reasons in skipped_features(backend, platform)}
     if name == "FLEX_ATTENTION":
-        assert len(cases) == 13 and list(skipped) == [
+        assert len(cases) == 17 and list(skipped) == [
             "latent_kv",
             "long_context-latent_kv",
             "mixed_layers-latent_kv",
         ]
         assert set(skipped["latent_kv"]) == {"no latent KV cache (MLA) support"}
     else:
-        assert len(cases) == 15 and skipped == {}
+        assert len(cases) == 19 and skipped == {}
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

@@ -40,3 +40,23 @@ def pooling_llm(tiny_model_dir):
     )
     yield llm
     llm.shutdown()
+
+
+@pytest.fixture(scope="session")
+def gpt_oss_llm(tmp_path_factory):
+    """A tiny random GPT-OSS (harmony chat template and special tokens) with the `openai_gptoss` reasoning
+    parser, on a thread: 1024 tokens of context, for harmony prompts with tools (the tiny tokenizer spends
+    about a token a character)."""
+    model_dir = make_tiny_checkpoint(
+        "gpt_oss", tmp_path_factory.mktemp("harmony"), max_position_embeddings=1024
+    )
+    llm = AsyncLLM(
+        str(model_dir),
+        dtype="float32",
+        num_kv_blocks=192,
+        max_model_len=1024,
+        engine_process=False,
+        reasoning_parser="openai_gptoss",
+    )
+    yield llm
+    llm.shutdown()

@@ -234,6 +234,7 @@ def test_the_openapi_schema_documents_what_the_server_answers(app):
     paths = schema.json()["paths"]
     for path, operations in paths.items():
         name = "AnthropicErrorResponse" if path.startswith("/v1/messages") else "ErrorResponse"
+        name = "OllamaErrorResponse" if path.startswith("/api/") else name
         error_body = {"$ref": f"#/components/schemas/{name}"}
         for method, operation in operations.items():
             responses = operation["responses"]

@@ -1,8 +1,10 @@
 """Schemathesis against a live `pagellm serve` and its own /openapi.json: whatever valid or invalid request it
 generates, the server never answers 5xx, and every answer is one the schema documents (status, content type,
 body, headers; an undocumented method gets 405 with `Allow`). Every route the app serves: a generating server
-with the LoRA admin routes on (/v1/load_lora_adapter, /v1/unload_lora_adapter) besides the completion, chat,
-messages, count_tokens, tokenize and detokenize routes, and a pooling server for /v1/embeddings. A fixed seed,
+with the LoRA admin routes on (/v1/load_lora_adapter, /v1/unload_lora_adapter) and the responses store
+(/v1/responses, GET /v1/responses/{id}, its cancel) besides the completion, chat, messages, count_tokens,
+tokenize and detokenize routes, a pooling server for /v1/embeddings, and a
+classifying one for /v1/score, /v1/rerank, /v2/rerank, /classify and /pooling. A fixed seed,
 so a failure reproduces; PAGELLM_FUZZ_EXAMPLES (default 300 per operation and phase) scales the run.
 
 Slow (minutes): `pytest -m slow tests/server/test_schemathesis.py`. Schemathesis runs as its command line
@@ -41,8 +43,22 @@ CHECKS = (
 
 
 SERVERS = {
-    "generate": ["--enable-lora", "--allow-runtime-lora-updating", "--max-lora-rank", "8"],
+    "generate": [
+        "--enable-lora",
+        "--allow-runtime-lora-updating",
+        "--max-lora-rank",
+        "8",
+        "--enable-responses-store",
+    ],
     "pooling": ["--runner", "pooling"],
+    # the tiny Llama as a one-score classifier (two of its tokens' logits), for /v1/score, rerank, /classify
+    "classify": [
+        "--runner",
+        "pooling",
+        "--hf-overrides",
+        '{"architectures": ["LlamaForSequenceClassification"], "method": "from_2_way_softmax", '
+        '"classifier_from_token": ["<|im_start|>", "<|im_end|>"]}',
+    ],
 }
 
 

@@ -14,11 +14,13 @@ sees the projections and norms, not the per-sequence loop."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagellm.core.state import StateSpec
+from pagellm.core.state import RecurrentKernels, StateSpec
 from pagellm.models.context import ModelInit, get_forward_context
 from pagellm.models.layers.linear import Linear
 from pagellm.models.layers.recurrent import RecurrentLayer
@@ -60,9 +62,19 @@ class GatedDeltaNet(RecurrentLayer):
     )
     """Qwen3.5's checkpoint names, as fused parts of the layer's linears (for `copy_weights`)."""
 
-    def __init__(self, init: ModelInit, state_idx: int, grouped: bool = True):
+    def __init__(
+        self,
+        init: ModelInit,
+        state_idx: int,
+        grouped: bool = True,
+        beta_scale: float = 1.0,
+        norm_eps: float | None = None,
+    ):
+        """`beta_scale`: the write strength is sigmoid(b) times this (2: OLMo Hybrid's negative eigenvalues,
+        beta in (0, 2)); `norm_eps`: the output norm's epsilon, where it is not the config's `rms_norm_eps`."""
         super().__init__(state_idx)
         self.grouped = grouped
+        self.beta_scale = beta_scale
         c = init.hf_config
         self.num_k_heads, self.num_v_heads = c.linear_num_key_heads, c.linear_num_value_heads
         self.head_k_dim, self.head_v_dim = c.linear_key_head_dim, c.linear_value_head_dim
@@ -84,7 +96,7 @@ class GatedDeltaNet(RecurrentLayer):
         )
         self.dt_bias = nn.Parameter(torch.empty(self.num_v_heads, dtype=init.dtype), requires_grad=False)
         self.A_log = nn.Parameter(torch.empty(self.num_v_heads, dtype=init.dtype), requires_grad=False)
-        self.norm = GatedRMSNorm(self.head_v_dim, c.rms_norm_eps, init.dtype)
+        self.norm = GatedRMSNorm(self.head_v_dim, norm_eps or c.rms_norm_eps, init.dtype)
         self.out_proj = Linear(self.value_dim, c.hidden_size, False, init.dtype)
 
     def recurrent_flops_per_token(self) -> float:
@@ -129,6 +141,7 @@ class GatedDeltaNet(RecurrentLayer):
             self.num_k_heads,
             self.head_k_dim,
             self.head_v_dim,
+            self.beta_scale,
         )
         out = self.norm(out, z.reshape(tokens, self.num_v_heads, self.head_v_dim))
         return self.out_proj(out.reshape(tokens, self.value_dim))
@@ -146,13 +159,15 @@ def _gated_delta_net(
     num_k_heads: int,
     head_k_dim: int,
     head_v_dim: int,
+    beta_scale: float = 1.0,
 ) -> torch.Tensor:
     """The step's conv and delta rule of recurrent layer `state_idx`: mixed [T, conv_dim] (q, k, v before
-    the conv), a and b [T, Hv] -> o [T, Hv, Dv]; reads and writes the requests' states in the forward
-    context (none in a memory-profiling step: one sequence from zero states, nothing kept)."""
-    tokens, num_v_heads = a.shape
+    the conv), a and b [T, Hv] -> o [T, Hv, Dv], the write strength sigmoid(b) * beta_scale; reads and
+    writes the requests' states in the forward context (none in a memory-profiling step: one sequence from
+    zero states, nothing kept)."""
+    num_v_heads = a.shape[1]
     key_dim = num_k_heads * head_k_dim
-    beta = b.float().sigmoid()
+    beta = b.float().sigmoid() * beta_scale
     g = -A_log.float().exp() * F.softplus(a.float() + dt_bias.float())  # log decay, <= 0
 
     def split_heads(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -161,18 +176,47 @@ def _gated_delta_net(
         k = k.unflatten(-1, (num_k_heads, head_k_dim)).repeat_interleave(num_v_heads // num_k_heads, dim=-2)
         return q, k, v.unflatten(-1, (num_v_heads, head_v_dim))
 
+    def prefill(kernels: RecurrentKernels | None, *args: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return (kernels.chunk_gated_delta_rule if kernels else chunk_gated_delta_rule)(*args)
+
+    def decode(kernels: RecurrentKernels, *args: torch.Tensor) -> torch.Tensor:
+        return kernels.gated_delta_rule_update(*args)
+
+    return conv_and_delta_rule(
+        mixed, conv_weight, state_idx, split_heads, g, beta, (num_v_heads, head_v_dim), prefill, decode
+    )
+
+
+def conv_and_delta_rule(
+    mixed: torch.Tensor,
+    conv_weight: torch.Tensor,
+    state_idx: int,
+    split_heads: Callable[[torch.Tensor], Sequence[torch.Tensor]],
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    out_heads: tuple[int, int],
+    prefill: Callable[..., tuple[torch.Tensor, torch.Tensor]],
+    decode: Callable[..., torch.Tensor],
+) -> torch.Tensor:
+    """What a delta-rule layer's op does with the step's requests (Gated DeltaNet's, Kimi delta
+    attention's): the SiLU conv over mixed [T, conv_dim], split_heads(conv output) -> (q, k, v), then the
+    rule -> o [T, *out_heads]. `prefill(kernels, q, k, v, g, beta, state)` -> (o, new state) runs one
+    sequence (kernels None in a memory-profiling step, which has no states: one sequence from zeros,
+    nothing kept); `decode(kernels, q, k, v, g, beta, states, slots)` -> o advances every request one token
+    at once, updating `states` at `slots`. A request's fresh states are zeroed before its first chunk."""
     state = get_forward_context().state
     if state is None:  # memory profiling: one sequence from nothing
         conv_state = mixed.new_zeros(mixed.shape[1], conv_weight.shape[1] - 1)
         x, _ = causal_conv1d_prefill(mixed, conv_weight, None, conv_state, "silu")
-        zeros = torch.zeros(num_v_heads, head_k_dim, head_v_dim, dtype=torch.float32, device=mixed.device)
-        return chunk_gated_delta_rule(*split_heads(x), g, beta, zeros)[0]
+        q, k, v = split_heads(x)
+        zeros = torch.zeros(q.shape[1], q.shape[2], v.shape[2], dtype=torch.float32, device=mixed.device)
+        return prefill(None, q, k, v, g, beta, zeros)[0]
     kernels = complete(state.kernels)
     conv_states, delta_states = state.caches[state_idx]
     if state.decode_only:  # one token per request: every request's update at once
         x = kernels.conv1d_update(mixed, conv_weight, None, conv_states, state.slots, "silu")
-        return kernels.gated_delta_rule_update(*split_heads(x), g, beta, delta_states, state.slots)
-    out = mixed.new_empty(tokens, num_v_heads, head_v_dim)
+        return decode(kernels, *split_heads(x), g, beta, delta_states, state.slots)
+    out = mixed.new_empty(mixed.shape[0], *out_heads)
     qsl = state.query_start_loc
     for i, slot in enumerate(state.slot_list):
         rows = slice(qsl[i], qsl[i + 1])
@@ -182,12 +226,14 @@ def _gated_delta_net(
         x, conv_states[slot] = kernels.causal_conv1d_prefill(
             mixed[rows], conv_weight, None, conv_states[slot], "silu"
         )
-        out[rows], delta_states[slot] = kernels.chunk_gated_delta_rule(
-            *split_heads(x), g[rows], beta[rows], delta_states[slot]
+        out[rows], delta_states[slot] = prefill(
+            kernels, *split_heads(x), g[rows], beta[rows], delta_states[slot]
         )
     return out
 
 
 @_gated_delta_net.register_fake
-def _(mixed, a, b, conv_weight, A_log, dt_bias, state_idx, num_k_heads, head_k_dim, head_v_dim):
+def _(
+    mixed, a, b, conv_weight, A_log, dt_bias, state_idx, num_k_heads, head_k_dim, head_v_dim, beta_scale=1.0
+):
     return mixed.new_empty(a.shape[0], a.shape[1], head_v_dim)

@@ -129,7 +129,13 @@ class Mamba2Mixer(RecurrentLayer):
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         gate, xbc, dt = self.in_proj(h).split([self.intermediate_size, self.conv_dim, self.num_heads], dim=-1)
-        y = torch.ops.pagellm.mamba2(
+        return self.out_proj(self.norm(self.scan(xbc, dt), gate))
+
+    def scan(self, xbc: torch.Tensor, dt: torch.Tensor) -> torch.Tensor:
+        """The conv and the scan of the step's tokens (x, B, C before the conv; dt before its bias) -> y
+        [T, heads * head_dim], through the state cache: the part between the projections, which a family
+        with its own (Falcon-H1's multipliers and norms) reuses."""
+        return torch.ops.pagellm.mamba2(
             xbc,
             dt,
             self.conv1d.weight.view(self.conv_dim, self.kernel_size),
@@ -146,7 +152,6 @@ class Mamba2Mixer(RecurrentLayer):
             self.dt_max,
             self.activation,
         )
-        return self.out_proj(self.norm(y, gate))
 
 
 @torch.library.custom_op("pagellm::mamba2", mutates_args=())

@@ -158,15 +158,44 @@ def recurrent_gated_delta_rule(
     q, k [B, H, Dk]; v [B, H, Dv]; g, beta [B, H]; state [B, H, Dk, Dv] float32, updated in place (it is the
     state cache's memory; any strides). Returns o [B, H, Dv] in v's dtype. Same normalisation and scale of q
     and k as the chunked form."""
+    per_channel = g.unsqueeze(-1).expand(*g.shape, k.shape[-1])  # every key channel decays alike
+    return recurrent_channel_gated_delta_rule(q, k, v, per_channel, beta, state)
+
+
+def recurrent_channel_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+) -> torch.Tensor:
+    """The decode step with a log decay per key channel, g [B, H, Dk] (Kimi delta attention's; Gated
+    DeltaNet's per-head decay is the case where the channels decay alike). Otherwise as
+    `recurrent_gated_delta_rule`: state [B, H, Dk, Dv] float32 updated in place; o [B, H, Dv] in v's dtype."""
     if state.dtype != torch.float32:
         raise ValueError(f"the recurrent state must be float32, got {state.dtype}")
-    q = (_l2norm(q.float()) * q.shape[-1] ** -0.5).unsqueeze(-2)  # [B, H, 1, Dk]
-    k = _l2norm(k.float())
-    state.mul_(g.float().exp()[..., None, None])
-    predicted = (k.unsqueeze(-2) @ state).squeeze(-2)  # S'^T k: [B, H, Dv]
-    delta = (v.float() - predicted) * beta.float().unsqueeze(-1)
-    state.addcmul_(k.unsqueeze(-1), delta.unsqueeze(-2))
-    return (q @ state).squeeze(-2).to(v.dtype)
+    return delta_rule_step(*prepare_delta_inputs(q, k, v, g, beta), state).to(v.dtype)
+
+
+def prepare_delta_inputs(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor
+) -> tuple[torch.Tensor, ...]:
+    """Float32, q and k L2-normalised, q scaled by Dk**-0.5: what `delta_rule_step` takes."""
+    q = _l2norm(q.float()) * q.shape[-1] ** -0.5
+    return q, _l2norm(k.float()), v.float(), g.float(), beta.float()
+
+
+def delta_rule_step(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, s: torch.Tensor
+) -> torch.Tensor:
+    """One token of N sequences (prepared, g [N, H, Dk] per key channel): S' = diag(exp(g)) S,
+    S = S' + k (beta (v - S'^T k))^T, o = S^T q; s [N, H, Dk, Dv] updated in place, o [N, H, Dv] float32."""
+    s.mul_(g.exp().unsqueeze(-1))
+    predicted = (k.unsqueeze(-2) @ s).squeeze(-2)  # S'^T k: [N, H, Dv]
+    delta = (v - predicted) * beta.unsqueeze(-1)
+    s.addcmul_(k.unsqueeze(-1), delta.unsqueeze(-2))
+    return (q.unsqueeze(-2) @ s).squeeze(-2)
 
 
 def _unit_lower_inverse(a: torch.Tensor, block: int = 16) -> torch.Tensor:

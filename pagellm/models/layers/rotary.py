@@ -264,6 +264,28 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest), dim=-1)
 
 
+def rotate_pairs(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, round_cos_sin: bool = False
+) -> torch.Tensor:
+    """Rotate x [T, heads, head_dim] by cos/sin [T, head_dim // 2] in interleaved pairs: (x[2i], x[2i+1]) by
+    frequency i (GPT-J's layout), in float32 and back in x's dtype. `round_cos_sin`: cos and sin rounded to
+    x's dtype first, as some transformers models do before rotating in float32 (in bf16 the two differ)."""
+    if round_cos_sin:
+        cos, sin = cos.to(x.dtype).float(), sin.to(x.dtype).float()
+    c, s = cos[:, None, :], sin[:, None, :]
+    pairs = x.float().unflatten(-1, (-1, 2))
+    x0, x1 = pairs[..., 0], pairs[..., 1]
+    return torch.stack((x0 * c - x1 * s, x0 * s + x1 * c), dim=-1).flatten(-2).to(x.dtype)
+
+
+def pairs_to_halves(x: torch.Tensor, rotated: int | None = None) -> torch.Tensor:
+    """x [T, heads, head_dim]: the first `rotated` features of each head (all by default) from pairs (x0, x1),
+    (x2, x3), ... to halves (x0, x2, ...), (x1, x3, ...); the others stay where they are. Moving q and k alike
+    keeps every q.k, so apply_rotary then rotates interleaved pairs."""
+    rotated = x.shape[-1] if rotated is None else rotated
+    return torch.cat([x[..., 0:rotated:2], x[..., 1:rotated:2], x[..., rotated:]], dim=-1)
+
+
 def request_length_base(model: nn.Module) -> str | None:
     """What the model's rotary counts in a token's length besides its position (`length_base`): "prompt",
     "tokens", or None when its rope does not depend on the length."""

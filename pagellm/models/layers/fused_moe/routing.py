@@ -27,8 +27,8 @@ class Routing:
 
     Grouped top-k (`num_groups` > 1): the experts are split into `num_groups` equal groups, each group
     scored (with a correction bias: the sum of its two best scores, DeepSeek-V3's "noaux_tc"; without:
-    its best score, DeepSeek-V2's "group_limited_greedy"), and only the `topk_groups` best groups'
-    experts are candidates."""
+    its best score, DeepSeek-V2's "group_limited_greedy"; `group_top2` says otherwise), and only the
+    `topk_groups` best groups' experts are candidates."""
 
     top_k: int
     scoring: str = SOFTMAX
@@ -40,6 +40,10 @@ class Routing:
     """`routed_scaling_factor`: multiplies the final weights (DeepSeek)."""
     renormalize_eps: float = 0.0
     """Added to the sum before renormalising (DeepSeek-V3 and GLM-4.5: 1e-20)."""
+    group_top2: bool | None = None
+    """How a group is scored: the sum of its two best scores (True), its best one (False); None: the sum
+    where a correction bias is given, else the best (DeepSeek-V3 / V2). Mistral 4: softmax without a bias,
+    the two best."""
 
     def __post_init__(self):
         if self.scoring not in SCORINGS:
@@ -60,7 +64,8 @@ def select_experts(
         scores = logits.softmax(dim=-1) if routing.scoring == SOFTMAX else logits.sigmoid()
         choice = scores if correction_bias is None else scores + correction_bias.float()
         if routing.num_groups > 1:
-            choice = _mask_to_best_groups(choice, routing, correction_bias is not None)
+            top2 = routing.group_top2 if routing.group_top2 is not None else correction_bias is not None
+            choice = _mask_to_best_groups(choice, routing, top2)
         ids = torch.topk(choice, routing.top_k, dim=-1)[1]
         weights = scores.gather(1, ids)
     if routing.renormalize:

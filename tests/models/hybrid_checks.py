@@ -1,0 +1,108 @@
+"""Checks every hybrid model (recurrent layers beside attention) shares: its logits against transformers'
+(prompts prefilled in chunks in one batch, each chunk continuing from the states the last one left, then
+decode steps that add one token to every sequence at once: the vectorised state update), and the start-up
+refusals of what recurrent state rules out."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+from models_harness import PagedRunner, load_pagellm, load_reference, reference_logits
+from parity import Reference, assert_greedy_parity, chunked_llm, mixed_prompts
+
+from pagellm.models.base import CausalLM
+
+ATOL = 1e-4
+PROMPTS = {0: [(7 * i + 5) % 380 + 3 for i in range(45)], 1: [(11 * i + 2) % 380 + 3 for i in range(30)]}
+CHUNK = 16
+MAX_MODEL_LEN, TOKEN_BUDGET = 400, 48
+
+
+def assert_chunked_prefill_and_decode_match(
+    model: CausalLM,
+    reference: torch.nn.Module,
+    prompts: dict[int, list[int]],
+    chunk: int,
+    decode_steps: int = 4,
+    atol: float = ATOL,
+) -> None:
+    """`prompts`: sequence number -> its prompt, prefilled together `chunk` tokens a step, then
+    `decode_steps` greedy tokens each; every chunk's logits and every decode step's must equal
+    transformers' at the same positions within `atol`."""
+    runner = PagedRunner(model, num_seqs=len(prompts))
+    ids = {s: list(p) for s, p in prompts.items()}
+    done = dict.fromkeys(ids, 0)
+    while any(done[s] < len(ids[s]) for s in ids):
+        chunks = {s: ids[s][done[s] : done[s] + chunk] for s in ids if done[s] < len(ids[s])}
+        got = runner.step(chunks)
+        for s, part in chunks.items():
+            done[s] += len(part)
+            want = reference_logits(reference, ids[s][: done[s]])[-len(part) :]
+            torch.testing.assert_close(got[s], want, atol=atol, rtol=0)
+    last = {s: reference_logits(reference, ids[s])[-1] for s in ids}
+    for _ in range(decode_steps):
+        for s in ids:
+            ids[s].append(int(last[s].argmax()))
+        got = runner.step({s: ids[s][-1:] for s in ids})
+        for s in ids:
+            last[s] = reference_logits(reference, ids[s])[-1]
+            torch.testing.assert_close(got[s][-1], last[s], atol=atol, rtol=0)
+
+
+def assert_checkpoint_logits_match(path: Path) -> CausalLM:
+    """The float32 checkpoint at `path` against transformers': PROMPTS in chunks of CHUNK tokens, then
+    decode steps. Returns the pagellm model, for the caller's own checks."""
+    model = load_pagellm(path)
+    assert_chunked_prefill_and_decode_match(model, load_reference(path), PROMPTS, CHUNK)
+    return model
+
+
+def assert_engine_parity_under_preemption(
+    path: Path, reference: Reference, state_layers: int, lengths: tuple[int, ...], caplog
+) -> None:
+    """Through the engine with a small token budget and KV cache: prompts of `lengths` tokens (the long ones
+    in several chunks, enough at once to preempt) give transformers' greedy tokens; the recurrent layers are
+    logged and prefix caching is off, as recurrent state rules it out."""
+    with caplog.at_level(logging.INFO, logger="pagellm"):
+        llm = chunked_llm(path, MAX_MODEL_LEN, TOKEN_BUDGET)
+    assert f"recurrent state: {state_layers} layers" in caplog.text and "prefix caching off" in caplog.text
+    prompts = [p for p in mixed_prompts(300, seed=1) if len(p) in lengths]
+    assert_greedy_parity(llm, reference, prompts)
+    stats = llm.engine.stats()
+    assert stats.num_preemptions > 0 and stats.prefix_cache_hits == 0
+
+
+def assert_every_mixed_prompt_matches(path: Path, reference: Reference) -> None:
+    """Every mixed prompt through the engine of assert_engine_parity_under_preemption."""
+    llm = chunked_llm(path, MAX_MODEL_LEN, TOKEN_BUDGET)
+    assert_greedy_parity(llm, reference, mixed_prompts(300, seed=2))
+
+
+def assert_speculation_and_parallelism_refused(path: Path, unsplit: str) -> None:
+    """Speculative decoding (a rejected draft would need the state before it) and tensor parallelism (the
+    recurrent layers have no split; `unsplit` is part of the reason given) are refused at start-up."""
+    from pagellm import LLM
+    from pagellm.core.config import EngineConfig
+    from pagellm.core.errors import ConfigError
+    from pagellm.engine.setup import resolve_engine
+
+    speculative = {"method": "ngram", "num_speculative_tokens": 2}
+    with pytest.raises(ConfigError, match="recurrent layers"):
+        LLM(str(path), dtype="float32", num_kv_blocks=64, speculative_config=speculative)
+    with pytest.raises(ConfigError, match=unsplit):
+        resolve_engine(EngineConfig(model=str(path), dtype="float32", tensor_parallel_size=2))
+
+
+def assert_compiled_forward_matches(
+    path: Path, reference: Reference | None = None, seed: int = 3, count: int = 4
+) -> None:
+    """torch.compile sees the projections and norms, the recurrent layers' ops stay opaque: greedy outputs
+    of `count` mixed prompts (drawn with `seed`) equal transformers' (`reference`, by default 16 tokens)."""
+    from pagellm import LLM
+
+    llm = LLM(str(path), dtype="float32", max_model_len=MAX_MODEL_LEN, num_kv_blocks=256, enforce_eager=False)
+    assert llm.engine.runner.forward is not llm.engine.runner.model
+    assert_greedy_parity(llm, reference or Reference(path, 16), mixed_prompts(300, seed=seed)[:count])

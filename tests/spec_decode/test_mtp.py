@@ -1,0 +1,103 @@
+"""Multi-token prediction with the MTP layer of tiny DeepSeek-V3 and GLM-4.5 checkpoints (written here:
+transformers saves no MTP weights): greedy tokens equal transformers', and the drafts made through
+chunked prefill, prefix-cache hits and preemption equal those of an engine that prefills each sequence
+whole (so the MTP layer's KV stays right); a checkpoint without MTP weights is refused at start-up."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from parity import Reference, assert_greedy_parity, mixed_prompts
+from safetensors.torch import load_file, save_file
+from test_eagle import recorded_drafts
+from test_spec_engine import copy_friendly_prompts
+from tiny import make_tiny_checkpoint
+
+from pagellm import LLM, SamplingParams
+from pagellm.core.errors import ConfigError
+
+MAX_TOKENS = 16
+K = 3
+
+
+def add_mtp_layer(path, seed: int = 0) -> None:
+    """Write layer N = num_hidden_layers in the released layout: the last decoder layer's tensors' shapes
+    (random, fixed seed) under `model.layers.N.`, with `enorm`, `hnorm`, `eh_proj`, `shared_head.norm`,
+    `shared_head.head` and `embed_tokens` (the target's table, as released)."""
+    config = json.loads((path / "config.json").read_text())
+    n, h = config["num_hidden_layers"], config["hidden_size"]
+    tensors = load_file(str(path / "model.safetensors"))
+    g = torch.Generator().manual_seed(seed)
+    last = f"model.layers.{n - 1}."
+    for name, tensor in list(tensors.items()):
+        if name.startswith(last):
+            noise = torch.randn(tensor.shape, generator=g) * tensor.float().std().clamp(min=0.05)
+            fresh = (tensor.float().mean() + noise) if tensor.dim() == 1 else noise
+            tensors[f"model.layers.{n}." + name[len(last) :]] = fresh.to(tensor.dtype)
+    mtp = f"model.layers.{n}."
+    tensors[mtp + "enorm.weight"] = 1 + 0.1 * torch.randn(h, generator=g)
+    tensors[mtp + "hnorm.weight"] = 1 + 0.1 * torch.randn(h, generator=g)
+    tensors[mtp + "eh_proj.weight"] = 0.1 * torch.randn(h, 2 * h, generator=g)
+    tensors[mtp + "shared_head.norm.weight"] = 1 + 0.1 * torch.randn(h, generator=g)
+    tensors[mtp + "shared_head.head.weight"] = torch.randn(config["vocab_size"], h, generator=g)
+    tensors[mtp + "embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+
+
+@pytest.fixture(scope="module", params=["deepseek_v3", "glm4_moe"])
+def target(request, tmp_path_factory):
+    path = make_tiny_checkpoint(request.param, tmp_path_factory.mktemp(request.param))
+    reference = Reference(path, MAX_TOKENS)  # before the MTP layer exists: transformers does not read it
+    add_mtp_layer(path)
+    return path, reference
+
+
+def engine(path, **overrides) -> LLM:
+    settings = dict(
+        dtype="float32", num_kv_blocks=400, max_model_len=400,
+        speculative_config={"method": "mtp", "num_speculative_tokens": K},
+    )  # fmt: skip
+    settings.update(overrides)
+    return LLM(str(path), **settings)
+
+
+def test_greedy_tokens_and_drafts_hold_through_chunking_caching_and_preemption(target):
+    path, reference = target
+    prompts = mixed_prompts(300, seed=1, shared_prefix=17) + copy_friendly_prompts(300, seed=1)
+    tight = engine(path, max_num_batched_tokens=48, max_num_seqs=8, num_kv_blocks=30, max_model_len=368)
+    records = recorded_drafts(tight)
+    assert_greedy_parity(tight, reference, prompts)
+    assert_greedy_parity(tight, reference, prompts[:6])  # again, from the prefix cache
+    stats = tight.engine.stats()
+    assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0 and stats.spec_num_draft_tokens > 0
+    # the same sequences prefilled whole, one at a time: their first drafts must be the same
+    checked = [r for r in records[:: max(1, len(records) // 12)] if len(r[1]) == K]
+    whole = engine(path)
+    fresh = recorded_drafts(whole)
+    for tokens, drafts in checked:
+        fresh.clear()
+        whole.generate(
+            [{"prompt_token_ids": tokens[:-1]}],
+            SamplingParams(temperature=0, max_tokens=K + 2),
+            use_tqdm=False,
+        )
+        assert fresh[0] == (tokens, drafts), len(tokens)
+    assert len(checked) >= 6
+
+
+def test_a_checkpoint_without_mtp_layers_is_refused_at_start_up(tmp_path):
+    path = make_tiny_checkpoint("deepseek_v3", tmp_path, num_nextn_predict_layers=0)
+    with pytest.raises(ConfigError, match="no MTP layers"):
+        engine(path)
+    llama = make_tiny_checkpoint("llama", tmp_path)
+    with pytest.raises(ConfigError, match="mtp runs the MTP layers of"):
+        engine(llama)
+
+
+def test_mtp_takes_no_model():
+    from pagellm.core.config import SpeculativeConfig
+
+    with pytest.raises(ConfigError, match="mtp takes no model"):
+        SpeculativeConfig.parse({"method": "mtp", "model": "x", "num_speculative_tokens": 1})
