@@ -300,9 +300,12 @@ class Gemma4Model(LlamaModel):
         projected = self.per_layer_model_projection(embeds) * self.hidden_size**-0.5
         return (self.per_layer_projection_norm(projected.reshape(shape)) + tokens) * 2.0**-0.5
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids) * self.embed_scale
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         rope = self.rope(positions)
-        x = self.embed_tokens(input_ids) * self.embed_scale
+        x = self.embed(input_ids)
         per_layer = self.per_layer_inputs(input_ids, x) if self.per_layer_size else None
         kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         for i in self.own:

@@ -47,7 +47,7 @@ def pagellm_models() -> dict[str, str]:
         "Gemma2ForCausalLM": "pagellm.models.gemma:Gemma2ForCausalLM",
         "Gemma3ForCausalLM": "pagellm.models.gemma:Gemma3ForCausalLM",
         "Gemma4ForCausalLM": "pagellm.models.gemma4:Gemma4ForCausalLM",
-        "Gemma4ForConditionalGeneration": "pagellm.models.gemma4:Gemma4TextOfMultimodal",
+        "Gemma4ForConditionalGeneration": "pagellm.models.gemma4_mm:Gemma4ForConditionalGeneration",
         "Gemma3nForCausalLM": "pagellm.models.gemma3n:Gemma3nForCausalLM",
         "Gemma3nForConditionalGeneration": "pagellm.models.gemma3n:Gemma3nTextOfMultimodal",
         "DeepseekV2ForCausalLM": "pagellm.models.deepseek:DeepseekV2ForCausalLM",

@@ -57,7 +57,7 @@ def test_text_of_a_multimodal_checkpoint(tmp_path):
     randomise_vectors(model)
     model.save_pretrained(tmp_path)
     tokenizer.save_pretrained(tmp_path)
-    assert load_pagellm(tmp_path).__class__.__name__ == "Gemma4TextOfMultimodal"
+    assert load_pagellm(tmp_path).__class__.__name__ == "Gemma4ForConditionalGeneration"
     _check_logits(tmp_path, model.eval())
 
 

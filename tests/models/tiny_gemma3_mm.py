@@ -32,18 +32,9 @@ def make_tiny_gemma3_mm(
         Gemma3ForConditionalGeneration,
         Gemma3ImageProcessor,
         Gemma3Processor,
-        PreTrainedTokenizerFast,
     )
 
-    trained = make_tokenizer(384, (*SPECIAL_TOKENS, BOI, IMAGE, EOI), GEMMA3_TEMPLATE)
-    tokenizer = PreTrainedTokenizerFast(  # the processor reads the image tokens as the tokenizer's attributes
-        tokenizer_object=trained.backend_tokenizer,
-        bos_token=trained.bos_token,
-        eos_token=trained.eos_token,
-        pad_token=trained.pad_token,
-        chat_template=GEMMA3_TEMPLATE,
-        extra_special_tokens={"boi_token": BOI, "image_token": IMAGE, "eoi_token": EOI},
-    )
+    tokenizer = image_tokenizer({"boi_token": BOI, "image_token": IMAGE, "eoi_token": EOI}, GEMMA3_TEMPLATE)
     text = tiny_config("gemma3_text", vocab_size=len(tokenizer), sliding_window=sliding_window)
     vision = dict(
         model_type="siglip_vision_model",
@@ -79,3 +70,19 @@ def make_tiny_gemma3_mm(
     )
     processor.save_pretrained(out)
     return out
+
+
+def image_tokenizer(tokens: dict[str, str], chat_template: str):
+    """A tokenizer trained here with `tokens` (attribute -> token: `image_token`...) after the usual special
+    tokens, each also an attribute of the tokenizer, which is where the processors read them."""
+    from transformers import PreTrainedTokenizerFast
+
+    trained = make_tokenizer(384, (*SPECIAL_TOKENS, *tokens.values()), chat_template)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=trained.backend_tokenizer,
+        bos_token=trained.bos_token,
+        eos_token=trained.eos_token,
+        pad_token=trained.pad_token,
+        chat_template=chat_template,
+        extra_special_tokens=tokens,
+    )
