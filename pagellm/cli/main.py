@@ -19,6 +19,10 @@ BUILTIN_COMMANDS = {
     "serve": ("pagellm.cli.serve_cmd", "serve"),
     "run-batch": ("pagellm.cli.run_batch_cmd", "run_batch"),
     "proxy": ("pagellm.cli.proxy_cmd", "proxy"),
+    "pull": ("pagellm.cli.models_cmd", "pull"),
+    "list": ("pagellm.cli.models_cmd", "list_models"),
+    "ps": ("pagellm.cli.models_cmd", "ps"),
+    "rm": ("pagellm.cli.models_cmd", "rm"),
 }
 """Command name -> (module, attribute). A command's module is imported when it runs (or help lists it), so
 `pagellm serve` imports no benchmark code and no torch before it has started its engine process."""

@@ -16,6 +16,7 @@ from pagellm.cli.options import (
     serve_options,
     served_names,
 )
+from pagellm.cli.router_cmd import router_options, serve_router, wants_router
 from pagellm.core.config import EngineConfig
 from pagellm.engine.process_launch import EngineLaunch
 from pagellm.server.limits import (
@@ -42,6 +43,7 @@ logger = logging.getLogger("pagellm")
     "read a flag's value in `ps`.",
 )
 @click.option("--disable-log-requests", is_flag=True, help="Do not log each request.")
+@click.option("--no-web-ui", is_flag=True, help="Do not serve the chat page at / (the API alone).")
 @click.option(
     "--max-n",
     default=DEFAULT_MAX_N,
@@ -88,13 +90,15 @@ logger = logging.getLogger("pagellm")
     type=click.FloatRange(min=0, min_open=True),
     help="Seconds the store keeps a response.",
 )
-@serve_options()
+@router_options
+@serve_options(skip=("model",))
 def serve(
     model_arg: str | None,
     host: str,
     port: int,
     api_keys: tuple[str, ...],
     disable_log_requests: bool,
+    no_web_ui: bool,
     max_n: int,
     max_request_body_mb: float,
     lora_modules: tuple[tuple[str, str], ...],
@@ -109,7 +113,14 @@ def serve(
     **options,
 ) -> None:
     """Serve MODEL (default: the embedded SmolLM2) over the OpenAI API: /v1/completions,
-    /v1/chat/completions, /v1/responses, /v1/models, /tokenize, /detokenize, /health, /version, /metrics."""
+    /v1/chat/completions, /v1/responses, /v1/models, /tokenize, /detokenize, /health, /version, /metrics;
+    and a chat page at / (--no-web-ui: none)."""
+    models = options.pop("models")
+    routed = {k: options.pop(k) for k in ("models_dir", "max_loaded_models", "keep_alive_s")}
+    if wants_router(models, routed["models_dir"], routed["keep_alive_s"]):  # several models: the router
+        routed.update(host=host, port=port, api_keys=api_keys, served_model_names=served_model_names)
+        return serve_router(click.get_current_context(), model_arg, models, routed)
+    options["model"] = models[0] if models else None
     if model_arg and options.get("model") and model_arg != options["model"]:
         raise click.UsageError(f"MODEL {model_arg!r} and --model {options['model']!r} disagree; give one")
     if options.get("compile_in_background") is None:  # serve answers first and gets faster after
@@ -130,6 +141,7 @@ def serve(
         responses_store=(responses_store_max_entries, responses_store_max_age_s)
         if enable_responses_store
         else None,
+        web_ui=not no_web_ui,
     )
     # the engine process starts importing now, beside the server's imports below (one engine process: data
     # parallelism starts its own); nothing above imported torch

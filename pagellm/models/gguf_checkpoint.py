@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from pagellm.core.errors import ConfigError
+from pagellm.core.progress import progress
 from pagellm.models.gguf_config import fill_gguf_config
 from pagellm.models.gguf_names import gguf_hf_names
 from pagellm.models.loader import CheckpointSlice
@@ -286,7 +287,8 @@ def _weights(reader: Any, hf_config, raw_linear: bool) -> Iterator[tuple[str, to
     processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=hf_config.to_dict())
     names = gguf_hf_names(architecture, hf_config)
     experts, routers, shared_gates = _moe_tensors(hf_config.num_hidden_layers)
-    for tensor in reader.tensors:
+    # a bar at a terminal: widening a large file's tensors to float32 takes minutes
+    for tensor in progress(reader.tensors, desc="GGUF tensors", unit="tensor"):
         if tensor.name in experts:
             split = _stacked_experts if raw_linear else _split_experts
             yield from split(

@@ -336,14 +336,14 @@ def _resolve(
             _cached_or_fail(cache, repo_id, revision, what, "HF_HUB_OFFLINE is set, so nothing is downloaded")
         )
     try:
-        files = _bounded(lambda: _list_repo_files(repo_id, revision), hub_timeout())
+        files = bounded_call(lambda: _list_repo_files(repo_id, revision), hub_timeout())
         with download_lock(cache, repo_id):
             wanted = select(files, lambda name: _read_remote_json(repo_id, name, revision, cache))
             folder = _download(repo_id, revision, cache, wanted)
     except ConfigError:
         raise
     except Exception as exc:  # unreachable, timed out, unknown or gated repository, unknown revision, cut off
-        reason = _hub_error(exc)
+        reason = hub_error(exc)
         folder = cached_snapshot(cache, repo_id, revision)
         if folder is None:
             raise ConfigError(
@@ -378,7 +378,7 @@ def _redownload(repo_id: str, revision: str | None) -> str:
     return _how_to_download(repo_id, revision).replace("Download it", "download it again", 1)
 
 
-def _hub_error(exc: BaseException) -> str:
+def hub_error(exc: BaseException) -> str:
     from huggingface_hub.utils import GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError
 
     if isinstance(exc, GatedRepoError):
@@ -396,7 +396,7 @@ def _hub_error(exc: BaseException) -> str:
     return f"fetching it from the Hugging Face Hub failed ({name}: {first_line})"
 
 
-def _bounded(call: Callable[[], Any], timeout: float) -> Any:
+def bounded_call(call: Callable[[], Any], timeout: float) -> Any:
     """`call()` on a daemon thread, given `timeout` seconds: huggingface_hub's client has no timeout of its
     own for metadata requests and retries a refused connection for ~25 s, so start-up bounds the wait here."""
     result: dict[str, Any] = {}

@@ -35,6 +35,7 @@ from pagellm.server.serving_models import ServedModels
 from pagellm.server.serving_ollama import ServingOllama, json_or_lines
 from pagellm.server.serving_responses import ServingResponses
 from pagellm.server.serving_score import ServingScore
+from pagellm.server.web_ui import install_web_ui
 
 
 def build_app(
@@ -51,12 +52,14 @@ def build_app(
     lora_modules: dict[str, str] | None = None,
     allow_runtime_lora_updating: bool = False,
     responses_store: tuple[int, float] | None = None,
+    web_ui: bool = False,
 ) -> FastAPI:
     """The app serving `llm` under `served_model_names` (the first is the default for requests naming none).
 
     With `api_keys`, every path but /health and /metrics needs `Authorization: Bearer <one of them>`. Bodies
     over `max_body_bytes` get 413, requests for more than `max_n` samples 400. `responses_store`: (most
-    responses, seconds each) that /v1/responses keeps (--enable-responses-store); None keeps none."""
+    responses, seconds each) that /v1/responses keeps (--enable-responses-store); None keeps none. `web_ui`:
+    the chat page at `/` (web_ui.py; `pagellm serve` turns it on unless --no-web-ui)."""
     models = ServedModels(llm, served_model_names)
     options: dict[str, Any] = {"chat_template": chat_template, "log_requests": log_requests, "max_n": max_n}
     tools = {"tool_call_parser": tool_call_parser, "enable_auto_tool_choice": enable_auto_tool_choice}
@@ -72,10 +75,7 @@ def build_app(
 
     app = FastAPI(title="pagellm", version=__version__, docs_url=None, redoc_url=None)
     errors.install_handlers(app)
-    if api_keys:
-        app.add_middleware(APIKeyMiddleware, api_keys=list(api_keys))
-    app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_body_bytes)
-    app.add_middleware(OllamaJSONBodyMiddleware)
+    _add_middleware(app, api_keys, max_body_bytes, web_ui)
 
     keyed = errors.openapi_errors(401, 500)
     posted = errors.openapi_errors(400, 401, 404, 408, 413, 500, 503)
@@ -117,6 +117,17 @@ def build_app(
         app.get(f"/api/{path}", responses=listed)(getattr(ollama_models, path))
     _document_400_not_422(app)
     return app
+
+
+def _add_middleware(app: FastAPI, api_keys: Sequence[str], max_body_bytes: int, web_ui: bool) -> None:
+    """The middleware, the last added running first: the chat page (`web_ui`) ahead of the API-key check, so
+    the page loads without the key its API calls need; then Ollama's bodies, the body size, the key."""
+    if api_keys:
+        app.add_middleware(APIKeyMiddleware, api_keys=list(api_keys))
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_body_bytes)
+    app.add_middleware(OllamaJSONBodyMiddleware)
+    if web_ui:
+        install_web_ui(app)
 
 
 def _route_responses(app: FastAPI, responses: ServingResponses, posted: dict[int | str, Any]) -> None:

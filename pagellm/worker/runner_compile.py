@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from pagellm.core.attention import AttentionBatch
+from pagellm.core.progress import elapsed
 from pagellm.models.context import set_forward_context
 from pagellm.worker import compiled_forward
 from pagellm.worker.regional import decoder_layers, layers_compiled_once
@@ -146,7 +147,8 @@ class RunnerCompile:
                 return loaded
         started = time.monotonic()
         try:
-            compiled = self.compile_ahead()
+            with elapsed("compiling the model (--enforce-eager skips this)"):
+                compiled = self.compile_ahead()
         except Exception as e:  # a graph break, a guard or an inductor failure: the usual compile instead
             logger.info(
                 "compiling ahead of time failed (%s: %s); compiling on the first step", type(e).__name__, e

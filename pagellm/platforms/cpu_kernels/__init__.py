@@ -20,6 +20,7 @@ starts on its PyTorch paths and takes the kernels up between two steps once `bac
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -34,6 +35,7 @@ from types import SimpleNamespace
 import torch
 
 from pagellm.core.paths import cache_dir
+from pagellm.core.progress import elapsed
 
 logger = logging.getLogger("pagellm")
 
@@ -253,15 +255,16 @@ def _build() -> tuple[SimpleNamespace | None, str | None]:
                 if name in SOURCES:
                     sources.append(str(copy))
             name = f"pagellm_cpu_kernels_{key}"
-            library = load_extension(
-                name=name,
-                sources=sources,
-                extra_cflags=["-O3", f"-march={arch}", "-fopenmp"],
-                extra_ldflags=["-fopenmp"],
-                build_directory=str(build_dir),
-                verbose=False,
-                is_python_module=False,
-            )
+            with elapsed("building the CPU kernels") if fresh else contextlib.nullcontext():
+                library = load_extension(
+                    name=name,
+                    sources=sources,
+                    extra_cflags=["-O3", f"-march={arch}", "-fopenmp"],
+                    extra_ldflags=["-fopenmp"],
+                    build_directory=str(build_dir),
+                    verbose=False,
+                    is_python_module=False,
+                )
     except Exception as e:  # a compiler error, a missing header or ninja: fall back, say why
         logger.debug("the CPU kernels' build failed:\n%s", e)  # the compiler's own words
         return (
