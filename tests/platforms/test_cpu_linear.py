@@ -240,6 +240,26 @@ def test_pair_kernel_matches_f_linear(rows, out_features, in_features, bias):
     torch.testing.assert_close(out.float(), expected, rtol=2**-8, atol=1e-5)
 
 
+@pytest.mark.parametrize(("out_features", "in_features"), [(16 * 37 + 5, 96), (16 * 9, 33), (16 * 40, 577)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_pair_kernel_one_row_reads_four_panels_at_once_and_sums_as_a_block_does(
+    out_features, in_features, bias
+):
+    """One x row reads four panels at once per thread, from four places of its run, plus the run's
+    remainder one at a time: each row's sums come out the bits a register block of two rows gives it."""
+    pair_kernels()
+    gen = torch.Generator().manual_seed(out_features + in_features)
+    weight = torch.randn(out_features, in_features, generator=gen).bfloat16()
+    b = torch.randn(out_features, generator=gen).bfloat16() if bias else None
+    x = torch.randn(2, in_features, generator=gen).bfloat16()
+    packed = cpu_linear.pack_pairs(weight)
+    two = packed.matmul(x, packed.weight, b)
+    for row in range(2):
+        assert torch.equal(packed.matmul(x[row : row + 1], packed.weight, b)[0], two[row])
+    expected = F.linear(x.float(), weight.float(), None if b is None else b.float())
+    torch.testing.assert_close(two.float(), expected, rtol=2**-8, atol=1e-4)
+
+
 def test_pair_kernel_leading_dims_empty_input_and_wrong_inputs():
     pair_kernels()
     weight = torch.randn(20, 8).bfloat16()

@@ -10,7 +10,9 @@
 // lane), zero-padded past N and K. A call splits the panels between threads in contiguous runs of pairs of
 // panels; for each pair of panels every block of up to kRows x rows runs the whole K, two 16-column sums
 // per row in registers (the panel pair streams from memory for the first block, from L2 for the next),
-// then bias, then rounding to bfloat16. x must be bfloat16 (an odd K is padded with a zero column).
+// then bias, then rounding to bfloat16. One x row (a decode step) instead splits single panels between
+// threads and reads four of each thread's run at once (`one_row`). x must be bfloat16 (an odd K is padded
+// with a zero column).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -92,6 +94,70 @@ void pair_block(const uint16_t* const* x, const uint16_t* p0, const uint16_t* p1
   }
 }
 
+// One x row times kStreams panels at once, from separate places in memory: panel q's 16 sums, bias added,
+// rounded to bfloat16 into y[q] (`cols[q]` valid). Each panel is summed as pair_block<1> sums it (even and
+// odd pairs apart, added before an odd last pair), so the bits are the same. One row does one vdpbf16ps
+// per 64 bytes of weights, and a core reading one or two streams of panels waits on its loads (as the AVX2
+// panels do: panels.h, panel_dot_streams).
+template <int S>
+void pair_streams(const uint16_t* x, const uint16_t* const* panels, int64_t pairs, const float* const* bias,
+                  uint16_t* const* y, const int64_t* cols) {
+  __m512 acc[S], odd[S];
+  for (int q = 0; q < S; ++q) acc[q] = _mm512_setzero_ps(), odd[q] = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 2 <= pairs; i += 2) {
+    int32_t both[2];
+    std::memcpy(both, x + 2 * i, 8);
+    const __m512bh xa = (__m512bh)_mm512_set1_epi32(both[0]), xb = (__m512bh)_mm512_set1_epi32(both[1]);
+    for (int q = 0; q < S; ++q) {
+      acc[q] = _mm512_dpbf16_ps(acc[q], xa, (__m512bh)_mm512_loadu_si512(panels[q] + i * 2 * kCols));
+      odd[q] = _mm512_dpbf16_ps(odd[q], xb, (__m512bh)_mm512_loadu_si512(panels[q] + (i + 1) * 2 * kCols));
+    }
+  }
+  for (int q = 0; q < S; ++q) acc[q] = _mm512_add_ps(acc[q], odd[q]);
+  if (i < pairs) {
+    int32_t both;
+    std::memcpy(&both, x + 2 * i, 4);
+    const __m512bh xv = (__m512bh)_mm512_set1_epi32(both);
+    for (int q = 0; q < S; ++q)
+      acc[q] = _mm512_dpbf16_ps(acc[q], xv, (__m512bh)_mm512_loadu_si512(panels[q] + i * 2 * kCols));
+  }
+  for (int q = 0; q < S; ++q) {
+    const __m512 b = bias[q] ? _mm512_loadu_ps(bias[q]) : _mm512_setzero_ps();
+    alignas(32) uint16_t out[kCols];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(out), (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[q], b)));
+    std::memcpy(y[q], out, cols[q] * 2);
+  }
+}
+
+constexpr int kStreams = 4;  // panels one x row reads at once per thread
+
+// One x row times every panel: each thread's run of panels cut in kStreams equal parts, read side by side,
+// then the run's remainder one panel at a time.
+void one_row(const uint16_t* x, const uint16_t* w, int64_t pairs, int64_t panels, const float* b, int64_t n,
+             uint16_t* y) {
+  const int64_t panel_elems = pairs * 2 * kCols;
+  auto at = [&](int64_t p, const uint16_t** pp, const float** bp, uint16_t** yp, int64_t* cp) {
+    *pp = w + p * panel_elems, *bp = b ? b + p * kCols : nullptr, *yp = y + p * kCols;
+    *cp = std::min<int64_t>(kCols, n - p * kCols);
+  };
+  parallel_runs(panels, [&](int64_t first, int64_t last) {
+    const int64_t part = (last - first) / kStreams;
+    const uint16_t* pp[kStreams];
+    const float* bp[kStreams];
+    uint16_t* yp[kStreams];
+    int64_t cp[kStreams];
+    for (int64_t j = 0; j < part; ++j) {
+      for (int q = 0; q < kStreams; ++q) at(first + q * part + j, pp + q, bp + q, yp + q, cp + q);
+      pair_streams<kStreams>(x, pp, pairs, bp, yp, cp);
+    }
+    for (int64_t p = first + kStreams * part; p < last; ++p) {
+      at(p, pp, bp, yp, cp);
+      pair_streams<1>(x, pp, pairs, bp, yp, cp);
+    }
+  });
+}
+
 template <bool kTwo>
 void rows_block(int rows, const uint16_t* const* x, const uint16_t* p0, const uint16_t* p1, int64_t pairs,
                 const float* bias, uint16_t* const* y, int64_t cols) {
@@ -125,16 +191,23 @@ at::Tensor cpu_bf16_pair_linear(const at::Tensor& input, const at::Tensor& packe
   std::vector<float> bias_f32;  // zero-padded to whole panels: the blocks read 16 or 32
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->dim() == 1 && bias->numel() == n, "cpu_bf16_pair_linear: a bias of ", n, " values");
-    const at::Tensor values = bias->to(at::kFloat).contiguous();
     bias_f32.assign(panels * kCols, 0.f);
-    std::copy(values.data_ptr<float>(), values.data_ptr<float>() + n, bias_f32.begin());
+    if (bias->scalar_type() == at::kBFloat16 && bias->is_contiguous()) {  // the model's dtype: no ATen op
+      const auto* src = static_cast<const uint16_t*>(bias->data_ptr());
+      for (int64_t c = 0; c < n; ++c) bias_f32[c] = bf16_to_float(src[c]);
+    } else {
+      const at::Tensor values = bias->to(at::kFloat).contiguous();
+      std::copy(values.data_ptr<float>(), values.data_ptr<float>() + n, bias_f32.begin());
+    }
   }
   std::vector<int64_t> shape(input.sizes().begin(), input.sizes().end());
   shape.back() = n;
   auto out = input.new_empty(shape);
-  const at::Tensor x = input.reshape({-1, k}).contiguous();
-  const int64_t m = x.size(0);
+  const int64_t m = k == 0 ? 0 : input.numel() / k;
   if (m == 0 || n == 0) return out;
+  // Plain pointers, not ATen's reshape / contiguous when x is already contiguous: at one row those ops
+  // cost about what a small projection's products do.
+  const at::Tensor x = input.is_contiguous() ? input : input.contiguous();
 #if PL_BF16_PAIRS
   const auto* xs = reinterpret_cast<const uint16_t*>(x.data_ptr());
   std::vector<uint16_t> padded;  // an odd K: each row and a zero, the last pair's second value
@@ -146,6 +219,7 @@ at::Tensor cpu_bf16_pair_linear(const at::Tensor& input, const at::Tensor& packe
   const auto* w = reinterpret_cast<const uint16_t*>(packed.data_ptr());
   auto* ys = reinterpret_cast<uint16_t*>(out.data_ptr());
   const float* b = bias_f32.empty() ? nullptr : bias_f32.data();
+  if (m == 1) return one_row(xs, w, pairs, panels, b, n, ys), out;
   const int64_t panel_elems = pairs * 2 * kCols, x_stride = 2 * pairs, units = (panels + 1) / 2;
   parallel_balanced(
       units, [](int64_t) { return int64_t(1); },
