@@ -81,6 +81,7 @@ class TorchSDPABackend(PagedBackend):
     supports_latent_kv = True
     supports_bidirectional_spans = True
     supports_attention_chunk = True
+    supports_index_topk = True  # its slot-major rows, which sparse attention gathers (sparse_attention.py)
     kv_cache_dtypes = (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2)
     metadata_type = TorchSDPAMetadata
 

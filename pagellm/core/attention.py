@@ -69,6 +69,9 @@ class AttentionSpec:
     # none of its own and is handed that layer's k and v of the step (Gemma 4's shared-KV layers); None: its own
     kv_source: int | None = None
     attention_chunk: int | None = None  # chunked local attention: a query sees only its own chunk's keys
+    # sparse attention (DeepSeek-V3.2's indexer): each query reads only the index_topk earlier tokens its
+    # layer's lightning indexer picks (models/layers/sparse_attention.py gathers them through the block table)
+    index_topk: int | None = None
 
     def __post_init__(self) -> None:
         if self.attention_chunk is not None and (self.attention_chunk < 1 or self.sliding_window is not None):
@@ -112,6 +115,7 @@ class AttentionSpec:
             + ("-bidir" if self.bidirectional_spans else "")
             + ("-invariant" if self.batch_invariant else "")
             + (f"-chunk{self.attention_chunk}" if self.attention_chunk is not None else "")
+            + (f"-topk{self.index_topk}" if self.index_topk is not None else "")
         )
 
 
@@ -169,6 +173,9 @@ class AttentionBackend:
     """Whether it runs `bidirectional_spans` specs: the batch's spans attend both ways (image tokens)."""
     supports_attention_chunk: ClassVar[bool] = False
     """Whether it runs `attention_chunk` specs: chunked local attention (Llama 4's rope layers)."""
+    supports_index_topk: ClassVar[bool] = False
+    """Whether its cache layout is the one `models/layers/sparse_attention.py` gathers selected rows from
+    (`index_topk` specs: one slot-major row per token); the sparse layers run their own attention."""
     supports_batch_invariant: ClassVar[bool] = False
     """Whether it runs `batch_invariant` specs: each query token's output the same bits whether it comes in
     a prefill chunk or a decode, alone or beside any other requests (`--batch-invariant`)."""
@@ -220,6 +227,8 @@ class AttentionBackend:
             reasons.append("no batch-invariant mode")
         if spec.attention_chunk is not None and not cls.supports_attention_chunk:
             reasons.append("no chunked local attention")
+        if spec.index_topk is not None and not cls.supports_index_topk:
+            reasons.append("no sparse attention (an indexer's top-k tokens; only TORCH_SDPA's cache layout)")
         return reasons
 
     @classmethod

@@ -52,6 +52,8 @@ def pagellm_models() -> dict[str, str]:
         "Gemma3nForConditionalGeneration": "pagellm.models.gemma3n:Gemma3nTextOfMultimodal",
         "DeepseekV2ForCausalLM": "pagellm.models.deepseek:DeepseekV2ForCausalLM",
         "DeepseekV3ForCausalLM": "pagellm.models.deepseek:DeepseekV3ForCausalLM",
+        "DeepseekV32ForCausalLM": "pagellm.models.deepseek_v32:DeepseekV32ForCausalLM",
+        "GlmMoeDsaForCausalLM": "pagellm.models.deepseek_v32:GlmMoeDsaForCausalLM",
         "Glm4ForCausalLM": "pagellm.models.glm4:Glm4ForCausalLM",
         "Glm4MoeForCausalLM": "pagellm.models.glm4_moe:Glm4MoeForCausalLM",
         "Llama4ForCausalLM": "pagellm.models.llama4:Llama4ForCausalLM",

@@ -65,10 +65,10 @@ def available() -> bool:
     return cpu_kernels.load() is not None
 
 
-KERNEL_TYPES = frozenset((2, 3, 6, 7, 8, 10, 11, 12, 13, 14, 20, 23, 39))
+KERNEL_TYPES = frozenset((2, 3, 6, 7, 8, 10, 11, 12, 13, 14, 16, 17, 18, 19, 20, 21, 22, 23, 29, 39))
 """The GGML types the kernels multiply in place once built: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K,
-Q5_K, Q6_K, IQ4_NL, IQ4_XS and MXFP4 (`has_kernel` asks the built library, which also reads pagellm's
-interleaved types)."""
+Q5_K, Q6_K, IQ2_XXS, IQ2_XS, IQ3_XXS, IQ1_S, IQ4_NL, IQ3_S, IQ2_S, IQ4_XS, IQ1_M and MXFP4 (`has_kernel`
+asks the built library, which also reads pagellm's interleaved types)."""
 
 _kernel_types: dict[int, bool] = {}
 

@@ -6,15 +6,16 @@ A fused layer (q/k/v, gate/up) keeps one buffer per checkpoint tensor, since lla
 different type.
 
 Compute, per part, the first that applies:
-- on CPU, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS and MXFP4 are
-  multiplied in place by the native kernel (`platforms.cpu_gguf`): x quantized to int8 in groups of 32, as
-  llama.cpp does, integer dot products; a fused layer's parts in one call;
-- on CUDA/ROCm with triton, the same types but MXFP4 are multiplied by a Triton kernel that dequantizes
-  each tile of the blocks in registers (`quantization.gguf_triton`), for steps of up to 32 rows; larger
+- on CPU, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, MXFP4 and the
+  codebook i-quants (IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S) are multiplied in place by the
+  native kernel (`platforms.cpu_gguf`): x quantized to int8 in groups of 32, as llama.cpp does, integer
+  dot products; a fused layer's parts in one call;
+- on CUDA/ROCm with triton, the same types but MXFP4 and the codebook i-quants are multiplied by a Triton
+  kernel that dequantizes each tile of the blocks in registers (`quantization.gguf_triton`), for steps of up to 32 rows; larger
   steps dequantize the part for the vendor matmul (vectorised torch, `GGML_TYPES`);
 - elsewhere Q4_0, Q4_1, Q8_0 and the float types are dequantized for each matmul (vectorised torch, any
   device);
-- any other type gguf-py can read (the other IQ types; the K-quants, Q5 and IQ4 types on a CPU without the
+- any other type gguf-py can read (the ternary TQ types; the K-quants, Q5 and IQ types on a CPU without the
   kernels or a device without triton) is dequantized once at load into the model's dtype, which the log
   says with the memory it costs.
 

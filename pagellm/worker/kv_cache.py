@@ -45,7 +45,10 @@ def layer_spec(setup: EngineSetup, tp: Group, layer: Any = None) -> AttentionSpe
     own = getattr(layer, "spec", None)
     if own is None or (own.num_kv_heads, own.head_size) == (spec.num_kv_heads, spec.head_size):
         return spec
-    return dataclasses.replace(spec, num_kv_heads=own.num_kv_heads, head_size=own.head_size)
+    # its own V width too: a latent cache narrower than the engine's V (DeepSeek-V3.2's indexer keys)
+    return dataclasses.replace(
+        spec, num_kv_heads=own.num_kv_heads, head_size=own.head_size, v_head_size=own.v_head_size
+    )
 
 
 def kv_layout(setup: EngineSetup, num_layers: int) -> KVCacheLayout:

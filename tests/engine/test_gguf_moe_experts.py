@@ -48,7 +48,7 @@ def expert_encoder(types: dict[str, T]):
         if kind not in types:
             return None
         experts, rows, columns = values.shape
-        if types[kind] in (T.Q2_K, T.Q3_K, T.IQ4_NL, T.IQ4_XS, T.IQ2_XXS):
+        if types[kind] in (T.Q2_K, T.Q3_K, T.IQ4_NL, T.IQ4_XS, T.IQ2_XXS, T.TQ2_0):
             raw = random_blocks(types[kind], experts * rows, columns, scale=0.002)
         elif types[kind] not in (T.Q4_K, T.Q5_K, T.Q6_K):  # gguf-py writes the 32-weight block types
             raw = quants.quantize(values.reshape(experts * rows, columns).astype(np.float32), types[kind])
@@ -164,11 +164,11 @@ def test_a_layer_with_a_type_without_kernel_is_dequantized_at_load(tmp_path, cap
     from pagellm.quantization import gguf
 
     monkeypatch.setattr(gguf, "_dense_types_logged", set())  # said once a process: here, for this test
-    path = moe_gguf(tmp_path, "qwen3_moe", {**Q4_K_M, "ffn_down_exps": T.IQ2_XXS})
+    path = moe_gguf(tmp_path, "qwen3_moe", {**Q4_K_M, "ffn_down_exps": T.TQ2_0})
     dequantized = greedy(LLM(str(path), dtype="float32", **ENGINE))
     with caplog.at_level("INFO", logger="pagellm"):
         llm = LLM(str(path), dtype="float32", quantization="gguf", **ENGINE)
-    assert "IQ2_XXS weights have no in-place kernel" in caplog.text
+    assert "TQ2_0 weights have no in-place kernel" in caplog.text
     layers = expert_layers(llm)
     assert all("GGUF" not in layer.packed.description for layer in layers)
     assert greedy(llm) == dequantized

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 from session_device import session_device
+from sparse_ties import indexer_ties_note
 
 from pagellm import LLM, SamplingParams
 
@@ -73,6 +74,11 @@ FAMILIES: dict[str, dict] = {
     # (tests/models/tiny.py): V2-Lite-like (softmax top 2) and V3-like (sigmoid, correction bias, groups)
     "deepseek_v2": {},
     "deepseek_v3": {},
+    # DeepSeek-V3.2: V3 with the lightning indexer, each query reading its 8 best earlier tokens (a KV-cache
+    # group of indexer keys beside the latent one); ties at the k-th score: tests/models/test_deepseek_v32.py
+    "deepseek_v32": {},
+    # GLM-5: V3.2's sparse attention, the indexer's rope in pairs, layers 1 and 2 reading layer 0's choice
+    "glm_moe_dsa": {},
     # GLM-4 dense: half of each head rotating in interleaved pairs, norms after both blocks, fused gate_up
     "glm4": {},
     # GLM-4.5: partial rotary, q/k norms, q/k/v biases; V3's routing (one group) and a shared expert
@@ -276,6 +282,7 @@ def assert_greedy_parity(llm: LLM, reference: Reference, prompts: list[list[int]
         assert ref_gap < TIE and our_gap < TIE, (
             f"prompt of {len(prompt)} tokens diverges at output {j}: ours {a}, transformers {b} "
             f"(log-prob gaps: transformers {ref_gap:.2e}, ours {our_gap:.2e})\nours {ours}\ntransformers {theirs}"
+            f"{indexer_ties_note(reference.model, prompt + theirs)}"  # sparse attention: say where its top-k ties
         )
         warnings.warn(
             f"accepted near-tie divergence at output {j} (gaps {ref_gap:.1e}, {our_gap:.1e})", stacklevel=1

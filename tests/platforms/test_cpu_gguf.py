@@ -187,10 +187,10 @@ def test_fused_parts_of_mixed_types_and_bfloat16_rows(two_threads):
 
 
 def test_a_type_without_kernel_is_refused():
-    raw = random_blocks(T.IQ2_XXS, 4, 256)
+    raw = random_blocks(T.TQ2_0, 4, 256)
     with pytest.raises(RuntimeError, match="has no kernel"):
-        cpu_gguf.linear(torch.randn(1, 256), [torch.from_numpy(raw)], [int(T.IQ2_XXS)])
-    assert not cpu_gguf.has_kernel(int(T.IQ2_XXS)) and cpu_gguf.has_kernel(int(T.Q2_K))
+        cpu_gguf.linear(torch.randn(1, 256), [torch.from_numpy(raw)], [int(T.TQ2_0)])
+    assert not cpu_gguf.has_kernel(int(T.TQ2_0)) and cpu_gguf.has_kernel(int(T.Q2_K))
 
 
 def test_the_gguf_loader_widens_block_tensors_with_the_loaded_kernels(monkeypatch):

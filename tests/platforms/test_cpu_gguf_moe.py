@@ -176,11 +176,11 @@ def test_unchosen_experts_and_types_without_kernel():
     with pytest.raises(RuntimeError, match="out of range"):
         kernel(x, torch.ones(2, 1), ids)
     iq2 = cpu_gguf_moe.GgufExperts(
-        gate_raw, gate_raw, down_raw, [int(T.IQ2_XXS), int(T.Q8_0), int(T.Q8_0)], "silu"
+        gate_raw, gate_raw, down_raw, [int(T.TQ2_0), int(T.Q8_0), int(T.Q8_0)], "silu"
     )
     with pytest.raises(RuntimeError, match="has no kernel"):
         iq2(x, torch.ones(2, 1), torch.zeros(2, 1, dtype=torch.long))
-    assert not cpu_gguf_moe.runs([int(T.Q4_K), int(T.IQ2_XXS), int(T.Q4_K)])
+    assert not cpu_gguf_moe.runs([int(T.Q4_K), int(T.TQ2_0), int(T.Q4_K)])
     assert cpu_gguf_moe.runs([int(T.Q3_K), int(T.IQ4_XS), int(T.Q2_K)])
 
 

@@ -344,7 +344,7 @@ def random_blocks(ggml_type, rows: int, columns: int, seed: int = 0, scale: floa
     half_fields = {
         T.Q4_0: (0, 1), T.Q4_1: (0, 2), T.Q5_0: (0, 1), T.Q5_1: (0, 2), T.Q8_0: (0, 1),
         T.Q2_K: (80, 2), T.Q3_K: (108, 1), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208, 1),
-        T.IQ4_NL: (0, 1), T.IQ4_XS: (0, 1), T.IQ2_XXS: (0, 1),
+        T.IQ4_NL: (0, 1), T.IQ4_XS: (0, 1), T.IQ2_XXS: (0, 1), T.TQ2_0: (64, 1),
     }  # fmt: skip
     rng = np.random.default_rng(seed)
     block, size = GGML_QUANT_SIZES[ggml_type]

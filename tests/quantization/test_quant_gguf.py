@@ -199,15 +199,15 @@ def test_k_quants_in_bfloat16_stay_close_to_the_dequantized_model(k_checkpoint):
 def test_types_without_a_kernel_are_dequantized_at_load_and_unknown_ones_refused(tmp_path, caplog):
     src = make_tiny_checkpoint("llama", tmp_path, **WIDE)
 
-    def iq2_xxs(weight: torch.Tensor):  # gguf-py cannot write IQ2_XXS: random blocks of the weight's shape
-        raw = random_blocks(T.IQ2_XXS, weight.shape[0], weight.shape[1], scale=0.002)
-        saved = {"qweight": torch.from_numpy(raw), "qweight_type": torch.tensor(int(T.IQ2_XXS))}
-        return saved, torch.from_numpy(quants.dequantize(raw, T.IQ2_XXS))
+    def tq2_0(weight: torch.Tensor):  # ternary blocks (no kernel): random ones of the weight's shape
+        raw = random_blocks(T.TQ2_0, weight.shape[0], weight.shape[1], scale=0.002)
+        saved = {"qweight": torch.from_numpy(raw), "qweight_type": torch.tensor(int(T.TQ2_0))}
+        return saved, torch.from_numpy(quants.dequantize(raw, T.TQ2_0))
 
-    dequantized = write_quantized(src, tmp_path / "q", iq2_xxs, {"quant_method": "gguf"})
+    dequantized = write_quantized(src, tmp_path / "q", tq2_0, {"quant_method": "gguf"})
     with caplog.at_level("INFO", logger="pagellm"):
         model = load_pagellm(tmp_path / "q", quant_method=GgufMethod())
-    assert "IQ2_XXS weights have no in-place kernel" in caplog.text
+    assert "TQ2_0 weights have no in-place kernel" in caplog.text
     reference = load_pagellm(dequantized)
     for name, layer in quantized_layers(model).items():
         assert layer.gguf_paths == ["dense"] * len(layer.output_sizes)

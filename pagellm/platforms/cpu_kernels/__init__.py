@@ -56,6 +56,7 @@ HEADERS = (
     "amx_tiles.h",
     "panels.h",
     "gguf_blocks.h",
+    "gguf_iq_grids.h",
     "gguf_tiles.h",
     "gguf_amx.h",
     "moe_routing.h",

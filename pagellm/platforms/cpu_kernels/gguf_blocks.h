@@ -23,7 +23,10 @@
 // (|w| times x with w's sign) and no offset. MXFP4's nibbles are looked up as twice their FP4 values plus
 // 12 (0-24, unsigned), with an offset of -12 d. IQ4_NL's and IQ4_XS's nibbles are looked up as their grid
 // values (kIq4Values, signed like Q8_0's codes: no offset). Q2_K's and Q3_K's 2-bit fields (and Q3_K's
-// third bit) are codes 0-3 or 0-7 with a scale and an offset per half group, as Q6_K's.
+// third bit) are codes 0-3 or 0-7 with a scale and an offset per half group, as Q6_K's. The codebook
+// i-quants (IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S) are signed codes with no offset too: each
+// 4 or 8 weights an entry of the type's lattice codebook (gguf_iq_grids.h) with their signs, a scale per
+// group (per half group for IQ2_XS, IQ2_S and IQ1_M), decoded a group at a time (`iq_group`).
 //
 // Up to four int8 x rows (a decode step, a few) are multiplied straight from the blocks, one weight row at a
 // time, each group decoded once for all of them; the K-quants' per-block scales and minimums are widened
@@ -53,6 +56,8 @@
 #include <cstring>
 #include <vector>
 
+#include "gguf_iq_grids.h"
+
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define GG_AVX2 1
@@ -77,14 +82,25 @@ enum Type : int64_t {
   kQ4_0x4 = kInterleaved + kQ4_0, kQ4_1x4 = kInterleaved + kQ4_1, kQ5_0x4 = kInterleaved + kQ5_0,
   kQ5_1x4 = kInterleaved + kQ5_1, kQ8_0x4 = kInterleaved + kQ8_0, kMXFP4x4 = kInterleaved + kMXFP4,
   kIQ4_NLx4 = kInterleaved + kIQ4_NL,
+  // the i-quants on lattice codebooks (gguf_iq_grids.h): 256-weight blocks
+  kIQ2_XXS = 16, kIQ2_XS = 17, kIQ3_XXS = 18, kIQ1_S = 19, kIQ3_S = 21, kIQ2_S = 22, kIQ1_M = 29,
 };
 
 constexpr bool is_x4(int64_t type) { return type > kInterleaved; }
 // The GGML type whose blocks an interleaved type holds (the type itself for the others).
 constexpr int64_t base_of(int64_t type) { return is_x4(type) ? type - kInterleaved : type; }
+// The i-quants whose weights are codebook entries times signs and a scale (`iq_group`).
+constexpr bool is_iq_grid(int64_t type) {
+  return type == kIQ2_XXS || type == kIQ2_XS || type == kIQ2_S || type == kIQ3_XXS || type == kIQ3_S ||
+         type == kIQ1_S || type == kIQ1_M;
+}
+constexpr int64_t iq_block_bytes(int64_t type) {
+  return type == kIQ2_XXS ? 66 : type == kIQ2_XS ? 74 : type == kIQ2_S ? 82 : type == kIQ3_XXS ? 98
+         : type == kIQ3_S ? 110 : type == kIQ1_S ? 50 : 56;
+}
 // Types whose codes are signed values (no offset): the integer products take the sign trick.
 constexpr bool signed_codes(int64_t type) {
-  return base_of(type) == kQ8_0 || base_of(type) == kIQ4_NL || type == kIQ4_XS;
+  return base_of(type) == kQ8_0 || base_of(type) == kIQ4_NL || type == kIQ4_XS || is_iq_grid(type);
 }
 
 // IQ4_NL and IQ4_XS: a nibble n stands for kIq4Values[n] times the scale (a non-linear grid, denser near 0).
@@ -155,6 +171,13 @@ bool layout_of(int64_t type, Layout* out) {
     case kIQ4_NL: *out = {32, 18}; return true;
     case kIQ4_XS: *out = {256, 136}; return true;
     case kMXFP4: *out = {32, 17}; return true;
+    case kIQ2_XXS: *out = {256, 66}; return true;
+    case kIQ2_XS: *out = {256, 74}; return true;
+    case kIQ2_S: *out = {256, 82}; return true;
+    case kIQ3_XXS: *out = {256, 98}; return true;
+    case kIQ3_S: *out = {256, 110}; return true;
+    case kIQ1_S: *out = {256, 50}; return true;
+    case kIQ1_M: *out = {256, 56}; return true;
     case kQ4_0x4: case kQ4_1x4: case kQ5_0x4: case kQ5_1x4: case kQ8_0x4: case kMXFP4x4: case kIQ4_NLx4:
       return layout_of(base_of(type), out);
     default: return false;
@@ -168,7 +191,7 @@ bool has_kernel(int64_t type) {
     case kQ2_K: case kQ3_K: case kQ4_K: case kQ5_K: case kQ6_K: case kIQ4_NL: case kIQ4_XS: return true;
     case kQ4_0x4: case kQ4_1x4: case kQ5_0x4: case kQ5_1x4: case kQ8_0x4: case kMXFP4: case kMXFP4x4: return true;
     case kIQ4_NLx4: return true;
-    default: return false;
+    default: return is_iq_grid(type);
   }
 }
 
@@ -321,6 +344,125 @@ inline void k3_scales(const uint8_t* s, int8_t out[16]) {
   }
 }
 
+// ---- the i-quants' groups ---------------------------------------------------------------------------------
+
+// One group of 32 weights of an i-quant block (IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S, IQ1_M; 8
+// groups a block): weight l is a[l / 16] times its code, the byte l of `grid` (a codebook value, 8 entries
+// of 4 values or 4 of 8 side by side) negated where bit l of `signs` is set. The IQ2 and IQ3 codes are their
+// grids' values (8-43, 4-62, 1-15), so signed codes as IQ4_XS's with no offset. IQ1's weights are
+// dl (g + delta), g in {-1, 0, 1} and delta +-1/8 (IQ1_S: one sign per group, IQ1_M: one per 8 weights):
+// the code 8 g +- 1 (-9..9) with a = dl / 8 gives the same products with no offset, and a code times a is
+// dl (g + delta) rounded once, as gguf-py's float32 product is.
+struct IqGroup {
+  uint64_t grid[4];
+  uint32_t signs;
+  float a[2];
+};
+
+// A float16 as float32: F16C's one instruction where the build has it (the same value: both are exact),
+// else `half_to_float`; the one-row products convert a block's scale per group.
+inline float iq_half(const uint8_t* p) {
+#if GG_AVX2
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+#else
+  return half_to_float(p);
+#endif
+}
+
+// Block `blk` of type T's group g (gguf-py's quants module says where each field lies; the scales are the
+// same float32 operations as its numpy code's).
+template <int64_t T>
+inline void iq_group(const uint8_t* blk, int g, const IqGrids& G, IqGroup* o) {
+  if constexpr (T == kIQ2_XXS || T == kIQ3_XXS) {
+    // IQ2_XXS: d, then per group 4 index bytes and a 32-bit word: four 7-bit sign indices, a 4-bit scale.
+    // IQ3_XXS: d, 64 index bytes (8 a group), then the groups' words.
+    const bool three = T == kIQ3_XXS;
+    uint32_t word;
+    std::memcpy(&word, blk + (three ? 66 + 4 * g : 2 + 8 * g + 4), 4);
+    const uint8_t* idx = blk + 2 + 8 * g;
+    for (int k = 0; k < 4; ++k) {
+      o->grid[k] = three ? G.iq3xxs[idx[2 * k]] | static_cast<uint64_t>(G.iq3xxs[idx[2 * k + 1]]) << 32
+                         : G.iq2xxs[idx[k]];
+    }
+    o->signs = 0;
+    for (int k = 0; k < 4; ++k) o->signs |= static_cast<uint32_t>(G.ksigns[(word >> (7 * k)) & 127]) << (8 * k);
+    const float a = iq_half(blk) * (0.5f + static_cast<float>(word >> 28)) * (three ? 0.5f : 0.25f);
+    o->a[0] = o->a[1] = a;
+  } else if constexpr (T == kIQ2_XS) {  // d, 32 16-bit words (9-bit index, 7-bit sign index), 8 scale bytes
+    o->signs = 0;
+    for (int k = 0; k < 4; ++k) {
+      uint16_t q;
+      std::memcpy(&q, blk + 2 + 8 * g + 2 * k, 2);
+      o->grid[k] = G.iq2xs[q & 511];
+      o->signs |= static_cast<uint32_t>(G.ksigns[q >> 9]) << (8 * k);
+    }
+    const float d = iq_half(blk);
+    for (int h = 0; h < 2; ++h) o->a[h] = d * (0.5f + static_cast<float>((blk[66 + g] >> (4 * h)) & 15)) * 0.25f;
+  } else if constexpr (T == kIQ2_S) {  // d, 32 index bytes, 32 sign bytes, 8 bytes of index bits 8-9, 8 scales
+    for (int k = 0; k < 4; ++k) o->grid[k] = G.iq2s[blk[2 + 4 * g + k] | ((blk[66 + g] >> (2 * k)) & 3) << 8];
+    std::memcpy(&o->signs, blk + 34 + 4 * g, 4);
+    const float d = iq_half(blk);
+    for (int h = 0; h < 2; ++h) o->a[h] = d * (0.5f + static_cast<float>((blk[74 + g] >> (4 * h)) & 15)) * 0.25f;
+  } else if constexpr (T == kIQ3_S) {  // d, 64 index bytes, 8 bytes of index bit 8, 32 sign bytes, 4 scale bytes
+    const uint8_t *idx = blk + 2 + 8 * g, qh = blk[66 + g];
+    for (int k = 0; k < 4; ++k) {
+      const uint32_t lo = G.iq3s[idx[2 * k] | ((qh >> (2 * k)) & 1) << 8];
+      const uint32_t hi = G.iq3s[idx[2 * k + 1] | ((qh >> (2 * k + 1)) & 1) << 8];
+      o->grid[k] = lo | static_cast<uint64_t>(hi) << 32;
+    }
+    std::memcpy(&o->signs, blk + 74 + 4 * g, 4);
+    const int scale = (blk[106 + g / 2] >> (4 * (g % 2))) & 15;
+    o->a[0] = o->a[1] = iq_half(blk) * static_cast<float>(1 + 2 * scale);
+  } else if constexpr (T == kIQ1_S) {  // d, 32 index bytes, per group a 16-bit word: 4 x 3 index bits, scale, sign
+    uint16_t qh;
+    std::memcpy(&qh, blk + 34 + 2 * g, 2);
+    const uint64_t* grid = G.iq1s[qh >> 15];  // the delta's sign
+    for (int k = 0; k < 4; ++k) o->grid[k] = grid[blk[2 + 4 * g + k] | ((qh >> (3 * k)) & 7) << 8];
+    o->signs = 0;
+    o->a[0] = o->a[1] = iq_half(blk) * static_cast<float>(2 * ((qh >> 12) & 7) + 1) * 0.125f;
+  } else {  // IQ1_M: 32 index bytes, 16 bytes (a nibble per 8 weights: 3 index bits, the delta's sign), 4 words
+    // of three-bit scales (one per 16 weights) whose top nibbles make d
+    uint16_t sc[4];
+    std::memcpy(sc, blk + 48, 8);
+    const uint16_t d_bits = (sc[0] >> 12) | ((sc[1] >> 8) & 0xf0) | ((sc[2] >> 4) & 0xf00) | (sc[3] & 0xf000);
+    uint8_t d_bytes[2];
+    std::memcpy(d_bytes, &d_bits, 2);
+    const float d = iq_half(d_bytes);
+    for (int k = 0; k < 4; ++k) {
+      const int nibble = (blk[32 + 2 * g + k / 2] >> (4 * (k % 2))) & 15;
+      o->grid[k] = G.iq1s[nibble >> 3][blk[4 * g + k] | (nibble & 7) << 8];
+    }
+    o->signs = 0;
+    for (int h = 0; h < 2; ++h) {
+      const int j = 2 * g + h;
+      o->a[h] = d * static_cast<float>(2 * ((sc[j / 4] >> (3 * (j % 4))) & 7) + 1) * 0.125f;
+    }
+  }
+}
+
+// The scalar form: the group's 32 signed codes.
+inline void iq_codes(const IqGroup& o, uint8_t* codes) {
+  uint8_t mags[32];
+  std::memcpy(mags, o.grid, 32);
+  for (int l = 0; l < 32; ++l) codes[l] = static_cast<uint8_t>((o.signs >> l) & 1 ? -mags[l] : mags[l]);
+}
+
+// A block's 256 weights as float32: a times the code, as gguf-py's (d l) g s (IQ2, IQ3; s = +-1) and
+// dl (g + delta) (IQ1) round, the same float32 numbers (see IqGroup).
+template <int64_t T>
+__attribute__((optimize("fp-contract=off"))) void iq_dequantize(const uint8_t* blk, float* y) {
+  const IqGrids& grids = iq_grids();
+  for (int g = 0; g < 8; ++g) {
+    IqGroup o;
+    iq_group<T>(blk, g, grids, &o);
+    uint8_t codes[32];
+    iq_codes(o, codes);
+    for (int l = 0; l < 32; ++l) y[32 * g + l] = o.a[l / 16] * static_cast<float>(static_cast<int8_t>(codes[l]));
+  }
+}
+
 // ---- exact dequantization (gguf-py's numpy order) ---------------------------------------------------------
 
 // One block's weights as float32. The products are kept apart from the sums (volatile temporaries would be
@@ -442,6 +584,13 @@ __attribute__((optimize("fp-contract=off"))) void dequantize_block(int64_t type,
       }
       return;
     }
+    case kIQ2_XXS: iq_dequantize<kIQ2_XXS>(b, y); return;
+    case kIQ2_XS: iq_dequantize<kIQ2_XS>(b, y); return;
+    case kIQ2_S: iq_dequantize<kIQ2_S>(b, y); return;
+    case kIQ3_XXS: iq_dequantize<kIQ3_XXS>(b, y); return;
+    case kIQ3_S: iq_dequantize<kIQ3_S>(b, y); return;
+    case kIQ1_S: iq_dequantize<kIQ1_S>(b, y); return;
+    case kIQ1_M: iq_dequantize<kIQ1_M>(b, y); return;
     case kQ6_K: {  // ql[128], qh[64], scales[16] (int8), d
       const float d = half_to_float(b + 208);
       for (int g = 0; g < 8; ++g) {
@@ -497,9 +646,29 @@ inline void field_codes(const uint8_t* qs, int bits, int g, const uint8_t* high,
   }
 }
 
+// An i-quant block's eight groups (`iq_group`), as `block_groups` gives them.
+template <int64_t T>
+int iq_block_groups(const uint8_t* blk, Group* out) {
+  const IqGrids& grids = iq_grids();
+  for (int g = 0; g < 8; ++g) {
+    IqGroup o;
+    iq_group<T>(blk, g, grids, &o);
+    iq_codes(o, out[g].codes);
+    out[g].a[0] = o.a[0], out[g].a[1] = o.a[1], out[g].b[0] = out[g].b[1] = 0.f;
+  }
+  return 8;
+}
+
 // A block's groups, for the plain C++ path (and the reference the AVX2 path follows).
 int block_groups(int64_t type, const uint8_t* blk, Group* out) {
   switch (type) {
+    case kIQ2_XXS: return iq_block_groups<kIQ2_XXS>(blk, out);
+    case kIQ2_XS: return iq_block_groups<kIQ2_XS>(blk, out);
+    case kIQ2_S: return iq_block_groups<kIQ2_S>(blk, out);
+    case kIQ3_XXS: return iq_block_groups<kIQ3_XXS>(blk, out);
+    case kIQ3_S: return iq_block_groups<kIQ3_S>(blk, out);
+    case kIQ1_S: return iq_block_groups<kIQ1_S>(blk, out);
+    case kIQ1_M: return iq_block_groups<kIQ1_M>(blk, out);
     case kQ4_0: case kQ4_1: {
       const float d = half_to_float(blk), off = type == kQ4_0 ? -8.f * d : half_to_float(blk + 2);
       const uint8_t* qs = blk + (type == kQ4_0 ? 2 : 4);
@@ -784,6 +953,20 @@ inline __m256i iq4_xs_scale_vector(const uint8_t* blk) {
   return _mm256_sub_epi32(_mm256_or_si256(low, _mm256_slli_epi32(high, 4)), _mm256_set1_epi32(32));
 }
 
+// An i-quant group's 32 signed codes (`IqGroup`): the codebook bytes, those whose bit of `signs` is set
+// negated as (v ^ m) - m with m = 0xff (bit l of the word spread to byte l as `fifth_bits` does).
+inline __m256i iq_group_codes(const IqGroup& o) {
+  // from the four words in registers: their stores read back as one 32-byte load could not be forwarded
+  const __m256i mags = _mm256_set_epi64x(static_cast<int64_t>(o.grid[3]), static_cast<int64_t>(o.grid[2]),
+                                         static_cast<int64_t>(o.grid[1]), static_cast<int64_t>(o.grid[0]));
+  const __m256i spread = _mm256_shuffle_epi8(
+      _mm256_set1_epi32(static_cast<int>(o.signs)),
+      _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0x0000000000000000));
+  const __m256i select = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ull));
+  const __m256i negate = _mm256_cmpeq_epi8(_mm256_and_si256(spread, select), select);
+  return _mm256_sub_epi8(_mm256_xor_si256(mags, negate), negate);
+}
+
 inline void store_codes(uint8_t* dst, __m256i v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), v); }
 
 // Two floats in one 8-byte store: the dot products read them with one 8-byte load, which a store of each
@@ -943,6 +1126,20 @@ void unpack_row(const uint8_t* w, int64_t blocks, Unpacked& u) {
         const int64_t group = s * kX4Blocks + j;
         store_codes(&u.codes[group * kGroup], codes[j]);
         store_pair(&u.a[2 * group], d[j], d[j]), store_pair(&u.b[2 * group], off[j], off[j]);
+      }
+    }
+    return;
+  }
+  if constexpr (is_iq_grid(T)) {  // each group from the codebook (`iq_group`), no offsets
+    const IqGrids& grids = iq_grids();
+    for (int64_t i = 0; i < blocks; ++i) {
+      const uint8_t* blk = w + i * iq_block_bytes(T);
+      for (int g = 0; g < 8; ++g) {
+        IqGroup o;
+        iq_group<T>(blk, g, grids, &o);
+        const int64_t group = i * 8 + g;
+        store_codes(&u.codes[group * kGroup], iq_group_codes(o));
+        store_pair(&u.a[2 * group], o.a[0], o.a[1]), store_pair(&u.b[2 * group], 0.f, 0.f);
       }
     }
     return;
@@ -1241,6 +1438,28 @@ __attribute__((noinline)) void dot_rows(const uint8_t* w, int64_t blocks, const 
         const __m256i codes = iq4_codes(blk + 8 + 16 * g);
         for (int r = 0; r < R; ++r)
           acc[r][g % C] = _mm256_fmadd_ps(products(codes, r, i * 8 + g), _mm256_broadcast_ss(&scale[r][g]), acc[r][g % C]);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      __m256 sum = acc[r][0];
+      if constexpr (C == 2) sum = _mm256_add_ps(sum, acc[r][1]);
+      out[r] = hsum(sum);
+    }
+  } else if constexpr (is_iq_grid(T)) {
+    // per group: its codes from the codebook (`iq_group`, decoded once for all R rows), each half's scale
+    // times x's group scale (lanes 0-3 hold the first half's sums, 4-7 the second's); no offsets
+    const IqGrids& grids = iq_grids();
+    for (int64_t i = 0; i < blocks; ++i) {
+      const uint8_t* blk = w + i * iq_block_bytes(T);
+#pragma GCC unroll 2
+      for (int g = 0; g < 8; ++g) {
+        IqGroup o;
+        iq_group<T>(blk, g, grids, &o);
+        const __m256i codes = iq_group_codes(o);
+        const __m256 a = _mm256_set_m128(_mm_set1_ps(o.a[1]), _mm_set1_ps(o.a[0]));
+        for (int r = 0; r < R; ++r)
+          acc[r][g % C] = _mm256_fmadd_ps(products(codes, r, i * 8 + g), _mm256_mul_ps(a, _mm256_set1_ps(dx[r][i * 8 + g])),
+                                          acc[r][g % C]);
       }
     }
     for (int r = 0; r < R; ++r) {
@@ -1552,6 +1771,13 @@ RowFn row_fn(int64_t type) {
     case kMXFP4x4: return row_times_x<kMXFP4x4, kFloat>;
     case kIQ4_NLx4: return row_times_x<kIQ4_NLx4, kFloat>;
     case kMXFP4: return row_times_x<kMXFP4, kFloat>;
+    case kIQ2_XXS: return row_times_x<kIQ2_XXS, kFloat>;
+    case kIQ2_XS: return row_times_x<kIQ2_XS, kFloat>;
+    case kIQ2_S: return row_times_x<kIQ2_S, kFloat>;
+    case kIQ3_XXS: return row_times_x<kIQ3_XXS, kFloat>;
+    case kIQ3_S: return row_times_x<kIQ3_S, kFloat>;
+    case kIQ1_S: return row_times_x<kIQ1_S, kFloat>;
+    case kIQ1_M: return row_times_x<kIQ1_M, kFloat>;
     default: return row_times_x<kQ6_K, kFloat>;
   }
 }

@@ -19,8 +19,11 @@ constexpr int64_t kLanes = 8;  // x rows in a tile: the lanes of a 256-bit vecto
 constexpr int64_t kTileRows = kDirectRows + 1;  // from this many bfloat16 x rows, tiles (fewer: `dot_rows`)
 constexpr bool kTiles = GG_AVX2;  // the tiles are AVX2 code; the plain C++ build keeps the row products
 constexpr int64_t kTileBytes = int64_t(192) << 10;  // x codes multiplied per pass over the weight rows (L2)
-// Types with a scale and an offset per half group (16 weights), the others' per group.
-constexpr bool half_scaled(int64_t type) { return type == kQ6_K || type == kQ3_K || type == kQ2_K; }
+// Types with a scale and an offset per half group (16 weights), the others' per group (IQ2_XS, IQ2_S and
+// IQ1_M: a scale per 16 weights, offsets of 0).
+constexpr bool half_scaled(int64_t type) {
+  return type == kQ6_K || type == kQ3_K || type == kQ2_K || type == kIQ2_XS || type == kIQ2_S || type == kIQ1_M;
+}
 
 // Rows of x interleaved by `lanes` (kLanes for the AVX2 tiles, kAmxLanes for AMX's, gguf_amx.h; the last
 // tile of a run padded with zero rows). Per tile: codes [k / 4][lanes rows][4 codes], then per group the
@@ -212,6 +215,13 @@ TileFn tile_fn_of(int64_t type) {
     case kMXFP4x4: return F<kMXFP4x4>::fn;
     case kIQ4_NLx4: return F<kIQ4_NLx4>::fn;
     case kMXFP4: return F<kMXFP4>::fn;
+    case kIQ2_XXS: return F<kIQ2_XXS>::fn;
+    case kIQ2_XS: return F<kIQ2_XS>::fn;
+    case kIQ2_S: return F<kIQ2_S>::fn;
+    case kIQ3_XXS: return F<kIQ3_XXS>::fn;
+    case kIQ3_S: return F<kIQ3_S>::fn;
+    case kIQ1_S: return F<kIQ1_S>::fn;
+    case kIQ1_M: return F<kIQ1_M>::fn;
     default: return F<kQ6_K>::fn;
   }
 }
