@@ -857,6 +857,12 @@ void attend_partition(const Problem& P, const float* qf, const void* qb, int64_t
     std::vector<uint16_t> tile(16 * d);  // a tile of keys widened to bfloat16
     const __m512 scale = _mm512_set1_ps(P.scale);
     const int64_t row_bytes = P.row * elem_size<K>();
+    // the first two tiles, which the loop's look-ahead never asks for (the previous item asked for its
+    // successor's keys into L2 at the end of its own scores, below)
+    for (int64_t i = lo; i < std::min(hi, lo + PREFETCH_AHEAD); ++i) {
+      prefetch_row<_MM_HINT_T0>(P.k, offset(i), row_bytes, elem_size<K>());
+      prefetch_row<_MM_HINT_T1>(P.v, offset(i), row_bytes, elem_size<K>());
+    }
     for (; t + 16 <= hi; t += 16) {
       for (int i = 0; i < 16; ++i) at[i] = offset(t + i);
       // blocks sit anywhere in memory, so the hardware prefetcher cannot see the next one coming: fetch
@@ -894,6 +900,11 @@ void attend_partition(const Problem& P, const float* qf, const void* qb, int64_t
         _mm512_storeu_ps(scores.data() + row * width + (t - lo), _mm512_mul_ps(reduce16(part), scale));
       }
     }
+    // the thread's next item's first keys into L2 while this one's softmax and values run: its blocks sit
+    // anywhere, so nothing else fetches them before its first tiles wait on memory
+    if (next.table)
+      for (int64_t u = next.lo; u < std::min(next.hi, next.lo + PREFETCH_AHEAD); ++u)
+        prefetch_row<_MM_HINT_T1>(P.k, next.offset(P, u), row_bytes, elem_size<K>());
   }
 #elif PL_AVX2
   if (d % 8 == 0 && !P.fixed_order) {  // tiles of 8 keys, as the AVX-512 path's of 16
