@@ -281,7 +281,10 @@ def test_streams_pass_through_and_a_client_leaving_mid_stream_frees_the_model():
         assert len(lines) == 100 and lines[0] == 'data: {"model": "a", "i": 0}'
         assert reg.slots["a"].active == 0 and events == ["finished"]
         with httpx.stream("POST", router.url + "/v1/completions", json=body, timeout=10) as response:
-            next(response.iter_lines())
+            # Hold the line iterator: a discarded one is closed at once, and closing it closes the connection,
+            # which would race the router into freeing the model before the check below.
+            stream_lines = response.iter_lines()
+            next(stream_lines)
             assert reg.slots["a"].active == 1
         deadline = time.monotonic() + 5  # the client left after one event
         while (reg.slots["a"].active, events) != (0, ["finished", "cancelled"]):
