@@ -113,13 +113,20 @@ _said: list[str] = []
 def _say_instructions(kernels) -> None:
     """Log once, as the first weight goes on the kernel (every one passes `interleave`), which instructions
     multiply the blocks here (`gguf_isa`): scalar C++, AVX2, AVX2 with VNNI's byte products, and AMX's int8
-    tiles for products of nine x rows or more where the CPU has them."""
+    tiles for products of nine x rows or more where the CPU has them; and whether a decode step's next weight
+    rows are prefetched by software (Intel) or left to the CPU (AMD, whose prefetchers did better)."""
     if _said:
         return
     isa = str(kernels.gguf_isa())
     _said.append(isa)
     tiles = ", AMX's int8 tiles from nine x rows" if isa.startswith("amx-int8") else ""
-    logger.info("gguf: blocks multiplied in place on the native CPU kernel (%s%s)", isa, tiles)
+    rows = "asked for by software" if kernels.gguf_rows_asked_ahead() else "left to the CPU's prefetchers"
+    logger.info(
+        "gguf: blocks multiplied in place on the native CPU kernel (%s%s; a decode step's next weight rows %s)",
+        isa,
+        tiles,
+        rows,
+    )
 
 
 def linear(x: torch.Tensor, parts: list[torch.Tensor], types: list[int]) -> torch.Tensor:

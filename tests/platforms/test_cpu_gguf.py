@@ -236,3 +236,15 @@ def test_the_first_weight_on_the_kernel_says_which_instructions_multiply(caplog,
         cpu_gguf.interleave(raw, int(T.Q4_0))
     said = [r.getMessage() for r in caplog.records if "native CPU kernel" in r.getMessage()]
     assert len(said) == 1 and f"({cpu_kernels.load().gguf_isa()}" in said[0], said
+
+
+def test_decode_rows_are_prefetched_by_software_on_intel_only():
+    """Intel's AMX Xeon read a decode step's rows 1.2-1.4x faster with the next rows asked for ahead; AMD's
+    Zen 4 up to half as fast (gguf_blocks.h, `rows_asked_ahead`): the choice follows the CPU's vendor."""
+    vendors = {
+        line.split(":", 1)[1].strip()
+        for line in Path("/proc/cpuinfo").read_text().splitlines()
+        if line.startswith("vendor_id")
+    }
+    assert len(vendors) <= 1, vendors  # none on CPUs other than x86, whose build never prefetches rows
+    assert cpu_kernels.load().gguf_rows_asked_ahead() == (vendors == {"GenuineIntel"})

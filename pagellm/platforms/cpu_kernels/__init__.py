@@ -78,6 +78,7 @@ OPS = (
     "gguf_dequantize",
     "gguf_kernel_type",
     "gguf_isa",
+    "gguf_rows_asked_ahead",
     "gguf_interleaved_type",
     "gguf_interleave",
     "fused_moe_isa",

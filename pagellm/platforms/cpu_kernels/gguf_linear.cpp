@@ -30,6 +30,8 @@ std::string gguf_isa() {
   return amx_tiles() ? "amx-int8+" + vectors : vectors;
 }
 
+bool gguf_rows_asked_ahead() { return rows_asked_ahead(); }
+
 namespace {
 
 constexpr int64_t kRowStreams = 4;  // places of a thread's run of rows one x row reads in turn
@@ -133,9 +135,10 @@ at::Tensor gguf_linear(const at::Tensor& input, at::TensorList parts, at::IntArr
           bf16 && m == 1 && parts[p].numel() <= kPairedPartBytes ? pair_fn(types[p]) : nullptr;
       const uint8_t* w = static_cast<const uint8_t*>(parts[p].data_ptr());
       // a few x rows (a decode step, up to kDirectRows): the rows (or pairs) taken from kRowStreams parts of
-      // the run in turn, so the loads of several places are in flight at once (`stream_order`), and the
-      // next row (pair) of the same part asked into L1 while this one is multiplied (`prefetch_row`)
-      const bool direct = m <= kDirectRows;
+      // the run in turn, so the loads of several places are in flight at once (`stream_order`), and where
+      // that pays (`rows_asked_ahead`) the next row (pair) of the same part asked into L1 while this one is
+      // multiplied (`prefetch_row`)
+      const bool direct = m <= kDirectRows, ahead = direct && rows_asked_ahead();
       const int64_t streams = direct ? kRowStreams : 1;
       const auto row_at = [&](int64_t i) { return w + (i - starts[p]) * row_bytes; };
       int64_t j = lo;
@@ -143,7 +146,7 @@ at::Tensor gguf_linear(const at::Tensor& input, at::TensorList parts, at::IntArr
         const int64_t pairs = (hi - lo) / 2;
         for (int64_t t = 0; t < pairs; ++t) {
           const int64_t i = lo + 2 * stream_order(pairs, streams, t);
-          if (t + streams < pairs)
+          if (ahead && t + streams < pairs)
             prefetch_row(row_at(lo + 2 * stream_order(pairs, streams, t + streams)), 2 * row_bytes);
           pair(row_at(i), row_at(i) + row_bytes, blocks, q, sums.data() + (i - begin), sums.data() + (i + 1 - begin));
         }
@@ -151,7 +154,7 @@ at::Tensor gguf_linear(const at::Tensor& input, at::TensorList parts, at::IntArr
       }
       for (int64_t t = 0, count = hi - j; t < count; ++t) {
         const int64_t i = j + stream_order(count, streams, t);
-        if (direct && t + streams < count)
+        if (ahead && t + streams < count)
           prefetch_row(row_at(j + stream_order(count, streams, t + streams)), row_bytes);
         float* dst = bf16 ? sums.data() + (i - begin) : out.data_ptr<float>() + i;
         fn(row_at(i), blocks, q, 0, m, dst, bf16 ? end - begin : n);

@@ -16,7 +16,7 @@
 // Work split: threads take contiguous runs of output rows, the same rows of every chosen expert (gate and
 // up row i together, so the activation needs no second pass), as gguf_linear.cpp splits a linear's rows;
 // each thread streams its rows of each expert's blocks in memory order, the few-token experts' rows asked
-// into L1 kPrefetchRows ahead (`row_ahead`).
+// into L1 kPrefetchRows ahead (`row_ahead`) where that pays (`rows_asked_ahead`).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -63,9 +63,11 @@ Stack stack_of(const at::Tensor& w, int64_t type, int64_t experts, int64_t colum
 // The row kPrefetchRows after row i of the few-token expert small[c] in a thread's order (rows begin..end of
 // each expert in turn), or nullptr past the last: an expert's rows are short (E's gate rows 576 bytes) and
 // light work for a few tokens, so one core waits on their loads unless they are asked for ahead (model E
-// Q4_K_M's decode step 20.2 -> 16.1 ms on the AMX Xeon).
+// Q4_K_M's decode step 20.2 -> 16.1 ms on the AMX Xeon); nullptr too where the CPU's own prefetchers do
+// better (`rows_asked_ahead`).
 const uint8_t* row_ahead(const Stack& s, const Routing& routing, const std::vector<int64_t>& small, size_t c,
                          int64_t i, int64_t begin, int64_t end) {
+  if (!rows_asked_ahead()) return nullptr;
   const int64_t offset = i - begin + kPrefetchRows, n = end - begin;
   const size_t ahead = c + static_cast<size_t>(offset / n);
   return ahead < small.size() ? s.row(routing.experts[small[ahead]], begin + offset % n) : nullptr;

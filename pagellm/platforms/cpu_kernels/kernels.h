@@ -42,6 +42,8 @@ at::Tensor gguf_dequantize(const at::Tensor& raw, int64_t type);
 bool gguf_kernel_type(int64_t type);
 // "avx2+vnni" (the byte products in vpdpbusd), "avx2" or "scalar": the GGUF kernels' path in this build.
 std::string gguf_isa();
+// Whether the one-row and few-row products prefetch the next weight rows here (`rows_asked_ahead`).
+bool gguf_rows_asked_ahead();
 int64_t gguf_interleaved_type(int64_t type);
 at::Tensor gguf_interleave(const at::Tensor& raw, int64_t type);
 at::Tensor gguf_embedding(const at::Tensor& ids, const at::Tensor& table, int64_t type);

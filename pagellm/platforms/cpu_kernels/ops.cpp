@@ -141,6 +141,7 @@ TORCH_LIBRARY(TORCH_EXTENSION_NAME, m) {
   m.def("gguf_dequantize(Tensor raw, int type) -> Tensor", TORCH_FN(gguf_dequantize));
   m.def("gguf_kernel_type(int type) -> bool", TORCH_FN(gguf_kernel_type));
   m.def("gguf_isa() -> str", TORCH_FN(gguf_isa));
+  m.def("gguf_rows_asked_ahead() -> bool", TORCH_FN(gguf_rows_asked_ahead));
   m.def("gguf_interleaved_type(int type) -> int", TORCH_FN(gguf_interleaved_type));
   m.def("gguf_interleave(Tensor raw, int type) -> Tensor", TORCH_FN(gguf_interleave));
   m.def("fused_moe_isa() -> str", TORCH_FN(fused_moe_isa));
