@@ -1657,23 +1657,55 @@ void dot_unpacked(const Unpacked& u, int64_t groups, const Rows& x, int64_t r0, 
 #if GG_AVX2
 // Two weight rows of a 32-weight type in the file's layout times one int8 x row (a decode step): one
 // accumulator chain a row, each x group loaded once for both, one horizontal sum for the pair. Model S's rows
-// (18 blocks, not interleaved) are short enough that a row's epilogue and call were a fifth of its time.
+// (18 blocks, not interleaved) are short enough that a row's epilogue and call were a fifth of their time.
+// The float16 types' headers (d, and Q4_1's / Q5_1's minimum m) of both rows are widened in one vcvtph2ps and
+// their offset terms summed in one vector (lanes d0, m0, d1, m1): a block's scalar conversions and multiplies
+// were a fifth of the pair's instructions (model S's Q4_1 rows in L2, one thread, the Zen 4 EPYC: 1.18 ->
+// 0.95 ns a block). The same products and sums as before, bit for bit.
 template <int64_t T>
 __attribute__((noinline)) void dot_row_pair(const uint8_t* w0, const uint8_t* w1, int64_t blocks, const Rows& x,
                                             float* out0, float* out1) {
   const int8_t* xq = x.row(0);
   const float *dx = x.scale(0), *whole = x.whole_sums(0);
   __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-  float off0 = 0.f, off1 = 0.f;
   const auto products = [&](__m256i codes, __m256i xv) { return code_products<signed_codes(T)>(codes, xv); };
-  for (int64_t i = 0; i < blocks; ++i) {
-    const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + i * kGroup));
-    float d0, b0, d1, b1;
-    const __m256i c0 = file_block<T>(w0 + i * file_block_bytes(T), &d0, &b0);
-    const __m256i c1 = file_block<T>(w1 + i * file_block_bytes(T), &d1, &b1);
-    acc0 = _mm256_fmadd_ps(products(c0, xv), _mm256_set1_ps(d0 * dx[i]), acc0);
-    acc1 = _mm256_fmadd_ps(products(c1, xv), _mm256_set1_ps(d1 * dx[i]), acc1);
-    if constexpr (!signed_codes(T)) off0 += b0 * whole[i], off1 += b1 * whole[i];
+  float off0 = 0.f, off1 = 0.f;
+  if constexpr (T == kMXFP4) {  // an exponent byte, not a float16 header
+    for (int64_t i = 0; i < blocks; ++i) {
+      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + i * kGroup));
+      float d0, b0, d1, b1;
+      const __m256i c0 = file_block<T>(w0 + i * file_block_bytes(T), &d0, &b0);
+      const __m256i c1 = file_block<T>(w1 + i * file_block_bytes(T), &d1, &b1);
+      acc0 = _mm256_fmadd_ps(products(c0, xv), _mm256_set1_ps(d0 * dx[i]), acc0);
+      acc1 = _mm256_fmadd_ps(products(c1, xv), _mm256_set1_ps(d1 * dx[i]), acc1);
+      off0 += b0 * whole[i], off1 += b1 * whole[i];
+    }
+  } else {
+    // lane 1 (3) of the header's pair: row 0's (1's) minimum for Q4_1 and Q5_1, else d again
+    constexpr bool kMinimum = T == kQ4_1 || T == kQ5_1;
+    constexpr float kOffset = T == kQ4_0 ? -8.f : T == kQ5_0 ? -16.f : 1.f;
+    __m128 off = _mm_setzero_ps();
+    for (int64_t i = 0; i < blocks; ++i) {
+      const uint8_t* b0 = w0 + i * file_block_bytes(T);
+      const uint8_t* b1 = w1 + i * file_block_bytes(T);
+      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + i * kGroup));
+      uint32_t h0, h1;
+      std::memcpy(&h0, b0, 4);
+      std::memcpy(&h1, b1, 4);
+      if constexpr (!kMinimum) h0 = (h0 & 0xffffu) * 0x10001u, h1 = (h1 & 0xffffu) * 0x10001u;  // d, d
+      const __m128 dm = _mm_cvtph_ps(_mm_unpacklo_epi32(_mm_cvtsi32_si128(static_cast<int>(h0)),
+                                                        _mm_cvtsi32_si128(static_cast<int>(h1))));
+      const __m128 scaled = _mm_mul_ps(dm, _mm_set1_ps(dx[i]));
+      float unused_d, unused_b;
+      const __m256i c0 = file_block<T>(b0, &unused_d, &unused_b);
+      const __m256i c1 = file_block<T>(b1, &unused_d, &unused_b);
+      acc0 = _mm256_fmadd_ps(products(c0, xv), _mm256_broadcastss_ps(scaled), acc0);
+      acc1 = _mm256_fmadd_ps(products(c1, xv), _mm256_broadcastss_ps(_mm_movehl_ps(scaled, scaled)), acc1);
+      if constexpr (!signed_codes(T)) off = _mm_add_ps(off, _mm_mul_ps(dm, _mm_set1_ps(whole[i])));  // as b * whole[i] was
+    }
+    // the offsets b whole[i] summed as before: the minimum's lanes, or kOffset times d's (-8 d summed as d)
+    off0 = kOffset * _mm_cvtss_f32(_mm_movehdup_ps(off));
+    off1 = kOffset * _mm_cvtss_f32(_mm_shuffle_ps(off, off, 3));
   }
   const __m256 h = _mm256_hadd_ps(acc0, acc1);  // row 0's pairs in lanes 0, 1 (and 4, 5), row 1's in 2, 3
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
