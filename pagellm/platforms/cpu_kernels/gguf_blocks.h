@@ -33,7 +33,8 @@
 // and multiplied by x's group scales in vectors, eight groups at once (`dot_rows`). One int8 x row against a
 // small part's rows in the file's layout (not interleaved: a row of blocks not a multiple of four) goes two
 // weight rows at a time (`dot_row_pair`): those rows are short and their epilogue and call were a fifth of
-// their time. Tried and slower on the AVX2 EPYC (Zen 3): four weight rows at a time
+// their time; other rows against one int8 x row go a thread's whole run in one call (`one_row_run`), so
+// a short row pays no call through a pointer of its own. Tried and slower on the AVX2 EPYC (Zen 3): four weight rows at a time
 // sharing each x group's loads (faster while the weights sit in L3, half the read bandwidth from memory,
 // where every decode step's weights come from, software prefetching or not), the 32-weight blocks' scales
 // eight blocks at a time in one vector (gathered with vpgatherdd, or loaded one by one and widened at once;
@@ -57,6 +58,7 @@
 #endif
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "gguf_iq_grids.h"
@@ -1376,7 +1378,8 @@ constexpr int64_t file_block_bytes(int64_t T) {
 // most lanes empty. Per group and x row: the codes' integer sums with x, one FMA with d * dx, the offset's
 // term. One row keeps two accumulator chains (FMA latency), several rows one each.
 template <int64_t T, int R>
-__attribute__((noinline)) void dot_rows(const uint8_t* w, int64_t blocks, const Rows& x, int64_t first, float* out) {
+__attribute__((always_inline)) inline void dot_rows_inline(const uint8_t* w, int64_t blocks, const Rows& x,
+                                                           int64_t first, float* out) {
   constexpr int C = R == 1 ? 2 : 1;  // accumulator chains per row
   const int8_t* xq[R];
   const float *dx[R], *whole[R], *halves[R];
@@ -1595,6 +1598,13 @@ __attribute__((noinline)) void dot_rows(const uint8_t* w, int64_t blocks, const 
   }
 }
 
+// `dot_rows_inline` as a function of its own per row count: inlined together into one caller, one row of
+// Q4_K ran 10% slower.
+template <int64_t T, int R>
+__attribute__((noinline)) void dot_rows(const uint8_t* w, int64_t blocks, const Rows& x, int64_t first, float* out) {
+  dot_rows_inline<T, R>(w, blocks, x, first, out);
+}
+
 #else
 
 template <int64_t T>
@@ -1802,37 +1812,98 @@ inline void slab_matmul(const at::Tensor& x, const uint8_t* w, int64_t rows, int
 
 using RowFn = void (*)(const uint8_t*, int64_t, const Rows&, int64_t, int64_t, float*, int64_t);
 
+// f(std::integral_constant<int64_t, T>{}) for the kernel type `type` (Q6_K for any other): one switch for
+// the per-type function tables below.
+template <typename F>
+decltype(auto) with_type(int64_t type, F&& f) {
+  switch (type) {
+    case kQ4_0: return f(std::integral_constant<int64_t, kQ4_0>{});
+    case kQ4_1: return f(std::integral_constant<int64_t, kQ4_1>{});
+    case kQ5_0: return f(std::integral_constant<int64_t, kQ5_0>{});
+    case kQ5_1: return f(std::integral_constant<int64_t, kQ5_1>{});
+    case kQ8_0: return f(std::integral_constant<int64_t, kQ8_0>{});
+    case kQ2_K: return f(std::integral_constant<int64_t, kQ2_K>{});
+    case kQ3_K: return f(std::integral_constant<int64_t, kQ3_K>{});
+    case kQ4_K: return f(std::integral_constant<int64_t, kQ4_K>{});
+    case kQ5_K: return f(std::integral_constant<int64_t, kQ5_K>{});
+    case kIQ4_NL: return f(std::integral_constant<int64_t, kIQ4_NL>{});
+    case kIQ4_XS: return f(std::integral_constant<int64_t, kIQ4_XS>{});
+    case kQ4_0x4: return f(std::integral_constant<int64_t, kQ4_0x4>{});
+    case kQ4_1x4: return f(std::integral_constant<int64_t, kQ4_1x4>{});
+    case kQ5_0x4: return f(std::integral_constant<int64_t, kQ5_0x4>{});
+    case kQ5_1x4: return f(std::integral_constant<int64_t, kQ5_1x4>{});
+    case kQ8_0x4: return f(std::integral_constant<int64_t, kQ8_0x4>{});
+    case kMXFP4x4: return f(std::integral_constant<int64_t, kMXFP4x4>{});
+    case kIQ4_NLx4: return f(std::integral_constant<int64_t, kIQ4_NLx4>{});
+    case kMXFP4: return f(std::integral_constant<int64_t, kMXFP4>{});
+    case kIQ2_XXS: return f(std::integral_constant<int64_t, kIQ2_XXS>{});
+    case kIQ2_XS: return f(std::integral_constant<int64_t, kIQ2_XS>{});
+    case kIQ2_S: return f(std::integral_constant<int64_t, kIQ2_S>{});
+    case kIQ3_XXS: return f(std::integral_constant<int64_t, kIQ3_XXS>{});
+    case kIQ3_S: return f(std::integral_constant<int64_t, kIQ3_S>{});
+    case kIQ1_S: return f(std::integral_constant<int64_t, kIQ1_S>{});
+    case kIQ1_M: return f(std::integral_constant<int64_t, kIQ1_M>{});
+    default: return f(std::integral_constant<int64_t, kQ6_K>{});
+  }
+}
+
 template <bool kFloat>
 RowFn row_fn(int64_t type) {
-  switch (type) {
-    case kQ4_0: return row_times_x<kQ4_0, kFloat>;
-    case kQ4_1: return row_times_x<kQ4_1, kFloat>;
-    case kQ5_0: return row_times_x<kQ5_0, kFloat>;
-    case kQ5_1: return row_times_x<kQ5_1, kFloat>;
-    case kQ8_0: return row_times_x<kQ8_0, kFloat>;
-    case kQ2_K: return row_times_x<kQ2_K, kFloat>;
-    case kQ3_K: return row_times_x<kQ3_K, kFloat>;
-    case kQ4_K: return row_times_x<kQ4_K, kFloat>;
-    case kQ5_K: return row_times_x<kQ5_K, kFloat>;
-    case kIQ4_NL: return row_times_x<kIQ4_NL, kFloat>;
-    case kIQ4_XS: return row_times_x<kIQ4_XS, kFloat>;
-    case kQ4_0x4: return row_times_x<kQ4_0x4, kFloat>;
-    case kQ4_1x4: return row_times_x<kQ4_1x4, kFloat>;
-    case kQ5_0x4: return row_times_x<kQ5_0x4, kFloat>;
-    case kQ5_1x4: return row_times_x<kQ5_1x4, kFloat>;
-    case kQ8_0x4: return row_times_x<kQ8_0x4, kFloat>;
-    case kMXFP4x4: return row_times_x<kMXFP4x4, kFloat>;
-    case kIQ4_NLx4: return row_times_x<kIQ4_NLx4, kFloat>;
-    case kMXFP4: return row_times_x<kMXFP4, kFloat>;
-    case kIQ2_XXS: return row_times_x<kIQ2_XXS, kFloat>;
-    case kIQ2_XS: return row_times_x<kIQ2_XS, kFloat>;
-    case kIQ2_S: return row_times_x<kIQ2_S, kFloat>;
-    case kIQ3_XXS: return row_times_x<kIQ3_XXS, kFloat>;
-    case kIQ3_S: return row_times_x<kIQ3_S, kFloat>;
-    case kIQ1_S: return row_times_x<kIQ1_S, kFloat>;
-    case kIQ1_M: return row_times_x<kIQ1_M, kFloat>;
-    default: return row_times_x<kQ6_K, kFloat>;
+  return with_type(type, [](auto t) -> RowFn { return row_times_x<decltype(t)::value, kFloat>; });
+}
+
+constexpr int64_t kRowStreams = 4;  // places of a thread's run of rows one x row reads in turn
+
+// Item t of `count` visited from `streams` (1 or kRowStreams) equal parts in turn (item 0 of each part, then
+// item 1, ...), the remainder after in order: a decode step's one x row is light work per weight byte, and a
+// thread walking one stream of rows waits on its loads (as the panel linears' one-row path found). Shifts
+// and masks, the parts' length divided once: three integer divisions a row were ~10 ns of a Q8_0 row's 45.
+class StreamOrder {
+ public:
+  StreamOrder(int64_t count, int64_t streams)
+      : part_(count / streams), whole_(part_ * streams), shift_(streams == kRowStreams ? 2 : 0) {
+    static_assert(kRowStreams == 4, "the shift assumes four streams");
   }
+  int64_t operator()(int64_t t) const {
+    return t < whole_ ? (t & ((int64_t{1} << shift_) - 1)) * part_ + (t >> shift_) : t;
+  }
+
+ private:
+  int64_t part_, whole_;
+  int shift_;
+};
+
+// One int8 x row (row `first` of x) times `count` weight rows of one type, row_bytes apart from w: out[i]
+// row i's sum. The rows visited from kRowStreams parts in turn (`StreamOrder`) and, where that pays
+// (`rows_asked_ahead`), the next row of the same part asked into L1 while this one is multiplied. A decode
+// step's rows in one call with the product inlined in the loop: through `row_fn` (a call through a pointer,
+// the row count's switch, a noinline product) each short row paid 5-8 ns more (one thread, rows in L2, the
+// Zen 4 EPYC: model E's interleaved Q8_0 expert rows 19 -> 13 ns, its Q6_K output rows 41 -> 36, model M's
+// interleaved Q4_0 / Q5_0 rows of 28 blocks 31-33 -> 23-27).
+using RunFn = void (*)(const uint8_t*, int64_t, int64_t, int64_t, const Rows&, int64_t, float*);
+
+template <int64_t T>
+__attribute__((noinline)) void one_row_run(const uint8_t* w, int64_t row_bytes, int64_t count, int64_t blocks,
+                                           const Rows& x, int64_t first, float* out) {
+  const StreamOrder order(count, kRowStreams);
+  const bool ahead = rows_asked_ahead();
+  for (int64_t t = 0; t < count; ++t) {
+    const int64_t i = order(t);
+    if (ahead && t + kRowStreams < count) prefetch_row(w + order(t + kRowStreams) * row_bytes, row_bytes);
+#if GG_AVX2
+    if constexpr (T == kQ4_K || T == kQ5_K) {  // inlined here, model E's Q4_K rows ran 18% slower (Zen 4)
+      dot_rows<T, 1>(w + i * row_bytes, blocks, x, first, out + i);
+    } else {
+      dot_rows_inline<T, 1>(w + i * row_bytes, blocks, x, first, out + i);
+    }
+#else
+    row_times_x<T, false>(w + i * row_bytes, blocks, x, first, 1, out + i, 1);
+#endif
+  }
+}
+
+inline RunFn run_fn(int64_t type) {
+  return with_type(type, [](auto t) -> RunFn { return one_row_run<decltype(t)::value>; });
 }
 
 }  // namespace

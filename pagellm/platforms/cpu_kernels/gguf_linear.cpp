@@ -32,31 +32,6 @@ std::string gguf_isa() {
 
 bool gguf_rows_asked_ahead() { return rows_asked_ahead(); }
 
-namespace {
-
-constexpr int64_t kRowStreams = 4;  // places of a thread's run of rows one x row reads in turn
-
-// Item t of `count` visited from `streams` (1 or kRowStreams) equal parts in turn (item 0 of each part, then
-// item 1, ...), the remainder after in order: a decode step's one x row is light work per weight byte, and a
-// thread walking one stream of rows waits on its loads (as the panel linears' one-row path found). Shifts
-// and masks, the parts' length divided once: three integer divisions a row were ~10 ns of a Q8_0 row's 45.
-class StreamOrder {
- public:
-  StreamOrder(int64_t count, int64_t streams)
-      : part_(count / streams), whole_(part_ * streams), shift_(streams == kRowStreams ? 2 : 0) {
-    static_assert(kRowStreams == 4, "the shift assumes four streams");
-  }
-  int64_t operator()(int64_t t) const {
-    return t < whole_ ? (t & ((int64_t{1} << shift_) - 1)) * part_ + (t >> shift_) : t;
-  }
-
- private:
-  int64_t part_, whole_;
-  int shift_;
-};
-
-}  // namespace
-
 // x [..., K] (float32 or bfloat16) times the weights `parts` (each uint8 [N_i, bytes per row] of GGML type
 // types[i], K columns) -> [..., sum N_i] in x's dtype: the parts' outputs side by side (a fused q/k/v or
 // gate/up layer whose checkpoint tensors have their own types), x quantized once for all of them.
@@ -162,6 +137,10 @@ at::Tensor gguf_linear(const at::Tensor& input, at::TensorList parts, at::IntArr
           pair(row_at(i), row_at(i) + row_bytes, blocks, q, sums.data() + (i - begin), sums.data() + (i + 1 - begin));
         }
         j = lo + 2 * pairs;
+      }
+      if (bf16 && m == 1) {  // a decode step's one row: the rest of the part's rows in one call
+        run_fn(types[p])(row_at(j), row_bytes, hi - j, blocks, q, 0, sums.data() + (j - begin));
+        continue;
       }
       const StreamOrder order(hi - j, streams);
       for (int64_t t = 0, count = hi - j; t < count; ++t) {

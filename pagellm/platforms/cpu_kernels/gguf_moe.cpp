@@ -14,9 +14,10 @@
 // rounded to x's dtype once.
 //
 // Work split: threads take contiguous runs of output rows, the same rows of every chosen expert (gate and
-// up row i together, so the activation needs no second pass), as gguf_linear.cpp splits a linear's rows;
-// each thread streams its rows of each expert's blocks in memory order, the few-token experts' rows asked
-// into L1 kPrefetchRows ahead (`row_ahead`) where that pays (`rows_asked_ahead`).
+// up rows begin..end together, so the activation needs no second pass), as gguf_linear.cpp splits a
+// linear's rows. An expert with one token (a decode step's) has each projection's run of rows multiplied in
+// one call (`run_fn`: four places of the run in turn); an expert with two to four tokens streams its rows in
+// memory order, asked into L1 kPrefetchRows ahead (`row_ahead`) where that pays (`rows_asked_ahead`).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -44,6 +45,7 @@ struct Stack {
   const uint8_t* data;
   int64_t type, rows, blocks, row_bytes;
   RowFn fn;
+  RunFn run;  // a decode step's one x row against a run of rows (bfloat16 x)
   const uint8_t* row(int64_t expert, int64_t r) const { return data + (expert * rows + r) * row_bytes; }
 };
 
@@ -57,7 +59,7 @@ Stack stack_of(const at::Tensor& w, int64_t type, int64_t experts, int64_t colum
               "gguf_moe: ", name, " must be uint8 [", experts, ", rows, ", row_bytes, "] (GGML type ", type, ", ",
               columns, " columns)");
   return {static_cast<const uint8_t*>(w.data_ptr()), type, w.size(1), columns / layout.block, row_bytes,
-          floats ? row_fn<true>(type) : row_fn<false>(type)};
+          floats ? row_fn<true>(type) : row_fn<false>(type), run_fn(type)};
 }
 
 // The row kPrefetchRows after row i of the few-token expert small[c] in a thread's order (rows begin..end of
@@ -164,6 +166,12 @@ void run_chunk(const at::Tensor& xs, const Routing& routing, const Stack& gate, 
       };
       for (size_t k = 0; k < small.size(); ++k) {
         const int64_t c = small[k], e = routing.experts[c], s0 = routing.start[c], m = routing.count[c];
+        if (m == 1 && !floats) {  // a decode step's token: each projection's rows of this thread in one call
+          gate.run(gate.row(e, begin), gate.row_bytes, n, gate.blocks, xq, s0, g.data());
+          up.run(up.row(e, begin), up.row_bytes, n, up.blocks, xq, s0, u.data());
+          activate_rows(e, s0, m);
+          continue;
+        }
         for (int64_t i = begin; i < end; ++i) {
           if (const uint8_t* next = row_ahead(gate, routing, small, k, i, begin, end)) {
             prefetch_row(next, gate.row_bytes);
@@ -201,6 +209,10 @@ void run_chunk(const at::Tensor& xs, const Routing& routing, const Stack& gate, 
   at::parallel_for(0, h, kRowGrain, [&](int64_t begin, int64_t end) {
     for (size_t k = 0; k < small.size(); ++k) {
       const int64_t c = small[k], e = routing.experts[c], s0 = routing.start[c], m = routing.count[c];
+      if (m == 1 && !floats) {
+        down.run(down.row(e, begin), down.row_bytes, end - begin, down.blocks, aq, s0, ys + s0 * h + begin);
+        continue;
+      }
       for (int64_t j = begin; j < end; ++j) {
         if (const uint8_t* next = row_ahead(down, routing, small, k, j, begin, end)) prefetch_row(next, down.row_bytes);
         down.fn(down.row(e, j), down.blocks, aq, s0, m, ys + s0 * h + j, h);
