@@ -167,6 +167,13 @@ class EngineConfig:
         "compiled forward in between two steps when it is ready (default for serve). A compiled forward "
         "saved by an earlier start is loaded in either case.",
     )
+    native_decode: bool = _opt(
+        True,
+        "Run a step that is one request's one token in one native call where the platform has one (CPU: "
+        "Llama-family models in bfloat16 on AVX-512 BF16 CPUs without AMX; start-up says whether it applies "
+        "and why); off: every step runs the model's forward.",
+        envvar="PAGELLM_NATIVE_DECODE",
+    )
     batch_invariant: bool = _opt(
         False,
         "A request's results do not depend on what else is in its batch (greedy tokens and logprobs the "

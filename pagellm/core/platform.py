@@ -18,6 +18,7 @@ from pagellm.core.state import RecurrentKernels
 if TYPE_CHECKING:
     from pagellm.core.config import EngineConfig
     from pagellm.core.moe import Mxfp4Experts, PackedMoE
+    from pagellm.core.native_decode import DenseDecoder, NativeDecodeStep
 
 GiB = 1 << 30
 
@@ -253,6 +254,16 @@ class Platform:
         (worker/regional.py), to be compiled once each and called from the graph: the options that
         cannot call a region (a C++ wrapper) are off."""
         return None
+
+    @classmethod
+    def native_decode_step(
+        cls, model: DenseDecoder, kv_caches: list[torch.Tensor], attention: list[Any], block_size: int
+    ) -> tuple[NativeDecodeStep | None, str]:
+        """A one-request decode step of `model` in one native call over these KV caches (one per layer;
+        `attention`: the layers' attention modules, whose backends hold their specs), or None; always
+        with the reason, which start-up logs. Asked once, after the KV cache exists; the runner then calls
+        it for every step that is one request's one token (`core/native_decode.py`)."""
+        return None, f"the {cls.name} platform has no native decode step"
 
     @classmethod
     def supports_cuda_graphs(cls) -> bool:

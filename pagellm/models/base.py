@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagellm.core.attention import AttentionSpec
+from pagellm.core.native_decode import DenseDecoder
 from pagellm.core.platform import PackedLinear
 from pagellm.distributed import Group
 from pagellm.models.context import ModelInit as ModelInit  # part of this interface; defined below the layers
@@ -72,6 +73,11 @@ class CausalLM(nn.Module):
 
     packed_lm_head: PackedLinear | None = None
     """The output projection repacked by the platform (`Platform.pack_linear`, set by the model runner)."""
+
+    def dense_decoder(self) -> DenseDecoder | str:
+        """The model described for a platform's native decode step (`core/native_decode.py`), or why it
+        cannot be: only the plain Llama decoder can (llama.py)."""
+        return f"{type(self).__name__} is not the plain Llama decoder"
 
     def project_logits(self, hidden: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
         """Logits hidden @ weight^T in the model's dtype, through `packed_lm_head` when the runner set one

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from pagellm.core.attention import AttentionSpec
+from pagellm.core.native_decode import DenseDecoder, DenseLayer, Projection
 from pagellm.distributed import Group
 from pagellm.models.base import CausalLM, ModelInit, head_size, rank_heads, stage_layers
 from pagellm.models.layers.activation import GatedActivation
@@ -259,6 +260,7 @@ class LlamaForCausalLM(CausalLM):
         self.model = self.model_class(init, qkv_bias, self.qk_norm, self.attention_spec)
         self.tp = init.parallel.tp
         self.vocab_size = c.vocab_size
+        self.hidden_act = getattr(c, "hidden_act", "silu")
         self.tied = bool(getattr(c, "tie_word_embeddings", self.tied_by_default))
         self.first_stage = init.parallel.pp.rank == 0
         if not self.first_stage:
@@ -278,6 +280,66 @@ class LlamaForCausalLM(CausalLM):
         if self.tp.size == 1:
             return logits
         return self.tp.all_gather(logits, dim=-1)[:, : self.vocab_size]  # each rank's rows of the vocab
+
+    def dense_decoder(self) -> DenseDecoder | str:
+        """The plain decoder of Llama, Mistral, SmolLM2, Qwen2 and Qwen3, unsplit and unquantized, with one
+        rotary embedding over whole heads that does not depend on the sequence's length; subclasses that
+        change a part (other families) are not it."""
+        if type(self) not in PLAIN_DECODERS:
+            return f"{type(self).__name__} changes the Llama decoder"
+        m = self.model
+        if self.tp.size > 1 or m.pp.size > 1:
+            return "the model is split across ranks"
+        rope = m.rotary_emb
+        if type(rope) is not RotaryEmbedding or rope.by_length or hasattr(rope, "mrope_axes"):
+            return "its rotary embedding depends on the sequence's length or has several axes"
+        attn0 = m.layers[0].self_attn
+        if rope.rotary_dim != attn0.head_dim or rope.inv_freq.dim() != 1 or any(m.layer_rope):
+            return "its rotary embedding covers part of each head or differs between layers"
+        embed = m.embed_tokens
+        if embed.lookup is not None or embed.group is not None:
+            return "its token embedding is packed or split"
+        layers = []
+        for layer in m.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            if (
+                type(layer) is not LlamaDecoderLayer
+                or type(attn) is not LlamaAttention
+                or type(mlp) is not LlamaMLP
+            ):
+                return "a layer differs from the Llama decoder's"
+            norms = [layer.input_layernorm, layer.post_attention_layernorm, m.norm]
+            norms += [attn.q_norm, attn.k_norm] if attn.q_norm is not None else []
+            if any(type(n) is not RMSNorm or n.eps != m.norm.eps for n in norms):
+                return "its norms differ from RMSNorm's"
+            linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            if any(x.quant_method is not None or x.lora is not None or x.reduce is not None for x in linears):
+                return "its linear layers are quantized or carry LoRA"
+            q_norm = attn.q_norm.weight if attn.q_norm is not None else None
+            k_norm = attn.k_norm.weight if attn.k_norm is not None else None
+            layers.append(
+                DenseLayer(
+                    layer.input_layernorm.weight,
+                    layer.post_attention_layernorm.weight,
+                    *(_projection(x) for x in linears),
+                    q_norm=q_norm,
+                    k_norm=k_norm,
+                )
+            )
+        return DenseDecoder(
+            embedding=embed.weight,
+            final_norm=m.norm.weight,
+            inv_freq=rope.inv_freq,
+            rope_scaling=rope.scaling,
+            eps=m.norm.eps,
+            hidden_size=m.hidden_size,
+            num_heads=attn0.num_heads,
+            num_kv_heads=attn0.num_kv_heads,
+            head_size=attn0.head_dim,
+            intermediate_size=m.layers[0].mlp.gate_up_proj.out_features // 2,
+            activation=self.hidden_act,
+            layers=layers,
+        )
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         return copy_weights(self, weights, STACKED, self._adapt)
@@ -310,3 +372,14 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
     qk_norm = True
+
+
+PLAIN_DECODERS = (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM)
+"""The classes whose model is exactly the decoder above (`LlamaForCausalLM.dense_decoder`)."""
+
+
+def _projection(linear: Linear) -> Projection:
+    packed = linear.packed_matmul is not None
+    weight = linear.packed_weight if packed else linear.weight
+    matmul = linear.packed_matmul if packed else None
+    return Projection(weight, matmul, linear.bias, linear.out_features, linear.in_features)

@@ -17,12 +17,13 @@ from pagellm.core.errors import ConfigError
 from pagellm.core.moe import Mxfp4Experts, PackedMoE
 from pagellm.core.platform import DTYPE_VIEWS, FLOAT8, Availability, GiB, PackedLinear, Platform
 from pagellm.core.state import RecurrentKernels
-from pagellm.platforms import cpu_gguf_moe, cpu_linear, cpu_moe
+from pagellm.platforms import cpu_gguf_moe, cpu_linear, cpu_moe, cpu_native_decode
 from pagellm.platforms._common import classproperty, gib
 from pagellm.plugins.hookspecs import hookimpl
 
 if TYPE_CHECKING:
     from pagellm.core.config import EngineConfig
+    from pagellm.core.native_decode import DenseDecoder, NativeDecodeStep
 
 PAGELLM_PLUGIN_API = "1.0"
 
@@ -183,6 +184,14 @@ class CpuPlatform(Platform):
         from pagellm.platforms import cpu_kernels
 
         return cpu_kernels.background_build_done()
+
+    @classmethod
+    def native_decode_step(
+        cls, model: DenseDecoder, kv_caches: list[torch.Tensor], attention: list[Any], block_size: int
+    ) -> tuple[NativeDecodeStep | None, str]:
+        """cpu_kernels/native_decoder.cpp where the model's parts are on its kernels
+        (`cpu_native_decode.py` says which)."""
+        return cpu_native_decode.native_decode_step(model, kv_caches, attention, block_size)
 
     @classmethod
     def pack_linear(cls, weight: torch.Tensor, batch_invariant: bool = False) -> PackedLinear | None:

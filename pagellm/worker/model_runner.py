@@ -27,6 +27,7 @@ import torch
 
 from pagellm.core.errors import ConfigError
 from pagellm.core.kv_connector import KVConnector, KVConnectorContext, KVConnectorOutput
+from pagellm.core.native_decode import NativeDecodeStep
 from pagellm.distributed import Parallel
 from pagellm.lora.request import LoRARequest
 from pagellm.models.context import ImageBatch, LoRABatch, set_forward_context
@@ -120,6 +121,8 @@ class ModelRunner:
         )
         # decode steps replayed from CUDA graphs
         self.graphs = self.built.capture_graphs(speculative=self.spec_decode is not None)
+        # a step of one request's one token in one native call, where the platform has it
+        self.native_decode = self._native_decode_step()
         self.built.log_kv_windows()
 
     @property
@@ -170,6 +173,7 @@ class ModelRunner:
         ones)."""
         if self.kernels_pending and self.setup.platform.kernels_built():
             self.built.take_up_kernels()
+            self.native_decode = self._native_decode_step()
         if self.compiler.pending:
             self.forward = self.compiler.swapped(self.forward)
         self._update_states(out)
@@ -242,12 +246,29 @@ class ModelRunner:
         if self.parallel.world_size > 1:
             self.parallel.broadcast(("forward", step.arrays))
         hidden = self.graphs.run(step.arrays) if self.graphs is not None else None
+        if hidden is None and self.native_decode is not None:
+            hidden = self._run_native_decode(step.arrays)
         if hidden is None:
             inputs = self._forward(step.arrays, step.lora, step.images)
             hidden = inputs.hidden
             if self.spec_decode is not None:
                 self.spec_decode.observe(inputs)
         return hidden
+
+    def _native_decode_step(self) -> NativeDecodeStep | None:
+        return self.built.native_decode_step(
+            speculative=self.spec_decode is not None, kv_transfer=self.kv_transfer is not None
+        )
+
+    def _run_native_decode(self, a: StepArrays) -> torch.Tensor | None:
+        """The final hidden state of a step that is one request's one token, from the native step; None
+        for any other step (it runs the forward)."""
+        if len(a.input_ids) != 1 or len(a.seq_lens) != 1 or a.more_groups or a.rope_lengths is not None:
+            return None
+        position = int(a.positions[0])
+        if a.seq_lens[0] != position + 1 or a.mrope_positions is not None or a.bidirectional is not None:
+            return None
+        return self.native_decode(int(a.input_ids[0]), position, int(a.slot_mapping[0]), a.block_tables[0])
 
     def _forward(
         self, step: StepArrays, lora: LoRABatch | None = None, images: ImageBatch | None = None

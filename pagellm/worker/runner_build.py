@@ -27,6 +27,7 @@ import torch
 
 from pagellm.core.errors import ConfigError
 from pagellm.core.kv_cache_spec import blocks_per_request
+from pagellm.core.native_decode import NativeDecodeStep
 from pagellm.core.platform import GiB
 from pagellm.distributed import Parallel
 from pagellm.models.base import ModelInit
@@ -522,6 +523,33 @@ class RunnerBuild:
             self.device,
             self.layer_groups,
         )
+
+    def native_decode_step(self, *, speculative: bool, kv_transfer: bool) -> NativeDecodeStep | None:
+        """The platform's step for one request's one token (`Platform.native_decode_step`), where the model
+        and this engine's features allow it (`speculative`, `kv_transfer`: the runner has those parts, which
+        read or save every step's layers); start-up logs whether it applies, and why."""
+        step, why = None, ""
+        config = self.setup.config
+        if not config.native_decode:
+            why = "--no-native-decode"
+        elif self.lora is not None or speculative or kv_transfer or config.runner != "generate":
+            why = "LoRA, speculative decoding, KV transfer or a pooling runner reads or changes every layer"
+        elif self.parallel.world_size > 1:
+            why = "the model is split across ranks"
+        elif self.layer_groups is not None:
+            why = "its layers keep KV caches of several kinds (sliding windows)"
+        elif self.state_layers or self.uses_mrope:
+            why = "the model has recurrent layers or a multimodal rotary embedding"
+        else:
+            model = self.model.dense_decoder()
+            if isinstance(model, str):
+                why = model
+            else:
+                step, why = self.setup.platform.native_decode_step(
+                    model, self.kv_caches, self.layers, self.block_size
+                )
+        logger.info("native decode step: %s (%s)", "on" if step is not None else "off", why)
+        return step
 
     def log_kv_windows(self) -> None:
         """Say where the KV cache keeps blocks a sliding window would drop (`kv_windows`)."""

@@ -49,6 +49,7 @@ SOURCES = (
     "gguf_linear.cpp",
     "gguf_moe.cpp",
     "recurrent.cpp",
+    "native_decoder.cpp",
     "ops.cpp",
 )
 HEADERS = (
@@ -87,6 +88,10 @@ OPS = (
     "gated_delta_rule_update",
     "selective_state_update",
     "conv1d_update",
+    "native_decoder_available",
+    "native_decoder_plan",
+    "native_decoder_step",
+    "native_decoder_drop",
 )
 """The operators the library defines in its own namespace (TORCH_LIBRARY in ops.cpp)."""
 

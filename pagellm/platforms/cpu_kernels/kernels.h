@@ -62,6 +62,20 @@ at::Tensor cpu_panel_linear(const at::Tensor& input, const at::Tensor& packed, c
 bool bf16_pairs_available();
 at::Tensor cpu_bf16_pair_linear(const at::Tensor& input, const at::Tensor& packed,
                                 const c10::optional<at::Tensor>& bias, int64_t out_features);
+// One bfloat16 x row times panels [first, last) of a pair-packed weight (bias: float32, whole panels, or
+// null); a thread's share, for callers with their own parallel region. Only in builds with AVX-512 BF16.
+void bf16_pair_row_run(const uint16_t* x, const uint16_t* w, int64_t pairs, const float* b, int64_t n, uint16_t* y,
+                       int64_t first, int64_t last);
+
+// native_decoder.cpp
+int64_t native_decoder_plan(const at::Tensor& embed, const at::Tensor& final_norm, const at::Tensor& inv_freq,
+                            at::TensorList weights, const c10::List<c10::optional<at::Tensor>>& biases,
+                            const c10::List<c10::optional<at::Tensor>>& head_norms, at::TensorList kv_caches,
+                            at::IntArrayRef dims, at::ArrayRef<double> floats, bool use_amx);
+void native_decoder_step(int64_t handle, at::Tensor out, int64_t token, int64_t position, int64_t slot,
+                         const at::Tensor& block_table);
+void native_decoder_drop(int64_t handle);
+bool native_decoder_available();
 
 // recurrent.cpp
 at::Tensor gated_delta_rule_update(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,

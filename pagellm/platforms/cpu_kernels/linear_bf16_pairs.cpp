@@ -146,30 +146,44 @@ void pair_streams(const uint16_t* x, const uint16_t* const* panels, int64_t pair
 
 constexpr int kStreams = 4;  // panels one x row reads at once per thread
 
-// One x row times every panel: each thread's run of panels cut in kStreams equal parts, read side by side,
-// then the run's remainder one panel at a time.
-void one_row(const uint16_t* x, const uint16_t* w, int64_t pairs, int64_t panels, const float* b, int64_t n,
-             uint16_t* y) {
+#endif
+
+}  // namespace
+
+#if PL_BF16_PAIRS
+// One x row times panels [first, last): the run cut in kStreams equal parts, read side by side, then the
+// run's remainder one panel at a time. A thread's share of `one_row`, and of a native decode step's linears
+// (native_decoder.cpp), which split the panels the same way inside their own parallel region.
+void bf16_pair_row_run(const uint16_t* x, const uint16_t* w, int64_t pairs, const float* b, int64_t n, uint16_t* y,
+                       int64_t first, int64_t last) {
   const int64_t panel_elems = pairs * 2 * kCols;
   auto at = [&](int64_t p, const uint16_t** pp, const float** bp, uint16_t** yp, int64_t* cp) {
     *pp = w + p * panel_elems, *bp = b ? b + p * kCols : nullptr, *yp = y + p * kCols;
     *cp = std::min<int64_t>(kCols, n - p * kCols);
   };
-  parallel_runs(panels, [&](int64_t first, int64_t last) {
-    const int64_t part = (last - first) / kStreams;
-    const uint16_t* pp[kStreams];
-    const float* bp[kStreams];
-    uint16_t* yp[kStreams];
-    int64_t cp[kStreams];
-    for (int64_t j = 0; j < part; ++j) {
-      for (int q = 0; q < kStreams; ++q) at(first + q * part + j, pp + q, bp + q, yp + q, cp + q);
-      pair_streams<kStreams>(x, pp, pairs, bp, yp, cp);
-    }
-    for (int64_t p = first + kStreams * part; p < last; ++p) {
-      at(p, pp, bp, yp, cp);
-      pair_streams<1>(x, pp, pairs, bp, yp, cp);
-    }
-  });
+  const int64_t part = (last - first) / kStreams;
+  const uint16_t* pp[kStreams];
+  const float* bp[kStreams];
+  uint16_t* yp[kStreams];
+  int64_t cp[kStreams];
+  for (int64_t j = 0; j < part; ++j) {
+    for (int q = 0; q < kStreams; ++q) at(first + q * part + j, pp + q, bp + q, yp + q, cp + q);
+    pair_streams<kStreams>(x, pp, pairs, bp, yp, cp);
+  }
+  for (int64_t p = first + kStreams * part; p < last; ++p) {
+    at(p, pp, bp, yp, cp);
+    pair_streams<1>(x, pp, pairs, bp, yp, cp);
+  }
+}
+#endif
+
+namespace {
+
+#if PL_BF16_PAIRS
+// One x row times every panel: each thread's run of panels (`bf16_pair_row_run`).
+void one_row(const uint16_t* x, const uint16_t* w, int64_t pairs, int64_t panels, const float* b, int64_t n,
+             uint16_t* y) {
+  parallel_runs(panels, [&](int64_t first, int64_t last) { bf16_pair_row_run(x, w, pairs, b, n, y, first, last); });
 }
 
 template <bool kTwo>

@@ -145,6 +145,13 @@ TORCH_LIBRARY(TORCH_EXTENSION_NAME, m) {
   m.def("gguf_interleaved_type(int type) -> int", TORCH_FN(gguf_interleaved_type));
   m.def("gguf_interleave(Tensor raw, int type) -> Tensor", TORCH_FN(gguf_interleave));
   m.def("fused_moe_isa() -> str", TORCH_FN(fused_moe_isa));
+  m.def("native_decoder_available() -> bool", TORCH_FN(native_decoder_available));
+  m.def("native_decoder_plan(Tensor embed, Tensor final_norm, Tensor inv_freq, Tensor[] weights, Tensor?[] biases, "
+        "Tensor?[] head_norms, Tensor[] kv_caches, int[] dims, float[] floats, bool use_amx) -> int",
+        TORCH_FN(native_decoder_plan));
+  m.def("native_decoder_step(int handle, Tensor(a!) out, int token, int position, int slot, Tensor block_table) -> ()",
+        TORCH_FN(native_decoder_step));
+  m.def("native_decoder_drop(int handle) -> ()", TORCH_FN(native_decoder_drop));
   m.def("begin_native_step(Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, Tensor slots, "
         "Tensor[] kv_caches, int[] kinds, float[] scales, int[] windows, Tensor[] reqs, int[] partitions, "
         "bool[] amx, float[] soft_caps, Tensor?[] sinks, bool fixed_order=False) -> ()",

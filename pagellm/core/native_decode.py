@@ -1,0 +1,69 @@
+"""What a platform's native decode step is given: a dense decoder's weights described without its modules.
+
+At one request a decode step reads every weight once, and on a CPU what lies between those reads (per-op
+dispatch, small elementwise kernels, an OpenMP region per op) costs a fifth of the step. A platform may
+run such a step in one native call instead (`Platform.native_decode_step`); the model says what it is
+made of (`CausalLM.dense_decoder`), in these plain terms, so neither imports the other.
+
+The shape described is the Llama decoder: embedding, then per layer h + attention(rms_norm(h)) and
+h + down(act(gate) * up)(rms_norm(h)) with the residual stream kept apart (`RMSNorm.add_and_norm`),
+neox rotary over whole heads, optional per-head q/k RMSNorm (Qwen3), optional biases, a final RMSNorm.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+import torch
+
+
+@dataclass
+class Projection:
+    """One linear layer as loaded: the platform's packed weight and its matmul (`Platform.pack_linear`),
+    or the plain weight where it kept none."""
+
+    weight: torch.Tensor
+    matmul: Callable[..., torch.Tensor] | None
+    bias: torch.Tensor | None
+    out_features: int
+    in_features: int
+
+
+@dataclass
+class DenseLayer:
+    input_norm: torch.Tensor
+    post_attention_norm: torch.Tensor
+    qkv: Projection  # q, k, v heads in that order
+    o: Projection
+    gate_up: Projection  # gate, then up
+    down: Projection
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
+
+
+@dataclass
+class DenseDecoder:
+    embedding: torch.Tensor  # [vocab, hidden]
+    final_norm: torch.Tensor
+    inv_freq: torch.Tensor  # float32 [head_size // 2]
+    rope_scaling: float  # cos and sin are multiplied by it (yarn's attention factor; 1 otherwise)
+    eps: float  # every RMSNorm's
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_size: int
+    intermediate_size: int
+    activation: str  # the gated MLP's (the config's hidden_act)
+    layers: Sequence[DenseLayer]
+
+
+class NativeDecodeStep(Protocol):
+    """A platform's one-request decode step over the model's KV cache."""
+
+    def __call__(self, token: int, position: int, slot: int, block_table: np.ndarray) -> torch.Tensor:
+        """The final hidden state [1, hidden] (after the final norm) of `token` at `position`, its key and
+        value stored at cache `slot`; `block_table`: its request's blocks, int32."""
+        ...

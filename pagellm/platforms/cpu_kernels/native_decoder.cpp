@@ -1,0 +1,338 @@
+// One user's decode step of a dense Llama-shaped model (Llama, Mistral, SmolLM2, Qwen2, Qwen3) in one
+// native call, on CPUs whose bfloat16 linears are the pair kernel (linear_bf16_pairs.cpp: AVX-512 BF16
+// without AMX, AMD Zen 4 and 5).
+//
+// Why: at one token a step reads the weights once (~8 ms for model S at ~35 GB/s on a 2-core Zen 4) and
+// everything around those reads is serial. The compiled graph spent ~2 ms of model S's ~11.5 ms step
+// outside the kernels: 151 custom-op calls through the dispatcher from inductor's C++ wrapper, ~150 small
+// elementwise kernels and allocations, and an OpenMP region per op, whose start and end wait for the second
+// thread. Here a layer's work after its attention and the next layer's before it (o_proj, add and norm,
+// gate_up, SiLU and multiply, down, add and norm, qkv, q/k norms, rotary, the cache store) run in one
+// parallel region, the threads meeting at a barrier between ops; attention is paged_attention, called
+// directly (it splits the context between the threads itself).
+//
+// The arithmetic is the eager PyTorch forward's: every op rounds its result to bfloat16 where the model's
+// modules do (RMSNorm in float32, scaled in bfloat16; rotary with cos/sin rounded to bfloat16; SiLU rounded
+// before the multiply), the linears are the same kernel, so the step's hidden state differs from the
+// eager one only where a float32 sum is taken in another order (the norms' sums of squares).
+//
+// The plan (weights, caches, sizes) is handed over once per engine (native_decoder_plan -> a handle); a
+// step passes the token, its position, its cache slot and its request's block table.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/List.h>
+#include <ATen/core/Tensor.h>
+#include <omp.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include "kernels.h"
+#include "panels.h"
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define PL_NATIVE_DECODER 1
+#else
+#define PL_NATIVE_DECODER 0
+#endif
+
+namespace {
+
+constexpr int64_t kPairCols = 16;  // output columns per panel of the pair layout
+constexpr int64_t kCacheBf16 = 1;  // paged_attention's cache kind for bfloat16
+
+struct PairWeight {
+  const uint16_t* w = nullptr;
+  int64_t n = 0, pairs = 0, panels = 0;
+  std::vector<float> bias;  // whole panels, zero-padded; empty: none
+  const float* b() const { return bias.empty() ? nullptr : bias.data(); }
+};
+
+struct Layer {
+  const uint16_t* in_norm = nullptr;
+  const uint16_t* post_norm = nullptr;
+  const uint16_t* q_norm = nullptr;  // Qwen3's per-head norms, or null
+  const uint16_t* k_norm = nullptr;
+  PairWeight qkv, o, gate_up, down;
+  at::Tensor k_cache, v_cache;  // [kv_heads, blocks, block_size, head_size] bfloat16
+};
+
+struct Decoder {
+  int64_t hidden = 0, heads = 0, kv_heads = 0, head_dim = 0, inter = 0, block_size = 0;
+  int64_t items_per_thread = 0, min_partition = 0;
+  float eps = 0.f, rope_scaling = 1.f;
+  double scale = 1.0;
+  bool amx = false;
+  std::vector<float> inv_freq;
+  const uint16_t* embed = nullptr;
+  const uint16_t* final_norm = nullptr;
+  std::vector<Layer> layers;
+  std::vector<at::Tensor> keep;  // the tensors the pointers above read
+  // one step's values (bfloat16 bits), reused
+  std::vector<uint16_t> h, residual, normed, qkv, gate_up, act;
+  std::vector<float> cos, sin;  // rounded to bfloat16, as apply_rotary rounds them
+  at::Tensor q, attn, seq_lens, query_start, reqs;
+};
+
+std::mutex decoders_lock;
+std::vector<std::unique_ptr<Decoder>>& decoders() {
+  static std::vector<std::unique_ptr<Decoder>> all;
+  return all;
+}
+
+inline float bf(uint16_t v) { return bf16_to_float(v); }
+inline uint16_t rb(float f) { return float_to_bf16(f); }
+
+const uint16_t* bits(const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr()); }
+
+// float32 sum of squares of n bfloat16 values, 16 partial sums (a vectorisable order, as torch's is)
+float sum_squares(const uint16_t* x, int64_t n) {
+  float part[16] = {0.f};
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16)
+    for (int l = 0; l < 16; ++l) {
+      const float v = bf(x[j + l]);
+      part[l] += v * v;
+    }
+  for (; j < n; ++j) part[j % 16] += bf(x[j]) * bf(x[j]);
+  float sum = 0.f;
+  for (float p : part) sum += p;
+  return sum;
+}
+
+// out = weight * (x / rms(x)): normalised in float32, rounded to bfloat16, then scaled in bfloat16
+// (RMSNorm.forward). out may be x.
+void rms_norm(const uint16_t* x, const uint16_t* weight, int64_t n, float eps, uint16_t* out) {
+  const float r = 1.f / std::sqrt(sum_squares(x, n) / float(n) + eps);
+  for (int64_t j = 0; j < n; ++j) out[j] = rb(bf(weight[j]) * bf(rb(bf(x[j]) * r)));
+}
+
+// residual = h + residual (h alone before the first layer), out = rms_norm(residual) (add_and_norm)
+void add_and_norm(const uint16_t* h, uint16_t* residual, bool first, const uint16_t* weight, int64_t n, float eps,
+                  uint16_t* out) {
+  for (int64_t j = 0; j < n; ++j) residual[j] = first ? h[j] : rb(bf(h[j]) + bf(residual[j]));
+  rms_norm(residual, weight, n, eps, out);
+}
+
+// neox rotary of one head in place (apply_rotary in bfloat16: each product and sum rounded)
+void rotate(uint16_t* x, const float* cos, const float* sin, int64_t half) {
+  for (int64_t j = 0; j < half; ++j) {
+    const float a = bf(x[j]), b = bf(x[j + half]), c = cos[j], s = sin[j];
+    x[j] = rb(bf(rb(a * c)) - bf(rb(b * s)));
+    x[j + half] = rb(bf(rb(b * c)) + bf(rb(a * s)));
+  }
+}
+
+#if PL_NATIVE_DECODER
+// thread t of T: its run of the weight's panels (as parallel_runs splits them)
+inline void linear(const PairWeight& w, const uint16_t* x, uint16_t* y, int t, int T) {
+  bf16_pair_row_run(x, w.w, w.pairs, w.b(), w.n, y, w.panels * t / T, w.panels * (t + 1) / T);
+}
+
+template <typename Fn>
+void region(Fn fn) {
+  const int threads = at::get_num_threads();
+#pragma omp parallel num_threads(threads)
+  fn(omp_get_thread_num(), omp_get_num_threads());
+}
+
+// Layer L after its attention (whose output is in D.attn): o_proj, add and norm, the gated MLP; its output
+// in D.h.
+void after_attention(Decoder& D, const Layer& L, int t, int T) {
+  linear(L.o, bits(D.attn), D.h.data(), t, T);
+#pragma omp barrier
+  if (t == 0) add_and_norm(D.h.data(), D.residual.data(), false, L.post_norm, D.hidden, D.eps, D.normed.data());
+#pragma omp barrier
+  linear(L.gate_up, D.normed.data(), D.gate_up.data(), t, T);
+#pragma omp barrier
+  for (int64_t j = D.inter * t / T; j < D.inter * (t + 1) / T; ++j) {
+    const float g = bf(D.gate_up[j]);
+    D.act[j] = rb(bf(rb(g / (1.f + std::exp(-g)))) * bf(D.gate_up[D.inter + j]));
+  }
+#pragma omp barrier
+  linear(L.down, D.act.data(), D.h.data(), t, T);
+#pragma omp barrier
+}
+
+// Layer L up to its attention: add and norm, qkv, q/k norms and rotary, the new key and value stored at
+// `slot`; the queries in D.q.
+void before_attention(Decoder& D, const Layer& L, bool first, int64_t slot, int t, int T) {
+  if (t == 0) add_and_norm(D.h.data(), D.residual.data(), first, L.in_norm, D.hidden, D.eps, D.normed.data());
+#pragma omp barrier
+  linear(L.qkv, D.normed.data(), D.qkv.data(), t, T);
+#pragma omp barrier
+  if (t != 0) return;
+  const int64_t d = D.head_dim, half = d / 2;
+  uint16_t* q = D.qkv.data();
+  uint16_t* k = q + D.heads * d;
+  const uint16_t* v = k + D.kv_heads * d;
+  for (int64_t head = 0; head < D.heads + D.kv_heads; ++head) {
+    uint16_t* x = q + head * d;  // q heads, then k heads: contiguous in qkv
+    const uint16_t* norm = head < D.heads ? L.q_norm : L.k_norm;
+    if (norm != nullptr) rms_norm(x, norm, d, D.eps, x);
+    rotate(x, D.cos.data(), D.sin.data(), half);
+  }
+  std::memcpy(D.q.data_ptr(), q, D.heads * d * 2);
+  const int64_t blocks = L.k_cache.size(1), block = slot / D.block_size, offset = slot % D.block_size;
+  auto* kc = reinterpret_cast<uint16_t*>(L.k_cache.data_ptr());
+  auto* vc = reinterpret_cast<uint16_t*>(L.v_cache.data_ptr());
+  for (int64_t g = 0; g < D.kv_heads; ++g) {
+    const int64_t row = ((g * blocks + block) * D.block_size + offset) * d;
+    std::memcpy(kc + row, k + g * d, d * 2);
+    std::memcpy(vc + row, v + g * d, d * 2);
+  }
+}
+#endif
+
+PairWeight pair_weight(const at::Tensor& packed, const c10::optional<at::Tensor>& bias, int64_t n, int64_t k,
+                       const char* what) {
+  TORCH_CHECK(k % 2 == 0, "native_decoder_plan: ", what, " has an odd input size ", k);
+  const int64_t panels = (n + kPairCols - 1) / kPairCols, pairs = k / 2;
+  TORCH_CHECK(packed.dim() == 4 && packed.size(0) == panels && packed.size(1) == pairs &&
+                  packed.size(2) == kPairCols && packed.size(3) == 2 && packed.is_contiguous() &&
+                  packed.scalar_type() == at::kBFloat16,
+              "native_decoder_plan: ", what, " must be pair-packed for ", n, " x ", k);
+  PairWeight w;
+  w.w = bits(packed), w.n = n, w.pairs = pairs, w.panels = panels;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == n, "native_decoder_plan: ", what, "'s bias must have ", n, " values");
+    const at::Tensor values = bias->to(at::kFloat).contiguous();
+    w.bias.assign(panels * kPairCols, 0.f);
+    std::memcpy(w.bias.data(), values.data_ptr<float>(), n * 4);
+  }
+  return w;
+}
+
+const uint16_t* vector_of(const at::Tensor& t, int64_t n, const char* what) {
+  TORCH_CHECK(t.numel() == n && t.is_contiguous() && t.scalar_type() == at::kBFloat16, "native_decoder_plan: ",
+              what, " must be ", n, " contiguous bfloat16 values");
+  return bits(t);
+}
+
+Decoder& decoder(int64_t handle) {
+  std::lock_guard<std::mutex> guard(decoders_lock);
+  TORCH_CHECK(handle >= 0 && handle < int64_t(decoders().size()) && decoders()[handle],
+              "native_decoder: no plan ", handle);
+  return *decoders()[handle];
+}
+
+}  // namespace
+
+bool native_decoder_available() { return PL_NATIVE_DECODER; }
+
+// dims: hidden, heads, kv_heads, head_dim, intermediate, block_size, items_per_thread, min_partition (the
+// attention backend's partition rule, cpu_attn._partition); floats: eps, rope scaling, softmax scale.
+// Per layer, weights: input norm, post-attention norm, qkv, o, gate_up, down (the last four pair-packed);
+// biases: qkv, o, gate_up, down; head_norms: q, k. kv_caches: [2, kv_heads, blocks, block_size, head_size].
+int64_t native_decoder_plan(const at::Tensor& embed, const at::Tensor& final_norm, const at::Tensor& inv_freq,
+                            at::TensorList weights, const c10::List<c10::optional<at::Tensor>>& biases,
+                            const c10::List<c10::optional<at::Tensor>>& head_norms, at::TensorList kv_caches,
+                            at::IntArrayRef dims, at::ArrayRef<double> floats, bool use_amx) {
+  TORCH_CHECK(PL_NATIVE_DECODER, "native_decoder_plan: this build has no AVX-512 BF16 path");
+  TORCH_CHECK(dims.size() == 8 && floats.size() == 3, "native_decoder_plan: 8 sizes and 3 floats");
+  auto D = std::make_unique<Decoder>();
+  D->hidden = dims[0], D->heads = dims[1], D->kv_heads = dims[2], D->head_dim = dims[3], D->inter = dims[4];
+  D->block_size = dims[5], D->items_per_thread = dims[6], D->min_partition = dims[7];
+  D->eps = float(floats[0]), D->rope_scaling = float(floats[1]), D->scale = floats[2], D->amx = use_amx;
+  const int64_t layers = kv_caches.size(), H = D->hidden, d = D->head_dim;
+  TORCH_CHECK(layers > 0 && int64_t(weights.size()) == 6 * layers && int64_t(biases.size()) == 4 * layers &&
+                  int64_t(head_norms.size()) == 2 * layers,
+              "native_decoder_plan: per layer 6 weights, 4 biases, 2 head norms and a cache");
+  TORCH_CHECK(d % 2 == 0 && D->heads % D->kv_heads == 0, "native_decoder_plan: head sizes");
+  TORCH_CHECK(inv_freq.numel() == d / 2 && inv_freq.scalar_type() == at::kFloat,
+              "native_decoder_plan: inv_freq must be head_dim / 2 float32 values");
+  const at::Tensor freqs = inv_freq.contiguous();
+  D->inv_freq.assign(freqs.data_ptr<float>(), freqs.data_ptr<float>() + d / 2);
+  TORCH_CHECK(embed.dim() == 2 && embed.size(1) == H && embed.is_contiguous() && embed.scalar_type() == at::kBFloat16,
+              "native_decoder_plan: the embedding must be a contiguous bfloat16 [vocab, ", H, "]");
+  D->embed = bits(embed), D->final_norm = vector_of(final_norm, H, "the final norm");
+  D->keep = {embed, final_norm};
+  const int64_t qkv_n = (D->heads + 2 * D->kv_heads) * d;
+  for (int64_t i = 0; i < layers; ++i) {
+    Layer L;
+    const at::Tensor* w = weights.data() + 6 * i;
+    L.in_norm = vector_of(w[0], H, "an input norm"), L.post_norm = vector_of(w[1], H, "a post-attention norm");
+    L.qkv = pair_weight(w[2], biases.get(4 * i), qkv_n, H, "qkv_proj");
+    L.o = pair_weight(w[3], biases.get(4 * i + 1), H, D->heads * d, "o_proj");
+    L.gate_up = pair_weight(w[4], biases.get(4 * i + 2), 2 * D->inter, H, "gate_up_proj");
+    L.down = pair_weight(w[5], biases.get(4 * i + 3), H, D->inter, "down_proj");
+    for (int j = 0; j < 6; ++j) D->keep.push_back(w[j]);
+    const c10::optional<at::Tensor> qn = head_norms.get(2 * i), kn = head_norms.get(2 * i + 1);
+    TORCH_CHECK(qn.has_value() == kn.has_value(), "native_decoder_plan: q and k norms come together");
+    if (qn.has_value()) {
+      L.q_norm = vector_of(*qn, d, "a q norm"), L.k_norm = vector_of(*kn, d, "a k norm");
+      D->keep.push_back(*qn), D->keep.push_back(*kn);
+    }
+    const at::Tensor& cache = kv_caches[i];
+    TORCH_CHECK(cache.dim() == 5 && cache.size(0) == 2 && cache.size(1) == D->kv_heads && cache.size(3) == D->block_size &&
+                    cache.size(4) == d && cache.is_contiguous() && cache.scalar_type() == at::kBFloat16,
+                "native_decoder_plan: a contiguous bfloat16 cache [2, ", D->kv_heads, ", blocks, ", D->block_size,
+                ", ", d, "]");
+    L.k_cache = cache[0], L.v_cache = cache[1];
+    D->layers.push_back(std::move(L));
+  }
+  D->h.resize(H), D->residual.resize(H), D->normed.resize(H), D->qkv.resize(qkv_n);
+  D->gate_up.resize(2 * D->inter), D->act.resize(D->inter), D->cos.resize(d / 2), D->sin.resize(d / 2);
+  D->q = embed.new_empty({1, D->heads, d});
+  D->attn = embed.new_empty({1, D->heads, d});
+  const auto ints = embed.options().dtype(at::kInt);
+  D->seq_lens = embed.new_empty({1}, ints), D->query_start = embed.new_empty({2}, ints);
+  D->reqs = embed.new_empty({1}, ints);
+  D->query_start.data_ptr<int32_t>()[0] = 0, D->query_start.data_ptr<int32_t>()[1] = 1;
+  D->reqs.data_ptr<int32_t>()[0] = 0;
+  std::lock_guard<std::mutex> guard(decoders_lock);
+  decoders().push_back(std::move(D));
+  return int64_t(decoders().size()) - 1;
+}
+
+void native_decoder_drop(int64_t handle) {
+  std::lock_guard<std::mutex> guard(decoders_lock);
+  if (handle >= 0 && handle < int64_t(decoders().size())) decoders()[handle].reset();
+}
+
+// out [1, hidden] bfloat16: the final norm of the step's last hidden state. `slot`: where the token's key
+// and value go (block * block_size + offset); block_table int32 [1, blocks] (or [blocks]): its request's.
+void native_decoder_step(int64_t handle, at::Tensor out, int64_t token, int64_t position, int64_t slot,
+                         const at::Tensor& block_table) {
+  Decoder& D = decoder(handle);
+  TORCH_CHECK(out.numel() == D.hidden && out.is_contiguous() && out.scalar_type() == at::kBFloat16,
+              "native_decoder_step: out must be [1, ", D.hidden, "] bfloat16");
+  TORCH_CHECK(block_table.scalar_type() == at::kInt && block_table.is_contiguous() &&
+                  block_table.numel() * D.block_size > position && slot >= 0,
+              "native_decoder_step: an int32 block table covering position ", position, " and a slot");
+  TORCH_CHECK(token >= 0 && token < D.keep[0].size(0), "native_decoder_step: token id ", token, " out of range");
+#if PL_NATIVE_DECODER
+  const int64_t seq_len = position + 1, d = D.head_dim;
+  D.seq_lens.data_ptr<int32_t>()[0] = int32_t(seq_len);
+  // the attention backend's partition (cpu_attn._partition) for one request
+  const int64_t wanted = D.items_per_thread * at::get_num_threads();
+  const int64_t splits = (wanted + D.kv_heads - 1) / D.kv_heads;
+  const int64_t partition = D.kv_heads >= wanted ? seq_len
+                                                 : std::max(D.min_partition, (seq_len + splits - 1) / splits);
+  for (int64_t j = 0; j < d / 2; ++j) {  // RotaryEmbedding's cos/sin, then apply_rotary's rounding
+    const float f = float(position) * D.inv_freq[j];
+    D.cos[j] = bf(rb(std::cos(f) * D.rope_scaling)), D.sin[j] = bf(rb(std::sin(f) * D.rope_scaling));
+  }
+  std::memcpy(D.h.data(), D.embed + token * D.hidden, D.hidden * 2);
+  const at::Tensor table = block_table.reshape({1, -1});
+  const int64_t n = D.layers.size();
+  for (int64_t i = 0; i < n; ++i) {
+    region([&](int t, int T) {
+      if (i > 0) after_attention(D, D.layers[i - 1], t, T);
+      before_attention(D, D.layers[i], i == 0, slot, t, T);
+    });
+    const Layer& L = D.layers[i];
+    paged_attention(D.attn, D.q, L.k_cache, L.v_cache, table, D.seq_lens, D.query_start, D.reqs, kCacheBf16, D.scale,
+                    0, partition, D.amx, 0.0, c10::nullopt, false);
+  }
+  auto* y = reinterpret_cast<uint16_t*>(out.data_ptr());
+  region([&](int t, int T) {
+    after_attention(D, D.layers[n - 1], t, T);
+    if (t == 0) add_and_norm(D.h.data(), D.residual.data(), false, D.final_norm, D.hidden, D.eps, y);
+  });
+#endif
+}

@@ -1,0 +1,108 @@
+"""The CPU platform's native decode step (`Platform.native_decode_step`): one request's decode token through
+a dense Llama decoder in one call of `cpu_kernels/native_decoder.cpp`.
+
+It applies where every piece of the step has a kernel that call can run: the decoder's linears packed for
+the AVX-512 BF16 pair kernel (bfloat16 on a CPU with AVX-512 BF16 and no AMX: AMD Zen 4 and 5), a bfloat16
+KV cache read by CPU_ATTN's kernel, a SiLU-gated MLP, attention without a sliding window, soft cap, sinks
+or batch invariance. Anything else keeps the model's forward, and start-up says which part stopped it.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import numpy as np
+import torch
+
+from pagellm.attention_backends.cpu_attn import KERNEL_ITEMS_PER_THREAD, MIN_PARTITION, CpuAttnBackend
+from pagellm.core.native_decode import DenseDecoder, Projection
+from pagellm.platforms import cpu_kernels, cpu_linear
+
+
+class CpuNativeDecodeStep:
+    """A plan handed to the kernels once (weights, caches, sizes); each call one token's step."""
+
+    def __init__(self, kernels: Any, handle: int, hidden_size: int):
+        self._kernels = kernels
+        self._handle = handle
+        self._hidden_size = hidden_size
+        weakref.finalize(self, kernels.native_decoder_drop, handle)
+
+    def __call__(self, token: int, position: int, slot: int, block_table: np.ndarray) -> torch.Tensor:
+        out = torch.empty(1, self._hidden_size, dtype=torch.bfloat16)
+        table = torch.from_numpy(np.ascontiguousarray(block_table, dtype=np.int32))
+        self._kernels.native_decoder_step(self._handle, out, token, position, slot, table)
+        return out
+
+
+def native_decode_step(
+    model: DenseDecoder, kv_caches: list[torch.Tensor], attention: list[Any], block_size: int
+) -> tuple[CpuNativeDecodeStep | None, str]:
+    kernels = cpu_kernels.loaded()
+    if kernels is None or not kernels.native_decoder_available():
+        return None, "the CPU kernels have no native decode step here (they need AVX-512 BF16)"
+    why = _unsupported(model, kv_caches, attention)
+    if why is not None:
+        return None, why
+    weights, biases, head_norms = [], [], []
+    for layer in model.layers:
+        weights += [layer.input_norm, layer.post_attention_norm]
+        weights += [p.weight for p in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        biases += [p.bias for p in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        head_norms += [layer.q_norm, layer.k_norm]
+    spec = attention[0].impl.spec
+    dims = [
+        model.hidden_size,
+        model.num_heads,
+        model.num_kv_heads,
+        model.head_size,
+        model.intermediate_size,
+        block_size,
+        KERNEL_ITEMS_PER_THREAD,
+        MIN_PARTITION,
+    ]
+    floats = [model.eps, model.rope_scaling, spec.softmax_scale]
+    handle = kernels.native_decoder_plan(
+        model.embedding,
+        model.final_norm,
+        model.inv_freq.float(),
+        weights,
+        biases,
+        head_norms,
+        kv_caches,
+        dims,
+        floats,
+        attention[0].impl.use_amx,
+    )
+    return CpuNativeDecodeStep(kernels, handle, model.hidden_size), "one call per step of one request"
+
+
+def _unsupported(model: DenseDecoder, kv_caches: list[torch.Tensor], attention: list[Any]) -> str | None:
+    """Why the kernel cannot run this model's step, or None."""
+    if model.activation != "silu":
+        return f"its MLP's activation is {model.activation}, not silu"
+    if model.embedding.dtype != torch.bfloat16:
+        return f"the model's dtype is {model.embedding.dtype}, not bfloat16"
+    projections: list[Projection] = [
+        p for layer in model.layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)
+    ]
+    if not all(isinstance(p.matmul, cpu_linear.PairLinear) for p in projections):
+        return "its linears are not on the AVX-512 BF16 pair kernel (a CPU with AMX or without AVX-512 BF16)"
+    if len(attention) != len(model.layers) or len(kv_caches) != len(model.layers):
+        return "its attention layers and KV caches do not match its decoder layers"
+    scales = set()
+    for layer, cache in zip(attention, kv_caches, strict=True):
+        impl, spec = layer.impl, layer.impl.spec
+        if not isinstance(impl, CpuAttnBackend) or impl.kernel is None:
+            return "its attention is not on CPU_ATTN's kernel"
+        if cache.dtype != torch.bfloat16 or cache.dim() != 5:
+            return "its KV cache is not bfloat16 in CPU_ATTN's layout"
+        if spec.sliding_window or spec.logits_soft_cap or spec.has_sinks or spec.batch_invariant:
+            return "its attention has a sliding window, a soft cap, sinks or batch invariance"
+        if spec.attention_chunk:
+            return "its attention is chunked"
+        scales.add(spec.softmax_scale)
+    if len(scales) != 1:
+        return "its layers' attention scales differ"
+    return None

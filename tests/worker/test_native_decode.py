@@ -1,0 +1,126 @@
+"""The native decode step (`Platform.native_decode_step`; on CPU platforms/cpu_kernels/native_decoder.cpp):
+a step that is one request's one token runs in one native call, and gives the hidden state the model's
+forward gives, so greedy tokens are the same with it on or off. Where this CPU has no such step (no AVX-512
+BF16, or AMX, whose bfloat16 linears take another kernel) the tests that run it skip and say why."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from tiny import make_tiny_checkpoint
+
+from pagellm import LLM, SamplingParams
+from pagellm.platforms import cpu, cpu_kernels
+
+GREEDY = dict(temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def native_here():
+    kernels = cpu_kernels.load()
+    if kernels is None:
+        pytest.skip(f"no native kernels here: {cpu_kernels.why_unavailable()}")
+    if not kernels.native_decoder_available():
+        pytest.skip("this CPU has no AVX-512 BF16: no native decode step")
+    if cpu._amx_kernels() is not None:
+        pytest.skip(
+            "this CPU has AMX: its bfloat16 linears take the AMX kernel, which the native step does not run"
+        )
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("native")
+    return {arch: make_tiny_checkpoint(arch, root, seed=3) for arch in ("llama", "qwen2", "qwen3")}
+
+
+def _engine(model_dir, **kw) -> LLM:
+    return LLM(model=str(model_dir), dtype="bfloat16", enforce_eager=True, max_model_len=512, **kw)
+
+
+def _watch(llm: LLM) -> list[float]:
+    """Run the forward beside every native step and record how far apart their hidden states are
+    (largest difference over the forward's largest value); the native step's result goes on."""
+    runner = llm.engine.runner
+    assert runner.native_decode is not None
+    gaps: list[float] = []
+    native = runner._run_native_decode
+
+    def both(arrays):
+        hidden = native(arrays)
+        if hidden is not None:
+            forward = runner._forward(arrays).hidden.float()
+            gaps.append(((hidden.float() - forward).abs().max() / forward.abs().max()).item())
+        return hidden
+
+    runner._run_native_decode = both
+    return gaps
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])  # plain, q/k/v biases, per-head q/k norms
+def test_a_native_step_gives_the_forwards_hidden_state(native_here, checkpoints, arch, two_threads):
+    """Two threads split every linear and meet between ops; past 256 tokens of context the attention splits
+    each KV head's context in two (its partitions)."""
+    llm = _engine(checkpoints[arch])
+    gaps = _watch(llm)
+    llm.generate(
+        [{"prompt_token_ids": list(range(3, 300))}], SamplingParams(max_tokens=24, **GREEDY), use_tqdm=False
+    )
+    assert len(gaps) == 23  # every decode step ran natively (the prompt's step is the forward's)
+    exact = sum(gap == 0 for gap in gaps)
+    # the same bits, but for a float32 sum of squares taken in another order: at most one bfloat16 step
+    assert exact >= 20 and max(gaps) <= 2**-7, gaps
+
+
+def test_greedy_tokens_are_the_same_with_it_off(native_here, checkpoints):
+    """Batched steps (two requests) run the forward, the steps of the one left run natively, prefix-cache
+    hits and a one-token prompt (a step of one token at position 0) too."""
+    prompts = [list(range(5, 45)), list(range(5, 30)) + [7, 8, 9], [11]]
+    params = [SamplingParams(max_tokens=n, **GREEDY) for n in (6, 30, 12)]
+    results = []
+    for on in (True, False):
+        llm = _engine(checkpoints["qwen3"], native_decode=on)
+        gaps = _watch(llm) if on else []
+        together = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        alone = [
+            llm.generate([{"prompt_token_ids": p}], sp, use_tqdm=False)[0]
+            for p, sp in zip(prompts, params, strict=True)
+        ]
+        results.append([list(o.outputs[0].token_ids) for o in [*together, *alone]])
+        if on:
+            assert len(gaps) > 30
+    assert results[0] == results[1]
+
+
+def test_start_up_says_whether_it_applies_and_why(native_here, checkpoints, tmp_path, caplog):
+    with caplog.at_level(logging.INFO, logger="pagellm"):
+        _engine(checkpoints["llama"])
+        _engine(checkpoints["llama"], native_decode=False)
+        LLM(model=str(checkpoints["llama"]), dtype="float32", enforce_eager=True, max_model_len=512)
+        for arch in ("gemma2", "granite"):
+            LLM(
+                model=str(make_tiny_checkpoint(arch, tmp_path)),
+                dtype="bfloat16",
+                enforce_eager=True,
+                max_model_len=512,
+            )
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("native decode step")]
+    assert lines == [
+        "native decode step: on (one call per step of one request)",
+        "native decode step: off (--no-native-decode)",
+        "native decode step: off (the model's dtype is torch.float32, not bfloat16)",
+        "native decode step: off (its layers keep KV caches of several kinds (sliding windows))",
+        "native decode step: off (GraniteForCausalLM changes the Llama decoder)",
+    ]
+
+
+def test_a_bad_step_is_refused_with_a_reason(native_here, checkpoints):
+    step = _engine(checkpoints["llama"]).engine.runner.native_decode
+    table = torch.arange(1, 3, dtype=torch.int32).numpy()
+    assert step(5, 20, 20 + 16, table).shape == (1, 64)
+    with pytest.raises(RuntimeError, match="token id 100000 out of range"):
+        step(100000, 20, 20 + 16, table)
+    with pytest.raises(RuntimeError, match="covering position 40"):
+        step(5, 40, 40 + 16, table)
