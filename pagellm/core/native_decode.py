@@ -23,13 +23,15 @@ import torch
 @dataclass
 class Projection:
     """One linear layer as loaded: the platform's packed weight and its matmul (`Platform.pack_linear`),
-    or the plain weight where it kept none."""
+    the plain weight where it kept none, or a quantized one's parts in place (`QuantMethod.native_blocks`:
+    GGUF blocks with their GGML type ids; `weight` and `matmul` None then)."""
 
-    weight: torch.Tensor
+    weight: torch.Tensor | None
     matmul: Callable[..., torch.Tensor] | None
     bias: torch.Tensor | None
     out_features: int
     in_features: int
+    blocks: list[tuple[torch.Tensor, int]] | None = None
 
 
 @dataclass
@@ -46,7 +48,7 @@ class DenseLayer:
 
 @dataclass
 class DenseDecoder:
-    embedding: torch.Tensor  # [vocab, hidden]
+    embedding: torch.Tensor  # [vocab, hidden], or GGUF rows (uint8 [vocab, bytes]) of `embedding_type`
     final_norm: torch.Tensor
     inv_freq: torch.Tensor  # float32 [head_size // 2]
     rope_scaling: float  # cos and sin are multiplied by it (yarn's attention factor; 1 otherwise)
@@ -58,6 +60,8 @@ class DenseDecoder:
     intermediate_size: int
     activation: str  # the gated MLP's (the config's hidden_act)
     layers: Sequence[DenseLayer]
+    embedding_type: int | None = None  # the GGML type of a GGUF embedding's rows
+    dtype: torch.dtype = torch.bfloat16  # the activations'
 
 
 class NativeDecodeStep(Protocol):

@@ -125,6 +125,12 @@ class QuantMethod:
         """y = x @ W^T + bias with this format's weights."""
         raise NotImplementedError
 
+    def native_blocks(self, layer: torch.nn.Module) -> list[tuple[torch.Tensor, int]] | None:
+        """The layer's weight as a platform's native kernels read it in place, or None (optional): the
+        `gguf` method's parts in GGML block types, each uint8 [rows, bytes] with its type id, rows in
+        output order. A native decode step (`core/native_decode.py`) multiplies such a layer itself."""
+        return None
+
     def take_up_kernels(self, model: torch.nn.Module) -> None:
         """The platform's kernels, built in the background while the engine served, are here (called by the
         model runner between two steps): put back on them what was loaded another way meanwhile

@@ -297,7 +297,7 @@ class LlamaForCausalLM(CausalLM):
         if rope.rotary_dim != attn0.head_dim or rope.inv_freq.dim() != 1 or any(m.layer_rope):
             return "its rotary embedding covers part of each head or differs between layers"
         embed = m.embed_tokens
-        if embed.lookup is not None or embed.group is not None:
+        if (embed.lookup is not None and embed.block_type is None) or embed.group is not None:
             return "its token embedding is packed or split"
         layers = []
         for layer in m.layers:
@@ -313,8 +313,10 @@ class LlamaForCausalLM(CausalLM):
             if any(type(n) is not RMSNorm or n.eps != m.norm.eps for n in norms):
                 return "its norms differ from RMSNorm's"
             linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-            if any(x.quant_method is not None or x.lora is not None or x.reduce is not None for x in linears):
-                return "its linear layers are quantized or carry LoRA"
+            if any(x.lora is not None or x.reduce is not None for x in linears):
+                return "its linear layers carry LoRA or are split"
+            if any(x.quant_method is not None and x.quant_method.native_blocks(x) is None for x in linears):
+                return "its linear layers are quantized in a format no native kernel reads in place"
             q_norm = attn.q_norm.weight if attn.q_norm is not None else None
             k_norm = attn.k_norm.weight if attn.k_norm is not None else None
             layers.append(
@@ -327,7 +329,9 @@ class LlamaForCausalLM(CausalLM):
                 )
             )
         return DenseDecoder(
-            embedding=embed.weight,
+            embedding=embed.packed_table if embed.lookup is not None else embed.weight,
+            embedding_type=embed.block_type if embed.lookup is not None else None,
+            dtype=m.dtype,
             final_norm=m.norm.weight,
             inv_freq=rope.inv_freq,
             rope_scaling=rope.scaling,
@@ -379,6 +383,9 @@ PLAIN_DECODERS = (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3F
 
 
 def _projection(linear: Linear) -> Projection:
+    if linear.quant_method is not None:
+        blocks = linear.quant_method.native_blocks(linear)
+        return Projection(None, None, linear.bias, linear.out_features, linear.in_features, blocks)
     packed = linear.packed_matmul is not None
     weight = linear.packed_weight if packed else linear.weight
     matmul = linear.packed_matmul if packed else None

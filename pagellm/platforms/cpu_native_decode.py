@@ -1,10 +1,12 @@
 """The CPU platform's native decode step (`Platform.native_decode_step`): one request's decode token through
 a dense Llama decoder in one call of `cpu_kernels/native_decoder.cpp`.
 
-It applies where every piece of the step has a kernel that call can run: the decoder's linears packed for
-the AVX-512 BF16 pair kernel (bfloat16 on a CPU with AVX-512 BF16 and no AMX: AMD Zen 4 and 5), a bfloat16
-KV cache read by CPU_ATTN's kernel, a SiLU-gated MLP, attention without a sliding window, soft cap, sinks
-or batch invariance. Anything else keeps the model's forward, and start-up says which part stopped it.
+It applies where every piece of the step has a kernel that call can run, on a CPU with AVX-512 BF16: the
+decoder's linears either packed for the pair kernel (bfloat16 on a CPU without AMX: AMD Zen 4 and 5) or
+GGUF blocks on the GGUF kernels (`QuantMethod.native_blocks`), the token embedding bfloat16 or GGUF rows,
+bfloat16 activations and KV cache read by CPU_ATTN's kernel, a SiLU-gated MLP, attention without a sliding
+window, soft cap, sinks or batch invariance. Anything else keeps the model's forward, and start-up says
+which part stopped it.
 """
 
 from __future__ import annotations
@@ -45,11 +47,15 @@ def native_decode_step(
     why = _unsupported(model, kv_caches, attention)
     if why is not None:
         return None, why
-    weights, biases, head_norms = [], [], []
+    norms, parts, part_types, part_counts, biases, head_norms = [], [], [], [], [], []
     for layer in model.layers:
-        weights += [layer.input_norm, layer.post_attention_norm]
-        weights += [p.weight for p in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-        biases += [p.bias for p in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        norms += [layer.input_norm, layer.post_attention_norm]
+        for p in (layer.qkv, layer.o, layer.gate_up, layer.down):
+            blocks = p.blocks if p.blocks is not None else [(p.weight, -1)]
+            parts += [tensor for tensor, _ in blocks]
+            part_types += [type_id for _, type_id in blocks]
+            part_counts.append(len(blocks))
+            biases.append(p.bias)
         head_norms += [layer.q_norm, layer.k_norm]
     spec = attention[0].impl.spec
     dims = [
@@ -65,9 +71,13 @@ def native_decode_step(
     floats = [model.eps, model.rope_scaling, spec.softmax_scale]
     handle = kernels.native_decoder_plan(
         model.embedding,
+        -1 if model.embedding_type is None else model.embedding_type,
         model.final_norm,
         model.inv_freq.float(),
-        weights,
+        norms,
+        parts,
+        part_types,
+        part_counts,
         biases,
         head_norms,
         kv_caches,
@@ -82,13 +92,19 @@ def _unsupported(model: DenseDecoder, kv_caches: list[torch.Tensor], attention: 
     """Why the kernel cannot run this model's step, or None."""
     if model.activation != "silu":
         return f"its MLP's activation is {model.activation}, not silu"
-    if model.embedding.dtype != torch.bfloat16:
-        return f"the model's dtype is {model.embedding.dtype}, not bfloat16"
+    if model.dtype != torch.bfloat16 or model.final_norm.dtype != torch.bfloat16:
+        return f"the model's dtype is {model.dtype}, not bfloat16"
+    if model.embedding_type is None and model.embedding.dtype != torch.bfloat16:
+        return "its token embedding is neither bfloat16 nor GGUF blocks"
     projections: list[Projection] = [
         p for layer in model.layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)
     ]
-    if not all(isinstance(p.matmul, cpu_linear.PairLinear) for p in projections):
+    if not all(p.blocks is not None or isinstance(p.matmul, cpu_linear.PairLinear) for p in projections):
         return "its linears are not on the AVX-512 BF16 pair kernel (a CPU with AMX or without AVX-512 BF16)"
+    if any(
+        p.blocks is not None and p.bias is not None and p.bias.dtype != torch.bfloat16 for p in projections
+    ):
+        return "a GGUF linear's bias is not bfloat16"
     if len(attention) != len(model.layers) or len(kv_caches) != len(model.layers):
         return "its attention layers and KV caches do not match its decoder layers"
     scales = set()

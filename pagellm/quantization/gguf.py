@@ -368,7 +368,9 @@ class GgufMethod(QuantMethod):
         ):
             return False
         self._row_lookups[name] = module.weight.dtype
-        module.use_packed_table(table, partial(_row_lookup, type_id=type_id, dtype=module.weight.dtype))
+        module.use_packed_table(
+            table, partial(_row_lookup, type_id=type_id, dtype=module.weight.dtype), block_type=type_id
+        )
         return True
 
     def _pack_table(self, model: nn.Module, name: str, parts: dict[str, torch.Tensor]) -> bool:
@@ -385,7 +387,7 @@ class GgufMethod(QuantMethod):
         table, type_id = cpu_gguf.interleave(table, type_id)
         packed = PackedLinear(table, _GgufMatmul(type_id))
         if hasattr(module, "use_packed_table"):  # an embedding (pagellm.models.layers.Embedding)
-            module.use_packed_table(table, partial(_lookup, type_id=type_id, dtype=dtype))
+            module.use_packed_table(table, partial(_lookup, type_id=type_id, dtype=dtype), block_type=type_id)
         else:  # an untied output projection (a Linear)
             module.use_packed(packed)
         if module is getattr(model, "lm_head", None):
@@ -485,6 +487,12 @@ class GgufMethod(QuantMethod):
         if type_id in cpu_gguf.KERNEL_TYPES and cpu_gguf.kernels_pending():
             return _widen(raw, type_id, dtype)
         return _dequantize_at_load(raw, type_id, dtype)
+
+    def native_blocks(self, layer: nn.Module) -> list[tuple[torch.Tensor, int]] | None:
+        """The parts on the CPU kernel as `apply` hands them to it (None where a part is not)."""
+        if not layer.gguf_kernel_only:
+            return None
+        return [(getattr(layer, f"qweight_{i}"), t) for i, t in enumerate(layer.qweight_types)]
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         weights = [getattr(layer, f"qweight_{shard}") for shard in range(len(layer.qweight_types))]

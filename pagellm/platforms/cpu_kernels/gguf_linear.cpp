@@ -35,6 +35,73 @@ bool gguf_rows_asked_ahead() { return rows_asked_ahead(); }
 // x [..., K] (float32 or bfloat16) times the weights `parts` (each uint8 [N_i, bytes per row] of GGML type
 // types[i], K columns) -> [..., sum N_i] in x's dtype: the parts' outputs side by side (a fused q/k/v or
 // gate/up layer whose checkpoint tensors have their own types), x quantized once for all of them.
+namespace {
+
+// One quantized x row times rows [begin, end) of the parts' concatenation (part p's rows start at starts[p]):
+// a small part's rows in pairs, then the rest in one run (`run_fn`); float32 sums into sums[0 .. end - begin).
+void one_row_share(const Rows& q, const uint8_t* const* parts, const int64_t* types, const int64_t* starts,
+                   size_t count, int64_t k, int64_t begin, int64_t end, float* sums) {
+  for (size_t p = 0; p < count; ++p) {
+    const int64_t lo = std::max(begin, starts[p]), hi = std::min(end, starts[p + 1]);
+    if (lo >= hi) continue;
+    Layout layout;
+    layout_of(types[p], &layout);
+    const int64_t row_bytes = k / layout.block * layout.bytes, blocks = k / layout.block;
+    const auto row_at = [&](int64_t i) { return parts[p] + (i - starts[p]) * row_bytes; };
+    const PairFn pair = (starts[p + 1] - starts[p]) * row_bytes <= kPairedPartBytes ? pair_fn(types[p]) : nullptr;
+    int64_t j = lo;
+    if (pair != nullptr) {
+      const int64_t pairs = (hi - lo) / 2, streams = kRowStreams;
+      const bool ahead = rows_asked_ahead();
+      const StreamOrder order(pairs, streams);
+      for (int64_t t = 0; t < pairs; ++t) {
+        const int64_t i = lo + 2 * order(t);
+        if (ahead && t + streams < pairs) prefetch_row(row_at(lo + 2 * order(t + streams)), 2 * row_bytes);
+        pair(row_at(i), row_at(i) + row_bytes, blocks, q, sums + (i - begin), sums + (i + 1 - begin));
+      }
+      j = lo + 2 * pairs;
+    }
+    run_fn(types[p])(row_at(j), row_bytes, hi - j, blocks, q, 0, sums + (j - begin));
+  }
+}
+
+}  // namespace
+
+struct GgufRow {
+  Rows q;
+};
+
+GgufRow* gguf_row_new() { return new GgufRow; }
+void gguf_row_delete(GgufRow* row) { delete row; }
+
+void gguf_row_quantize(GgufRow* row, const uint16_t* x, int64_t k) {
+  quantize_rows(reinterpret_cast<const c10::BFloat16*>(x), 1, k, row->q);
+}
+
+void gguf_row_share(const GgufRow* row, const uint8_t* const* parts, const int64_t* types, const int64_t* starts,
+                    int64_t count, int64_t k, const uint16_t* bias, uint16_t* y, int t, int T) {
+  // the rows at::parallel_for(0, n, 16) gives thread t (gguf_linear's split: the same pairs, the same bits)
+  const int64_t n = starts[count], used = std::min<int64_t>(T, (n + 15) / 16), chunk = (n + used - 1) / used;
+  const int64_t begin = t * chunk, end = std::min(n, begin + chunk);
+  if (t >= used || begin >= end) return;
+  thread_local std::vector<float> sums;
+  sums.resize(end - begin);
+  one_row_share(row->q, parts, types, starts, count, k, begin, end, sums.data());
+  for (int64_t j = begin; j < end; ++j) {
+    const c10::BFloat16 v = round_to_bf16(sums[j - begin]);
+    y[j] = bias ? round_to_bf16(static_cast<float>(v) + static_cast<float>(c10::BFloat16(bias[j], c10::BFloat16::from_bits()))).x : v.x;
+  }
+}
+
+void gguf_bf16_row(int64_t type, const uint8_t* src, int64_t k, uint16_t* dst) {
+  Layout layout;
+  layout_of(type, &layout);
+  thread_local std::vector<float> values;
+  values.resize(k);
+  dequantize_row(type, src, k / layout.block, values.data());
+  for (int64_t j = 0; j < k; ++j) dst[j] = round_to_bf16(values[j]).x;
+}
+
 at::Tensor gguf_linear(const at::Tensor& input, at::TensorList parts, at::IntArrayRef types) {
   TORCH_CHECK(input.scalar_type() == at::kFloat || input.scalar_type() == at::kBFloat16,
               "gguf_linear: float32 or bfloat16 x [..., K]");
@@ -105,49 +172,30 @@ at::Tensor gguf_linear(const at::Tensor& input, at::TensorList parts, at::IntArr
     return out.view(shape);
   }
 #endif
+  std::vector<const uint8_t*> pointers(parts.size());
+  for (size_t p = 0; p < parts.size(); ++p) pointers[p] = static_cast<const uint8_t*>(parts[p].data_ptr());
   at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> sums(bf16 ? (end - begin) * m : 0);  // this thread's outputs before rounding
-    for (size_t p = 0; p < parts.size(); ++p) {
-      const int64_t lo = std::max(begin, starts[p]), hi = std::min(end, starts[p + 1]);
-      if (lo >= hi) continue;
-      Layout layout;
-      layout_of(types[p], &layout);
-      const int64_t row_bytes = k / layout.block * layout.bytes, blocks = k / layout.block;
-      const RowFn fn = bf16 ? row_fn<false>(types[p]) : row_fn<true>(types[p]);
-      // a decode step's int8 row against rows in pairs, where the part is small: its rows are short and
-      // compute-bound (model S's 0.2-1.1 MB layers: 10-20% faster), while a large part streams at the
-      // memory's rate one row at a time and lost a fifth of it in pairs (S's 30 MB output: 0.9 -> 1.25 ms)
-      const PairFn pair =
-          bf16 && m == 1 && parts[p].numel() <= kPairedPartBytes ? pair_fn(types[p]) : nullptr;
-      const uint8_t* w = static_cast<const uint8_t*>(parts[p].data_ptr());
-      // a few x rows (a decode step, up to kDirectRows): the rows (or pairs) taken from kRowStreams parts of
-      // the run in turn, so the loads of several places are in flight at once (`StreamOrder`), and where
-      // that pays (`rows_asked_ahead`) the next row (pair) of the same part asked into L1 while this one is
-      // multiplied (`prefetch_row`)
-      const bool direct = m <= kDirectRows, ahead = direct && rows_asked_ahead();
-      const int64_t streams = direct ? kRowStreams : 1;
-      const auto row_at = [&](int64_t i) { return w + (i - starts[p]) * row_bytes; };
-      int64_t j = lo;
-      if (pair != nullptr) {
-        const int64_t pairs = (hi - lo) / 2;
-        const StreamOrder order(pairs, streams);
-        for (int64_t t = 0; t < pairs; ++t) {
-          const int64_t i = lo + 2 * order(t);
-          if (ahead && t + streams < pairs) prefetch_row(row_at(lo + 2 * order(t + streams)), 2 * row_bytes);
-          pair(row_at(i), row_at(i) + row_bytes, blocks, q, sums.data() + (i - begin), sums.data() + (i + 1 - begin));
+    if (bf16 && m == 1) {
+      one_row_share(q, pointers.data(), types.data(), starts.data(), parts.size(), k, begin, end, sums.data());
+    } else {
+      for (size_t p = 0; p < parts.size(); ++p) {
+        const int64_t lo = std::max(begin, starts[p]), hi = std::min(end, starts[p + 1]);
+        if (lo >= hi) continue;
+        Layout layout;
+        layout_of(types[p], &layout);
+        const int64_t row_bytes = k / layout.block * layout.bytes, blocks = k / layout.block;
+        const RowFn fn = bf16 ? row_fn<false>(types[p]) : row_fn<true>(types[p]);
+        const bool direct = m <= kDirectRows, ahead = direct && rows_asked_ahead();
+        const int64_t streams = direct ? kRowStreams : 1;
+        const auto row_at = [&](int64_t i) { return pointers[p] + (i - starts[p]) * row_bytes; };
+        const StreamOrder order(hi - lo, streams);
+        for (int64_t t = 0, count = hi - lo; t < count; ++t) {
+          const int64_t i = lo + order(t);
+          if (ahead && t + streams < count) prefetch_row(row_at(lo + order(t + streams)), row_bytes);
+          float* dst = bf16 ? sums.data() + (i - begin) : out.data_ptr<float>() + i;
+          fn(row_at(i), blocks, q, 0, m, dst, bf16 ? end - begin : n);
         }
-        j = lo + 2 * pairs;
-      }
-      if (bf16 && m == 1) {  // a decode step's one row: the rest of the part's rows in one call
-        run_fn(types[p])(row_at(j), row_bytes, hi - j, blocks, q, 0, sums.data() + (j - begin));
-        continue;
-      }
-      const StreamOrder order(hi - j, streams);
-      for (int64_t t = 0, count = hi - j; t < count; ++t) {
-        const int64_t i = j + order(t);
-        if (ahead && t + streams < count) prefetch_row(row_at(j + order(t + streams)), row_bytes);
-        float* dst = bf16 ? sums.data() + (i - begin) : out.data_ptr<float>() + i;
-        fn(row_at(i), blocks, q, 0, m, dst, bf16 ? end - begin : n);
       }
     }
     if (bf16) {

@@ -45,6 +45,19 @@ std::string gguf_isa();
 // Whether the one-row and few-row products prefetch the next weight rows here (`rows_asked_ahead`).
 bool gguf_rows_asked_ahead();
 int64_t gguf_interleaved_type(int64_t type);
+// A decode step's one bfloat16 x row quantized once (`gguf_row_quantize`), then each thread's share of a
+// linear's rows (`gguf_row_share`: thread t of T, the rows gguf_linear gives it), rounded to bfloat16, then a
+// bfloat16 bias added (or none), as `gguf_linear(x) + bias` in bfloat16: for callers with their own parallel
+// region (native_decoder.cpp). Part p of `count` is uint8 rows [starts[p], starts[p + 1]) of GGML type
+// types[p] (interleaved or not), K = k.
+struct GgufRow;
+GgufRow* gguf_row_new();
+void gguf_row_delete(GgufRow* row);
+void gguf_row_quantize(GgufRow* row, const uint16_t* x, int64_t k);
+void gguf_row_share(const GgufRow* row, const uint8_t* const* parts, const int64_t* types, const int64_t* starts,
+                    int64_t count, int64_t k, const uint16_t* bias, uint16_t* y, int t, int T);
+// One row of a GGUF table (an embedding) in bfloat16, as gguf_embedding then .to(bfloat16) give it.
+void gguf_bf16_row(int64_t type, const uint8_t* src, int64_t k, uint16_t* dst);
 at::Tensor gguf_interleave(const at::Tensor& raw, int64_t type);
 at::Tensor gguf_embedding(const at::Tensor& ids, const at::Tensor& table, int64_t type);
 
@@ -68,8 +81,10 @@ void bf16_pair_row_run(const uint16_t* x, const uint16_t* w, int64_t pairs, cons
                        int64_t first, int64_t last);
 
 // native_decoder.cpp
-int64_t native_decoder_plan(const at::Tensor& embed, const at::Tensor& final_norm, const at::Tensor& inv_freq,
-                            at::TensorList weights, const c10::List<c10::optional<at::Tensor>>& biases,
+int64_t native_decoder_plan(const at::Tensor& embed, int64_t embed_type, const at::Tensor& final_norm,
+                            const at::Tensor& inv_freq, at::TensorList norms, at::TensorList parts,
+                            at::IntArrayRef part_types, at::IntArrayRef part_counts,
+                            const c10::List<c10::optional<at::Tensor>>& biases,
                             const c10::List<c10::optional<at::Tensor>>& head_norms, at::TensorList kv_caches,
                             at::IntArrayRef dims, at::ArrayRef<double> floats, bool use_amx);
 void native_decoder_step(int64_t handle, at::Tensor out, int64_t token, int64_t position, int64_t slot,

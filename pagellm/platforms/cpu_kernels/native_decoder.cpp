@@ -1,6 +1,8 @@
 // One user's decode step of a dense Llama-shaped model (Llama, Mistral, SmolLM2, Qwen2, Qwen3) in one
-// native call, on CPUs whose bfloat16 linears are the pair kernel (linear_bf16_pairs.cpp: AVX-512 BF16
-// without AMX, AMD Zen 4 and 5).
+// native call, on CPUs with AVX-512 BF16 (AMD Zen 4 and 5, Intel Sapphire Rapids and later), its linears
+// either bfloat16 on the pair kernel (linear_bf16_pairs.cpp; CPUs without AMX) or GGUF blocks on
+// gguf_linear.cpp's one-row products (x quantized once per linear, the rows split as gguf_linear splits
+// them, so the same bits).
 //
 // Why: at one token a step reads the weights once (~8 ms for model S at ~35 GB/s on a 2-core Zen 4) and
 // everything around those reads is serial. The compiled graph spent ~2 ms of model S's ~11.5 ms step
@@ -52,13 +54,31 @@ struct PairWeight {
   const float* b() const { return bias.empty() ? nullptr : bias.data(); }
 };
 
+struct GgufWeight {
+  std::vector<const uint8_t*> parts;
+  std::vector<int64_t> types, starts;  // starts: each part's first row, then n
+  int64_t k = 0;
+  const uint16_t* bias = nullptr;  // bfloat16, added after rounding (`gguf_linear(x) + bias`); or null
+};
+
+// A linear layer: pair-packed bfloat16, or GGUF blocks
+struct Projection {
+  bool gguf = false;
+  PairWeight pair;
+  GgufWeight blocks;
+};
+
 struct Layer {
   const uint16_t* in_norm = nullptr;
   const uint16_t* post_norm = nullptr;
   const uint16_t* q_norm = nullptr;  // Qwen3's per-head norms, or null
   const uint16_t* k_norm = nullptr;
-  PairWeight qkv, o, gate_up, down;
+  Projection qkv, o, gate_up, down;
   at::Tensor k_cache, v_cache;  // [kv_heads, blocks, block_size, head_size] bfloat16
+};
+
+struct RowDeleter {
+  void operator()(GgufRow* row) const { gguf_row_delete(row); }
 };
 
 struct Decoder {
@@ -68,13 +88,15 @@ struct Decoder {
   double scale = 1.0;
   bool amx = false;
   std::vector<float> inv_freq;
-  const uint16_t* embed = nullptr;
+  const uint8_t* embed = nullptr;  // [vocab, embed_row_bytes]
+  int64_t embed_type = -1, embed_row_bytes = 0, vocab = 0;  // GGML type of the rows; -1: bfloat16
   const uint16_t* final_norm = nullptr;
   std::vector<Layer> layers;
   std::vector<at::Tensor> keep;  // the tensors the pointers above read
   // one step's values (bfloat16 bits), reused
   std::vector<uint16_t> h, residual, normed, qkv, gate_up, act;
   std::vector<float> cos, sin;  // rounded to bfloat16, as apply_rotary rounds them
+  std::unique_ptr<GgufRow, RowDeleter> xq;  // the next GGUF linear's x, quantized
   at::Tensor q, attn, seq_lens, query_start, reqs;
 };
 
@@ -128,9 +150,21 @@ void rotate(uint16_t* x, const float* cos, const float* sin, int64_t half) {
 }
 
 #if PL_NATIVE_DECODER
-// thread t of T: its run of the weight's panels (as parallel_runs splits them)
-inline void linear(const PairWeight& w, const uint16_t* x, uint16_t* y, int t, int T) {
-  bf16_pair_row_run(x, w.w, w.pairs, w.b(), w.n, y, w.panels * t / T, w.panels * (t + 1) / T);
+// thread t of T's rows of y = x @ W^T (+ bias): a pair-packed weight's run of panels (as parallel_runs splits
+// them), a GGUF weight's rows (as gguf_linear splits them) from x quantized beforehand into `xq`
+inline void linear(const Projection& w, const uint16_t* x, const GgufRow* xq, uint16_t* y, int t, int T) {
+  if (w.gguf) {
+    const GgufWeight& g = w.blocks;
+    gguf_row_share(xq, g.parts.data(), g.types.data(), g.starts.data(), g.parts.size(), g.k, g.bias, y, t, T);
+    return;
+  }
+  const PairWeight& p = w.pair;
+  bf16_pair_row_run(x, p.w, p.pairs, p.b(), p.n, y, p.panels * t / T, p.panels * (t + 1) / T);
+}
+
+// x quantized for `w` where it is GGUF (by one thread, before the barrier that precedes the linear)
+inline void prepare(Decoder& D, const Projection& w, const uint16_t* x, int64_t k) {
+  if (w.gguf) gguf_row_quantize(D.xq.get(), x, k);
 }
 
 template <typename Fn>
@@ -143,27 +177,37 @@ void region(Fn fn) {
 // Layer L after its attention (whose output is in D.attn): o_proj, add and norm, the gated MLP; its output
 // in D.h.
 void after_attention(Decoder& D, const Layer& L, int t, int T) {
-  linear(L.o, bits(D.attn), D.h.data(), t, T);
+  linear(L.o, bits(D.attn), D.xq.get(), D.h.data(), t, T);
 #pragma omp barrier
-  if (t == 0) add_and_norm(D.h.data(), D.residual.data(), false, L.post_norm, D.hidden, D.eps, D.normed.data());
-#pragma omp barrier
-  linear(L.gate_up, D.normed.data(), D.gate_up.data(), t, T);
-#pragma omp barrier
-  for (int64_t j = D.inter * t / T; j < D.inter * (t + 1) / T; ++j) {
-    const float g = bf(D.gate_up[j]);
-    D.act[j] = rb(bf(rb(g / (1.f + std::exp(-g)))) * bf(D.gate_up[D.inter + j]));
+  if (t == 0) {
+    add_and_norm(D.h.data(), D.residual.data(), false, L.post_norm, D.hidden, D.eps, D.normed.data());
+    prepare(D, L.gate_up, D.normed.data(), D.hidden);
   }
 #pragma omp barrier
-  linear(L.down, D.act.data(), D.h.data(), t, T);
+  linear(L.gate_up, D.normed.data(), D.xq.get(), D.gate_up.data(), t, T);
+#pragma omp barrier
+  // SiLU(gate) * up, rounded as the eager ops round; one thread where the down projection quantizes it next
+  const int parts = L.down.gguf ? 1 : T;
+  if (t < parts)
+    for (int64_t j = D.inter * t / parts; j < D.inter * (t + 1) / parts; ++j) {
+      const float g = bf(D.gate_up[j]);
+      D.act[j] = rb(bf(rb(g / (1.f + std::exp(-g)))) * bf(D.gate_up[D.inter + j]));
+    }
+  if (t == 0) prepare(D, L.down, D.act.data(), D.inter);
+#pragma omp barrier
+  linear(L.down, D.act.data(), D.xq.get(), D.h.data(), t, T);
 #pragma omp barrier
 }
 
 // Layer L up to its attention: add and norm, qkv, q/k norms and rotary, the new key and value stored at
 // `slot`; the queries in D.q.
 void before_attention(Decoder& D, const Layer& L, bool first, int64_t slot, int t, int T) {
-  if (t == 0) add_and_norm(D.h.data(), D.residual.data(), first, L.in_norm, D.hidden, D.eps, D.normed.data());
+  if (t == 0) {
+    add_and_norm(D.h.data(), D.residual.data(), first, L.in_norm, D.hidden, D.eps, D.normed.data());
+    prepare(D, L.qkv, D.normed.data(), D.hidden);
+  }
 #pragma omp barrier
-  linear(L.qkv, D.normed.data(), D.qkv.data(), t, T);
+  linear(L.qkv, D.normed.data(), D.xq.get(), D.qkv.data(), t, T);
 #pragma omp barrier
   if (t != 0) return;
   const int64_t d = D.head_dim, half = d / 2;
@@ -188,21 +232,48 @@ void before_attention(Decoder& D, const Layer& L, bool first, int64_t slot, int 
 }
 #endif
 
-PairWeight pair_weight(const at::Tensor& packed, const c10::optional<at::Tensor>& bias, int64_t n, int64_t k,
-                       const char* what) {
-  TORCH_CHECK(k % 2 == 0, "native_decoder_plan: ", what, " has an odd input size ", k);
-  const int64_t panels = (n + kPairCols - 1) / kPairCols, pairs = k / 2;
-  TORCH_CHECK(packed.dim() == 4 && packed.size(0) == panels && packed.size(1) == pairs &&
-                  packed.size(2) == kPairCols && packed.size(3) == 2 && packed.is_contiguous() &&
-                  packed.scalar_type() == at::kBFloat16,
-              "native_decoder_plan: ", what, " must be pair-packed for ", n, " x ", k);
-  PairWeight w;
-  w.w = bits(packed), w.n = n, w.pairs = pairs, w.panels = panels;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->numel() == n, "native_decoder_plan: ", what, "'s bias must have ", n, " values");
-    const at::Tensor values = bias->to(at::kFloat).contiguous();
-    w.bias.assign(panels * kPairCols, 0.f);
-    std::memcpy(w.bias.data(), values.data_ptr<float>(), n * 4);
+// A projection of n outputs and k inputs from its parts: one pair-packed bfloat16 tensor (type -1) or GGUF
+// blocks, uint8 [rows, bytes] of GGML type types[p] (rows adding up to n).
+Projection projection(const at::Tensor* parts, const int64_t* types, int64_t count,
+                      const c10::optional<at::Tensor>& bias, int64_t n, int64_t k, const char* what,
+                      std::vector<at::Tensor>& keep) {
+  Projection w;
+  TORCH_CHECK(count >= 1, "native_decoder_plan: ", what, " has no parts");
+  w.gguf = types[0] >= 0;
+  const bool has_bias = bias.has_value() && bias->defined();
+  TORCH_CHECK(!has_bias || bias->numel() == n, "native_decoder_plan: ", what, "'s bias must have ", n, " values");
+  if (!w.gguf) {
+    TORCH_CHECK(count == 1 && k % 2 == 0, "native_decoder_plan: ", what, " must be one pair-packed tensor of even K");
+    const at::Tensor& packed = parts[0];
+    const int64_t panels = (n + kPairCols - 1) / kPairCols, pairs = k / 2;
+    TORCH_CHECK(packed.dim() == 4 && packed.size(0) == panels && packed.size(1) == pairs &&
+                    packed.size(2) == kPairCols && packed.size(3) == 2 && packed.is_contiguous() &&
+                    packed.scalar_type() == at::kBFloat16,
+                "native_decoder_plan: ", what, " must be pair-packed for ", n, " x ", k);
+    w.pair.w = bits(packed), w.pair.n = n, w.pair.pairs = pairs, w.pair.panels = panels;
+    if (has_bias) {
+      const at::Tensor values = bias->to(at::kFloat).contiguous();
+      w.pair.bias.assign(panels * kPairCols, 0.f);
+      std::memcpy(w.pair.bias.data(), values.data_ptr<float>(), n * 4);
+    }
+    keep.push_back(packed);
+    return w;
+  }
+  GgufWeight& g = w.blocks;
+  g.k = k, g.starts.push_back(0);
+  for (int64_t p = 0; p < count; ++p) {
+    const at::Tensor& part = parts[p];
+    TORCH_CHECK(types[p] >= 0 && part.scalar_type() == at::kByte && part.dim() == 2 && part.is_contiguous(),
+                "native_decoder_plan: ", what, " mixes GGUF blocks with other parts, or a part is not uint8 rows");
+    g.parts.push_back(part.data_ptr<uint8_t>()), g.types.push_back(types[p]);
+    g.starts.push_back(g.starts.back() + part.size(0));
+    keep.push_back(part);
+  }
+  TORCH_CHECK(g.starts.back() == n, "native_decoder_plan: ", what, "'s parts have ", g.starts.back(), " rows, not ", n);
+  if (has_bias) {
+    TORCH_CHECK(bias->scalar_type() == at::kBFloat16 && bias->is_contiguous(), "native_decoder_plan: ", what,
+                "'s bias must be bfloat16");
+    g.bias = bits(*bias), keep.push_back(*bias);
   }
   return w;
 }
@@ -226,10 +297,14 @@ bool native_decoder_available() { return PL_NATIVE_DECODER; }
 
 // dims: hidden, heads, kv_heads, head_dim, intermediate, block_size, items_per_thread, min_partition (the
 // attention backend's partition rule, cpu_attn._partition); floats: eps, rope scaling, softmax scale.
-// Per layer, weights: input norm, post-attention norm, qkv, o, gate_up, down (the last four pair-packed);
-// biases: qkv, o, gate_up, down; head_norms: q, k. kv_caches: [2, kv_heads, blocks, block_size, head_size].
-int64_t native_decoder_plan(const at::Tensor& embed, const at::Tensor& final_norm, const at::Tensor& inv_freq,
-                            at::TensorList weights, const c10::List<c10::optional<at::Tensor>>& biases,
+// embed: bfloat16 [vocab, hidden] (embed_type -1) or GGUF rows of GGML type embed_type. Per layer: norms
+// (input, post-attention), four projections (qkv, o, gate_up, down) whose part_counts[4 * i + j] parts follow
+// one another in `parts` with their `part_types` (-1: one pair-packed bfloat16 tensor; else GGUF blocks),
+// their biases, head_norms (q, k) and kv_caches [2, kv_heads, blocks, block_size, head_size].
+int64_t native_decoder_plan(const at::Tensor& embed, int64_t embed_type, const at::Tensor& final_norm,
+                            const at::Tensor& inv_freq, at::TensorList norms, at::TensorList parts,
+                            at::IntArrayRef part_types, at::IntArrayRef part_counts,
+                            const c10::List<c10::optional<at::Tensor>>& biases,
                             const c10::List<c10::optional<at::Tensor>>& head_norms, at::TensorList kv_caches,
                             at::IntArrayRef dims, at::ArrayRef<double> floats, bool use_amx) {
   TORCH_CHECK(PL_NATIVE_DECODER, "native_decoder_plan: this build has no AVX-512 BF16 path");
@@ -239,28 +314,40 @@ int64_t native_decoder_plan(const at::Tensor& embed, const at::Tensor& final_nor
   D->block_size = dims[5], D->items_per_thread = dims[6], D->min_partition = dims[7];
   D->eps = float(floats[0]), D->rope_scaling = float(floats[1]), D->scale = floats[2], D->amx = use_amx;
   const int64_t layers = kv_caches.size(), H = D->hidden, d = D->head_dim;
-  TORCH_CHECK(layers > 0 && int64_t(weights.size()) == 6 * layers && int64_t(biases.size()) == 4 * layers &&
-                  int64_t(head_norms.size()) == 2 * layers,
-              "native_decoder_plan: per layer 6 weights, 4 biases, 2 head norms and a cache");
+  TORCH_CHECK(layers > 0 && int64_t(norms.size()) == 2 * layers && int64_t(part_counts.size()) == 4 * layers &&
+                  int64_t(biases.size()) == 4 * layers && int64_t(head_norms.size()) == 2 * layers &&
+                  parts.size() == part_types.size(),
+              "native_decoder_plan: per layer 2 norms, 4 projections, 4 biases, 2 head norms and a cache");
   TORCH_CHECK(d % 2 == 0 && D->heads % D->kv_heads == 0, "native_decoder_plan: head sizes");
   TORCH_CHECK(inv_freq.numel() == d / 2 && inv_freq.scalar_type() == at::kFloat,
               "native_decoder_plan: inv_freq must be head_dim / 2 float32 values");
   const at::Tensor freqs = inv_freq.contiguous();
   D->inv_freq.assign(freqs.data_ptr<float>(), freqs.data_ptr<float>() + d / 2);
-  TORCH_CHECK(embed.dim() == 2 && embed.size(1) == H && embed.is_contiguous() && embed.scalar_type() == at::kBFloat16,
-              "native_decoder_plan: the embedding must be a contiguous bfloat16 [vocab, ", H, "]");
-  D->embed = bits(embed), D->final_norm = vector_of(final_norm, H, "the final norm");
+  TORCH_CHECK(embed.dim() == 2 && embed.is_contiguous() &&
+                  (embed_type < 0 ? embed.scalar_type() == at::kBFloat16 && embed.size(1) == H
+                                  : embed.scalar_type() == at::kByte),
+              "native_decoder_plan: the embedding must be bfloat16 [vocab, ", H, "] or GGUF rows");
+  D->embed = static_cast<const uint8_t*>(embed.data_ptr()), D->embed_type = embed_type, D->vocab = embed.size(0);
+  D->embed_row_bytes = embed.size(1) * embed.element_size();
+  D->final_norm = vector_of(final_norm, H, "the final norm");
   D->keep = {embed, final_norm};
   const int64_t qkv_n = (D->heads + 2 * D->kv_heads) * d;
+  const int64_t outs[4] = {qkv_n, H, 2 * D->inter, H}, ins[4] = {H, D->heads * d, H, D->inter};
+  const char* names[4] = {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"};
+  int64_t next = 0;
   for (int64_t i = 0; i < layers; ++i) {
     Layer L;
-    const at::Tensor* w = weights.data() + 6 * i;
-    L.in_norm = vector_of(w[0], H, "an input norm"), L.post_norm = vector_of(w[1], H, "a post-attention norm");
-    L.qkv = pair_weight(w[2], biases.get(4 * i), qkv_n, H, "qkv_proj");
-    L.o = pair_weight(w[3], biases.get(4 * i + 1), H, D->heads * d, "o_proj");
-    L.gate_up = pair_weight(w[4], biases.get(4 * i + 2), 2 * D->inter, H, "gate_up_proj");
-    L.down = pair_weight(w[5], biases.get(4 * i + 3), H, D->inter, "down_proj");
-    for (int j = 0; j < 6; ++j) D->keep.push_back(w[j]);
+    L.in_norm = vector_of(norms[2 * i], H, "an input norm");
+    L.post_norm = vector_of(norms[2 * i + 1], H, "a post-attention norm");
+    D->keep.push_back(norms[2 * i]), D->keep.push_back(norms[2 * i + 1]);
+    Projection* projections[4] = {&L.qkv, &L.o, &L.gate_up, &L.down};
+    for (int j = 0; j < 4; ++j) {
+      const int64_t count = part_counts[4 * i + j];
+      TORCH_CHECK(count >= 1 && next + count <= int64_t(parts.size()), "native_decoder_plan: part counts");
+      *projections[j] = projection(parts.data() + next, part_types.data() + next, count, biases.get(4 * i + j),
+                                   outs[j], ins[j], names[j], D->keep);
+      next += count;
+    }
     const c10::optional<at::Tensor> qn = head_norms.get(2 * i), kn = head_norms.get(2 * i + 1);
     TORCH_CHECK(qn.has_value() == kn.has_value(), "native_decoder_plan: q and k norms come together");
     if (qn.has_value()) {
@@ -275,13 +362,15 @@ int64_t native_decoder_plan(const at::Tensor& embed, const at::Tensor& final_nor
     L.k_cache = cache[0], L.v_cache = cache[1];
     D->layers.push_back(std::move(L));
   }
+  TORCH_CHECK(next == int64_t(parts.size()), "native_decoder_plan: parts left over");
   D->h.resize(H), D->residual.resize(H), D->normed.resize(H), D->qkv.resize(qkv_n);
   D->gate_up.resize(2 * D->inter), D->act.resize(D->inter), D->cos.resize(d / 2), D->sin.resize(d / 2);
-  D->q = embed.new_empty({1, D->heads, d});
-  D->attn = embed.new_empty({1, D->heads, d});
-  const auto ints = embed.options().dtype(at::kInt);
-  D->seq_lens = embed.new_empty({1}, ints), D->query_start = embed.new_empty({2}, ints);
-  D->reqs = embed.new_empty({1}, ints);
+  D->xq.reset(gguf_row_new());
+  const auto bf16 = final_norm.options().dtype(at::kBFloat16), ints = final_norm.options().dtype(at::kInt);
+  D->q = final_norm.new_empty({1, D->heads, d}, bf16);
+  D->attn = final_norm.new_empty({1, D->heads, d}, bf16);
+  D->seq_lens = final_norm.new_empty({1}, ints), D->query_start = final_norm.new_empty({2}, ints);
+  D->reqs = final_norm.new_empty({1}, ints);
   D->query_start.data_ptr<int32_t>()[0] = 0, D->query_start.data_ptr<int32_t>()[1] = 1;
   D->reqs.data_ptr<int32_t>()[0] = 0;
   std::lock_guard<std::mutex> guard(decoders_lock);
@@ -304,7 +393,7 @@ void native_decoder_step(int64_t handle, at::Tensor out, int64_t token, int64_t 
   TORCH_CHECK(block_table.scalar_type() == at::kInt && block_table.is_contiguous() &&
                   block_table.numel() * D.block_size > position && slot >= 0,
               "native_decoder_step: an int32 block table covering position ", position, " and a slot");
-  TORCH_CHECK(token >= 0 && token < D.keep[0].size(0), "native_decoder_step: token id ", token, " out of range");
+  TORCH_CHECK(token >= 0 && token < D.vocab, "native_decoder_step: token id ", token, " out of range");
 #if PL_NATIVE_DECODER
   const int64_t seq_len = position + 1, d = D.head_dim;
   D.seq_lens.data_ptr<int32_t>()[0] = int32_t(seq_len);
@@ -317,10 +406,15 @@ void native_decoder_step(int64_t handle, at::Tensor out, int64_t token, int64_t 
     const float f = float(position) * D.inv_freq[j];
     D.cos[j] = bf(rb(std::cos(f) * D.rope_scaling)), D.sin[j] = bf(rb(std::sin(f) * D.rope_scaling));
   }
-  std::memcpy(D.h.data(), D.embed + token * D.hidden, D.hidden * 2);
+  const uint8_t* row = D.embed + token * D.embed_row_bytes;
+  if (D.embed_type < 0)
+    std::memcpy(D.h.data(), row, D.hidden * 2);
+  else
+    gguf_bf16_row(D.embed_type, row, D.hidden, D.h.data());
   const at::Tensor table = block_table.reshape({1, -1});
   const int64_t n = D.layers.size();
   for (int64_t i = 0; i < n; ++i) {
+    if (i > 0) prepare(D, D.layers[i - 1].o, bits(D.attn), D.heads * d);
     region([&](int t, int T) {
       if (i > 0) after_attention(D, D.layers[i - 1], t, T);
       before_attention(D, D.layers[i], i == 0, slot, t, T);
@@ -330,6 +424,7 @@ void native_decoder_step(int64_t handle, at::Tensor out, int64_t token, int64_t 
                     0, partition, D.amx, 0.0, c10::nullopt, false);
   }
   auto* y = reinterpret_cast<uint16_t*>(out.data_ptr());
+  prepare(D, D.layers[n - 1].o, bits(D.attn), D.heads * d);
   region([&](int t, int T) {
     after_attention(D, D.layers[n - 1], t, T);
     if (t == 0) add_and_norm(D.h.data(), D.residual.data(), false, D.final_norm, D.hidden, D.eps, y);

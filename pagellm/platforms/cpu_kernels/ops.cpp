@@ -146,8 +146,9 @@ TORCH_LIBRARY(TORCH_EXTENSION_NAME, m) {
   m.def("gguf_interleave(Tensor raw, int type) -> Tensor", TORCH_FN(gguf_interleave));
   m.def("fused_moe_isa() -> str", TORCH_FN(fused_moe_isa));
   m.def("native_decoder_available() -> bool", TORCH_FN(native_decoder_available));
-  m.def("native_decoder_plan(Tensor embed, Tensor final_norm, Tensor inv_freq, Tensor[] weights, Tensor?[] biases, "
-        "Tensor?[] head_norms, Tensor[] kv_caches, int[] dims, float[] floats, bool use_amx) -> int",
+  m.def("native_decoder_plan(Tensor embed, int embed_type, Tensor final_norm, Tensor inv_freq, Tensor[] norms, "
+        "Tensor[] parts, int[] part_types, int[] part_counts, Tensor?[] biases, Tensor?[] head_norms, "
+        "Tensor[] kv_caches, int[] dims, float[] floats, bool use_amx) -> int",
         TORCH_FN(native_decoder_plan));
   m.def("native_decoder_step(int handle, Tensor(a!) out, int token, int position, int slot, Tensor block_table) -> ()",
         TORCH_FN(native_decoder_step));
