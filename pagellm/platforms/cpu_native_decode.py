@@ -1,9 +1,10 @@
 """The CPU platform's native decode step (`Platform.native_decode_step`): one request's decode token through
 a dense Llama decoder in one call of `cpu_kernels/native_decoder.cpp`.
 
-It applies where every piece of the step has a kernel that call can run, on a CPU with AVX-512 BF16: the
-decoder's linears either packed for the pair kernel (bfloat16 on a CPU without AMX: AMD Zen 4 and 5) or
-GGUF blocks on the GGUF kernels (`QuantMethod.native_blocks`), the token embedding bfloat16 or GGUF rows,
+It applies where every piece of the step has a kernel that call can run: the decoder's linears either GGUF
+blocks on the GGUF kernels (`QuantMethod.native_blocks`; any CPU the kernels build for) or packed for the
+pair kernel (bfloat16 on a CPU with AVX-512 BF16 and no AMX: AMD Zen 4 and 5), the token embedding bfloat16
+or GGUF rows,
 bfloat16 activations and KV cache read by CPU_ATTN's kernel, a SiLU-gated MLP, attention without a sliding
 window, soft cap, sinks or batch invariance. Anything else keeps the model's forward, and start-up says
 which part stopped it.
@@ -42,8 +43,8 @@ def native_decode_step(
     model: DenseDecoder, kv_caches: list[torch.Tensor], attention: list[Any], block_size: int
 ) -> tuple[CpuNativeDecodeStep | None, str]:
     kernels = cpu_kernels.loaded()
-    if kernels is None or not kernels.native_decoder_available():
-        return None, "the CPU kernels have no native decode step here (they need AVX-512 BF16)"
+    if kernels is None:
+        return None, "the CPU kernels are not loaded here"
     why = _unsupported(model, kv_caches, attention)
     if why is not None:
         return None, why
@@ -100,7 +101,10 @@ def _unsupported(model: DenseDecoder, kv_caches: list[torch.Tensor], attention: 
         p for layer in model.layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)
     ]
     if not all(p.blocks is not None or isinstance(p.matmul, cpu_linear.PairLinear) for p in projections):
-        return "its linears are not on the AVX-512 BF16 pair kernel (a CPU with AMX or without AVX-512 BF16)"
+        return (
+            "its bfloat16 linears are not on the AVX-512 BF16 pair kernel (a CPU with AMX or without "
+            "AVX-512 BF16)"
+        )
     if any(
         p.blocks is not None and p.bias is not None and p.bias.dtype != torch.bfloat16 for p in projections
     ):

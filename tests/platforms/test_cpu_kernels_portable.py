@@ -1,6 +1,7 @@
-"""The kernels' plain C++ paths (what a CPU without AVX2 runs) pass the GGUF kernel tests (linears and
-experts): the library built with PAGELLM_CPU_KERNELS_ARCH=x86-64, in a process of its own (one build of
-the kernels: slow)."""
+"""The kernels' plain C++ paths (what a CPU without AVX2 runs) and their AVX2 paths (what AMD Zen 2/3 and
+older Intel CPUs run) pass the GGUF kernel tests (linears and experts) and the native decode step's GGUF
+tests: the library built with PAGELLM_CPU_KERNELS_ARCH=x86-64 or haswell, in a process of its own (one
+build of the kernels each: slow)."""
 
 from __future__ import annotations
 
@@ -15,16 +16,17 @@ HERE = Path(__file__).parent
 
 
 @pytest.mark.slow
-def test_gguf_kernels_without_avx2(tmp_path):
-    env = {**os.environ, "PAGELLM_CPU_KERNELS_ARCH": "x86-64", "PAGELLM_CACHE_DIR": str(tmp_path)}
-    isa = subprocess.run(
+@pytest.mark.parametrize("arch, isa", [("x86-64", "scalar"), ("haswell", "avx2")])
+def test_gguf_kernels_on_a_portable_build(tmp_path, arch, isa):
+    env = {**os.environ, "PAGELLM_CPU_KERNELS_ARCH": arch, "PAGELLM_CACHE_DIR": str(tmp_path)}
+    built = subprocess.run(
         [sys.executable, "-c", "from pagellm.platforms import cpu_kernels; print(cpu_kernels.load().isa())"],
         env=env,
         capture_output=True,
         text=True,
         check=True,
     )
-    assert isa.stdout.strip() == "scalar"
+    assert built.stdout.strip() == isa
     run = subprocess.run(
         [
             sys.executable,
@@ -37,6 +39,7 @@ def test_gguf_kernels_without_avx2(tmp_path):
             "no:cacheprovider",
             str(HERE / "test_cpu_gguf.py"),
             str(HERE / "test_cpu_gguf_moe.py"),
+            str(HERE.parent / "worker" / "test_native_decode.py"),
         ],
         env=env,
         capture_output=True,

@@ -1,9 +1,9 @@
 """The native decode step (`Platform.native_decode_step`; on CPU platforms/cpu_kernels/native_decoder.cpp):
 a step that is one request's one token runs in one native call, and gives the hidden state the model's
-forward gives, so greedy tokens are the same with it on or off; with bfloat16 weights and with GGUF blocks
-(K-quants, the interleaved Q4_0/Q8_0 rows, a GGUF token embedding). Where this CPU has no such step (no
-AVX-512 BF16; for bfloat16 weights also AMX, whose linears take another kernel) the tests that run it skip
-and say why."""
+forward gives, so greedy tokens are the same with it on or off; with GGUF blocks (K-quants, the interleaved
+Q4_0/Q8_0 rows, a GGUF token embedding) on any CPU the kernels build for, and with bfloat16 weights where
+they are on the pair kernel (AVX-512 BF16 without AMX; elsewhere those tests skip and say why). Its
+portable build (plain C++, AVX2) is checked under -m slow (`test_cpu_kernels_portable.py`)."""
 
 from __future__ import annotations
 
@@ -31,18 +31,17 @@ GREEDY = dict(temperature=0, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def native_gguf_here():
-    kernels = cpu_kernels.load()
-    if kernels is None:
+    """GGUF blocks: wherever the kernels build (AVX2, AVX-512, AMX, plain C++)."""
+    if cpu_kernels.load() is None:
         pytest.skip(f"no native kernels here: {cpu_kernels.why_unavailable()}")
-    if not kernels.native_decoder_available():
-        pytest.skip("this CPU has no AVX-512 BF16: no native decode step")
 
 
 @pytest.fixture(scope="module")
 def native_here(native_gguf_here):
-    if cpu._amx_kernels() is not None:
+    """bfloat16 weights: where they are on the pair kernel (AVX-512 BF16 without AMX)."""
+    if cpu._bf16_pair_kernels() is None or cpu._amx_kernels() is not None:
         pytest.skip(
-            "this CPU has AMX: its bfloat16 linears take the AMX kernel, which the native step does not run"
+            "bfloat16 linears take another kernel than the pair kernel here (no AVX-512 BF16, or AMX)"
         )
 
 
@@ -74,8 +73,12 @@ def gguf_checkpoint(tmp_path_factory):
 
 
 def _engine(model_dir, **kw) -> LLM:
+    """CPU_ATTN named, as the step runs its kernel: the automatic choice times the backends, and on a build
+    without AVX2 may pick another."""
     kw.setdefault("dtype", "bfloat16")
-    return LLM(model=str(model_dir), enforce_eager=True, max_model_len=512, **kw)
+    return LLM(
+        model=str(model_dir), enforce_eager=True, max_model_len=512, attention_backend="CPU_ATTN", **kw
+    )
 
 
 def _watch(llm: LLM) -> list[float]:

@@ -88,7 +88,7 @@ OPS = (
     "gated_delta_rule_update",
     "selective_state_update",
     "conv1d_update",
-    "native_decoder_available",
+    "native_decoder_pairs",
     "native_decoder_plan",
     "native_decoder_step",
     "native_decoder_drop",

@@ -90,7 +90,8 @@ int64_t native_decoder_plan(const at::Tensor& embed, int64_t embed_type, const a
 void native_decoder_step(int64_t handle, at::Tensor out, int64_t token, int64_t position, int64_t slot,
                          const at::Tensor& block_table);
 void native_decoder_drop(int64_t handle);
-bool native_decoder_available();
+// Whether pair-packed bfloat16 projections run here (a build with AVX-512 BF16); GGUF ones run in any.
+bool native_decoder_pairs();
 
 // recurrent.cpp
 at::Tensor gated_delta_rule_update(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,

@@ -1,8 +1,8 @@
 // One user's decode step of a dense Llama-shaped model (Llama, Mistral, SmolLM2, Qwen2, Qwen3) in one
-// native call, on CPUs with AVX-512 BF16 (AMD Zen 4 and 5, Intel Sapphire Rapids and later), its linears
-// either bfloat16 on the pair kernel (linear_bf16_pairs.cpp; CPUs without AMX) or GGUF blocks on
-// gguf_linear.cpp's one-row products (x quantized once per linear, the rows split as gguf_linear splits
-// them, so the same bits).
+// native call, its linears either GGUF blocks on gguf_linear.cpp's one-row products (any build: AVX2,
+// AVX-512, AMX or plain C++; x quantized once per linear, the rows split as gguf_linear splits them, so
+// the same bits) or bfloat16 on the pair kernel (linear_bf16_pairs.cpp: builds with AVX-512 BF16, which
+// CPUs without AMX use for bfloat16 linears: AMD Zen 4 and 5).
 //
 // Why: at one token a step reads the weights once (~8 ms for model S at ~35 GB/s on a 2-core Zen 4) and
 // everything around those reads is serial. The compiled graph spent ~2 ms of model S's ~11.5 ms step
@@ -37,9 +37,9 @@
 #include "panels.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
-#define PL_NATIVE_DECODER 1
+#define PL_NATIVE_PAIRS 1  // bf16_pair_row_run is in this build (linear_bf16_pairs.cpp)
 #else
-#define PL_NATIVE_DECODER 0
+#define PL_NATIVE_PAIRS 0
 #endif
 
 namespace {
@@ -149,7 +149,6 @@ void rotate(uint16_t* x, const float* cos, const float* sin, int64_t half) {
   }
 }
 
-#if PL_NATIVE_DECODER
 // thread t of T's rows of y = x @ W^T (+ bias): a pair-packed weight's run of panels (as parallel_runs splits
 // them), a GGUF weight's rows (as gguf_linear splits them) from x quantized beforehand into `xq`
 inline void linear(const Projection& w, const uint16_t* x, const GgufRow* xq, uint16_t* y, int t, int T) {
@@ -158,8 +157,10 @@ inline void linear(const Projection& w, const uint16_t* x, const GgufRow* xq, ui
     gguf_row_share(xq, g.parts.data(), g.types.data(), g.starts.data(), g.parts.size(), g.k, g.bias, y, t, T);
     return;
   }
+#if PL_NATIVE_PAIRS
   const PairWeight& p = w.pair;
   bf16_pair_row_run(x, p.w, p.pairs, p.b(), p.n, y, p.panels * t / T, p.panels * (t + 1) / T);
+#endif
 }
 
 // x quantized for `w` where it is GGUF (by one thread, before the barrier that precedes the linear)
@@ -230,7 +231,6 @@ void before_attention(Decoder& D, const Layer& L, bool first, int64_t slot, int 
     std::memcpy(vc + row, v + g * d, d * 2);
   }
 }
-#endif
 
 // A projection of n outputs and k inputs from its parts: one pair-packed bfloat16 tensor (type -1) or GGUF
 // blocks, uint8 [rows, bytes] of GGML type types[p] (rows adding up to n).
@@ -243,6 +243,7 @@ Projection projection(const at::Tensor* parts, const int64_t* types, int64_t cou
   const bool has_bias = bias.has_value() && bias->defined();
   TORCH_CHECK(!has_bias || bias->numel() == n, "native_decoder_plan: ", what, "'s bias must have ", n, " values");
   if (!w.gguf) {
+    TORCH_CHECK(PL_NATIVE_PAIRS, "native_decoder_plan: ", what, " is pair-packed, but this build has no AVX-512 BF16");
     TORCH_CHECK(count == 1 && k % 2 == 0, "native_decoder_plan: ", what, " must be one pair-packed tensor of even K");
     const at::Tensor& packed = parts[0];
     const int64_t panels = (n + kPairCols - 1) / kPairCols, pairs = k / 2;
@@ -293,7 +294,7 @@ Decoder& decoder(int64_t handle) {
 
 }  // namespace
 
-bool native_decoder_available() { return PL_NATIVE_DECODER; }
+bool native_decoder_pairs() { return PL_NATIVE_PAIRS; }
 
 // dims: hidden, heads, kv_heads, head_dim, intermediate, block_size, items_per_thread, min_partition (the
 // attention backend's partition rule, cpu_attn._partition); floats: eps, rope scaling, softmax scale.
@@ -307,7 +308,6 @@ int64_t native_decoder_plan(const at::Tensor& embed, int64_t embed_type, const a
                             const c10::List<c10::optional<at::Tensor>>& biases,
                             const c10::List<c10::optional<at::Tensor>>& head_norms, at::TensorList kv_caches,
                             at::IntArrayRef dims, at::ArrayRef<double> floats, bool use_amx) {
-  TORCH_CHECK(PL_NATIVE_DECODER, "native_decoder_plan: this build has no AVX-512 BF16 path");
   TORCH_CHECK(dims.size() == 8 && floats.size() == 3, "native_decoder_plan: 8 sizes and 3 floats");
   auto D = std::make_unique<Decoder>();
   D->hidden = dims[0], D->heads = dims[1], D->kv_heads = dims[2], D->head_dim = dims[3], D->inter = dims[4];
@@ -394,7 +394,6 @@ void native_decoder_step(int64_t handle, at::Tensor out, int64_t token, int64_t 
                   block_table.numel() * D.block_size > position && slot >= 0,
               "native_decoder_step: an int32 block table covering position ", position, " and a slot");
   TORCH_CHECK(token >= 0 && token < D.vocab, "native_decoder_step: token id ", token, " out of range");
-#if PL_NATIVE_DECODER
   const int64_t seq_len = position + 1, d = D.head_dim;
   D.seq_lens.data_ptr<int32_t>()[0] = int32_t(seq_len);
   // the attention backend's partition (cpu_attn._partition) for one request
@@ -429,5 +428,4 @@ void native_decoder_step(int64_t handle, at::Tensor out, int64_t token, int64_t 
     after_attention(D, D.layers[n - 1], t, T);
     if (t == 0) add_and_norm(D.h.data(), D.residual.data(), false, D.final_norm, D.hidden, D.eps, y);
   });
-#endif
 }
