@@ -7,14 +7,15 @@ made of (`CausalLM.dense_decoder`), in these plain terms, so neither imports the
 
 The shape described is the Llama decoder: embedding, then per layer h + attention(rms_norm(h)) and
 h + down(act(gate) * up)(rms_norm(h)) with the residual stream kept apart (`RMSNorm.add_and_norm`),
-neox rotary over whole heads, optional per-head q/k RMSNorm (Qwen3), optional biases, a final RMSNorm.
+neox rotary over whole heads, optional per-head q/k RMSNorm (Qwen3), optional biases, a final RMSNorm;
+or routed experts in place of a layer's MLP (Qwen3-MoE).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -35,15 +36,28 @@ class Projection:
 
 
 @dataclass
+class Experts:
+    """A layer's routed experts in place of its MLP (Qwen3-MoE): the router's logits, softmax over the
+    experts in float32, the `top_k` best, divided by their sum where `renormalize`; then the experts as
+    the platform packed them (`PackedMoE.run`, which the platform recognises as its own)."""
+
+    router: Projection
+    top_k: int
+    renormalize: bool
+    kernel: Any
+
+
+@dataclass
 class DenseLayer:
     input_norm: torch.Tensor
     post_attention_norm: torch.Tensor
     qkv: Projection  # q, k, v heads in that order
     o: Projection
-    gate_up: Projection  # gate, then up
-    down: Projection
+    gate_up: Projection | None  # gate, then up; None where `experts` replace the MLP
+    down: Projection | None
     q_norm: torch.Tensor | None = None
     k_norm: torch.Tensor | None = None
+    experts: Experts | None = None
 
 
 @dataclass
@@ -57,7 +71,7 @@ class DenseDecoder:
     num_heads: int
     num_kv_heads: int
     head_size: int
-    intermediate_size: int
+    intermediate_size: int  # the dense MLPs' (0 where every layer has experts)
     activation: str  # the gated MLP's (the config's hidden_act)
     layers: Sequence[DenseLayer]
     embedding_type: int | None = None  # the GGML type of a GGUF embedding's rows

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from pagellm.core.attention import AttentionSpec
-from pagellm.core.native_decode import DenseDecoder, DenseLayer, Projection
+from pagellm.core.native_decode import DenseDecoder, DenseLayer, Experts, Projection
 from pagellm.distributed import Group
 from pagellm.models.base import CausalLM, ModelInit, head_size, rank_heads, stage_layers
 from pagellm.models.layers.activation import GatedActivation
@@ -282,68 +282,11 @@ class LlamaForCausalLM(CausalLM):
         return self.tp.all_gather(logits, dim=-1)[:, : self.vocab_size]  # each rank's rows of the vocab
 
     def dense_decoder(self) -> DenseDecoder | str:
-        """The plain decoder of Llama, Mistral, SmolLM2, Qwen2 and Qwen3, unsplit and unquantized, with one
-        rotary embedding over whole heads that does not depend on the sequence's length; subclasses that
-        change a part (other families) are not it."""
+        """The plain decoder of Llama, Mistral, SmolLM2, Qwen2 and Qwen3 (`describe_decoder`); subclasses
+        that change a part (other families) are not it."""
         if type(self) not in PLAIN_DECODERS:
             return f"{type(self).__name__} changes the Llama decoder"
-        m = self.model
-        if self.tp.size > 1 or m.pp.size > 1:
-            return "the model is split across ranks"
-        rope = m.rotary_emb
-        if type(rope) is not RotaryEmbedding or rope.by_length or hasattr(rope, "mrope_axes"):
-            return "its rotary embedding depends on the sequence's length or has several axes"
-        attn0 = m.layers[0].self_attn
-        if rope.rotary_dim != attn0.head_dim or rope.inv_freq.dim() != 1 or any(m.layer_rope):
-            return "its rotary embedding covers part of each head or differs between layers"
-        embed = m.embed_tokens
-        if (embed.lookup is not None and embed.block_type is None) or embed.group is not None:
-            return "its token embedding is packed or split"
-        layers = []
-        for layer in m.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            if (
-                type(layer) is not LlamaDecoderLayer
-                or type(attn) is not LlamaAttention
-                or type(mlp) is not LlamaMLP
-            ):
-                return "a layer differs from the Llama decoder's"
-            norms = [layer.input_layernorm, layer.post_attention_layernorm, m.norm]
-            norms += [attn.q_norm, attn.k_norm] if attn.q_norm is not None else []
-            if any(type(n) is not RMSNorm or n.eps != m.norm.eps for n in norms):
-                return "its norms differ from RMSNorm's"
-            linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-            if any(x.lora is not None or x.reduce is not None for x in linears):
-                return "its linear layers carry LoRA or are split"
-            if any(x.quant_method is not None and x.quant_method.native_blocks(x) is None for x in linears):
-                return "its linear layers are quantized in a format no native kernel reads in place"
-            q_norm = attn.q_norm.weight if attn.q_norm is not None else None
-            k_norm = attn.k_norm.weight if attn.k_norm is not None else None
-            layers.append(
-                DenseLayer(
-                    layer.input_layernorm.weight,
-                    layer.post_attention_layernorm.weight,
-                    *(_projection(x) for x in linears),
-                    q_norm=q_norm,
-                    k_norm=k_norm,
-                )
-            )
-        return DenseDecoder(
-            embedding=embed.packed_table if embed.lookup is not None else embed.weight,
-            embedding_type=embed.block_type if embed.lookup is not None else None,
-            dtype=m.dtype,
-            final_norm=m.norm.weight,
-            inv_freq=rope.inv_freq,
-            rope_scaling=rope.scaling,
-            eps=m.norm.eps,
-            hidden_size=m.hidden_size,
-            num_heads=attn0.num_heads,
-            num_kv_heads=attn0.num_kv_heads,
-            head_size=attn0.head_dim,
-            intermediate_size=m.layers[0].mlp.gate_up_proj.out_features // 2,
-            activation=self.hidden_act,
-            layers=layers,
-        )
+        return describe_decoder(self)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         return copy_weights(self, weights, STACKED, self._adapt)
@@ -382,7 +325,89 @@ PLAIN_DECODERS = (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3F
 """The classes whose model is exactly the decoder above (`LlamaForCausalLM.dense_decoder`)."""
 
 
-def _projection(linear: Linear) -> Projection:
+ExpertsOf = Callable[[nn.Module], Experts | str]
+"""A family's reader of a layer's expert block (`Experts`, or why the step cannot run it)."""
+
+
+def describe_decoder(lm: LlamaForCausalLM, experts_of: ExpertsOf | None = None) -> DenseDecoder | str:
+    """`lm` as a `DenseDecoder` (core/native_decode.py): unsplit, one rotary embedding over whole heads that
+    does not depend on the sequence's length, RMSNorms, linears plain, packed or in blocks a native kernel
+    reads in place; a layer's MLP a `LlamaMLP` or, with `experts_of`, what it reads (Qwen3-MoE)."""
+    m = lm.model
+    if lm.tp.size > 1 or m.pp.size > 1:
+        return "the model is split across ranks"
+    rope = m.rotary_emb
+    if type(rope) is not RotaryEmbedding or rope.by_length or hasattr(rope, "mrope_axes"):
+        return "its rotary embedding depends on the sequence's length or has several axes"
+    attn0 = m.layers[0].self_attn
+    if rope.rotary_dim != attn0.head_dim or rope.inv_freq.dim() != 1 or any(m.layer_rope):
+        return "its rotary embedding covers part of each head or differs between layers"
+    embed = m.embed_tokens
+    if (embed.lookup is not None and embed.block_type is None) or embed.group is not None:
+        return "its token embedding is packed or split"
+    layers = []
+    for layer in m.layers:
+        described = _describe_layer(layer, m.norm.eps, experts_of)
+        if isinstance(described, str):
+            return described
+        layers.append(described)
+    dense = [layer.mlp for layer in m.layers if type(layer.mlp) is LlamaMLP]
+    return DenseDecoder(
+        embedding=embed.packed_table if embed.lookup is not None else embed.weight,
+        embedding_type=embed.block_type if embed.lookup is not None else None,
+        dtype=m.dtype,
+        final_norm=m.norm.weight,
+        inv_freq=rope.inv_freq,
+        rope_scaling=rope.scaling,
+        eps=m.norm.eps,
+        hidden_size=m.hidden_size,
+        num_heads=attn0.num_heads,
+        num_kv_heads=attn0.num_kv_heads,
+        head_size=attn0.head_dim,
+        intermediate_size=dense[0].gate_up_proj.out_features // 2 if dense else 0,
+        activation=lm.hidden_act,
+        layers=layers,
+    )
+
+
+def _describe_layer(layer: nn.Module, eps: float, experts_of: ExpertsOf | None) -> DenseLayer | str:
+    attn, mlp = layer.self_attn, layer.mlp
+    if not isinstance(layer, LlamaDecoderLayer) or type(attn) is not LlamaAttention:
+        return "a layer differs from the Llama decoder's"
+    experts = None
+    if type(mlp) is not LlamaMLP:
+        experts = experts_of(mlp) if experts_of is not None else "a layer's MLP differs from Llama's"
+        if isinstance(experts, str):
+            return experts
+    norms = [layer.input_layernorm, layer.post_attention_layernorm]
+    norms += [attn.q_norm, attn.k_norm] if attn.q_norm is not None else []
+    if any(type(n) is not RMSNorm or n.eps != eps for n in norms):
+        return "its norms differ from RMSNorm's"
+    linears = [attn.qkv_proj, attn.o_proj]
+    linears += [mlp.gate_up_proj, mlp.down_proj] if experts is None else [mlp.gate]
+    if any(x.lora is not None or x.reduce is not None for x in linears):
+        return "its linear layers carry LoRA or are split"
+    if any(x.quant_method is not None and x.quant_method.native_blocks(x) is None for x in linears):
+        return "its linear layers are quantized in a format no native kernel reads in place"
+    mlps = (
+        (None, None)
+        if experts is not None
+        else (projection_of(mlp.gate_up_proj), projection_of(mlp.down_proj))
+    )
+    return DenseLayer(
+        layer.input_layernorm.weight,
+        layer.post_attention_layernorm.weight,
+        projection_of(attn.qkv_proj),
+        projection_of(attn.o_proj),
+        *mlps,
+        q_norm=attn.q_norm.weight if attn.q_norm is not None else None,
+        k_norm=attn.k_norm.weight if attn.k_norm is not None else None,
+        experts=experts,
+    )
+
+
+def projection_of(linear: Linear) -> Projection:
+    """The linear layer as loaded, for a `DenseDecoder`."""
     if linear.quant_method is not None:
         blocks = linear.quant_method.native_blocks(linear)
         return Projection(None, None, linear.bias, linear.out_features, linear.in_features, blocks)

@@ -5,7 +5,8 @@ It applies where every piece of the step has a kernel that call can run: the dec
 blocks on the GGUF kernels (`QuantMethod.native_blocks`; any CPU the kernels build for) or packed for the
 pair kernel (bfloat16 on a CPU with AVX-512 BF16 and no AMX: AMD Zen 4 and 5), the token embedding bfloat16
 or GGUF rows,
-bfloat16 activations and KV cache read by CPU_ATTN's kernel, a SiLU-gated MLP, attention without a sliding
+bfloat16 activations and KV cache read by CPU_ATTN's kernel, a SiLU-gated MLP or routed experts on the
+GGUF or fused-MoE kernel (Qwen3-MoE: softmax routing, no bias), attention without a sliding
 window, soft cap, sinks or batch invariance. Anything else keeps the model's forward, and start-up says
 which part stopped it.
 """
@@ -19,8 +20,10 @@ import numpy as np
 import torch
 
 from pagellm.attention_backends.cpu_attn import KERNEL_ITEMS_PER_THREAD, MIN_PARTITION, CpuAttnBackend
-from pagellm.core.native_decode import DenseDecoder, Projection
+from pagellm.core.native_decode import DenseDecoder, DenseLayer, Experts, Projection
 from pagellm.platforms import cpu_kernels, cpu_linear
+from pagellm.platforms.cpu_gguf_moe import GgufExperts
+from pagellm.platforms.cpu_moe import CpuFusedMoE
 
 
 class CpuNativeDecodeStep:
@@ -49,15 +52,20 @@ def native_decode_step(
     if why is not None:
         return None, why
     norms, parts, part_types, part_counts, biases, head_norms = [], [], [], [], [], []
+    moe, experts, expert_types = [], [], []
     for layer in model.layers:
         norms += [layer.input_norm, layer.post_attention_norm]
-        for p in (layer.qkv, layer.o, layer.gate_up, layer.down):
-            blocks = p.blocks if p.blocks is not None else [(p.weight, -1)]
+        for p in _projections(layer, with_empty=True):
+            blocks = [] if p is None else p.blocks if p.blocks is not None else [(p.weight, -1)]
             parts += [tensor for tensor, _ in blocks]
             part_types += [type_id for _, type_id in blocks]
             part_counts.append(len(blocks))
-            biases.append(p.bias)
+            biases.append(None if p is None else p.bias)
         head_norms += [layer.q_norm, layer.k_norm]
+        tensors, types, sizes = _experts(layer.experts)
+        moe += sizes
+        experts += tensors
+        expert_types += types
     spec = attention[0].impl.spec
     dims = [
         model.hidden_size,
@@ -82,6 +90,9 @@ def native_decode_step(
         biases,
         head_norms,
         kv_caches,
+        moe,
+        experts,
+        expert_types,
         dims,
         floats,
         attention[0].impl.use_amx,
@@ -97,9 +108,7 @@ def _unsupported(model: DenseDecoder, kv_caches: list[torch.Tensor], attention: 
         return f"the model's dtype is {model.dtype}, not bfloat16"
     if model.embedding_type is None and model.embedding.dtype != torch.bfloat16:
         return "its token embedding is neither bfloat16 nor GGUF blocks"
-    projections: list[Projection] = [
-        p for layer in model.layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)
-    ]
+    projections: list[Projection] = [p for layer in model.layers for p in _projections(layer)]
     if not all(p.blocks is not None or isinstance(p.matmul, cpu_linear.PairLinear) for p in projections):
         return (
             "its bfloat16 linears are not on the AVX-512 BF16 pair kernel (a CPU with AMX or without "
@@ -109,6 +118,9 @@ def _unsupported(model: DenseDecoder, kv_caches: list[torch.Tensor], attention: 
         p.blocks is not None and p.bias is not None and p.bias.dtype != torch.bfloat16 for p in projections
     ):
         return "a GGUF linear's bias is not bfloat16"
+    why = next(filter(None, (_experts_unsupported(layer.experts) for layer in model.layers)), None)
+    if why is not None:
+        return why
     if len(attention) != len(model.layers) or len(kv_caches) != len(model.layers):
         return "its attention layers and KV caches do not match its decoder layers"
     scales = set()
@@ -126,3 +138,37 @@ def _unsupported(model: DenseDecoder, kv_caches: list[torch.Tensor], attention: 
     if len(scales) != 1:
         return "its layers' attention scales differ"
     return None
+
+
+def _experts_unsupported(experts: Experts | None) -> str | None:
+    """Why the step cannot run these experts (it calls the GGUF or the fused-MoE kernel: SiLU, no biases,
+    bfloat16 experts on the latter), or None."""
+    kernel = experts.kernel if experts is not None else None
+    if kernel is None:
+        return None
+    if isinstance(kernel, GgufExperts):
+        plain = kernel.activation == "silu" and all(b is None for b in kernel.biases)
+    elif isinstance(kernel, CpuFusedMoE):
+        plain = kernel.activation == "silu" and kernel.w13_scale is None and kernel.w13_bias is None
+    else:
+        return "its experts are on neither the GGUF nor the fused-MoE kernel"
+    return None if plain else "its experts have biases, scales or another activation than silu"
+
+
+def _projections(layer: DenseLayer, with_empty: bool = False) -> list[Projection | None]:
+    """qkv, o, then gate_up and down, or for an expert layer the router (and None with `with_empty`)."""
+    if layer.experts is None:
+        return [layer.qkv, layer.o, layer.gate_up, layer.down]
+    return [layer.qkv, layer.o, layer.experts.router] + ([None] if with_empty else [])
+
+
+def _experts(experts: Experts | None) -> tuple[list[torch.Tensor | None], list[int], list[int]]:
+    """An expert layer's kernel as the native step takes it: its tensors (GGUF: gate, up, down; the fused
+    kernel's w13 and w2, then None), their GGML types (-1 for the fused kernel's) and (top k, renormalize,
+    experts); a dense layer's Nones and zeros."""
+    if experts is None:
+        return [None, None, None], [-1, -1, -1], [0, 0, 0]
+    kernel, sizes = experts.kernel, [experts.top_k, int(experts.renormalize), experts.router.out_features]
+    if isinstance(kernel, GgufExperts):
+        return list(kernel.blocks), list(kernel.types), sizes
+    return [kernel.w13, kernel.w2, None], [-1, -1, -1], sizes

@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "quantization"))
 from quant_formats import k_quantize, write_quantized  # noqa: E402
 
 from pagellm import LLM, SamplingParams  # noqa: E402
+from pagellm.bench.gguf_convert import convert_hf_checkpoint, reencode_gguf  # noqa: E402
 from pagellm.engine.default_model import default_model_path  # noqa: E402
 from pagellm.platforms import cpu, cpu_kernels  # noqa: E402
 
@@ -141,6 +142,46 @@ def test_the_shipped_gguf_file_with_its_gguf_embedding(native_gguf_here, two_thr
     gaps = _watch(llm)
     llm.generate([{"prompt_token_ids": list(range(1000, 1100))}], SamplingParams(max_tokens=12, **GREEDY))
     assert len(gaps) == 11 and max(gaps) <= 2**-7, gaps
+
+
+MOE = dict(num_experts=16, num_experts_per_tok=4, moe_intermediate_size=64, hidden_size=128)
+"""A tiny Qwen3-MoE whose router has 16 outputs (a whole panel: packed for the pair kernel)."""
+
+
+def _q8_0(name: str, values: np.ndarray):
+    """`reencode_gguf`'s encoder: every matrix but the norms in Q8_0, the stacked experts too."""
+    if values.ndim < 2 or values.shape[-1] % 32 or "norm" in name or "ffn_gate_inp" in name:
+        return None
+    raw = quants.quantize(values.reshape(-1, values.shape[-1]).astype(np.float32), T.Q8_0)
+    return raw.reshape(*values.shape[:-1], -1), T.Q8_0
+
+
+@pytest.mark.parametrize("weights", ["bf16", "gguf"])
+def test_routed_experts(native_gguf_here, tmp_path, weights, two_threads):
+    """Qwen3-MoE: the router's top k chosen as torch.topk chooses (ties among bfloat16 logits are common),
+    then the experts' kernel (the fused-MoE kernel's bfloat16 experts, the GGUF experts kernel's Q8_0). The
+    routing weights' softmax is summed in another order than torch's, so a step may differ by a bfloat16
+    step somewhere, and a later router may then see a logit on the other side of a rounding: the largest
+    gap is printed; the tokens must not change."""
+    if cpu._bf16_pair_kernels() is None or cpu._amx_kernels() is not None:
+        pytest.skip("the router (bfloat16 in both) takes another kernel than the pair kernel here")
+    src, kw = make_tiny_checkpoint("qwen3_moe", tmp_path, seed=7, **MOE), {}
+    if weights == "gguf":
+        f32 = convert_hf_checkpoint(src, tmp_path / "moe.f32.gguf", "float32")
+        src, kw = reencode_gguf(f32, tmp_path / "moe.q8_0.gguf", "float32", _q8_0), dict(quantization="gguf")
+    results = []
+    for on in (True, False):
+        llm = _engine(src, native_decode=on, **kw)
+        gaps = _watch(llm) if on else []
+        prompts = [{"prompt_token_ids": list(range(3 + i, 40 + i))} for i in range(3)]
+        outs = [llm.generate([p], SamplingParams(max_tokens=16, **GREEDY))[0] for p in prompts]
+        results.append([list(o.outputs[0].token_ids) for o in outs])
+        if on:
+            print(
+                f"{weights}: {sum(g == 0 for g in gaps)} of {len(gaps)} steps the same bits, largest gap {max(gaps):.2e}"
+            )
+            assert len(gaps) == 45 and sum(g == 0 for g in gaps) >= 30
+    assert results[0] == results[1]
 
 
 def test_greedy_tokens_are_the_same_with_it_off(native_here, checkpoints):

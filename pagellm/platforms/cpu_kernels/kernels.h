@@ -86,7 +86,9 @@ int64_t native_decoder_plan(const at::Tensor& embed, int64_t embed_type, const a
                             at::IntArrayRef part_types, at::IntArrayRef part_counts,
                             const c10::List<c10::optional<at::Tensor>>& biases,
                             const c10::List<c10::optional<at::Tensor>>& head_norms, at::TensorList kv_caches,
-                            at::IntArrayRef dims, at::ArrayRef<double> floats, bool use_amx);
+                            at::IntArrayRef moe, const c10::List<c10::optional<at::Tensor>>& experts,
+                            at::IntArrayRef expert_types, at::IntArrayRef dims, at::ArrayRef<double> floats,
+                            bool use_amx);
 void native_decoder_step(int64_t handle, at::Tensor out, int64_t token, int64_t position, int64_t slot,
                          const at::Tensor& block_table);
 void native_decoder_drop(int64_t handle);

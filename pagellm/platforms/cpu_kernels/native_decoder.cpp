@@ -26,7 +26,9 @@
 #include <ATen/core/Tensor.h>
 #include <omp.h>
 
+#include <algorithm>
 #include <cmath>
+#include <limits>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -75,6 +77,12 @@ struct Layer {
   const uint16_t* k_norm = nullptr;
   Projection qkv, o, gate_up, down;
   at::Tensor k_cache, v_cache;  // [kv_heads, blocks, block_size, head_size] bfloat16
+  // routed experts in place of the MLP (top_k > 0): `gate_up` is then the router [experts, hidden], and
+  // the experts are GGUF blocks (gate, up, down; gguf_moe) or the fused-MoE kernel's packed w13, w2
+  int64_t top_k = 0, num_experts = 0;
+  bool renormalize = false;
+  std::vector<at::Tensor> experts;
+  std::vector<int64_t> expert_types;  // GGML types of gate, up, down; empty: the fused-MoE kernel's
 };
 
 struct RowDeleter {
@@ -83,7 +91,7 @@ struct RowDeleter {
 
 struct Decoder {
   int64_t hidden = 0, heads = 0, kv_heads = 0, head_dim = 0, inter = 0, block_size = 0;
-  int64_t items_per_thread = 0, min_partition = 0;
+  int64_t items_per_thread = 0, min_partition = 0, max_experts = 0, max_top_k = 0;
   float eps = 0.f, rope_scaling = 1.f;
   double scale = 1.0;
   bool amx = false;
@@ -97,6 +105,8 @@ struct Decoder {
   std::vector<uint16_t> h, residual, normed, qkv, gate_up, act;
   std::vector<float> cos, sin;  // rounded to bfloat16, as apply_rotary rounds them
   std::unique_ptr<GgufRow, RowDeleter> xq;  // the next GGUF linear's x, quantized
+  std::vector<uint16_t> router;             // an expert layer's router logits
+  at::Tensor moe_in, topk_weights, topk_ids;  // [1, hidden] bfloat16, [1, K] float32, [1, K] int64
   at::Tensor q, attn, seq_lens, query_start, reqs;
 };
 
@@ -185,6 +195,10 @@ void after_attention(Decoder& D, const Layer& L, int t, int T) {
     prepare(D, L.gate_up, D.normed.data(), D.hidden);
   }
 #pragma omp barrier
+  if (L.top_k > 0) {  // the router's logits; the experts run after the region (`run_experts`)
+    linear(L.gate_up, D.normed.data(), D.xq.get(), D.router.data(), t, T);
+    return;
+  }
   linear(L.gate_up, D.normed.data(), D.xq.get(), D.gate_up.data(), t, T);
 #pragma omp barrier
   // SiLU(gate) * up, rounded as the eager ops round; one thread where the down projection quantizes it next
@@ -198,6 +212,49 @@ void after_attention(Decoder& D, const Layer& L, int t, int T) {
 #pragma omp barrier
   linear(L.down, D.act.data(), D.xq.get(), D.h.data(), t, T);
 #pragma omp barrier
+}
+
+// An expert layer's MLP, on the calling thread after the region that computed its router logits: softmax
+// over the experts in float32, the top k, divided by their sum where
+// `renormalize` (select_experts), then the experts' kernel, called directly (it splits its work between
+// the threads itself); the output in D.h.
+void run_experts(Decoder& D, const Layer& L) {
+  const int64_t E = L.num_experts, K = L.top_k;
+  std::vector<float> scores(E);
+  float top = -std::numeric_limits<float>::infinity(), sum = 0.f;
+  for (int64_t e = 0; e < E; ++e) top = std::max(top, bf(D.router[e]));
+  for (int64_t e = 0; e < E; ++e) sum += scores[e] = std::exp(bf(D.router[e]) - top);
+  const float inv = 1.f / sum;
+  for (float& v : scores) v *= inv;
+  // torch.topk's CPU kernel (ATen/native/TopKImpl.h), step for step, so that experts whose bfloat16 logits
+  // tie (common among 64) are chosen as the forward chooses them
+  using Scored = std::pair<double, int64_t>;
+  std::vector<Scored> queue(E);
+  for (int64_t e = 0; e < E; ++e) queue[e] = {scores[e], e};
+  const auto larger = [](const Scored& x, const Scored& y) {
+    return (std::isnan(x.first) && !std::isnan(y.first)) || x.first > y.first;
+  };
+  if (K * 64 <= E) {
+    std::partial_sort(queue.begin(), queue.begin() + K, queue.end(), larger);
+  } else {
+    std::nth_element(queue.begin(), queue.begin() + K - 1, queue.end(), larger);
+    std::sort(queue.begin(), queue.begin() + K - 1, larger);
+  }
+  auto* weights = D.topk_weights.data_ptr<float>();
+  auto* ids = D.topk_ids.data_ptr<int64_t>();
+  float chosen = 0.f;
+  for (int64_t k = 0; k < K; ++k) ids[k] = queue[k].second, chosen += weights[k] = scores[queue[k].second];
+  if (L.renormalize)
+    for (int64_t k = 0; k < K; ++k) weights[k] /= chosen;
+  std::memcpy(D.moe_in.data_ptr(), D.normed.data(), D.hidden * 2);
+  const auto& x = L.experts;
+  const at::Tensor out =
+      L.expert_types.empty()
+          ? cpu_fused_moe(D.moe_in, D.topk_weights, D.topk_ids, x[0], x[1], c10::nullopt, c10::nullopt, c10::nullopt,
+                          c10::nullopt, "silu", 0.0, 0.0)
+          : gguf_moe(D.moe_in, D.topk_weights, D.topk_ids, x[0], x[1], x[2], L.expert_types, c10::nullopt,
+                     c10::nullopt, "silu", 0.0, 0.0);
+  std::memcpy(D.h.data(), out.data_ptr(), D.hidden * 2);
 }
 
 // Layer L up to its attention: add and norm, qkv, q/k norms and rotary, the new key and value stored at
@@ -307,7 +364,9 @@ int64_t native_decoder_plan(const at::Tensor& embed, int64_t embed_type, const a
                             at::IntArrayRef part_types, at::IntArrayRef part_counts,
                             const c10::List<c10::optional<at::Tensor>>& biases,
                             const c10::List<c10::optional<at::Tensor>>& head_norms, at::TensorList kv_caches,
-                            at::IntArrayRef dims, at::ArrayRef<double> floats, bool use_amx) {
+                            at::IntArrayRef moe, const c10::List<c10::optional<at::Tensor>>& experts,
+                            at::IntArrayRef expert_types, at::IntArrayRef dims, at::ArrayRef<double> floats,
+                            bool use_amx) {
   TORCH_CHECK(dims.size() == 8 && floats.size() == 3, "native_decoder_plan: 8 sizes and 3 floats");
   auto D = std::make_unique<Decoder>();
   D->hidden = dims[0], D->heads = dims[1], D->kv_heads = dims[2], D->head_dim = dims[3], D->inter = dims[4];
@@ -316,8 +375,10 @@ int64_t native_decoder_plan(const at::Tensor& embed, int64_t embed_type, const a
   const int64_t layers = kv_caches.size(), H = D->hidden, d = D->head_dim;
   TORCH_CHECK(layers > 0 && int64_t(norms.size()) == 2 * layers && int64_t(part_counts.size()) == 4 * layers &&
                   int64_t(biases.size()) == 4 * layers && int64_t(head_norms.size()) == 2 * layers &&
-                  parts.size() == part_types.size(),
-              "native_decoder_plan: per layer 2 norms, 4 projections, 4 biases, 2 head norms and a cache");
+                  parts.size() == part_types.size() && int64_t(moe.size()) == 3 * layers &&
+                  int64_t(experts.size()) == 3 * layers && int64_t(expert_types.size()) == 3 * layers,
+              "native_decoder_plan: per layer 2 norms, 4 projections, 4 biases, 2 head norms, a cache, 3 expert "
+              "sizes, 3 expert tensors and their 3 types");
   TORCH_CHECK(d % 2 == 0 && D->heads % D->kv_heads == 0, "native_decoder_plan: head sizes");
   TORCH_CHECK(inv_freq.numel() == d / 2 && inv_freq.scalar_type() == at::kFloat,
               "native_decoder_plan: inv_freq must be head_dim / 2 float32 values");
@@ -340,13 +401,31 @@ int64_t native_decoder_plan(const at::Tensor& embed, int64_t embed_type, const a
     L.in_norm = vector_of(norms[2 * i], H, "an input norm");
     L.post_norm = vector_of(norms[2 * i + 1], H, "a post-attention norm");
     D->keep.push_back(norms[2 * i]), D->keep.push_back(norms[2 * i + 1]);
+    L.top_k = moe[3 * i], L.renormalize = moe[3 * i + 1] != 0, L.num_experts = moe[3 * i + 2];
     Projection* projections[4] = {&L.qkv, &L.o, &L.gate_up, &L.down};
     for (int j = 0; j < 4; ++j) {
       const int64_t count = part_counts[4 * i + j];
+      if (L.top_k > 0 && j == 3) {  // an expert layer: its router in the gate_up slot, nothing here
+        TORCH_CHECK(count == 0, "native_decoder_plan: an expert layer has no down projection");
+        continue;
+      }
       TORCH_CHECK(count >= 1 && next + count <= int64_t(parts.size()), "native_decoder_plan: part counts");
+      const int64_t n_out = L.top_k > 0 && j == 2 ? L.num_experts : outs[j];
       *projections[j] = projection(parts.data() + next, part_types.data() + next, count, biases.get(4 * i + j),
-                                   outs[j], ins[j], names[j], D->keep);
+                                   n_out, ins[j], L.top_k > 0 && j == 2 ? "the router" : names[j], D->keep);
       next += count;
+    }
+    if (L.top_k > 0) {
+      TORCH_CHECK(L.top_k <= L.num_experts, "native_decoder_plan: top_k above the experts' number");
+      for (int j = 0; j < 3; ++j) {
+        const c10::optional<at::Tensor> x = experts.get(3 * i + j);
+        if (x.has_value()) L.experts.push_back(*x), D->keep.push_back(*x);
+      }
+      const bool gguf = expert_types[3 * i] >= 0;
+      TORCH_CHECK(int64_t(L.experts.size()) == (gguf ? 3 : 2),
+                  "native_decoder_plan: GGUF experts are gate, up and down; packed ones w13 and w2");
+      if (gguf) L.expert_types.assign(expert_types.begin() + 3 * i, expert_types.begin() + 3 * i + 3);
+      D->max_experts = std::max(D->max_experts, L.num_experts), D->max_top_k = std::max(D->max_top_k, L.top_k);
     }
     const c10::optional<at::Tensor> qn = head_norms.get(2 * i), kn = head_norms.get(2 * i + 1);
     TORCH_CHECK(qn.has_value() == kn.has_value(), "native_decoder_plan: q and k norms come together");
@@ -363,7 +442,9 @@ int64_t native_decoder_plan(const at::Tensor& embed, int64_t embed_type, const a
     D->layers.push_back(std::move(L));
   }
   TORCH_CHECK(next == int64_t(parts.size()), "native_decoder_plan: parts left over");
-  D->h.resize(H), D->residual.resize(H), D->normed.resize(H), D->qkv.resize(qkv_n);
+  for (const Layer& L : D->layers)
+    TORCH_CHECK(L.top_k == 0 || L.top_k == D->max_top_k, "native_decoder_plan: the expert layers' top_k differ");
+  D->h.resize(H), D->residual.resize(H), D->normed.resize(H), D->qkv.resize(qkv_n), D->router.resize(D->max_experts);
   D->gate_up.resize(2 * D->inter), D->act.resize(D->inter), D->cos.resize(d / 2), D->sin.resize(d / 2);
   D->xq.reset(gguf_row_new());
   const auto bf16 = final_norm.options().dtype(at::kBFloat16), ints = final_norm.options().dtype(at::kInt);
@@ -371,6 +452,9 @@ int64_t native_decoder_plan(const at::Tensor& embed, int64_t embed_type, const a
   D->attn = final_norm.new_empty({1, D->heads, d}, bf16);
   D->seq_lens = final_norm.new_empty({1}, ints), D->query_start = final_norm.new_empty({2}, ints);
   D->reqs = final_norm.new_empty({1}, ints);
+  D->moe_in = final_norm.new_empty({1, H}, bf16);
+  D->topk_weights = final_norm.new_empty({1, D->max_top_k}, final_norm.options().dtype(at::kFloat));
+  D->topk_ids = final_norm.new_empty({1, D->max_top_k}, final_norm.options().dtype(at::kLong));
   D->query_start.data_ptr<int32_t>()[0] = 0, D->query_start.data_ptr<int32_t>()[1] = 1;
   D->reqs.data_ptr<int32_t>()[0] = 0;
   std::lock_guard<std::mutex> guard(decoders_lock);
@@ -412,20 +496,28 @@ void native_decoder_step(int64_t handle, at::Tensor out, int64_t token, int64_t 
     gguf_bf16_row(D.embed_type, row, D.hidden, D.h.data());
   const at::Tensor table = block_table.reshape({1, -1});
   const int64_t n = D.layers.size();
-  for (int64_t i = 0; i < n; ++i) {
-    if (i > 0) prepare(D, D.layers[i - 1].o, bits(D.attn), D.heads * d);
+  for (int64_t i = 0; i <= n; ++i) {
+    // the previous layer after its attention (its experts, if any, between two regions), then this one
+    // up to its attention, or the final norm
+    const Layer* before = i > 0 ? &D.layers[i - 1] : nullptr;
+    const Layer* next = i < n ? &D.layers[i] : nullptr;
+    if (before != nullptr) prepare(D, before->o, bits(D.attn), D.heads * d);
+    const bool experts = before != nullptr && before->top_k > 0;
+    if (experts) {
+      region([&](int t, int T) { after_attention(D, *before, t, T); });
+      run_experts(D, *before);
+    }
     region([&](int t, int T) {
-      if (i > 0) after_attention(D, D.layers[i - 1], t, T);
-      before_attention(D, D.layers[i], i == 0, slot, t, T);
+      if (before != nullptr && !experts) after_attention(D, *before, t, T);
+      if (next != nullptr) {
+        before_attention(D, *next, i == 0, slot, t, T);
+      } else if (t == 0) {
+        add_and_norm(D.h.data(), D.residual.data(), false, D.final_norm, D.hidden, D.eps,
+                     reinterpret_cast<uint16_t*>(out.data_ptr()));
+      }
     });
-    const Layer& L = D.layers[i];
-    paged_attention(D.attn, D.q, L.k_cache, L.v_cache, table, D.seq_lens, D.query_start, D.reqs, kCacheBf16, D.scale,
-                    0, partition, D.amx, 0.0, c10::nullopt, false);
+    if (next != nullptr)
+      paged_attention(D.attn, D.q, next->k_cache, next->v_cache, table, D.seq_lens, D.query_start, D.reqs,
+                      kCacheBf16, D.scale, 0, partition, D.amx, 0.0, c10::nullopt, false);
   }
-  auto* y = reinterpret_cast<uint16_t*>(out.data_ptr());
-  prepare(D, D.layers[n - 1].o, bits(D.attn), D.heads * d);
-  region([&](int t, int T) {
-    after_attention(D, D.layers[n - 1], t, T);
-    if (t == 0) add_and_norm(D.h.data(), D.residual.data(), false, D.final_norm, D.hidden, D.eps, y);
-  });
 }

@@ -148,7 +148,8 @@ TORCH_LIBRARY(TORCH_EXTENSION_NAME, m) {
   m.def("native_decoder_pairs() -> bool", TORCH_FN(native_decoder_pairs));
   m.def("native_decoder_plan(Tensor embed, int embed_type, Tensor final_norm, Tensor inv_freq, Tensor[] norms, "
         "Tensor[] parts, int[] part_types, int[] part_counts, Tensor?[] biases, Tensor?[] head_norms, "
-        "Tensor[] kv_caches, int[] dims, float[] floats, bool use_amx) -> int",
+        "Tensor[] kv_caches, int[] moe, Tensor?[] experts, int[] expert_types, int[] dims, float[] floats, "
+        "bool use_amx) -> int",
         TORCH_FN(native_decoder_plan));
   m.def("native_decoder_step(int handle, Tensor(a!) out, int token, int position, int slot, Tensor block_table) -> ()",
         TORCH_FN(native_decoder_step));
