@@ -170,7 +170,7 @@ class EngineConfig:
     native_decode: bool = _opt(
         True,
         "Run a step that is one request's one token in one native call where the platform has one (CPU: "
-        "Llama-family models from GGUF files, or in bfloat16 on AVX-512 BF16 CPUs without AMX; start-up says "
+        "Llama-family and Qwen3-MoE models from GGUF files, or in bfloat16 on CPUs without AMX; start-up says "
         "whether it applies and why); off: every step runs the model's forward.",
         envvar="PAGELLM_NATIVE_DECODE",
     )

@@ -2,9 +2,9 @@
 a dense Llama decoder in one call of `cpu_kernels/native_decoder.cpp`.
 
 It applies where every piece of the step has a kernel that call can run: the decoder's linears either GGUF
-blocks on the GGUF kernels (`QuantMethod.native_blocks`; any CPU the kernels build for) or packed for the
-pair kernel (bfloat16 on a CPU with AVX-512 BF16 and no AMX: AMD Zen 4 and 5), the token embedding bfloat16
-or GGUF rows,
+blocks on the GGUF kernels (`QuantMethod.native_blocks`; any CPU the kernels build for) or bfloat16 packed
+for the pair kernel (a CPU with AVX-512 BF16 and no AMX: AMD Zen 4 and 5) or the panel kernel (AVX2-only
+CPUs: AMD Zen 2 and 3, older Intel), the token embedding bfloat16 or GGUF rows,
 bfloat16 activations and KV cache read by CPU_ATTN's kernel, a SiLU-gated MLP or routed experts on the
 GGUF or fused-MoE kernel (Qwen3-MoE: softmax routing, no bias), attention without a sliding
 window, soft cap, sinks or batch invariance. Anything else keeps the model's forward, and start-up says
@@ -56,7 +56,7 @@ def native_decode_step(
     for layer in model.layers:
         norms += [layer.input_norm, layer.post_attention_norm]
         for p in _projections(layer, with_empty=True):
-            blocks = [] if p is None else p.blocks if p.blocks is not None else [(p.weight, -1)]
+            blocks = [] if p is None else p.blocks if p.blocks is not None else [(p.weight, _layout(p))]
             parts += [tensor for tensor, _ in blocks]
             part_types += [type_id for _, type_id in blocks]
             part_counts.append(len(blocks))
@@ -109,10 +109,9 @@ def _unsupported(model: DenseDecoder, kv_caches: list[torch.Tensor], attention: 
     if model.embedding_type is None and model.embedding.dtype != torch.bfloat16:
         return "its token embedding is neither bfloat16 nor GGUF blocks"
     projections: list[Projection] = [p for layer in model.layers for p in _projections(layer)]
-    if not all(p.blocks is not None or isinstance(p.matmul, cpu_linear.PairLinear) for p in projections):
+    if not all(p.blocks is not None or _layout(p) is not None for p in projections):
         return (
-            "its bfloat16 linears are not on the AVX-512 BF16 pair kernel (a CPU with AMX or without "
-            "AVX-512 BF16)"
+            "its bfloat16 linears are on neither the pair kernel (AVX-512 BF16) nor the panel kernel (AVX2)"
         )
     if any(
         p.blocks is not None and p.bias is not None and p.bias.dtype != torch.bfloat16 for p in projections
@@ -153,6 +152,21 @@ def _experts_unsupported(experts: Experts | None) -> str | None:
     else:
         return "its experts are on neither the GGUF nor the fused-MoE kernel"
     return None if plain else "its experts have biases, scales or another activation than silu"
+
+
+PAIRS, PANELS = -1, -2
+"""The native step's codes for a pair-packed and a panel-packed bfloat16 projection (GGML types are >= 0)."""
+
+
+def _layout(p: Projection) -> int | None:
+    """A bfloat16 projection's layout code where the native step multiplies it (the pair kernel, or the
+    panel kernel in the order of any batch, without a scale), else None."""
+    if isinstance(p.matmul, cpu_linear.PairLinear):
+        return PAIRS
+    plain_panels = isinstance(p.matmul, cpu_linear.PanelLinear) and not p.matmul.fixed_order
+    if plain_panels and p.weight.dtype == torch.bfloat16 and cpu_kernels.loaded().native_decoder_panels():
+        return PANELS
+    return None
 
 
 def _projections(layer: DenseLayer, with_empty: bool = False) -> list[Projection | None]:

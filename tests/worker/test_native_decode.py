@@ -184,6 +184,42 @@ def test_routed_experts(native_gguf_here, tmp_path, weights, two_threads):
     assert results[0] == results[1]
 
 
+@pytest.fixture
+def panel_linears(native_gguf_here, monkeypatch):
+    """bfloat16 linears on the panel kernel, as on an AVX2-only CPU (AMD Zen 2/3), here too: the pair,
+    AMX and oneDNN choices before it turned off."""
+    if not cpu_kernels.load().native_decoder_panels():
+        pytest.skip("this build has no AVX2 panel kernel")
+    monkeypatch.setattr(cpu, "_bf16_pair_kernels", lambda: None)
+    monkeypatch.setattr(cpu, "_amx_kernels", lambda: None)
+    monkeypatch.setattr(cpu, "onednn_packs", lambda dtype: False)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3_moe"])
+def test_bfloat16_on_the_panel_kernel(panel_linears, checkpoints, tmp_path, arch, two_threads):
+    """x widened once per linear for both threads; Qwen3-MoE's router on the panel kernel too."""
+    src = (
+        checkpoints["qwen2"]
+        if arch == "qwen2"
+        else make_tiny_checkpoint("qwen3_moe", tmp_path, seed=7, **MOE)
+    )
+    results = []
+    for on in (True, False):
+        llm = _engine(src, native_decode=on)
+        assert (
+            type(llm.engine.runner.model.model.layers[0].self_attn.qkv_proj.packed_matmul).__name__
+            == "PanelLinear"
+        )
+        gaps = _watch(llm) if on else []
+        out = llm.generate(
+            [{"prompt_token_ids": list(range(3, 300))}], SamplingParams(max_tokens=16, **GREEDY)
+        )
+        results.append(list(out[0].outputs[0].token_ids))
+        if on:
+            assert len(gaps) == 15 and sum(g == 0 for g in gaps) >= 12 and max(gaps) <= 2**-7, gaps
+    assert results[0] == results[1]
+
+
 def test_greedy_tokens_are_the_same_with_it_off(native_here, checkpoints):
     """Batched steps (two requests) run the forward, the steps of the one left run natively, prefix-cache
     hits and a one-token prompt (a step of one token at position 0) too."""

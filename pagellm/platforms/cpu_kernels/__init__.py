@@ -89,6 +89,7 @@ OPS = (
     "selective_state_update",
     "conv1d_update",
     "native_decoder_pairs",
+    "native_decoder_panels",
     "native_decoder_plan",
     "native_decoder_step",
     "native_decoder_drop",

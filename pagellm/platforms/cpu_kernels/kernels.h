@@ -71,6 +71,13 @@ at::Tensor gguf_moe(const at::Tensor& hidden, const at::Tensor& topk_weights, co
 at::Tensor cpu_panel_linear(const at::Tensor& input, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
                             int64_t out_features, bool fixed_order, const c10::optional<at::Tensor>& scale);
 
+// One float32 x row (a bfloat16 row widened) times panels [first, last) of a bfloat16 panel-packed weight
+// (bias: float32 [n], or null), rounded to bfloat16: a thread's share, for callers with their own parallel
+// region. Only in builds with AVX2 (panel_rows_available).
+bool panel_rows_available();
+void bf16_panel_row_run(const float* x, int64_t k, const uint16_t* w, const float* bias, int64_t n, uint16_t* y,
+                        int64_t first, int64_t last);
+
 // linear_bf16_pairs.cpp
 bool bf16_pairs_available();
 at::Tensor cpu_bf16_pair_linear(const at::Tensor& input, const at::Tensor& packed,
@@ -94,6 +101,8 @@ void native_decoder_step(int64_t handle, at::Tensor out, int64_t token, int64_t 
 void native_decoder_drop(int64_t handle);
 // Whether pair-packed bfloat16 projections run here (a build with AVX-512 BF16); GGUF ones run in any.
 bool native_decoder_pairs();
+// Whether panel-packed bfloat16 projections run here (a build with AVX2).
+bool native_decoder_panels();
 
 // recurrent.cpp
 at::Tensor gated_delta_rule_update(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,

@@ -177,12 +177,11 @@ inline const float* float_rows(const void* x, bool x_bf16, int64_t r0, int64_t r
 #if PL_PANEL_AVX2
 constexpr int kStreams = 4;  // panels one x row reads at once per thread (panel_dot_streams)
 
-// One x row times every panel: each thread's run of panels cut in kStreams equal parts, read side by side.
-// The same sums, bit for bit, as a one-row register block (panel_blocks) gives, for every panel format.
+// One x row times panels [first, last): the run cut in kStreams equal parts, read side by side. The same
+// sums, bit for bit, as a one-row register block (panel_blocks) gives, for every panel format.
 template <Format kFormat, bool kOutBf16>
-void one_row(const float* x, int64_t k, const uint8_t* packed, const float* scale, const float* bias, int64_t n,
-             uint8_t* out_base) {
-  const int64_t panels = (n + kPanel - 1) / kPanel;
+void one_row_run(const float* x, int64_t k, const uint8_t* packed, const float* scale, const float* bias, int64_t n,
+                 uint8_t* out_base, int64_t first, int64_t last) {
   const int64_t panel_bytes = k * kPanel * format_bytes(kFormat), out_elem = kOutBf16 ? 2 : 4;
   auto store = [&](int64_t p, __m256* lo, __m256* hi) {
     const int64_t cols = std::min(kPanel, n - p * kPanel);
@@ -192,21 +191,28 @@ void one_row(const float* x, int64_t k, const uint8_t* packed, const float* scal
     void* y[1] = {out_base + p * kPanel * out_elem};
     store_sums<1, kFormat, kOutBf16>(lo, hi, scale ? scale + p * kPanel : nullptr, b, y, cols);
   };
-  parallel_runs(panels, [&](int64_t first, int64_t last) {
-    const int64_t part = (last - first) / kStreams;
-    for (int64_t j = 0; j < part; ++j) {
-      const void* at[kStreams];
-      __m256 lo[kStreams], hi[kStreams];
-      for (int q = 0; q < kStreams; ++q) at[q] = packed + (first + q * part + j) * panel_bytes;
-      panel_dot_streams<kStreams, kFormat>(x, at, k, lo, hi);
-      for (int q = 0; q < kStreams; ++q) store(first + q * part + j, lo + q, hi + q);
-    }
-    for (int64_t p = first + kStreams * part; p < last; ++p) {
-      const void* at[1] = {packed + p * panel_bytes};
-      __m256 lo[1], hi[1];
-      panel_dot_streams<1, kFormat>(x, at, k, lo, hi);
-      store(p, lo, hi);
-    }
+  const int64_t part = (last - first) / kStreams;
+  for (int64_t j = 0; j < part; ++j) {
+    const void* at[kStreams];
+    __m256 lo[kStreams], hi[kStreams];
+    for (int q = 0; q < kStreams; ++q) at[q] = packed + (first + q * part + j) * panel_bytes;
+    panel_dot_streams<kStreams, kFormat>(x, at, k, lo, hi);
+    for (int q = 0; q < kStreams; ++q) store(first + q * part + j, lo + q, hi + q);
+  }
+  for (int64_t p = first + kStreams * part; p < last; ++p) {
+    const void* at[1] = {packed + p * panel_bytes};
+    __m256 lo[1], hi[1];
+    panel_dot_streams<1, kFormat>(x, at, k, lo, hi);
+    store(p, lo, hi);
+  }
+}
+
+// One x row times every panel: each thread's run of panels (`one_row_run`).
+template <Format kFormat, bool kOutBf16>
+void one_row(const float* x, int64_t k, const uint8_t* packed, const float* scale, const float* bias, int64_t n,
+             uint8_t* out_base) {
+  parallel_runs((n + kPanel - 1) / kPanel, [&](int64_t first, int64_t last) {
+    one_row_run<kFormat, kOutBf16>(x, k, packed, scale, bias, n, out_base, first, last);
   });
 }
 #endif
@@ -316,3 +322,13 @@ at::Tensor cpu_panel_linear(const at::Tensor& input, const at::Tensor& packed, c
   }
   return out;
 }
+
+bool panel_rows_available() { return PL_PANEL_AVX2; }
+
+#if PL_PANEL_AVX2
+void bf16_panel_row_run(const float* x, int64_t k, const uint16_t* w, const float* bias, int64_t n, uint16_t* y,
+                        int64_t first, int64_t last) {
+  one_row_run<kBf16, true>(x, k, reinterpret_cast<const uint8_t*>(w), nullptr, bias, n,
+                           reinterpret_cast<uint8_t*>(y), first, last);
+}
+#endif

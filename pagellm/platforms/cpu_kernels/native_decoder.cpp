@@ -43,6 +43,11 @@
 #else
 #define PL_NATIVE_PAIRS 0
 #endif
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define PL_NATIVE_PANELS 1  // bf16_panel_row_run is in this build (linear_panels.cpp)
+#else
+#define PL_NATIVE_PANELS 0
+#endif
 
 namespace {
 
@@ -63,10 +68,20 @@ struct GgufWeight {
   const uint16_t* bias = nullptr;  // bfloat16, added after rounding (`gguf_linear(x) + bias`); or null
 };
 
-// A linear layer: pair-packed bfloat16, or GGUF blocks
+// A bfloat16 weight in 16-column panels (linear_panels.cpp, the AVX2 CPUs' layout), read with x widened
+struct PanelWeight {
+  const uint16_t* w = nullptr;
+  int64_t n = 0, k = 0, panels = 0;
+  std::vector<float> bias;  // [n], or empty
+};
+
+constexpr int64_t kPairType = -1, kPanelType = -2;  // part_types of the bfloat16 layouts
+
+// A linear layer: pair-packed or panel-packed bfloat16, or GGUF blocks
 struct Projection {
-  bool gguf = false;
+  bool gguf = false, panel = false;
   PairWeight pair;
+  PanelWeight panels;
   GgufWeight blocks;
 };
 
@@ -105,6 +120,7 @@ struct Decoder {
   std::vector<uint16_t> h, residual, normed, qkv, gate_up, act;
   std::vector<float> cos, sin;  // rounded to bfloat16, as apply_rotary rounds them
   std::unique_ptr<GgufRow, RowDeleter> xq;  // the next GGUF linear's x, quantized
+  std::vector<float> xf;                    // the next panel linear's x, widened
   std::vector<uint16_t> router;             // an expert layer's router logits
   at::Tensor moe_in, topk_weights, topk_ids;  // [1, hidden] bfloat16, [1, K] float32, [1, K] int64
   at::Tensor q, attn, seq_lens, query_start, reqs;
@@ -159,12 +175,22 @@ void rotate(uint16_t* x, const float* cos, const float* sin, int64_t half) {
   }
 }
 
-// thread t of T's rows of y = x @ W^T (+ bias): a pair-packed weight's run of panels (as parallel_runs splits
-// them), a GGUF weight's rows (as gguf_linear splits them) from x quantized beforehand into `xq`
-inline void linear(const Projection& w, const uint16_t* x, const GgufRow* xq, uint16_t* y, int t, int T) {
+// thread t of T's rows of y = x @ W^T (+ bias): a pair- or panel-packed weight's run of panels (as
+// parallel_runs splits them; a panel weight reads x widened beforehand into `xf`), a GGUF weight's rows
+// (as gguf_linear splits them) from x quantized beforehand into `xq`
+inline void linear(const Projection& w, const uint16_t* x, const Decoder& D, uint16_t* y, int t, int T) {
   if (w.gguf) {
     const GgufWeight& g = w.blocks;
-    gguf_row_share(xq, g.parts.data(), g.types.data(), g.starts.data(), g.parts.size(), g.k, g.bias, y, t, T);
+    gguf_row_share(D.xq.get(), g.parts.data(), g.types.data(), g.starts.data(), g.parts.size(), g.k, g.bias, y, t,
+                   T);
+    return;
+  }
+  if (w.panel) {
+#if PL_NATIVE_PANELS
+    const PanelWeight& p = w.panels;
+    bf16_panel_row_run(D.xf.data(), p.k, p.w, p.bias.empty() ? nullptr : p.bias.data(), p.n, y, p.panels * t / T,
+                       p.panels * (t + 1) / T);
+#endif
     return;
   }
 #if PL_NATIVE_PAIRS
@@ -173,9 +199,14 @@ inline void linear(const Projection& w, const uint16_t* x, const GgufRow* xq, ui
 #endif
 }
 
-// x quantized for `w` where it is GGUF (by one thread, before the barrier that precedes the linear)
+// x made ready for `w` where it is GGUF (quantized) or panel-packed (widened), by one thread, before the
+// barrier that precedes the linear
 inline void prepare(Decoder& D, const Projection& w, const uint16_t* x, int64_t k) {
   if (w.gguf) gguf_row_quantize(D.xq.get(), x, k);
+  if (w.panel) {
+    D.xf.resize(k);
+    for (int64_t j = 0; j < k; ++j) D.xf[j] = bf(x[j]);
+  }
 }
 
 template <typename Fn>
@@ -188,7 +219,7 @@ void region(Fn fn) {
 // Layer L after its attention (whose output is in D.attn): o_proj, add and norm, the gated MLP; its output
 // in D.h.
 void after_attention(Decoder& D, const Layer& L, int t, int T) {
-  linear(L.o, bits(D.attn), D.xq.get(), D.h.data(), t, T);
+  linear(L.o, bits(D.attn), D, D.h.data(), t, T);
 #pragma omp barrier
   if (t == 0) {
     add_and_norm(D.h.data(), D.residual.data(), false, L.post_norm, D.hidden, D.eps, D.normed.data());
@@ -196,13 +227,13 @@ void after_attention(Decoder& D, const Layer& L, int t, int T) {
   }
 #pragma omp barrier
   if (L.top_k > 0) {  // the router's logits; the experts run after the region (`run_experts`)
-    linear(L.gate_up, D.normed.data(), D.xq.get(), D.router.data(), t, T);
+    linear(L.gate_up, D.normed.data(), D, D.router.data(), t, T);
     return;
   }
-  linear(L.gate_up, D.normed.data(), D.xq.get(), D.gate_up.data(), t, T);
+  linear(L.gate_up, D.normed.data(), D, D.gate_up.data(), t, T);
 #pragma omp barrier
   // SiLU(gate) * up, rounded as the eager ops round; one thread where the down projection quantizes it next
-  const int parts = L.down.gguf ? 1 : T;
+  const int parts = L.down.gguf || L.down.panel ? 1 : T;
   if (t < parts)
     for (int64_t j = D.inter * t / parts; j < D.inter * (t + 1) / parts; ++j) {
       const float g = bf(D.gate_up[j]);
@@ -210,7 +241,7 @@ void after_attention(Decoder& D, const Layer& L, int t, int T) {
     }
   if (t == 0) prepare(D, L.down, D.act.data(), D.inter);
 #pragma omp barrier
-  linear(L.down, D.act.data(), D.xq.get(), D.h.data(), t, T);
+  linear(L.down, D.act.data(), D, D.h.data(), t, T);
 #pragma omp barrier
 }
 
@@ -265,7 +296,7 @@ void before_attention(Decoder& D, const Layer& L, bool first, int64_t slot, int 
     prepare(D, L.qkv, D.normed.data(), D.hidden);
   }
 #pragma omp barrier
-  linear(L.qkv, D.normed.data(), D.xq.get(), D.qkv.data(), t, T);
+  linear(L.qkv, D.normed.data(), D, D.qkv.data(), t, T);
 #pragma omp barrier
   if (t != 0) return;
   const int64_t d = D.head_dim, half = d / 2;
@@ -296,9 +327,24 @@ Projection projection(const at::Tensor* parts, const int64_t* types, int64_t cou
                       std::vector<at::Tensor>& keep) {
   Projection w;
   TORCH_CHECK(count >= 1, "native_decoder_plan: ", what, " has no parts");
-  w.gguf = types[0] >= 0;
+  w.gguf = types[0] >= 0, w.panel = types[0] == kPanelType;
   const bool has_bias = bias.has_value() && bias->defined();
   TORCH_CHECK(!has_bias || bias->numel() == n, "native_decoder_plan: ", what, "'s bias must have ", n, " values");
+  if (w.panel) {
+    TORCH_CHECK(PL_NATIVE_PANELS, "native_decoder_plan: ", what, " is panel-packed, but this build has no AVX2");
+    const at::Tensor& packed = parts[0];
+    const int64_t panels = (n + kPairCols - 1) / kPairCols;
+    TORCH_CHECK(count == 1 && packed.dim() == 3 && packed.size(0) == panels && packed.size(1) == k &&
+                    packed.size(2) == kPairCols && packed.is_contiguous() && packed.scalar_type() == at::kBFloat16,
+                "native_decoder_plan: ", what, " must be one bfloat16 tensor panel-packed for ", n, " x ", k);
+    w.panels.w = bits(packed), w.panels.n = n, w.panels.k = k, w.panels.panels = panels;
+    if (has_bias) {
+      const at::Tensor values = bias->to(at::kFloat).contiguous();
+      w.panels.bias.assign(values.data_ptr<float>(), values.data_ptr<float>() + n);
+    }
+    keep.push_back(packed);
+    return w;
+  }
   if (!w.gguf) {
     TORCH_CHECK(PL_NATIVE_PAIRS, "native_decoder_plan: ", what, " is pair-packed, but this build has no AVX-512 BF16");
     TORCH_CHECK(count == 1 && k % 2 == 0, "native_decoder_plan: ", what, " must be one pair-packed tensor of even K");
@@ -352,6 +398,7 @@ Decoder& decoder(int64_t handle) {
 }  // namespace
 
 bool native_decoder_pairs() { return PL_NATIVE_PAIRS; }
+bool native_decoder_panels() { return PL_NATIVE_PANELS; }
 
 // dims: hidden, heads, kv_heads, head_dim, intermediate, block_size, items_per_thread, min_partition (the
 // attention backend's partition rule, cpu_attn._partition); floats: eps, rope scaling, softmax scale.

@@ -146,6 +146,7 @@ TORCH_LIBRARY(TORCH_EXTENSION_NAME, m) {
   m.def("gguf_interleave(Tensor raw, int type) -> Tensor", TORCH_FN(gguf_interleave));
   m.def("fused_moe_isa() -> str", TORCH_FN(fused_moe_isa));
   m.def("native_decoder_pairs() -> bool", TORCH_FN(native_decoder_pairs));
+  m.def("native_decoder_panels() -> bool", TORCH_FN(native_decoder_panels));
   m.def("native_decoder_plan(Tensor embed, int embed_type, Tensor final_norm, Tensor inv_freq, Tensor[] norms, "
         "Tensor[] parts, int[] part_types, int[] part_counts, Tensor?[] biases, Tensor?[] head_norms, "
         "Tensor[] kv_caches, int[] moe, Tensor?[] experts, int[] expert_types, int[] dims, float[] floats, "
