@@ -80,7 +80,9 @@ template <int64_t T, int c>
 inline void tile_chunk(__m256i w, __m256i xv, __m256i ones, __m256i& pairs, __m256i& lo, __m256i& hi) {
   constexpr bool kSigned = signed_codes(T), kHalves = half_scaled(T);
 #if GG_VNNI  // one vpdpbusd a chunk into the int32 sums: no int16 pairs to widen
-  const __m256i u = kSigned ? _mm256_sign_epi8(w, w) : w, s = kSigned ? _mm256_sign_epi8(xv, w) : xv;
+  // signed codes: xv is x + 128 (`tile_dot`), the unsigned operand, and w the signed one, so no signs are
+  // moved; the sums are x . w + 128 sum(w), the second term taken off per group
+  const __m256i u = kSigned ? xv : w, s = kSigned ? w : xv;
   if constexpr (kHalves && c >= 4) {
     hi = add_byte_products(hi, u, s);
   } else {
@@ -105,12 +107,36 @@ inline void tile_chunk(__m256i w, __m256i xv, __m256i ones, __m256i& pairs, __m2
 #endif
 }
 
+// 128 times the sum of signed codes (what x + 128 adds to the integer sums): per group into out[g], or, for
+// types scaled per half group, per half into out[2g] and out[2g + 1].
+template <bool kHalves>
+inline void code_sums(const uint8_t* codes, int64_t groups, int32_t* out) {
+  const __m256i ones = _mm256_set1_epi8(1);
+  for (int64_t g = 0; g < groups; ++g) {
+    const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + g * kGroup));
+    const __m256i fours = add_byte_products(_mm256_setzero_si256(), ones, c);  // eight sums of four codes
+    // lanes 0-3 of each 128-bit half: the half group's four sums, added up in every lane
+    __m256i v = _mm256_add_epi32(fours, _mm256_shuffle_epi32(fours, 0x4e));
+    v = _mm256_add_epi32(v, _mm256_shuffle_epi32(v, 0xb1));
+    const int32_t first = _mm256_cvtsi256_si32(v), second = _mm256_extract_epi32(v, 4);
+    if constexpr (kHalves) {
+      out[2 * g] = 128 * first, out[2 * g + 1] = 128 * second;
+    } else {
+      out[g] = 128 * (first + second);
+    }
+  }
+}
+
 // W unpacked weight rows times tile t of x: out[j] lane r = weight row j . x row r of the tile.
 // Q8_0's codes are signed (|w| times x with w's sign, no offsets); Q6_K, Q3_K and Q2_K have a scale and an
 // offset per half group, the others one per group.
+// With VNNI, signed codes: `shifts[j]` holds what x + 128 adds to weight row j's integer sums per group (or
+// half group; `code_sums`); otherwise unused.
 template <int W, int64_t T>
-inline void tile_dot(const Unpacked* u, int64_t groups, const XTiles& x, int64_t t, __m256* out) {
-  constexpr bool kSigned = signed_codes(T), kHalves = half_scaled(T);
+inline void tile_dot(const Unpacked* u, const int32_t* const* shifts, int64_t groups, const XTiles& x, int64_t t,
+                     __m256* out) {
+  constexpr bool kSigned = signed_codes(T), kHalves = half_scaled(T), kShifted = GG_VNNI && kSigned;
+  const __m256i offset = _mm256_set1_epi8(static_cast<char>(0x80));
   const int8_t* xc = x.codes_of(t);
   const float* dx = x.dx_of(t);
   const float* sums = kHalves ? x.halves_of(t) : x.wholes_of(t);
@@ -130,12 +156,21 @@ inline void tile_dot(const Unpacked* u, int64_t groups, const XTiles& x, int64_t
             _mm_loadu_si128(reinterpret_cast<const __m128i*>(u[j].codes + g * kGroup + 16 * h)));
 #define GG_CHUNK(c)                                                                                                 \
   {                                                                                                                 \
-    const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xg + (c) * 4 * kLanes));                 \
+    __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xg + (c) * 4 * kLanes));                       \
+    if constexpr (kShifted) xv = _mm256_xor_si256(xv, offset);                                                      \
     for (int j = 0; j < W; ++j) tile_chunk<T, (c)>(_mm256_shuffle_epi32(halves[j][(c) / 4], ((c) % 4) * 0x55), xv,  \
                                                   ones, pairs[j], lo[j], hi[j]);                                  \
   }
     GG_CHUNK(0) GG_CHUNK(1) GG_CHUNK(2) GG_CHUNK(3) GG_CHUNK(4) GG_CHUNK(5) GG_CHUNK(6) GG_CHUNK(7)
 #undef GG_CHUNK
+    if constexpr (kShifted && kHalves) {
+      for (int j = 0; j < W; ++j) {
+        lo[j] = _mm256_sub_epi32(lo[j], _mm256_set1_epi32(shifts[j][2 * g]));
+        hi[j] = _mm256_sub_epi32(hi[j], _mm256_set1_epi32(shifts[j][2 * g + 1]));
+      }
+    } else if constexpr (kShifted) {
+      for (int j = 0; j < W; ++j) lo[j] = _mm256_sub_epi32(lo[j], _mm256_set1_epi32(shifts[j][g]));
+    }
     const __m256 dxv = _mm256_loadu_ps(dx + g * kLanes);
     for (int j = 0; j < W; ++j) {
       const float* a = u[j].a + 2 * g;
@@ -165,18 +200,25 @@ void tile_rows(const uint8_t* w, int64_t row_bytes, int64_t blocks, int64_t lo, 
                    {codes.data() + groups * kGroup, scales.data() + groups * 4, scales.data() + groups * 6}};
   const int64_t tiles = tiles_for(m);
   const int64_t run = std::max<int64_t>(1, kTileBytes / (x.k * kLanes));  // tiles per pass over the rows
+  constexpr bool kHalves = half_scaled(base_of(T));
+  const int64_t per_row = kHalves ? 2 * groups : groups;  // `code_sums`' values per weight row
+  std::vector<int32_t> shift_values(signed_codes(T) && GG_VNNI ? 2 * per_row : 0);
+  const int32_t* shifts[2] = {shift_values.data(), shift_values.data() + (shift_values.empty() ? 0 : per_row)};
   alignas(32) float lanes[2][kLanes];
   for (int64_t first = 0; first < tiles; first += run) {
     const int64_t last = std::min(tiles, first + run);
     for (int64_t j = lo; j < hi; j += 2) {
       const int pair = hi - j >= 2 ? 2 : 1;
-      for (int p = 0; p < pair; ++p) unpack_row<T>(w + (j + p) * row_bytes, blocks, u[p]);
+      for (int p = 0; p < pair; ++p) {
+        unpack_row<T>(w + (j + p) * row_bytes, blocks, u[p]);
+        if (!shift_values.empty()) code_sums<kHalves>(u[p].codes, groups, shift_values.data() + p * per_row);
+      }
       for (int64_t t = first; t < last; ++t) {
         __m256 v[2];
         if (pair == 2) {
-          tile_dot<2, base_of(T)>(u, groups, x, t0 + t, v);
+          tile_dot<2, base_of(T)>(u, shifts, groups, x, t0 + t, v);
         } else {
-          tile_dot<1, base_of(T)>(u, groups, x, t0 + t, v);
+          tile_dot<1, base_of(T)>(u, shifts, groups, x, t0 + t, v);
         }
         const int64_t rows = std::min(kLanes, m - t * kLanes);
         for (int p = 0; p < pair; ++p) {
