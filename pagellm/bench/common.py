@@ -24,7 +24,7 @@ import torch
 
 from pagellm.bench.floor import Machine, measure_machine
 from pagellm.bench.workloads import Workload, resolve_model, w1
-from pagellm.core.config import EngineConfig
+from pagellm.core.config import NO_QUANTIZATION, EngineConfig
 
 if TYPE_CHECKING:
     from pagellm.engine.llm import LLM
@@ -81,8 +81,12 @@ class BenchArgs:
     read_gb_s: float | None = None  # the floor's read bandwidth; None: measured on the spot
 
     def engine_config(self) -> EngineConfig:
-        """The run's engine: `engine`'s settings on `model` (S and M resolved), in bfloat16 unless told."""
+        """The run's engine: `engine`'s settings on `model` (S and M resolved), in bfloat16 unless told;
+        model S's file widened to that dtype unless --quantization says otherwise, as the workloads define
+        it (`shared/bench/README.md`), where the engine would keep a GGUF file's blocks."""
         given = {k: v for k, v in self.engine.items() if v is not None}
+        if self.model in (None, "S"):
+            given.setdefault("quantization", NO_QUANTIZATION)
         return EngineConfig(
             **{**given, "model": resolve_model(self.model), "dtype": given.get("dtype") or "bfloat16"}
         )

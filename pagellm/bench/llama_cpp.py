@@ -224,10 +224,11 @@ _FLOAT_TYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
 
 
 def _runs_as_is(path: str, quantization: str | None, dtype_name: str) -> bool:
-    """Whether llama.cpp on --model's own GGUF runs what pagellm runs: its blocks (`--quantization gguf`)
-    or matrices already in the run's dtype. Otherwise pagellm dequantized the file into `dtype_name` (model
-    S's Q4_1 file in a bfloat16 run) and llama.cpp gets the same weights in that dtype."""
-    if quantization == "gguf":
+    """Whether llama.cpp on --model's own GGUF runs what pagellm runs: its blocks (`--quantization gguf`, a
+    GGUF file's default) or matrices already in the run's dtype. Otherwise (`--quantization none`, model S
+    in the bench) pagellm dequantized the file into `dtype_name` and llama.cpp gets the same weights in that
+    dtype."""
+    if quantization in ("gguf", None):
         return True
     import gguf
 

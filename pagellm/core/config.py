@@ -23,6 +23,10 @@ if TYPE_CHECKING:
 MEDIA_ITEMS_PER_PROMPT = 999
 
 
+NO_QUANTIZATION = "none"
+"""--quantization none: no method; a GGUF file's blocks are widened to --dtype at load."""
+
+
 @dataclass
 class _MediaLimits:
     """The keys `limit_mm_per_prompt` takes."""
@@ -66,7 +70,11 @@ class EngineConfig:
     attention_backend: str = _opt(
         "auto", "Attention backend name (see `pagellm plugins`), or auto.", envvar="PAGELLM_ATTENTION_BACKEND"
     )
-    quantization: str | None = _opt(None, "Quantization method (see `pagellm plugins`).")
+    quantization: str | None = _opt(
+        None,
+        "Quantization method (see `pagellm plugins`); default: the checkpoint's, and for a .gguf file `gguf` "
+        "(its blocks kept as they are). `none`: no method, a GGUF file's blocks widened to --dtype.",
+    )
     block_size: int | None = _opt(
         None,
         "Tokens per KV-cache block; only attention backends that run it are candidates. Default: chosen "

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from pagellm.core.attention import DEFAULT_BLOCK_SIZE, AttentionSpec
-from pagellm.core.config import EngineConfig
+from pagellm.core.config import NO_QUANTIZATION, EngineConfig
 from pagellm.core.dtypes import DTYPES, KV_CACHE_DTYPES, dtype_name
 from pagellm.core.errors import ConfigError
 from pagellm.core.kv_cache_spec import KVCacheLayout, group_layers
@@ -25,6 +25,7 @@ from pagellm.core.platform import GiB, Platform
 from pagellm.core.selector import (
     BackendChoice,
     TimingCache,
+    quant_method_reasons,
     select_attention_backend,
     select_platform,
     select_quant_method,
@@ -216,8 +217,9 @@ def resolve_engine(config: EngineConfig) -> EngineSetup:
     model_class = import_model_class(model_class_path)
     dtype = resolve_dtype(config.dtype, hf_config, platform, gguf=source.gguf_original is not None)
     max_model_len = resolve_max_model_len(config.max_model_len, hf_config)
+    requested, quant_note = gguf_default_quantization(config, registry, platform, dtype, source)
     quant = select_quant_method(
-        registry, platform, config.quantization, checkpoint_quantization(hf_config, model_class), dtype
+        registry, platform, requested, checkpoint_quantization(hf_config, model_class), dtype
     )
     if config.batch_invariant:
         check_batch_invariant(config, platform, dtype, quant, model_config is not hf_config)
@@ -234,7 +236,7 @@ def resolve_engine(config: EngineConfig) -> EngineSetup:
         *platform_choice.explanation,
         f"model {_shown(config, source)} ({model_class_path}), dtype {dtype_name(dtype)}, "
         f"max_model_len {max_model_len}",
-        f"quantization {quant.name if quant else 'none'}",
+        f"quantization {quant.name if quant else 'none'}{quant_note}",
         *backend_choice.explanation,
         kv_layout.describe(),
     ]
@@ -453,6 +455,27 @@ def check_parallel(config: EngineConfig, hf_config: Any, model_class: type) -> N
     for what, on in refused.items():
         if on:
             raise ConfigError(f"{what} with tensor or pipeline parallelism is not supported yet")
+
+
+def gguf_default_quantization(
+    config: EngineConfig, registry: Any, platform: type[Platform], dtype: torch.dtype, source: ModelSource
+) -> tuple[str | None, str]:
+    """The method to ask the selector for, and a note for the start-up log. A GGUF file without
+    --quantization keeps its blocks (`gguf`), as llama.cpp and vLLM do: the memory is the file's and a
+    decode step reads the file's bytes, not 2.5-3.5x them widened. It is widened instead where the method
+    cannot run here or with tensor or pipeline parallelism (not supported with quantization yet), saying
+    why; `none` widens it on request."""
+    if config.quantization == NO_QUANTIZATION:
+        return None, " (--quantization none)" if source.gguf_original is not None else ""
+    if config.quantization is not None or source.gguf_original is None:
+        return config.quantization, ""
+    method = registry.quant_methods.get("gguf")
+    reasons = quant_method_reasons(method, platform, dtype) if method is not None else ["not installed"]
+    if config.tensor_parallel_size * config.pipeline_parallel_size > 1:
+        reasons.append("tensor or pipeline parallelism")
+    if reasons:
+        return None, f" (the GGUF blocks widened to {dtype_name(dtype)}: gguf {'; '.join(reasons)})"
+    return "gguf", " (a GGUF file's default: its blocks kept; --quantization none widens them)"
 
 
 def checkpoint_quantization(hf_config: Any, model_class: type) -> dict | None:

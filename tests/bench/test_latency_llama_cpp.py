@@ -285,8 +285,8 @@ def test_a_gguf_model_is_reencoded_unless_pagellm_runs_it_as_it_is(
     tiny_model, tiny_gguf, tmp_path, monkeypatch
 ):
     """llama.cpp gets the weights pagellm runs (latency and throughput alike): --model's file as is for
-    `--quantization gguf` or a file in the run's dtype; a Q8_0 file in a float32 run (pagellm dequantizes
-    it) is written in float32 first."""
+    `--quantization gguf` (a GGUF file's default) or a file in the run's dtype; a Q8_0 file in a float32 run
+    with `--quantization none` (pagellm dequantizes it) is written in float32 first."""
     from pagellm.bench import llama_bench
     from pagellm.core.config import EngineConfig
 
@@ -299,6 +299,8 @@ def test_a_gguf_model_is_reencoded_unless_pagellm_runs_it_as_it_is(
     assert llama_bench.gguf_for_latency(same, None, "float32", str(tmp_path)) == str(tiny_gguf)
     packed = EngineConfig(model=str(q8), quantization="gguf")
     assert llama_bench.gguf_for_latency(packed, None, "float32", str(tmp_path)) == str(q8)
-    widened = EngineConfig(model=str(q8))
+    default = EngineConfig(model=str(q8))  # a GGUF file's default: its blocks kept
+    assert llama_bench.gguf_for_latency(default, None, "float32", str(tmp_path)) == str(q8)
+    widened = EngineConfig(model=str(q8), quantization="none")
     assert llama_bench.gguf_for_latency(widened, None, "float32", str(tmp_path)).endswith(".float32.gguf")
     assert written == ["float32"]

@@ -30,7 +30,7 @@ def test_the_float_weights_are_converted_only_for_a_start_that_reads_them(tmp_pa
     tokens = [o.outputs[0].token_ids for o in packed.generate(prompts, params, use_tqdm=False)]
     del packed
 
-    plain = LLM(str(path), **engine)
+    plain = LLM(str(path), quantization="none", **engine)
     assert (copy / "model.safetensors").exists()
     assert [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)] == tokens
     assert gguf_checkpoint.converted_copy(path, cache_dir()) == copy

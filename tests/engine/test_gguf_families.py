@@ -45,7 +45,7 @@ def _gguf(family: str, root: Path, type_name: str = "float32") -> tuple[Path, Pa
 def test_gguf_family_matches_the_original_checkpoint(family, tmp_path, monkeypatch):
     monkeypatch.setenv("PAGELLM_CACHE_DIR", str(tmp_path / "cache"))
     checkpoint, gguf = _gguf(family, tmp_path)
-    llm = LLM(str(gguf), **ENGINE)
+    llm = LLM(str(gguf), quantization="none", **ENGINE)
     prompts = mixed_prompts(300, seed=2)[::4]  # 1 to 128 tokens, across the 32-token windows
     reference = Reference(checkpoint, MAX_TOKENS)
     assert_greedy_parity(llm, reference, prompts)
@@ -54,12 +54,12 @@ def test_gguf_family_matches_the_original_checkpoint(family, tmp_path, monkeypat
 
 
 def _tokens_dequantized_and_packed(path: Path, seed: int) -> tuple[dict, LLM]:
-    """Greedy tokens of six prompts with the file dequantized at load (None) and kept packed ("gguf"), and
+    """Greedy tokens of six prompts with the file dequantized at load ("none") and kept packed ("gguf"), and
     the packed engine."""
     prompts = [{"prompt_token_ids": p} for p in mixed_prompts(300, seed=seed)[8:14]]
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
     outputs = {}
-    for quantization in (None, "gguf"):
+    for quantization in ("none", "gguf"):
         llm = LLM(str(path), quantization=quantization, **ENGINE)
         outputs[quantization] = [
             o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)
@@ -82,7 +82,7 @@ def test_q8_0_gguf_kept_packed_gives_the_dequantized_tokens(family, tmp_path, mo
     layer = llm.engine.runner.model.model.layers[0]
     assert type(layer.self_attn.qkv_proj.quant_method).__name__ == "GgufMethod"
     assert layer.mlp.gate_up_proj.qweight_types == [8, 8]  # Q8_0 for gate and up
-    assert outputs["gguf"] == outputs[None]
+    assert outputs["gguf"] == outputs["none"]
 
 
 @pytest.mark.slow
@@ -98,7 +98,7 @@ def test_q8_0_moe_gguf_keeps_the_experts_packed(tmp_path, monkeypatch):
     prompts = mixed_prompts(300, seed=3)[8:14]
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
     outputs = {}
-    for quantization in ("gguf", None):
+    for quantization in ("gguf", "none"):
         llm = LLM(str(gguf), quantization=quantization, **ENGINE)
         outputs[quantization] = [
             o.outputs[0].token_ids
@@ -109,7 +109,7 @@ def test_q8_0_moe_gguf_keeps_the_experts_packed(tmp_path, monkeypatch):
             assert layer.self_attn.qkv_proj.qweight_types == [8, 8, 8]  # q, k, v kept packed
             if cpu_gguf.available():
                 assert "GGUF blocks (Q8_0, Q8_0, Q8_0)" in layer.mlp.experts.packed.description
-    assert outputs["gguf"] == outputs[None]
+    assert outputs["gguf"] == outputs["none"]
 
 
 def test_q8_0_tied_embedding_stays_packed_at_the_file_size(tmp_path, monkeypatch):
@@ -132,4 +132,4 @@ def test_q8_0_tied_embedding_stays_packed_at_the_file_size(tmp_path, monkeypatch
     assert model.packed_lm_head is not None and model.packed_lm_head.weight.dtype == torch.uint8
     tensor_bytes = sum(int(t.n_bytes) for t in gguf.GGUFReader(path).tensors)
     assert model_weight_bytes(model) == pytest.approx(tensor_bytes, rel=0.01)  # (+ rotary's buffers)
-    assert outputs["gguf"] == outputs[None]
+    assert outputs["gguf"] == outputs["none"]

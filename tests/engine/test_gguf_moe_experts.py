@@ -87,7 +87,7 @@ def expert_tensor_bytes(path: Path) -> int:
 
 
 def check_packed_tokens(path: Path) -> None:
-    dequantized = greedy(LLM(str(path), dtype="float32", **ENGINE))
+    dequantized = greedy(LLM(str(path), dtype="float32", quantization="none", **ENGINE))
     llm = LLM(str(path), dtype="float32", quantization="gguf", **ENGINE)
     layers = expert_layers(llm)
     assert layers and all(
@@ -165,7 +165,7 @@ def test_a_layer_with_a_type_without_kernel_is_dequantized_at_load(tmp_path, cap
 
     monkeypatch.setattr(gguf, "_dense_types_logged", set())  # said once a process: here, for this test
     path = moe_gguf(tmp_path, "qwen3_moe", {**Q4_K_M, "ffn_down_exps": T.TQ2_0})
-    dequantized = greedy(LLM(str(path), dtype="float32", **ENGINE))
+    dequantized = greedy(LLM(str(path), dtype="float32", quantization="none", **ENGINE))
     with caplog.at_level("INFO", logger="pagellm"):
         llm = LLM(str(path), dtype="float32", quantization="gguf", **ENGINE)
     assert "TQ2_0 weights have no in-place kernel" in caplog.text

@@ -22,7 +22,7 @@ pytestmark = [
 
 def test_smollm2_gguf_greedy_equals_transformers():
     path = default_model_path()
-    llm = LLM(path, dtype="float32", kv_cache_space=0.25, max_model_len=512)
+    llm = LLM(path, dtype="float32", kv_cache_space=0.25, max_model_len=512, quantization="none")
     tok = llm.get_tokenizer()
     texts = ["The capital of France is", "def fibonacci(n):", "Paged attention stores", "1, 2, 3, 4,"]
     prompts = [tok.encode(t) for t in texts]
@@ -35,7 +35,7 @@ def test_native_gguf_quantization_gives_the_dequantized_tokens():
     prompts = [{"prompt_token_ids": [1, 504, 3575, 282, 4649, 314]}, "def fibonacci(n):"]
     params = SamplingParams(temperature=0, max_tokens=8)
     outputs = {}
-    for quantization in (None, "gguf"):
+    for quantization in ("none", "gguf"):
         llm = LLM(path, dtype="float32", kv_cache_space=0.25, max_model_len=512, quantization=quantization)
         outputs[quantization] = [
             o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)
@@ -45,4 +45,4 @@ def test_native_gguf_quantization_gives_the_dequantized_tokens():
                 type(llm.engine.runner.model.model.layers[0].self_attn.qkv_proj.quant_method).__name__
                 == "GgufMethod"
             )
-    assert outputs["gguf"] == outputs[None]
+    assert outputs["gguf"] == outputs["none"]

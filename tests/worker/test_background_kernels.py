@@ -222,7 +222,7 @@ def test_a_gguf_mixture_of_experts_keeps_its_expert_blocks_for_the_kernel_that_b
         return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
     engine = dict(dtype="float32", max_model_len=400, kv_cache_space=0.01)
-    dequantized = greedy(LLM(str(path), **engine))
+    dequantized = greedy(LLM(str(path), quantization="none", **engine))
     build = HeldBuild()
     monkeypatch.setattr(cpu_kernels, "_background", build)
     llm = LLM(str(path), quantization="gguf", enforce_eager=True, compile_in_background=True, **engine)
