@@ -31,6 +31,7 @@ from pagellm.core.selector import (
     select_quant_method,
 )
 from pagellm.engine.default_model import default_model_path
+from pagellm.models.gguf_checkpoint import blocks_kept_for
 from pagellm.models.hub import gguf_path, hub_cache_dir, model_snapshot, parse_model_id, tokenizer_snapshot
 from pagellm.models.layers.fused_moe.block import expert_count
 from pagellm.models.layers.rotary import scaled_max_positions
@@ -463,8 +464,9 @@ def gguf_default_quantization(
     """The method to ask the selector for, and a note for the start-up log. A GGUF file without
     --quantization keeps its blocks (`gguf`), as llama.cpp and vLLM do: the memory is the file's and a
     decode step reads the file's bytes, not 2.5-3.5x them widened. It is widened instead where the method
-    cannot run here or with tensor or pipeline parallelism (not supported with quantization yet), saying
-    why; `none` widens it on request."""
+    cannot run here, with tensor or pipeline parallelism (not supported with quantization yet) and for an
+    architecture whose blocks the loader does not hand over (`blocks_kept_for`), saying why; `none` widens
+    it on request."""
     if config.quantization == NO_QUANTIZATION:
         return None, " (--quantization none)" if source.gguf_original is not None else ""
     if config.quantization is not None or source.gguf_original is None:
@@ -473,6 +475,9 @@ def gguf_default_quantization(
     reasons = quant_method_reasons(method, platform, dtype) if method is not None else ["not installed"]
     if config.tensor_parallel_size * config.pipeline_parallel_size > 1:
         reasons.append("tensor or pipeline parallelism")
+    unkept = blocks_kept_for(source.gguf_original)
+    if unkept is not None:
+        reasons.append(unkept)
     if reasons:
         return None, f" (the GGUF blocks widened to {dtype_name(dtype)}: gguf {'; '.join(reasons)})"
     return "gguf", " (a GGUF file's default: its blocks kept; --quantization none widens them)"

@@ -282,7 +282,7 @@ def _weights(reader: Any, hf_config, raw_linear: bool) -> Iterator[tuple[str, to
     if raw_linear and architecture not in _RAW_LINEAR_ARCHITECTURES:
         raise ConfigError(
             f"--quantization gguf keeps weights packed only for {', '.join(sorted(_RAW_LINEAR_ARCHITECTURES))} "
-            f"GGUF files, not {architecture!r}; leave --quantization unset to dequantize at load"
+            f"GGUF files, not {architecture!r}; --quantization none dequantizes it at load"
         )
     processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=hf_config.to_dict())
     names = gguf_hf_names(architecture, hf_config)
@@ -410,6 +410,72 @@ def _read_only_tensor(data: np.ndarray) -> torch.Tensor:
 _RAW_LINEAR_ARCHITECTURES = frozenset(
     {"llama", "mistral", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "gemma2", "gemma3", "phi3"}
 )
+
+_STRING = 8  # GGUF value types: a string, an array; the scalar ones by size
+_ARRAY = 9
+_SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+
+
+def gguf_architecture(path: str | os.PathLike) -> str | None:
+    """The file's `general.architecture`, read from its header up to that key (llama.cpp writes it first);
+    None for a file that is not a little-endian GGUF or lacks it. A few reads, where the gguf package's
+    reader would parse every field and tensor."""
+    import struct
+
+    def take(f, fmt: str) -> tuple:
+        size = struct.calcsize(fmt)
+        data = f.read(size)
+        if len(data) != size:
+            raise ValueError("truncated")
+        return struct.unpack(fmt, data)
+
+    def skip_string(f) -> None:
+        f.seek(take(f, "<Q")[0], os.SEEK_CUR)
+
+    try:
+        with open(path, "rb") as f:
+            if f.read(4) != b"GGUF":
+                return None
+            (version,) = take(f, "<I")
+            if version > 0xFFFF:  # a big-endian file
+                return None
+            _, fields = take(f, "<QQ")
+            for _ in range(fields):
+                key = f.read(take(f, "<Q")[0]).decode("utf-8", "replace")
+                (kind,) = take(f, "<I")
+                if kind == _STRING:
+                    value = f.read(take(f, "<Q")[0])
+                    if key == "general.architecture":
+                        return value.decode("utf-8", "replace")
+                elif kind == _ARRAY:
+                    item, count = take(f, "<IQ")
+                    if item == _STRING:
+                        for _ in range(count):
+                            skip_string(f)
+                    elif item in _SCALAR_BYTES:
+                        f.seek(count * _SCALAR_BYTES[item], os.SEEK_CUR)
+                    else:
+                        return None
+                elif kind in _SCALAR_BYTES:
+                    f.seek(_SCALAR_BYTES[kind], os.SEEK_CUR)
+                else:
+                    return None
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+def blocks_kept_for(path: str | os.PathLike) -> str | None:
+    """Why `--quantization gguf` cannot keep this file's linear weights as its blocks (its architecture is
+    not one whose tensors `iter_gguf_weights` hands over raw); None where it can."""
+    architecture = gguf_architecture(path)
+    if architecture in _RAW_LINEAR_ARCHITECTURES:
+        return None
+    return (
+        f"it keeps blocks for {', '.join(sorted(_RAW_LINEAR_ARCHITECTURES))} files, not "
+        f"{architecture if architecture is not None else 'this file'}"
+    )
+
 
 _TABLES = frozenset({"model.embed_tokens.weight", "lm_head.weight"})
 """Tensors other than the decoder's linears that `--quantization gguf` keeps in the file's blocks."""

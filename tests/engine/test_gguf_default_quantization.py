@@ -12,8 +12,10 @@ from pagellm.bench.common import BenchArgs
 from pagellm.bench.gguf_convert import convert_hf_checkpoint
 from pagellm.core.config import EngineConfig
 from pagellm.engine.setup import gguf_default_quantization, resolve_model_source
+from pagellm.models.gguf_checkpoint import gguf_architecture
 from pagellm.platforms.cpu import CpuPlatform
 from pagellm.plugins import load_plugins
+from pagellm.worker.step import ModelSource
 
 ENGINE = dict(dtype="float32", num_kv_blocks=64, max_model_len=256)
 
@@ -60,6 +62,30 @@ def test_the_default_is_widened_with_the_reason_where_gguf_cannot_run(tmp_path):
         source = resolve_model_source(config)
         requested, why = gguf_default_quantization(config, registry, CpuPlatform, torch.bfloat16, source)
         assert requested == expected and note in why, (config, requested, why)
+
+
+def test_an_architecture_whose_blocks_are_not_kept_is_widened_by_default(tmp_path):
+    """A file of an architecture `--quantization gguf` does not keep packed (its tensors not handed over
+    raw) loads widened, as before the default, instead of failing at the weights."""
+    import gguf
+    import numpy as np
+
+    path = tmp_path / "other.gguf"
+    writer = gguf.GGUFWriter(str(path), "gpt2")  # general.architecture first, as llama.cpp writes it
+    writer.add_uint32("gpt2.block_count", 1)
+    writer.add_array("tokenizer.ggml.tokens", ["a", "b"])
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    assert gguf_architecture(path) == "gpt2" and gguf_architecture(tmp_path) is None
+    source = ModelSource(str(tmp_path), gguf_original=str(path))
+    requested, why = gguf_default_quantization(
+        EngineConfig(model=str(path)), load_plugins(), CpuPlatform, torch.bfloat16, source
+    )
+    assert requested is None and "not gpt2" in why, why
+    assert gguf_architecture(_q8_file(tmp_path / "q8")) == "llama"
 
 
 def test_a_checkpoint_directory_keeps_its_own_quantization(tmp_path):
