@@ -464,9 +464,9 @@ def gguf_default_quantization(
     """The method to ask the selector for, and a note for the start-up log. A GGUF file without
     --quantization keeps its blocks (`gguf`), as llama.cpp and vLLM do: the memory is the file's and a
     decode step reads the file's bytes, not 2.5-3.5x them widened. It is widened instead where the method
-    cannot run here, with tensor or pipeline parallelism (not supported with quantization yet) and for an
-    architecture whose blocks the loader does not hand over (`blocks_kept_for`), saying why; `none` widens
-    it on request."""
+    cannot run here, with tensor or pipeline parallelism (not supported with quantization yet) or
+    --batch-invariant, and for an architecture whose blocks the loader does not hand over
+    (`blocks_kept_for`), saying why; `none` widens it on request."""
     if config.quantization == NO_QUANTIZATION:
         return None, " (--quantization none)" if source.gguf_original is not None else ""
     if config.quantization is not None or source.gguf_original is None:
@@ -475,6 +475,8 @@ def gguf_default_quantization(
     reasons = quant_method_reasons(method, platform, dtype) if method is not None else ["not installed"]
     if config.tensor_parallel_size * config.pipeline_parallel_size > 1:
         reasons.append("tensor or pipeline parallelism")
+    if config.batch_invariant:
+        reasons.append("--batch-invariant (it has no batch-invariant kernels)")
     unkept = blocks_kept_for(source.gguf_original)
     if unkept is not None:
         reasons.append(unkept)

@@ -56,6 +56,7 @@ def test_the_default_is_widened_with_the_reason_where_gguf_cannot_run(tmp_path):
         (EngineConfig(model=str(path)), "gguf", "its blocks kept"),
         (EngineConfig(model=str(path), tensor_parallel_size=2), None, "tensor or pipeline parallelism"),
         (EngineConfig(model=str(path), pipeline_parallel_size=2), None, "tensor or pipeline parallelism"),
+        (EngineConfig(model=str(path), batch_invariant=True), None, "--batch-invariant"),
         (EngineConfig(model=str(path), quantization="none"), None, "--quantization none"),
         (EngineConfig(model=str(path), quantization="gguf"), "gguf", ""),
     ]:
