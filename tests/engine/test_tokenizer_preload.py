@@ -51,7 +51,10 @@ def test_a_gguf_files_first_start_preloads_the_copy_the_engine_converts_meanwhil
     preload.join(0.2)
     assert preload.is_alive() and preload.loaded is None, "it waits for the engine's conversion"
     copy = gguf_checkpoint._converted_path(gguf.resolve(), tmp_path / "cache")
-    shutil.copytree(model, copy)  # as the engine's start writes it (a whole directory renamed into place)
+    # as the engine's start writes it: a whole directory renamed into place (a copy made in place could be
+    # seen, and loaded, before its tokenizer files are in it)
+    staged = Path(shutil.copytree(model, copy.with_name(copy.name + ".tmp")))
+    staged.rename(copy)
     preload.join(30)
     assert not preload.is_alive() and preload.loaded is not None
     assert preload.tokenizer(str(copy)) is preload.loaded
