@@ -38,6 +38,7 @@ import torch
 from pagellm.core.errors import ConfigError
 from pagellm.core.progress import progress
 from pagellm.models.gguf_config import fill_gguf_config
+from pagellm.models.gguf_header import gguf_architecture
 from pagellm.models.gguf_names import gguf_hf_names
 from pagellm.models.loader import CheckpointSlice
 
@@ -410,59 +411,6 @@ def _read_only_tensor(data: np.ndarray) -> torch.Tensor:
 _RAW_LINEAR_ARCHITECTURES = frozenset(
     {"llama", "mistral", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "gemma2", "gemma3", "phi3"}
 )
-
-_STRING = 8  # GGUF value types: a string, an array; the scalar ones by size
-_ARRAY = 9
-_SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
-
-
-def gguf_architecture(path: str | os.PathLike) -> str | None:
-    """The file's `general.architecture`, read from its header up to that key (llama.cpp writes it first);
-    None for a file that is not a little-endian GGUF or lacks it. A few reads, where the gguf package's
-    reader would parse every field and tensor."""
-    import struct
-
-    def take(f, fmt: str) -> tuple:
-        size = struct.calcsize(fmt)
-        data = f.read(size)
-        if len(data) != size:
-            raise ValueError("truncated")
-        return struct.unpack(fmt, data)
-
-    def skip_string(f) -> None:
-        f.seek(take(f, "<Q")[0], os.SEEK_CUR)
-
-    try:
-        with open(path, "rb") as f:
-            if f.read(4) != b"GGUF":
-                return None
-            (version,) = take(f, "<I")
-            if version > 0xFFFF:  # a big-endian file
-                return None
-            _, fields = take(f, "<QQ")
-            for _ in range(fields):
-                key = f.read(take(f, "<Q")[0]).decode("utf-8", "replace")
-                (kind,) = take(f, "<I")
-                if kind == _STRING:
-                    value = f.read(take(f, "<Q")[0])
-                    if key == "general.architecture":
-                        return value.decode("utf-8", "replace")
-                elif kind == _ARRAY:
-                    item, count = take(f, "<IQ")
-                    if item == _STRING:
-                        for _ in range(count):
-                            skip_string(f)
-                    elif item in _SCALAR_BYTES:
-                        f.seek(count * _SCALAR_BYTES[item], os.SEEK_CUR)
-                    else:
-                        return None
-                elif kind in _SCALAR_BYTES:
-                    f.seek(_SCALAR_BYTES[kind], os.SEEK_CUR)
-                else:
-                    return None
-    except (OSError, ValueError):
-        return None
-    return None
 
 
 def blocks_kept_for(path: str | os.PathLike) -> str | None:

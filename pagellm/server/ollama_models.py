@@ -6,6 +6,7 @@ where the model came from and the name it is served under."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -13,6 +14,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from pagellm import __version__
+from pagellm.models.gguf_header import gguf_file_type
 from pagellm.sampling.params import SamplingParams
 from pagellm.server import errors
 from pagellm.server.protocol_ollama import (
@@ -112,7 +114,17 @@ class OllamaModels:
             format="gguf" if self.source.endswith(".gguf") else "safetensors",
             family=family,
             families=[family],
-            quantization_level=str(quantization or dtype).upper(),
+            quantization_level=self._file_type or str(quantization or dtype).upper(),
+        )
+
+    @functools.cached_property
+    def _file_type(self) -> str | None:
+        """A GGUF file's own type (`Q4_K_M`), as Ollama reports it; read once, on the first ask (the field
+        can sit after the vocabulary: ~0.1 s)."""
+        return (
+            gguf_file_type(self.source)
+            if self.source.endswith(".gguf") and os.path.isfile(self.source)
+            else None
         )
 
     def _parameters(self) -> str:

@@ -215,3 +215,31 @@ def test_images_reach_a_model_that_takes_them(tmp_path):
         llm.shutdown()
     assert reply.message.content == openai["choices"][0]["message"]["content"]
     assert reply.prompt_eval_count == openai["usage"]["prompt_tokens"] > 20
+
+
+def test_a_gguf_model_reports_the_files_type_as_its_quantization_level(tmp_path):
+    """Ollama names a GGUF model's quantization by the file's type (`Q8_0`), not the converted config's dtype."""
+    from types import SimpleNamespace
+
+    import gguf
+    import numpy as np
+
+    from pagellm.server.ollama_models import OllamaModels
+
+    path = tmp_path / "m.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_array("tokenizer.ggml.tokens", ["a", "b"])
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0)
+    writer.add_tensor("token_embd.weight", np.zeros((2, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    models = OllamaModels.__new__(OllamaModels)  # the parts `_details` reads, without an engine
+    models.chat = SimpleNamespace(served=SimpleNamespace(names=["m"], loras={}))
+    models.config = {"model_type": "llama", "dtype": "float32"}
+    models.source = str(path)
+    assert models._details("m").quantization_level == "Q8_0" and models._details("m").format == "gguf"
+    models.source = str(tmp_path)  # a checkpoint directory: its dtype, as before
+    del models.__dict__["_file_type"]
+    assert models._details("m").quantization_level == "FLOAT32"
