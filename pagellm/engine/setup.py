@@ -32,6 +32,7 @@ from pagellm.core.selector import (
 )
 from pagellm.engine.default_model import default_model_path
 from pagellm.models.gguf_checkpoint import blocks_kept_for
+from pagellm.models.gguf_header import gguf_file_type
 from pagellm.models.hub import gguf_path, hub_cache_dir, model_snapshot, parse_model_id, tokenizer_snapshot
 from pagellm.models.layers.fused_moe.block import expert_count
 from pagellm.models.layers.rotary import scaled_max_positions
@@ -458,6 +459,10 @@ def check_parallel(config: EngineConfig, hf_config: Any, model_class: type) -> N
             raise ConfigError(f"{what} with tensor or pipeline parallelism is not supported yet")
 
 
+_FLOAT_FILE_TYPES = frozenset({"ALL_F32", "F16", "BF16"})
+"""`gguf_file_type`'s names for a file whose matrices are all floats."""
+
+
 def gguf_default_quantization(
     config: EngineConfig, registry: Any, platform: type[Platform], dtype: torch.dtype, source: ModelSource
 ) -> tuple[str | None, str]:
@@ -466,11 +471,16 @@ def gguf_default_quantization(
     decode step reads the file's bytes, not 2.5-3.5x them widened. It is widened instead where the method
     cannot run here, with tensor or pipeline parallelism (not supported with quantization yet) or
     --batch-invariant, and for an architecture whose blocks the loader does not hand over
-    (`blocks_kept_for`), saying why; `none` widens it on request."""
+    (`blocks_kept_for`), saying why; `none` widens it on request. A file of float matrices (its header's
+    `general.file_type` F32, F16 or BF16) has no blocks to keep: it loads as a checkpoint of floats does,
+    onto the platform's float kernels, as `none` would."""
     if config.quantization == NO_QUANTIZATION:
         return None, " (--quantization none)" if source.gguf_original is not None else ""
     if config.quantization is not None or source.gguf_original is None:
         return config.quantization, ""
+    file_type = gguf_file_type(source.gguf_original)
+    if file_type in _FLOAT_FILE_TYPES:
+        return None, f" (a {file_type} GGUF file: its matrices are floats, loaded as {dtype_name(dtype)})"
     method = registry.quant_methods.get("gguf")
     reasons = quant_method_reasons(method, platform, dtype) if method is not None else ["not installed"]
     if config.tensor_parallel_size * config.pipeline_parallel_size > 1:

@@ -103,3 +103,19 @@ def test_the_bench_runs_model_s_widened_as_the_workloads_define_it():
     assert BenchArgs(model="S").engine_config().quantization == "none"
     assert BenchArgs(model="S", engine={"quantization": "gguf"}).engine_config().quantization == "gguf"
     assert BenchArgs(model="/some/file.gguf").engine_config().quantization is None  # the engine's default
+
+
+def test_a_file_of_float_matrices_loads_as_floats(tmp_path):
+    """A BF16 or F32 GGUF has no blocks to keep: kept as `gguf` its matrices would skip the platform's
+    float kernels (and the native decode step) for a dequantize-per-matmul path; it loads as floats."""
+    directory = make_tiny_checkpoint("llama", tmp_path / "hf")
+    registry = load_plugins()
+    for dtype_name, file_type in [("bfloat16", "BF16"), ("float32", "ALL_F32")]:
+        path = convert_hf_checkpoint(directory, tmp_path / f"m.{dtype_name}.gguf", dtype_name)
+        config = EngineConfig(model=str(path))
+        source = resolve_model_source(config)
+        requested, why = gguf_default_quantization(config, registry, CpuPlatform, torch.bfloat16, source)
+        assert requested is None and f"a {file_type} GGUF file" in why, why
+    llm = LLM(str(path), **ENGINE)
+    assert llm.engine.setup.quant_method is None
+    assert llm.engine.runner.model.model.layers[0].self_attn.qkv_proj.weight.dtype == torch.float32
