@@ -4,9 +4,9 @@ field and tensor; imports nothing heavy, so the server can ask too."""
 
 from __future__ import annotations
 
+import mmap
 import os
 import struct
-from typing import BinaryIO
 
 _STRING = 8  # GGUF value types: a string, an array; the scalar ones by their struct format
 _ARRAY = 9
@@ -25,50 +25,70 @@ _SCALARS = {
 }
 
 
-def _take(f: BinaryIO, fmt: str) -> tuple:
-    size = struct.calcsize(fmt)
-    data = f.read(size)
-    if len(data) != size:
-        raise ValueError("truncated")
-    return struct.unpack(fmt, data)
+class _Cursor:
+    """Reads little-endian values from a mapped file, one position moving on."""
+
+    def __init__(self, data: mmap.mmap):
+        self.data, self.at = data, 0
+
+    def take(self, fmt: str) -> tuple:
+        values = struct.unpack_from(fmt, self.data, self.at)  # struct.error past the end
+        self.at += struct.calcsize(fmt)
+        return values
+
+    def bytes(self) -> bytes:
+        (size,) = self.take("<Q")
+        value = self.data[self.at : self.at + size]
+        self.at += size
+        return value
+
+    def skip_strings(self, count: int) -> None:
+        data, at, unpack = self.data, self.at, _U64.unpack_from
+        for _ in range(count):  # the vocabulary's and merges' 150k strings: ~20 ms a 151,936-token array
+            at += 8 + unpack(data, at)[0]
+        self.at = at
+
+
+_U64 = struct.Struct("<Q")
 
 
 def gguf_header_field(path: str | os.PathLike, key: str) -> str | int | float | bool | None:
     """The value of the string or scalar field `key`; None where the file is not a little-endian GGUF, lacks
     the field, or holds an array there."""
     try:
-        with open(path, "rb") as f:
-            if f.read(4) != b"GGUF":
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+            if data[:4] != b"GGUF":
                 return None
-            (version,) = _take(f, "<I")
+            cursor = _Cursor(data)
+            cursor.at = 4
+            (version,) = cursor.take("<I")
             if version > 0xFFFF:  # a big-endian file
                 return None
-            _, fields = _take(f, "<QQ")
+            _, fields = cursor.take("<QQ")
             for _ in range(fields):
-                name = f.read(_take(f, "<Q")[0]).decode("utf-8", "replace")
-                (kind,) = _take(f, "<I")
+                name = cursor.bytes().decode("utf-8", "replace")
+                (kind,) = cursor.take("<I")
                 if kind == _STRING:
-                    value = f.read(_take(f, "<Q")[0])
+                    value = cursor.bytes()
                     if name == key:
                         return value.decode("utf-8", "replace")
                 elif kind in _SCALARS:
-                    (value,) = _take(f, _SCALARS[kind])
+                    (value,) = cursor.take(_SCALARS[kind])
                     if name == key:
                         return value
                 elif kind == _ARRAY:
-                    item, count = _take(f, "<IQ")
+                    item, count = cursor.take("<IQ")
                     if name == key:
                         return None
                     if item == _STRING:
-                        for _ in range(count):
-                            f.seek(_take(f, "<Q")[0], os.SEEK_CUR)
+                        cursor.skip_strings(count)
                     elif item in _SCALARS:
-                        f.seek(count * struct.calcsize(_SCALARS[item]), os.SEEK_CUR)
+                        cursor.at += count * struct.calcsize(_SCALARS[item])
                     else:
                         return None
                 else:
                     return None
-    except (OSError, ValueError):
+    except (OSError, ValueError, struct.error):
         return None
     return None
 
