@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from pagellm.core.moe import ACTIVATIONS, QUANTIZED_DTYPES, SWIGLU_ALPHA, SWIGLU_LIMIT, PackedMoE
+from pagellm.platforms.cpu_huge_pages import huge_page_empty
 
 PANEL = 16
 """Weight columns per packed panel: w13's hold 8 gate and 8 up columns, w2's 16 output columns."""
@@ -65,7 +66,10 @@ def _interleave(panels: torch.Tensor) -> torch.Tensor:
     side by side for float32, interleaved column by column for bfloat16."""
     if panels.dtype == torch.bfloat16:
         panels = panels.transpose(-3, -2)  # [..., 8, 2, K]: value 2j is column j, 2j + 1 column 8 + j
-    return panels.flatten(-3, -2).transpose(-1, -2).contiguous()
+    panels = panels.flatten(-3, -2).transpose(-1, -2)
+    # on 2 MiB pages (`cpu_huge_pages`): model E's bf16 experts, 128-token requests through `pagellm serve`,
+    # 27.3-28.5 against 28.3-30.2 ms a token, alternated (Zen 4)
+    return huge_page_empty(tuple(panels.shape), panels.dtype).copy_(panels)
 
 
 def pack_w13(w13: torch.Tensor) -> torch.Tensor:
