@@ -215,6 +215,6 @@ def format_profile(profile: dict[str, Any]) -> str:
     if not calls.get("attention") or not calls.get("linears"):
         out.append(
             "note: the attention/linear hooks did not fire (a compiled forward, or the native decode step, "
-            "which runs a one-request decode in one call); rerun with --enforce-eager --no-native-decode"
+            "which runs a decode step in one call); rerun with --enforce-eager --no-native-decode"
         )
     return "\n".join(out)

@@ -177,9 +177,10 @@ class EngineConfig:
     )
     native_decode: bool = _opt(
         True,
-        "Run a step that is one request's one token in one native call where the platform has one (CPU: "
-        "Llama-family and Qwen3-MoE models from GGUF files, or in bfloat16 on CPUs without AMX; start-up says "
-        "whether it applies and why); off: every step runs the model's forward.",
+        "Run a decode step in one native call where the platform has one (CPU: one request's step of "
+        "Llama-family and Qwen3-MoE models from GGUF files, or in bfloat16 on CPUs without AMX; a batch's "
+        "step too where every linear is on the AVX-512 BF16 pair kernel; start-up says whether it applies "
+        "and why); off: every step runs the model's forward.",
         envvar="PAGELLM_NATIVE_DECODE",
     )
     batch_invariant: bool = _opt(

@@ -79,9 +79,15 @@ class DenseDecoder:
 
 
 class NativeDecodeStep(Protocol):
-    """A platform's one-request decode step over the model's KV cache."""
+    """A platform's decode step over the model's KV cache: one request's token, or several requests' where
+    `batches`."""
 
-    def __call__(self, token: int, position: int, slot: int, block_table: np.ndarray) -> torch.Tensor:
-        """The final hidden state [1, hidden] (after the final norm) of `token` at `position`, its key and
-        value stored at cache `slot`; `block_table`: its request's blocks, int32."""
+    batches: bool
+
+    def __call__(
+        self, tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray, block_tables: np.ndarray
+    ) -> torch.Tensor:
+        """The final hidden states [rows, hidden] (after the final norm) of `tokens` (one per request) at
+        `positions`, their keys and values stored at cache `slots`; `block_tables`: int32 [rows, blocks],
+        each its request's."""
         ...

@@ -259,10 +259,11 @@ class Platform:
     def native_decode_step(
         cls, model: DenseDecoder, kv_caches: list[torch.Tensor], attention: list[Any], block_size: int
     ) -> tuple[NativeDecodeStep | None, str]:
-        """A one-request decode step of `model` in one native call over these KV caches (one per layer;
-        `attention`: the layers' attention modules, whose backends hold their specs), or None; always
-        with the reason, which start-up logs. Asked once, after the KV cache exists; the runner then calls
-        it for every step that is one request's one token (`core/native_decode.py`)."""
+        """A decode step of `model` in one native call over these KV caches (one per layer; `attention`:
+        the layers' attention modules, whose backends hold their specs), or None; always with the reason,
+        which start-up logs. Asked once, after the KV cache exists; the runner then calls it for every step
+        that is one request's one token, and every step of decodes only where the step says it `batches`
+        (`core/native_decode.py`)."""
         return None, f"the {cls.name} platform has no native decode step"
 
     @classmethod

@@ -1,5 +1,6 @@
-"""The CPU platform's native decode step (`Platform.native_decode_step`): one request's decode token through
-a dense Llama decoder in one call of `cpu_kernels/native_decoder.cpp`.
+"""The CPU platform's native decode step (`Platform.native_decode_step`): a decode step through a dense Llama
+decoder in one call of `cpu_kernels/native_decoder.cpp`, one request's token, or a batch's tokens where every
+linear is on the pair kernel (the batch's rows multiplied as `cpu_bf16_pair_linear` multiplies them).
 
 It applies where every piece of the step has a kernel that call can run: the decoder's linears either GGUF
 blocks on the GGUF kernels (`QuantMethod.native_blocks`; any CPU the kernels build for) or bfloat16 packed
@@ -27,19 +28,33 @@ from pagellm.platforms.cpu_moe import CpuFusedMoE
 
 
 class CpuNativeDecodeStep:
-    """A plan handed to the kernels once (weights, caches, sizes); each call one token's step."""
+    """A plan handed to the kernels once (weights, caches, sizes); each call one decode step, of one
+    request, or of several where every projection is on the pair kernel (`batches`)."""
 
     def __init__(self, kernels: Any, handle: int, hidden_size: int):
         self._kernels = kernels
         self._handle = handle
         self._hidden_size = hidden_size
+        self.batches = bool(kernels.native_decoder_batches(handle))
         weakref.finalize(self, kernels.native_decoder_drop, handle)
 
-    def __call__(self, token: int, position: int, slot: int, block_table: np.ndarray) -> torch.Tensor:
-        out = torch.empty(1, self._hidden_size, dtype=torch.bfloat16)
-        table = torch.from_numpy(np.ascontiguousarray(block_table, dtype=np.int32))
-        self._kernels.native_decoder_step(self._handle, out, token, position, slot, table)
+    def __call__(
+        self, tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray, block_tables: np.ndarray
+    ) -> torch.Tensor:
+        out = torch.empty(len(tokens), self._hidden_size, dtype=torch.bfloat16)
+        self._kernels.native_decoder_step(
+            self._handle,
+            out,
+            _int64(tokens),
+            _int64(positions),
+            _int64(slots),
+            torch.from_numpy(np.ascontiguousarray(block_tables, dtype=np.int32)),
+        )
         return out
+
+
+def _int64(values: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(values, dtype=np.int64))
 
 
 def native_decode_step(
@@ -97,7 +112,13 @@ def native_decode_step(
         floats,
         attention[0].impl.use_amx,
     )
-    return CpuNativeDecodeStep(kernels, handle, model.hidden_size), "one call per step of one request"
+    step = CpuNativeDecodeStep(kernels, handle, model.hidden_size)
+    if step.batches:
+        return step, "one call per decode step, of one request or a batch"
+    return (
+        step,
+        "one call per step of one request; a batch's runs the forward (not every linear is on the pair kernel)",
+    )
 
 
 def _unsupported(model: DenseDecoder, kv_caches: list[torch.Tensor], attention: list[Any]) -> str | None:

@@ -121,7 +121,7 @@ class ModelRunner:
         )
         # decode steps replayed from CUDA graphs
         self.graphs = self.built.capture_graphs(speculative=self.spec_decode is not None)
-        # a step of one request's one token in one native call, where the platform has it
+        # a decode step in one native call, where the platform has it
         self.native_decode = self._native_decode_step()
         self.built.log_kv_windows()
 
@@ -261,14 +261,22 @@ class ModelRunner:
         )
 
     def _run_native_decode(self, a: StepArrays) -> torch.Tensor | None:
-        """The final hidden state of a step that is one request's one token, from the native step; None
-        for any other step (it runs the forward)."""
-        if len(a.input_ids) != 1 or len(a.seq_lens) != 1 or a.more_groups or a.rope_lengths is not None:
+        """The final hidden states of a step of decodes only (each request one token at the end of its
+        context): one request's, or a batch's where the native step takes batches; None for any other
+        step (it runs the forward)."""
+        rows = len(a.input_ids)
+        if rows != len(a.seq_lens) or (rows > 1 and not self.native_decode.batches):
             return None
-        position = int(a.positions[0])
-        if a.seq_lens[0] != position + 1 or a.mrope_positions is not None or a.bidirectional is not None:
+        if (
+            a.more_groups
+            or a.rope_lengths is not None
+            or a.mrope_positions is not None
+            or a.bidirectional is not None
+        ):
             return None
-        return self.native_decode(int(a.input_ids[0]), position, int(a.slot_mapping[0]), a.block_tables[0])
+        if not np.array_equal(a.seq_lens, a.positions + 1):
+            return None
+        return self.native_decode(a.input_ids, a.positions, a.slot_mapping, a.block_tables)
 
     def _forward(
         self, step: StepArrays, lora: LoRABatch | None = None, images: ImageBatch | None = None

@@ -525,7 +525,7 @@ class RunnerBuild:
         )
 
     def native_decode_step(self, *, speculative: bool, kv_transfer: bool) -> NativeDecodeStep | None:
-        """The platform's step for one request's one token (`Platform.native_decode_step`), where the model
+        """The platform's native decode step (`Platform.native_decode_step`), where the model
         and this engine's features allow it (`speculative`, `kv_transfer`: the runner has those parts, which
         read or save every step's layers); start-up logs whether it applies, and why."""
         step, why = None, ""

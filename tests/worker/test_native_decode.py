@@ -82,9 +82,10 @@ def _engine(model_dir, **kw) -> LLM:
     )
 
 
-def _watch(llm: LLM) -> list[float]:
+def _watch(llm: LLM, rows: list[int] | None = None) -> list[float]:
     """Run the forward beside every native step and record how far apart their hidden states are
-    (largest difference over the forward's largest value); the native step's result goes on."""
+    (largest difference over the forward's largest value), and in `rows` each step's number of requests;
+    the native step's result goes on."""
     runner = llm.engine.runner
     assert runner.native_decode is not None
     gaps: list[float] = []
@@ -95,6 +96,8 @@ def _watch(llm: LLM) -> list[float]:
         if hidden is not None:
             forward = runner._forward(arrays).hidden.float()
             gaps.append(((hidden.float() - forward).abs().max() / forward.abs().max()).item())
+            if rows is not None:
+                rows.append(hidden.shape[0])
         return hidden
 
     runner._run_native_decode = both
@@ -116,11 +119,36 @@ def test_a_native_step_gives_the_forwards_hidden_state(native_here, checkpoints,
     assert exact >= 20 and max(gaps) <= 2**-7, gaps
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_a_batch_of_decodes_runs_in_one_call(native_here, checkpoints, arch, two_threads):
+    """Three requests of different lengths decode together, then two, then one: every decode step runs
+    natively with all its rows (each its own position, slot and block table; the longest context past 256
+    tokens, where attention splits it), and gives the forward's hidden states; greedy tokens as with it
+    off."""
+    prompts = [list(range(3, 300)), list(range(7, 40)), list(range(11, 20))]
+    params = [SamplingParams(max_tokens=n, **GREEDY) for n in (10, 20, 30)]
+    results = []
+    for on in (True, False):
+        llm = _engine(checkpoints[arch], native_decode=on)
+        rows: list[int] = []
+        gaps = _watch(llm, rows) if on else []
+        out = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        results.append([list(o.outputs[0].token_ids) for o in out])
+        if on:
+            assert llm.engine.runner.native_decode.batches
+            assert rows == [3] * 9 + [2] * 10 + [1] * 10, rows
+            exact = sum(gap == 0 for gap in gaps)
+            assert exact >= 25 and max(gaps) <= 2**-7, gaps
+    assert results[0] == results[1]
+
+
 def test_gguf_blocks_give_the_forwards_hidden_state(native_gguf_here, gguf_checkpoint, two_threads):
-    """x quantized once per linear for both threads; the rows split as gguf_linear splits them."""
+    """x quantized once per linear for both threads; the rows split as gguf_linear splits them. A batch's
+    step runs the forward (its tiles), not the native step."""
     results = []
     for on in (True, False):
         llm = _engine(gguf_checkpoint, quantization="gguf", native_decode=on)
+        assert not on or not llm.engine.runner.native_decode.batches
         gaps = _watch(llm) if on else []
         out = llm.generate(
             [{"prompt_token_ids": list(range(3, 40))}], SamplingParams(max_tokens=20, **GREEDY)
@@ -175,12 +203,14 @@ def test_routed_experts(native_gguf_here, tmp_path, weights, two_threads):
         gaps = _watch(llm) if on else []
         prompts = [{"prompt_token_ids": list(range(3 + i, 40 + i))} for i in range(3)]
         outs = [llm.generate([p], SamplingParams(max_tokens=16, **GREEDY))[0] for p in prompts]
+        outs += llm.generate(prompts, SamplingParams(max_tokens=16, **GREEDY))
         results.append([list(o.outputs[0].token_ids) for o in outs])
         if on:
             print(
                 f"{weights}: {sum(g == 0 for g in gaps)} of {len(gaps)} steps the same bits, largest gap {max(gaps):.2e}"
             )
-            assert len(gaps) == 45 and sum(g == 0 for g in gaps) >= 30
+            # bfloat16: the batch's 15 steps natively too (router and attention on the pair kernel)
+            assert len(gaps) == 45 + (15 if weights == "bf16" else 0) and sum(g == 0 for g in gaps) >= 30
     assert results[0] == results[1]
 
 
@@ -221,8 +251,8 @@ def test_bfloat16_on_the_panel_kernel(panel_linears, checkpoints, tmp_path, arch
 
 
 def test_greedy_tokens_are_the_same_with_it_off(native_here, checkpoints):
-    """Batched steps (two requests) run the forward, the steps of the one left run natively, prefix-cache
-    hits and a one-token prompt (a step of one token at position 0) too."""
+    """Batched steps and the steps of the one left, prefix-cache hits and a one-token prompt (a step of one
+    token at position 0) too."""
     prompts = [list(range(5, 45)), list(range(5, 30)) + [7, 8, 9], [11]]
     params = [SamplingParams(max_tokens=n, **GREEDY) for n in (6, 30, 12)]
     results = []
@@ -254,7 +284,7 @@ def test_start_up_says_whether_it_applies_and_why(native_here, checkpoints, tmp_
             )
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("native decode step")]
     assert lines == [
-        "native decode step: on (one call per step of one request)",
+        "native decode step: on (one call per decode step, of one request or a batch)",
         "native decode step: off (--no-native-decode)",
         "native decode step: off (the model's dtype is torch.float32, not bfloat16)",
         "native decode step: off (its layers keep KV caches of several kinds (sliding windows))",
@@ -264,9 +294,12 @@ def test_start_up_says_whether_it_applies_and_why(native_here, checkpoints, tmp_
 
 def test_a_bad_step_is_refused_with_a_reason(native_here, checkpoints):
     step = _engine(checkpoints["llama"]).engine.runner.native_decode
-    table = torch.arange(1, 3, dtype=torch.int32).numpy()
-    assert step(5, 20, 20 + 16, table).shape == (1, 64)
+    table = torch.arange(1, 3, dtype=torch.int32).numpy()[None]
+    one = [np.array([v]) for v in (5, 20, 20 + 16)]
+    assert step(*one, table).shape == (1, 64)
     with pytest.raises(RuntimeError, match="token id 100000 out of range"):
-        step(100000, 20, 20 + 16, table)
+        step(np.array([100000]), *one[1:], table)
     with pytest.raises(RuntimeError, match="covering position 40"):
-        step(5, 40, 40 + 16, table)
+        step(one[0], np.array([40]), np.array([40 + 16]), table)
+    with pytest.raises(RuntimeError, match="one per row"):
+        step(np.array([5, 6]), *one[1:], table)

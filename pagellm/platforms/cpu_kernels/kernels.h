@@ -86,6 +86,11 @@ at::Tensor cpu_bf16_pair_linear(const at::Tensor& input, const at::Tensor& packe
 // null); a thread's share, for callers with their own parallel region. Only in builds with AVX-512 BF16.
 void bf16_pair_row_run(const uint16_t* x, const uint16_t* w, int64_t pairs, const float* b, int64_t n, uint16_t* y,
                        int64_t first, int64_t last);
+// m bfloat16 x rows (x_stride apart; y's n apart) times the panel pairs [first, last) (pair u: panels 2u and
+// 2u + 1) of a pair-packed weight, as a batch's call multiplies them: a thread's share of a batch, for callers
+// with their own parallel region. Only in builds with AVX-512 BF16.
+void bf16_pair_rows_run(const uint16_t* x, int64_t m, int64_t x_stride, const uint16_t* w, int64_t pairs,
+                        int64_t panels, const float* b, int64_t n, uint16_t* y, int64_t first, int64_t last);
 
 // native_decoder.cpp
 int64_t native_decoder_plan(const at::Tensor& embed, int64_t embed_type, const at::Tensor& final_norm,
@@ -96,8 +101,10 @@ int64_t native_decoder_plan(const at::Tensor& embed, int64_t embed_type, const a
                             at::IntArrayRef moe, const c10::List<c10::optional<at::Tensor>>& experts,
                             at::IntArrayRef expert_types, at::IntArrayRef dims, at::ArrayRef<double> floats,
                             bool use_amx);
-void native_decoder_step(int64_t handle, at::Tensor out, int64_t token, int64_t position, int64_t slot,
-                         const at::Tensor& block_table);
+void native_decoder_step(int64_t handle, at::Tensor out, const at::Tensor& tokens, const at::Tensor& positions,
+                         const at::Tensor& slots, const at::Tensor& block_tables);
+// Whether a plan's step may take several requests' rows (its projections all pair-packed).
+bool native_decoder_batches(int64_t handle);
 void native_decoder_drop(int64_t handle);
 // Whether pair-packed bfloat16 projections run here (a build with AVX-512 BF16); GGUF ones run in any.
 bool native_decoder_pairs();

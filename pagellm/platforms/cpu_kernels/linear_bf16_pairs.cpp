@@ -204,6 +204,38 @@ void rows_block(int rows, const uint16_t* const* x, const uint16_t* p0, const ui
 
 }  // namespace
 
+#if PL_BF16_PAIRS
+// m x rows (x_stride apart; y's rows n apart) times the panel pairs [first, last) (pair u: panels 2u and
+// 2u + 1): for each pair every block of up to kRows rows runs the whole K, the first block streaming the pair
+// from memory and asking for the next. A thread's share of a batch (`cpu_bf16_pair_linear` splits the pairs
+// in contiguous runs), and of a native decode step's batch (native_decoder.cpp), which splits them the same
+// way inside its own parallel region: the same blocks, so the same bits.
+void bf16_pair_rows_run(const uint16_t* x, int64_t m, int64_t x_stride, const uint16_t* w, int64_t pairs,
+                        int64_t panels, const float* b, int64_t n, uint16_t* y, int64_t first, int64_t last) {
+  const int64_t panel_elems = pairs * 2 * kCols;
+  for (int64_t u = first; u < last; ++u) {
+    const int64_t p = 2 * u;
+    const bool two = p + 1 < panels;
+    const uint16_t* p0 = w + p * panel_elems;
+    const uint16_t* p1 = two ? p0 + panel_elems : nullptr;
+    const int64_t cols = std::min<int64_t>(two ? 2 * kCols : kCols, n - p * kCols);
+    const float* bp = b ? b + p * kCols : nullptr;
+    // the first row block streams this pair from memory and asks for the next (this thread's, mostly)
+    const bool next = p + 3 < panels;
+    const uint16_t* a0 = next ? p0 + 2 * panel_elems : nullptr;
+    const uint16_t* a1 = next ? p0 + 3 * panel_elems : nullptr;
+    for (int64_t r0 = 0; r0 < m; r0 += kRows, a0 = a1 = nullptr) {
+      const int rows = static_cast<int>(std::min<int64_t>(kRows, m - r0));
+      const uint16_t* xr[kRows];
+      uint16_t* yr[kRows];
+      for (int r = 0; r < rows; ++r) xr[r] = x + (r0 + r) * x_stride, yr[r] = y + (r0 + r) * n + p * kCols;
+      two ? rows_block<true>(rows, xr, p0, p1, pairs, bp, yr, cols, a0, a1)
+          : rows_block<false>(rows, xr, p0, p1, pairs, bp, yr, cols, a0, a1);
+    }
+  }
+}
+#endif
+
 bool bf16_pairs_available() { return PL_BF16_PAIRS; }
 
 // x [..., K] bfloat16 @ W^T (+ bias) -> [..., N] bfloat16; W [N, K] packed as the top of this file says,
@@ -248,29 +280,10 @@ at::Tensor cpu_bf16_pair_linear(const at::Tensor& input, const at::Tensor& packe
   auto* ys = reinterpret_cast<uint16_t*>(out.data_ptr());
   const float* b = bias_f32.empty() ? nullptr : bias_f32.data();
   if (m == 1) return one_row(xs, w, pairs, panels, b, n, ys), out;
-  const int64_t panel_elems = pairs * 2 * kCols, x_stride = 2 * pairs, units = (panels + 1) / 2;
-  parallel_balanced(
-      units, [](int64_t) { return int64_t(1); },
-      [&](int64_t u) {
-        const int64_t p = 2 * u;
-        const bool two = p + 1 < panels;
-        const uint16_t* p0 = w + p * panel_elems;
-        const uint16_t* p1 = two ? p0 + panel_elems : nullptr;
-        const int64_t cols = std::min<int64_t>(two ? 2 * kCols : kCols, n - p * kCols);
-        const float* bp = b ? b + p * kCols : nullptr;
-        // the first row block streams this pair from memory and asks for the next (this thread's, mostly)
-        const bool next = p + 3 < panels;
-        const uint16_t* a0 = next ? p0 + 2 * panel_elems : nullptr;
-        const uint16_t* a1 = next ? p0 + 3 * panel_elems : nullptr;
-        for (int64_t r0 = 0; r0 < m; r0 += kRows, a0 = a1 = nullptr) {
-          const int rows = static_cast<int>(std::min<int64_t>(kRows, m - r0));
-          const uint16_t* xr[kRows];
-          uint16_t* yr[kRows];
-          for (int r = 0; r < rows; ++r) xr[r] = xs + (r0 + r) * x_stride, yr[r] = ys + (r0 + r) * n + p * kCols;
-          two ? rows_block<true>(rows, xr, p0, p1, pairs, bp, yr, cols, a0, a1)
-              : rows_block<false>(rows, xr, p0, p1, pairs, bp, yr, cols, a0, a1);
-        }
-      });
+  const int64_t units = (panels + 1) / 2;
+  parallel_runs(units, [&](int64_t first, int64_t last) {
+    bf16_pair_rows_run(xs, m, 2 * pairs, w, pairs, panels, b, n, ys, first, last);
+  });
 #endif
   return out;
 }

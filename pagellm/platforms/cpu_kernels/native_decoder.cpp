@@ -1,5 +1,5 @@
-// One user's decode step of a dense Llama-shaped model (Llama, Mistral, SmolLM2, Qwen2, Qwen3) in one
-// native call, its linears either GGUF blocks on gguf_linear.cpp's one-row products (any build: AVX2,
+// A decode step of a dense Llama-shaped model (Llama, Mistral, SmolLM2, Qwen2, Qwen3) in one native call,
+// one request's token or, where every linear is pair-packed, a batch's (a row per request), its linears either GGUF blocks on gguf_linear.cpp's one-row products (any build: AVX2,
 // AVX-512, AMX or plain C++; x quantized once per linear, the rows split as gguf_linear splits them, so
 // the same bits) or bfloat16 on the pair kernel (linear_bf16_pairs.cpp: builds with AVX-512 BF16, which
 // CPUs without AMX use for bfloat16 linears: AMD Zen 4 and 5).
@@ -11,15 +11,19 @@
 // thread. Here a layer's work after its attention and the next layer's before it (o_proj, add and norm,
 // gate_up, SiLU and multiply, down, add and norm, qkv, q/k norms, rotary, the cache store) run in one
 // parallel region, the threads meeting at a barrier between ops; attention is paged_attention, called
-// directly (it splits the context between the threads itself).
+// directly (it splits the context between the threads itself). A batch's rows are multiplied by the
+// panel pairs as a batch's cpu_bf16_pair_linear call multiplies them (bf16_pair_rows_run), and the rows'
+// norms, SiLU, rotary and cache stores split between the threads a row at a time.
 //
 // The arithmetic is the eager PyTorch forward's: every op rounds its result to bfloat16 where the model's
 // modules do (RMSNorm in float32, scaled in bfloat16; rotary with cos/sin rounded to bfloat16; SiLU rounded
 // before the multiply), the linears are the same kernel, so the step's hidden state differs from the
-// eager one only where a float32 sum is taken in another order (the norms' sums of squares).
+// eager one only where a float32 sum is taken in another order (the norms' sums of squares). The AVX-512
+// build takes norms and SiLU 16 values at a time, its e^x within one float32 unit in the last place: over
+// every bfloat16 gate value its SiLU rounds to the same bfloat16 as the scalar one's (libm's expf).
 //
 // The plan (weights, caches, sizes) is handed over once per engine (native_decoder_plan -> a handle); a
-// step passes the token, its position, its cache slot and its request's block table.
+// step passes each row's token, position, cache slot and request's block table.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/List.h>
@@ -47,6 +51,12 @@
 #define PL_NATIVE_PANELS 1  // bf16_panel_row_run is in this build (linear_panels.cpp)
 #else
 #define PL_NATIVE_PANELS 0
+#endif
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define PL_NATIVE_AVX512 1  // the rows' elementwise ops 16 values at a time
+#else
+#define PL_NATIVE_AVX512 0
 #endif
 
 namespace {
@@ -105,25 +115,56 @@ struct RowDeleter {
 };
 
 struct Decoder {
-  int64_t hidden = 0, heads = 0, kv_heads = 0, head_dim = 0, inter = 0, block_size = 0;
+  int64_t hidden = 0, heads = 0, kv_heads = 0, head_dim = 0, inter = 0, block_size = 0, qkv_n = 0;
   int64_t items_per_thread = 0, min_partition = 0, max_experts = 0, max_top_k = 0;
   float eps = 0.f, rope_scaling = 1.f;
   double scale = 1.0;
   bool amx = false;
+  bool batches = false;  // every projection pair-packed: a step may take several requests' rows
   std::vector<float> inv_freq;
   const uint8_t* embed = nullptr;  // [vocab, embed_row_bytes]
   int64_t embed_type = -1, embed_row_bytes = 0, vocab = 0;  // GGML type of the rows; -1: bfloat16
   const uint16_t* final_norm = nullptr;
   std::vector<Layer> layers;
   std::vector<at::Tensor> keep;  // the tensors the pointers above read
-  // one step's values (bfloat16 bits), reused
+  // one step's values (bfloat16 bits), a row per request, reused; room for `capacity` rows
+  int64_t rows = 0, capacity = 0;
   std::vector<uint16_t> h, residual, normed, qkv, gate_up, act;
-  std::vector<float> cos, sin;  // rounded to bfloat16, as apply_rotary rounds them
-  std::unique_ptr<GgufRow, RowDeleter> xq;  // the next GGUF linear's x, quantized
-  std::vector<float> xf;                    // the next panel linear's x, widened
+  std::vector<float> cos, sin;  // rounded to bfloat16, as apply_rotary rounds them; head_dim / 2 per row
+  std::unique_ptr<GgufRow, RowDeleter> xq;  // the next GGUF linear's x, quantized (one row)
+  std::vector<float> xf;                    // the next panel linear's x, widened (one row)
   std::vector<uint16_t> router;             // an expert layer's router logits
-  at::Tensor moe_in, topk_weights, topk_ids;  // [1, hidden] bfloat16, [1, K] float32, [1, K] int64
+  // the kernels' tensors at `capacity` rows, and these step's `rows` of them
+  at::Tensor moe_in_all, topk_weights_all, topk_ids_all, q_all, attn_all, seq_lens_all, query_start_all, reqs_all;
+  at::Tensor moe_in, topk_weights, topk_ids;  // [rows, hidden] bfloat16, [rows, K] float32, [rows, K] int64
   at::Tensor q, attn, seq_lens, query_start, reqs;
+
+  // room for n rows; the views of this step's
+  void reserve(int64_t n) {
+    if (n > capacity) {
+      capacity = n;
+      const int64_t d = head_dim;
+      h.resize(n * hidden), residual.resize(n * hidden), normed.resize(n * hidden), qkv.resize(n * qkv_n);
+      gate_up.resize(n * 2 * inter), act.resize(n * inter), router.resize(n * max_experts);
+      cos.resize(n * d / 2), sin.resize(n * d / 2);
+      const auto bf16 = keep[0].options().dtype(at::kBFloat16), ints = keep[0].options().dtype(at::kInt);
+      q_all = keep[0].new_empty({n, heads, d}, bf16), attn_all = keep[0].new_empty({n, heads, d}, bf16);
+      seq_lens_all = keep[0].new_empty({n}, ints), query_start_all = keep[0].new_empty({n + 1}, ints), reqs_all = keep[0].new_empty({n}, ints);
+      for (int64_t r = 0; r <= n; ++r) query_start_all.data_ptr<int32_t>()[r] = int32_t(r);
+      for (int64_t r = 0; r < n; ++r) reqs_all.data_ptr<int32_t>()[r] = int32_t(r);
+      moe_in_all = keep[0].new_empty({n, hidden}, bf16);
+      topk_weights_all = keep[0].new_empty({n, max_top_k}, keep[0].options().dtype(at::kFloat));
+      topk_ids_all = keep[0].new_empty({n, max_top_k}, keep[0].options().dtype(at::kLong));
+      rows = 0;
+    }
+    if (n != rows) {
+      rows = n;
+      q = q_all.narrow(0, 0, n), attn = attn_all.narrow(0, 0, n), seq_lens = seq_lens_all.narrow(0, 0, n);
+      query_start = query_start_all.narrow(0, 0, n + 1), reqs = reqs_all.narrow(0, 0, n);
+      moe_in = moe_in_all.narrow(0, 0, n), topk_weights = topk_weights_all.narrow(0, 0, n);
+      topk_ids = topk_ids_all.narrow(0, 0, n);
+    }
+  }
 };
 
 std::mutex decoders_lock;
@@ -137,15 +178,62 @@ inline uint16_t rb(float f) { return float_to_bf16(f); }
 
 const uint16_t* bits(const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr()); }
 
+#if PL_NATIVE_AVX512
+// 16 bfloat16 values widened, and 16 floats rounded to bfloat16 as float_to_bf16 rounds them (to nearest
+// even; NaN stays NaN)
+inline __m512 load16(const uint16_t* p) {
+  return _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+inline __m256i round16(__m512 f) {
+  const __m512i bits = _mm512_castps_si512(f);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
+  const __mmask16 nan = _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q);
+  r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x40));
+  return _mm512_cvtepi32_epi16(r);
+}
+inline void store16(uint16_t* p, __m512 f) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), round16(f)); }
+inline __m512 rounded(__m512 f) {  // f rounded to bfloat16 and widened again
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(round16(f)), 16));
+}
+
+// e^x within about one float32 unit in the last place (libm's expf, which the scalar SiLU calls, is within
+// one half): x = n ln 2 + r, |r| <= ln 2 / 2, e^r by Cephes' expf polynomial (its six terms paired, for
+// shorter chains of dependent multiply-adds), times 2^n
+inline __m512 exp16(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-104.f)), _mm512_set1_ps(89.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f),
+                                    _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x));
+  const __m512 r2 = _mm512_mul_ps(r, r);
+  const __m512 high = _mm512_fmadd_ps(_mm512_set1_ps(1.9875691500e-4f), r, _mm512_set1_ps(1.3981999507e-3f));
+  const __m512 mid = _mm512_fmadd_ps(_mm512_set1_ps(8.3334519073e-3f), r, _mm512_set1_ps(4.1665795894e-2f));
+  const __m512 low = _mm512_fmadd_ps(_mm512_set1_ps(1.6666665459e-1f), r, _mm512_set1_ps(5.0000001201e-1f));
+  const __m512 poly = _mm512_fmadd_ps(_mm512_fmadd_ps(high, r2, mid), r2, low);
+  return _mm512_scalef_ps(_mm512_fmadd_ps(poly, r2, _mm512_add_ps(r, _mm512_set1_ps(1.f))), n);
+}
+#endif
+
 // float32 sum of squares of n bfloat16 values, 16 partial sums (a vectorisable order, as torch's is)
 float sum_squares(const uint16_t* x, int64_t n) {
   float part[16] = {0.f};
   int64_t j = 0;
+#if PL_NATIVE_AVX512
+  __m512 acc = _mm512_setzero_ps();
+  for (; j + 16 <= n; j += 16) {
+    const __m512 v = load16(x + j);
+    acc = _mm512_add_ps(acc, _mm512_mul_ps(v, v));
+  }
+  _mm512_storeu_ps(part, acc);
+#else
   for (; j + 16 <= n; j += 16)
     for (int l = 0; l < 16; ++l) {
       const float v = bf(x[j + l]);
       part[l] += v * v;
     }
+#endif
   for (; j < n; ++j) part[j % 16] += bf(x[j]) * bf(x[j]);
   float sum = 0.f;
   for (float p : part) sum += p;
@@ -156,14 +244,45 @@ float sum_squares(const uint16_t* x, int64_t n) {
 // (RMSNorm.forward). out may be x.
 void rms_norm(const uint16_t* x, const uint16_t* weight, int64_t n, float eps, uint16_t* out) {
   const float r = 1.f / std::sqrt(sum_squares(x, n) / float(n) + eps);
-  for (int64_t j = 0; j < n; ++j) out[j] = rb(bf(weight[j]) * bf(rb(bf(x[j]) * r)));
+  int64_t j = 0;
+#if PL_NATIVE_AVX512
+  const __m512 rv = _mm512_set1_ps(r);
+  for (; j + 16 <= n; j += 16) store16(out + j, _mm512_mul_ps(load16(weight + j), rounded(_mm512_mul_ps(load16(x + j), rv))));
+#endif
+  for (; j < n; ++j) out[j] = rb(bf(weight[j]) * bf(rb(bf(x[j]) * r)));
 }
 
 // residual = h + residual (h alone before the first layer), out = rms_norm(residual) (add_and_norm)
 void add_and_norm(const uint16_t* h, uint16_t* residual, bool first, const uint16_t* weight, int64_t n, float eps,
                   uint16_t* out) {
-  for (int64_t j = 0; j < n; ++j) residual[j] = first ? h[j] : rb(bf(h[j]) + bf(residual[j]));
+  if (first) {
+    std::memcpy(residual, h, n * 2);
+  } else {
+    int64_t j = 0;
+#if PL_NATIVE_AVX512
+    for (; j + 16 <= n; j += 16) store16(residual + j, _mm512_add_ps(load16(h + j), load16(residual + j)));
+#endif
+    for (; j < n; ++j) residual[j] = rb(bf(h[j]) + bf(residual[j]));
+  }
   rms_norm(residual, weight, n, eps, out);
+}
+
+// act[j] = SiLU(gate[j]) * up[j] for j in [first, last), SiLU rounded to bfloat16 before the multiply, as
+// the eager ops round
+void silu_mul(const uint16_t* gate, const uint16_t* up, uint16_t* act, int64_t first, int64_t last) {
+  int64_t j = first;
+#if PL_NATIVE_AVX512
+  const __m512 one = _mm512_set1_ps(1.f);
+  for (; j + 16 <= last; j += 16) {
+    const __m512 g = load16(gate + j);
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
+    store16(act + j, _mm512_mul_ps(rounded(_mm512_div_ps(g, _mm512_add_ps(one, e))), load16(up + j)));
+  }
+#endif
+  for (; j < last; ++j) {
+    const float g = bf(gate[j]);
+    act[j] = rb(bf(rb(g / (1.f + std::exp(-g)))) * bf(up[j]));
+  }
 }
 
 // neox rotary of one head in place (apply_rotary in bfloat16: each product and sum rounded)
@@ -175,10 +294,23 @@ void rotate(uint16_t* x, const float* cos, const float* sin, int64_t half) {
   }
 }
 
-// thread t of T's rows of y = x @ W^T (+ bias): a pair- or panel-packed weight's run of panels (as
-// parallel_runs splits them; a panel weight reads x widened beforehand into `xf`), a GGUF weight's rows
-// (as gguf_linear splits them) from x quantized beforehand into `xq`
+// Thread t of T's first of n items, taken in contiguous runs; one item goes to thread 0.
+inline int64_t share(int64_t n, int t, int T) { return (n * t + T - 1) / T; }
+
+// thread t of T's part of y = x @ W^T (+ bias) for the step's rows: at one row a pair- or panel-packed
+// weight's run of panels (as parallel_runs splits them; a panel weight reads x widened beforehand into
+// `xf`), a GGUF weight's rows (as gguf_linear splits them) from x quantized beforehand into `xq`; at several
+// (pair-packed weights only: `batches`) a run of panel pairs, as cpu_bf16_pair_linear splits a batch.
 inline void linear(const Projection& w, const uint16_t* x, const Decoder& D, uint16_t* y, int t, int T) {
+  if (D.rows > 1) {
+#if PL_NATIVE_PAIRS
+    const PairWeight& p = w.pair;
+    const int64_t units = (p.panels + 1) / 2;
+    bf16_pair_rows_run(x, D.rows, 2 * p.pairs, p.w, p.pairs, p.panels, p.b(), p.n, y, units * t / T,
+                       units * (t + 1) / T);
+#endif
+    return;
+  }
   if (w.gguf) {
     const GgufWeight& g = w.blocks;
     gguf_row_share(D.xq.get(), g.parts.data(), g.types.data(), g.starts.data(), g.parts.size(), g.k, g.bias, y, t,
@@ -217,14 +349,14 @@ void region(Fn fn) {
 }
 
 // Layer L after its attention (whose output is in D.attn): o_proj, add and norm, the gated MLP; its output
-// in D.h.
+// in D.h. Row work (norms, SiLU) is split between the threads a row at a time, one row's SiLU by elements.
 void after_attention(Decoder& D, const Layer& L, int t, int T) {
+  const int64_t B = D.rows, H = D.hidden, I = D.inter;
   linear(L.o, bits(D.attn), D, D.h.data(), t, T);
 #pragma omp barrier
-  if (t == 0) {
-    add_and_norm(D.h.data(), D.residual.data(), false, L.post_norm, D.hidden, D.eps, D.normed.data());
-    prepare(D, L.gate_up, D.normed.data(), D.hidden);
-  }
+  for (int64_t r = share(B, t, T); r < share(B, t + 1, T); ++r)
+    add_and_norm(D.h.data() + r * H, D.residual.data() + r * H, false, L.post_norm, H, D.eps, D.normed.data() + r * H);
+  if (t == 0 && B == 1) prepare(D, L.gate_up, D.normed.data(), H);
 #pragma omp barrier
   if (L.top_k > 0) {  // the router's logits; the experts run after the region (`run_experts`)
     linear(L.gate_up, D.normed.data(), D, D.router.data(), t, T);
@@ -232,29 +364,31 @@ void after_attention(Decoder& D, const Layer& L, int t, int T) {
   }
   linear(L.gate_up, D.normed.data(), D, D.gate_up.data(), t, T);
 #pragma omp barrier
-  // SiLU(gate) * up, rounded as the eager ops round; one thread where the down projection quantizes it next
-  const int parts = L.down.gguf || L.down.panel ? 1 : T;
-  if (t < parts)
-    for (int64_t j = D.inter * t / parts; j < D.inter * (t + 1) / parts; ++j) {
-      const float g = bf(D.gate_up[j]);
-      D.act[j] = rb(bf(rb(g / (1.f + std::exp(-g)))) * bf(D.gate_up[D.inter + j]));
-    }
-  if (t == 0) prepare(D, L.down, D.act.data(), D.inter);
+  // SiLU(gate) * up, rounded as the eager ops round; at one row one thread where the down projection
+  // quantizes or widens it next
+  const auto row_silu = [&](int64_t r, int64_t first, int64_t last) {
+    const uint16_t* gate = D.gate_up.data() + r * 2 * I;
+    silu_mul(gate, gate + I, D.act.data() + r * I, first, last);
+  };
+  if (B == 1) {
+    const int parts = L.down.gguf || L.down.panel ? 1 : T;
+    if (t < parts) row_silu(0, I * t / parts, I * (t + 1) / parts);
+    if (t == 0) prepare(D, L.down, D.act.data(), I);
+  } else {
+    for (int64_t r = share(B, t, T); r < share(B, t + 1, T); ++r) row_silu(r, 0, I);
+  }
 #pragma omp barrier
   linear(L.down, D.act.data(), D, D.h.data(), t, T);
 #pragma omp barrier
 }
 
-// An expert layer's MLP, on the calling thread after the region that computed its router logits: softmax
-// over the experts in float32, the top k, divided by their sum where
-// `renormalize` (select_experts), then the experts' kernel, called directly (it splits its work between
-// the threads itself); the output in D.h.
-void run_experts(Decoder& D, const Layer& L) {
+// One row's routing from its router logits: the top k experts' ids and weights.
+void route(const Layer& L, const uint16_t* logits, float* weights, int64_t* ids) {
   const int64_t E = L.num_experts, K = L.top_k;
   std::vector<float> scores(E);
   float top = -std::numeric_limits<float>::infinity(), sum = 0.f;
-  for (int64_t e = 0; e < E; ++e) top = std::max(top, bf(D.router[e]));
-  for (int64_t e = 0; e < E; ++e) sum += scores[e] = std::exp(bf(D.router[e]) - top);
+  for (int64_t e = 0; e < E; ++e) top = std::max(top, bf(logits[e]));
+  for (int64_t e = 0; e < E; ++e) sum += scores[e] = std::exp(bf(logits[e]) - top);
   const float inv = 1.f / sum;
   for (float& v : scores) v *= inv;
   // torch.topk's CPU kernel (ATen/native/TopKImpl.h), step for step, so that experts whose bfloat16 logits
@@ -271,13 +405,21 @@ void run_experts(Decoder& D, const Layer& L) {
     std::nth_element(queue.begin(), queue.begin() + K - 1, queue.end(), larger);
     std::sort(queue.begin(), queue.begin() + K - 1, larger);
   }
-  auto* weights = D.topk_weights.data_ptr<float>();
-  auto* ids = D.topk_ids.data_ptr<int64_t>();
   float chosen = 0.f;
   for (int64_t k = 0; k < K; ++k) ids[k] = queue[k].second, chosen += weights[k] = scores[queue[k].second];
   if (L.renormalize)
     for (int64_t k = 0; k < K; ++k) weights[k] /= chosen;
-  std::memcpy(D.moe_in.data_ptr(), D.normed.data(), D.hidden * 2);
+}
+
+// An expert layer's MLP, on the calling thread after the region that computed its router logits: softmax
+// over the experts in float32, the top k, divided by their sum where
+// `renormalize` (select_experts), then the experts' kernel, called directly (it splits its work between
+// the threads itself); the output in D.h.
+void run_experts(Decoder& D, const Layer& L) {
+  const int64_t E = L.num_experts, K = L.top_k;
+  for (int64_t r = 0; r < D.rows; ++r) route(L, D.router.data() + r * E, D.topk_weights.data_ptr<float>() + r * K,
+                                           D.topk_ids.data_ptr<int64_t>() + r * K);
+  std::memcpy(D.moe_in.data_ptr(), D.normed.data(), D.rows * D.hidden * 2);
   const auto& x = L.experts;
   const at::Tensor out =
       L.expert_types.empty()
@@ -285,38 +427,40 @@ void run_experts(Decoder& D, const Layer& L) {
                           c10::nullopt, "silu", 0.0, 0.0)
           : gguf_moe(D.moe_in, D.topk_weights, D.topk_ids, x[0], x[1], x[2], L.expert_types, c10::nullopt,
                      c10::nullopt, "silu", 0.0, 0.0);
-  std::memcpy(D.h.data(), out.data_ptr(), D.hidden * 2);
+  std::memcpy(D.h.data(), out.data_ptr(), D.rows * D.hidden * 2);
 }
 
-// Layer L up to its attention: add and norm, qkv, q/k norms and rotary, the new key and value stored at
-// `slot`; the queries in D.q.
-void before_attention(Decoder& D, const Layer& L, bool first, int64_t slot, int t, int T) {
-  if (t == 0) {
-    add_and_norm(D.h.data(), D.residual.data(), first, L.in_norm, D.hidden, D.eps, D.normed.data());
-    prepare(D, L.qkv, D.normed.data(), D.hidden);
-  }
+
+// Layer L up to its attention: add and norm, qkv, q/k norms and rotary, each row's new key and value stored
+// at its slot; the queries in D.q.
+void before_attention(Decoder& D, const Layer& L, bool first, const int64_t* slots, int t, int T) {
+  const int64_t B = D.rows, H = D.hidden;
+  for (int64_t r = share(B, t, T); r < share(B, t + 1, T); ++r)
+    add_and_norm(D.h.data() + r * H, D.residual.data() + r * H, first, L.in_norm, H, D.eps, D.normed.data() + r * H);
+  if (t == 0 && B == 1) prepare(D, L.qkv, D.normed.data(), H);
 #pragma omp barrier
   linear(L.qkv, D.normed.data(), D, D.qkv.data(), t, T);
 #pragma omp barrier
-  if (t != 0) return;
-  const int64_t d = D.head_dim, half = d / 2;
-  uint16_t* q = D.qkv.data();
-  uint16_t* k = q + D.heads * d;
-  const uint16_t* v = k + D.kv_heads * d;
-  for (int64_t head = 0; head < D.heads + D.kv_heads; ++head) {
-    uint16_t* x = q + head * d;  // q heads, then k heads: contiguous in qkv
-    const uint16_t* norm = head < D.heads ? L.q_norm : L.k_norm;
-    if (norm != nullptr) rms_norm(x, norm, d, D.eps, x);
-    rotate(x, D.cos.data(), D.sin.data(), half);
-  }
-  std::memcpy(D.q.data_ptr(), q, D.heads * d * 2);
-  const int64_t blocks = L.k_cache.size(1), block = slot / D.block_size, offset = slot % D.block_size;
+  const int64_t d = D.head_dim, half = d / 2, blocks = L.k_cache.size(1);
   auto* kc = reinterpret_cast<uint16_t*>(L.k_cache.data_ptr());
   auto* vc = reinterpret_cast<uint16_t*>(L.v_cache.data_ptr());
-  for (int64_t g = 0; g < D.kv_heads; ++g) {
-    const int64_t row = ((g * blocks + block) * D.block_size + offset) * d;
-    std::memcpy(kc + row, k + g * d, d * 2);
-    std::memcpy(vc + row, v + g * d, d * 2);
+  for (int64_t r = share(B, t, T); r < share(B, t + 1, T); ++r) {
+    uint16_t* q = D.qkv.data() + r * D.qkv_n;
+    uint16_t* k = q + D.heads * d;
+    const uint16_t* v = k + D.kv_heads * d;
+    for (int64_t head = 0; head < D.heads + D.kv_heads; ++head) {
+      uint16_t* x = q + head * d;  // q heads, then k heads: contiguous in qkv
+      const uint16_t* norm = head < D.heads ? L.q_norm : L.k_norm;
+      if (norm != nullptr) rms_norm(x, norm, d, D.eps, x);
+      rotate(x, D.cos.data() + r * half, D.sin.data() + r * half, half);
+    }
+    std::memcpy(static_cast<uint16_t*>(D.q.data_ptr()) + r * D.heads * d, q, D.heads * d * 2);
+    const int64_t block = slots[r] / D.block_size, offset = slots[r] % D.block_size;
+    for (int64_t g = 0; g < D.kv_heads; ++g) {
+      const int64_t row = ((g * blocks + block) * D.block_size + offset) * d;
+      std::memcpy(kc + row, k + g * d, d * 2);
+      std::memcpy(vc + row, v + g * d, d * 2);
+    }
   }
 }
 
@@ -398,6 +542,8 @@ Decoder& decoder(int64_t handle) {
 }  // namespace
 
 bool native_decoder_pairs() { return PL_NATIVE_PAIRS; }
+
+bool native_decoder_batches(int64_t handle) { return decoder(handle).batches; }
 bool native_decoder_panels() { return PL_NATIVE_PANELS; }
 
 // dims: hidden, heads, kv_heads, head_dim, intermediate, block_size, items_per_thread, min_partition (the
@@ -491,19 +637,13 @@ int64_t native_decoder_plan(const at::Tensor& embed, int64_t embed_type, const a
   TORCH_CHECK(next == int64_t(parts.size()), "native_decoder_plan: parts left over");
   for (const Layer& L : D->layers)
     TORCH_CHECK(L.top_k == 0 || L.top_k == D->max_top_k, "native_decoder_plan: the expert layers' top_k differ");
-  D->h.resize(H), D->residual.resize(H), D->normed.resize(H), D->qkv.resize(qkv_n), D->router.resize(D->max_experts);
-  D->gate_up.resize(2 * D->inter), D->act.resize(D->inter), D->cos.resize(d / 2), D->sin.resize(d / 2);
+  D->qkv_n = qkv_n;
+  D->batches = PL_NATIVE_PAIRS;
+  for (const Layer& L : D->layers)
+    for (const Projection* w : {&L.qkv, &L.o, &L.gate_up, &L.down})
+      if (w != &L.down || L.top_k == 0) D->batches = D->batches && !w->gguf && !w->panel;
   D->xq.reset(gguf_row_new());
-  const auto bf16 = final_norm.options().dtype(at::kBFloat16), ints = final_norm.options().dtype(at::kInt);
-  D->q = final_norm.new_empty({1, D->heads, d}, bf16);
-  D->attn = final_norm.new_empty({1, D->heads, d}, bf16);
-  D->seq_lens = final_norm.new_empty({1}, ints), D->query_start = final_norm.new_empty({2}, ints);
-  D->reqs = final_norm.new_empty({1}, ints);
-  D->moe_in = final_norm.new_empty({1, H}, bf16);
-  D->topk_weights = final_norm.new_empty({1, D->max_top_k}, final_norm.options().dtype(at::kFloat));
-  D->topk_ids = final_norm.new_empty({1, D->max_top_k}, final_norm.options().dtype(at::kLong));
-  D->query_start.data_ptr<int32_t>()[0] = 0, D->query_start.data_ptr<int32_t>()[1] = 1;
-  D->reqs.data_ptr<int32_t>()[0] = 0;
+  D->reserve(1);
   std::lock_guard<std::mutex> guard(decoders_lock);
   decoders().push_back(std::move(D));
   return int64_t(decoders().size()) - 1;
@@ -514,41 +654,61 @@ void native_decoder_drop(int64_t handle) {
   if (handle >= 0 && handle < int64_t(decoders().size())) decoders()[handle].reset();
 }
 
-// out [1, hidden] bfloat16: the final norm of the step's last hidden state. `slot`: where the token's key
-// and value go (block * block_size + offset); block_table int32 [1, blocks] (or [blocks]): its request's.
-void native_decoder_step(int64_t handle, at::Tensor out, int64_t token, int64_t position, int64_t slot,
-                         const at::Tensor& block_table) {
+// out [rows, hidden] bfloat16: the final norm of the step's last hidden states, a row per request, each one
+// token: tokens, positions and slots (where its key and value go: block * block_size + offset) int64 [rows];
+// block_tables int32 [rows, blocks] (or [blocks] for one row), each its request's. Several rows only where
+// the plan's projections are all pair-packed (`native_decoder_batches`).
+void native_decoder_step(int64_t handle, at::Tensor out, const at::Tensor& tokens, const at::Tensor& positions,
+                         const at::Tensor& slots, const at::Tensor& block_tables) {
   Decoder& D = decoder(handle);
-  TORCH_CHECK(out.numel() == D.hidden && out.is_contiguous() && out.scalar_type() == at::kBFloat16,
-              "native_decoder_step: out must be [1, ", D.hidden, "] bfloat16");
-  TORCH_CHECK(block_table.scalar_type() == at::kInt && block_table.is_contiguous() &&
-                  block_table.numel() * D.block_size > position && slot >= 0,
-              "native_decoder_step: an int32 block table covering position ", position, " and a slot");
-  TORCH_CHECK(token >= 0 && token < D.vocab, "native_decoder_step: token id ", token, " out of range");
-  const int64_t seq_len = position + 1, d = D.head_dim;
-  D.seq_lens.data_ptr<int32_t>()[0] = int32_t(seq_len);
-  // the attention backend's partition (cpu_attn._partition) for one request
-  const int64_t wanted = D.items_per_thread * at::get_num_threads();
-  const int64_t splits = (wanted + D.kv_heads - 1) / D.kv_heads;
-  const int64_t partition = D.kv_heads >= wanted ? seq_len
-                                                 : std::max(D.min_partition, (seq_len + splits - 1) / splits);
-  for (int64_t j = 0; j < d / 2; ++j) {  // RotaryEmbedding's cos/sin, then apply_rotary's rounding
-    const float f = float(position) * D.inv_freq[j];
-    D.cos[j] = bf(rb(std::cos(f) * D.rope_scaling)), D.sin[j] = bf(rb(std::sin(f) * D.rope_scaling));
+  const int64_t B = tokens.numel(), d = D.head_dim, half = d / 2;
+  TORCH_CHECK(B >= 1 && tokens.scalar_type() == at::kLong && positions.scalar_type() == at::kLong &&
+                  slots.scalar_type() == at::kLong && tokens.is_contiguous() && positions.is_contiguous() &&
+                  slots.is_contiguous() && positions.numel() == B && slots.numel() == B,
+              "native_decoder_step: tokens, positions and slots must be int64, one per row");
+  TORCH_CHECK(B == 1 || D.batches,
+              "native_decoder_step: this plan runs one request a step (its projections are not all pair-packed)");
+  TORCH_CHECK(out.numel() == B * D.hidden && out.is_contiguous() && out.scalar_type() == at::kBFloat16,
+              "native_decoder_step: out must be [", B, ", ", D.hidden, "] bfloat16");
+  const at::Tensor table = block_tables.reshape({B, -1});
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && table.is_contiguous(),
+              "native_decoder_step: int32 block tables, a row per request");
+  const int64_t* token = tokens.data_ptr<int64_t>();
+  const int64_t* position = positions.data_ptr<int64_t>();
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  int64_t longest = 0;
+  for (int64_t r = 0; r < B; ++r) {
+    TORCH_CHECK(token[r] >= 0 && token[r] < D.vocab, "native_decoder_step: token id ", token[r], " out of range");
+    TORCH_CHECK(position[r] >= 0 && table.size(1) * D.block_size > position[r] && slot[r] >= 0,
+                "native_decoder_step: an int32 block table covering position ", position[r], " and a slot");
+    longest = std::max(longest, position[r] + 1);
   }
-  const uint8_t* row = D.embed + token * D.embed_row_bytes;
-  if (D.embed_type < 0)
-    std::memcpy(D.h.data(), row, D.hidden * 2);
-  else
-    gguf_bf16_row(D.embed_type, row, D.hidden, D.h.data());
-  const at::Tensor table = block_table.reshape({1, -1});
+  D.reserve(B);
+  // the attention backend's partition (cpu_attn._partition) for these requests
+  const int64_t wanted = D.items_per_thread * at::get_num_threads(), pairs = B * D.kv_heads;
+  const int64_t splits = (wanted + pairs - 1) / pairs;
+  const int64_t partition = pairs >= wanted ? longest : std::max(D.min_partition, (longest + splits - 1) / splits);
+  for (int64_t r = 0; r < B; ++r) {
+    D.seq_lens.data_ptr<int32_t>()[r] = int32_t(position[r] + 1);
+    for (int64_t j = 0; j < half; ++j) {  // RotaryEmbedding's cos/sin, then apply_rotary's rounding
+      const float f = float(position[r]) * D.inv_freq[j];
+      D.cos[r * half + j] = bf(rb(std::cos(f) * D.rope_scaling));
+      D.sin[r * half + j] = bf(rb(std::sin(f) * D.rope_scaling));
+    }
+    const uint8_t* row = D.embed + token[r] * D.embed_row_bytes;
+    if (D.embed_type < 0)
+      std::memcpy(D.h.data() + r * D.hidden, row, D.hidden * 2);
+    else
+      gguf_bf16_row(D.embed_type, row, D.hidden, D.h.data() + r * D.hidden);
+  }
+  auto* final_out = reinterpret_cast<uint16_t*>(out.data_ptr());
   const int64_t n = D.layers.size();
   for (int64_t i = 0; i <= n; ++i) {
     // the previous layer after its attention (its experts, if any, between two regions), then this one
     // up to its attention, or the final norm
     const Layer* before = i > 0 ? &D.layers[i - 1] : nullptr;
     const Layer* next = i < n ? &D.layers[i] : nullptr;
-    if (before != nullptr) prepare(D, before->o, bits(D.attn), D.heads * d);
+    if (before != nullptr && B == 1) prepare(D, before->o, bits(D.attn), D.heads * d);
     const bool experts = before != nullptr && before->top_k > 0;
     if (experts) {
       region([&](int t, int T) { after_attention(D, *before, t, T); });
@@ -558,9 +718,10 @@ void native_decoder_step(int64_t handle, at::Tensor out, int64_t token, int64_t 
       if (before != nullptr && !experts) after_attention(D, *before, t, T);
       if (next != nullptr) {
         before_attention(D, *next, i == 0, slot, t, T);
-      } else if (t == 0) {
-        add_and_norm(D.h.data(), D.residual.data(), false, D.final_norm, D.hidden, D.eps,
-                     reinterpret_cast<uint16_t*>(out.data_ptr()));
+      } else {
+        for (int64_t r = share(B, t, T); r < share(B, t + 1, T); ++r)
+          add_and_norm(D.h.data() + r * D.hidden, D.residual.data() + r * D.hidden, false, D.final_norm, D.hidden,
+                       D.eps, final_out + r * D.hidden);
       }
     });
     if (next != nullptr)

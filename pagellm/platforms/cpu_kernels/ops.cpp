@@ -152,8 +152,10 @@ TORCH_LIBRARY(TORCH_EXTENSION_NAME, m) {
         "Tensor[] kv_caches, int[] moe, Tensor?[] experts, int[] expert_types, int[] dims, float[] floats, "
         "bool use_amx) -> int",
         TORCH_FN(native_decoder_plan));
-  m.def("native_decoder_step(int handle, Tensor(a!) out, int token, int position, int slot, Tensor block_table) -> ()",
+  m.def("native_decoder_step(int handle, Tensor(a!) out, Tensor tokens, Tensor positions, Tensor slots, "
+        "Tensor block_tables) -> ()",
         TORCH_FN(native_decoder_step));
+  m.def("native_decoder_batches(int handle) -> bool", TORCH_FN(native_decoder_batches));
   m.def("native_decoder_drop(int handle) -> ()", TORCH_FN(native_decoder_drop));
   m.def("begin_native_step(Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, Tensor slots, "
         "Tensor[] kv_caches, int[] kinds, float[] scales, int[] windows, Tensor[] reqs, int[] partitions, "
