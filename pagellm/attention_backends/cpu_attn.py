@@ -212,15 +212,16 @@ class CpuAttnBackend(PagedBackend):
 
     @functools.cached_property
     def prefills_on_kernel(self) -> bool:
-        """Whether prefill chunks go to the native kernel too: where it multiplies them as AMX tiles
-        (bfloat16 queries and cache, head size 64 or 128, blocks of 16 tokens, at most 16 query heads per
-        KV head), faster than torch's fused kernel over gathered K/V. Elsewhere the kernel's vector paths
-        take one dot product per key and query row, several times slower than torch's, so chunks stay there."""
+        """Whether prefill chunks go to the native kernel too: where it multiplies them as AMX tiles or,
+        on AVX-512 BF16 without them, as pair tiles (a tile of 16 keys turned into pairs once for all the
+        block's query rows; `tile_scores`), for bfloat16 queries and cache, head size 64 or 128, blocks of
+        16 tokens, at most 16 query heads per KV head: faster than torch's fused kernel over gathered K/V.
+        Elsewhere the kernel's vector paths take one dot product per key and query row, several times
+        slower than torch's, so chunks stay there."""
         s = self.spec
         return (
             self.kernel is not None
-            and self.use_amx
-            and "amx" in self.kernel.isa()
+            and ((self.use_amx and "amx" in self.kernel.isa()) or self.kernel.attention_pair_tiles())
             and s.dtype == s.cache_dtype == torch.bfloat16
             and s.head_size == s.v_size
             and s.head_size in (64, 128)

@@ -337,13 +337,14 @@ def test_a_prefill_that_stores_nothing_attends_over_its_own_keys(decode_path):
     assert (out.float() - expected).abs().max() < TOLERANCE[torch.bfloat16]
 
 
-def test_prefills_go_to_the_kernel_only_on_its_amx_path(monkeypatch):
+def test_prefills_go_to_the_kernel_where_it_multiplies_tiles(monkeypatch):
+    """AMX tiles, or AVX-512 BF16's pair tiles (a build without them: torch's fused kernel)."""
     kernel = cpu_kernels.load()
     if kernel is None:
         pytest.skip(cpu_kernels.why_unavailable())
-    amx = "amx" in kernel.isa()
+    tiles = "amx" in kernel.isa() or kernel.attention_pair_tiles()
     bf16 = AttentionSpec(9, 3, 64, torch.bfloat16, block_size=16)
-    assert CpuAttnBackend(bf16).prefills_on_kernel == amx
+    assert CpuAttnBackend(bf16).prefills_on_kernel == tiles
     for other in (
         dataclasses.replace(bf16, dtype=torch.float32),
         dataclasses.replace(bf16, kv_cache_dtype=torch.int8),
@@ -352,7 +353,43 @@ def test_prefills_go_to_the_kernel_only_on_its_amx_path(monkeypatch):
     ):
         assert not CpuAttnBackend(other).prefills_on_kernel
     monkeypatch.setattr(CpuAttnBackend, "use_amx", False)
-    assert not CpuAttnBackend(bf16).prefills_on_kernel
+    assert CpuAttnBackend(bf16).prefills_on_kernel == kernel.attention_pair_tiles()
+
+
+def test_a_prefill_tokens_row_does_not_depend_on_its_chunk():
+    """The kernel's prefill rows (AMX or pair tiles where the build has them, else its vector path) are the
+    same bits whether a token's chunk starts at the prompt's start or later."""
+    kernel = cpu_kernels.load()
+    if kernel is None:
+        pytest.skip(cpu_kernels.why_unavailable())
+    gen = torch.Generator().manual_seed(0)
+    length, blocks = 70, 5
+    q = torch.randn(length, 9, 64, generator=gen).bfloat16()
+    cache = torch.randn(2, 3, blocks + 1, 16, 64, generator=gen).bfloat16()
+    table = torch.arange(1, blocks + 1, dtype=torch.int32)[None]
+    rows = []
+    for start in (0, 21, 50):  # the chunk [start, length) of the prompt, its earlier keys in the cache
+        out = torch.empty(length - start, 9, 64, dtype=torch.bfloat16)
+        kernel.paged_attention(
+            out,
+            q[start:].contiguous(),
+            cache[0],
+            cache[1],
+            table,
+            torch.tensor([length], dtype=torch.int32),
+            torch.tensor([0, length - start], dtype=torch.int32),
+            torch.tensor([0], dtype=torch.int32),
+            1,
+            0.125,
+            0,
+            length,
+            True,
+            0.0,
+            None,
+            False,
+        )
+        rows.append(out[-20:])
+    assert torch.equal(rows[0], rows[1]) and torch.equal(rows[0], rows[2])
 
 
 @pytest.mark.slow

@@ -75,6 +75,7 @@ OPS = (
     "argmax_rows",
     "store_kv",
     "isa",
+    "attention_pair_tiles",
     "bf16_pairs_available",
     "gguf_dequantize",
     "gguf_kernel_type",

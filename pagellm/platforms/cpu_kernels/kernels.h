@@ -15,6 +15,8 @@ void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tenso
                      const c10::optional<at::Tensor>& sinks, bool fixed_order);
 void store_kv(at::Tensor kv_cache, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slots);
 std::string isa();
+// Whether this build multiplies bfloat16 prefill chunks' scores as pair tiles (AVX-512 BF16: `tile_scores`).
+bool attention_pair_tiles();
 
 // linear_amx.cpp
 bool amx_available();

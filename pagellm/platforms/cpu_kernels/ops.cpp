@@ -137,6 +137,7 @@ TORCH_LIBRARY(TORCH_EXTENSION_NAME, m) {
   m.def("argmax_rows(Tensor logits) -> Tensor", TORCH_FN(argmax_rows));
   m.def("store_kv(Tensor(a!) kv_cache, Tensor k, Tensor v, Tensor slots) -> ()", TORCH_FN(store_kv));
   m.def("isa() -> str", TORCH_FN(isa));
+  m.def("attention_pair_tiles() -> bool", TORCH_FN(attention_pair_tiles));
   m.def("bf16_pairs_available() -> bool", TORCH_FN(bf16_pairs_available));
   m.def("gguf_dequantize(Tensor raw, int type) -> Tensor", TORCH_FN(gguf_dequantize));
   m.def("gguf_kernel_type(int type) -> bool", TORCH_FN(gguf_kernel_type));

@@ -8,7 +8,9 @@
 // stay busy at small batch; a second pass merges the partitions with their maxima and sums. Built at run
 // time with -march=native (see __init__.py): the AVX-512 path, the AVX2 path or plain C++ is chosen by
 // what the compiler may use on this CPU. On CPUs with AMX, bfloat16 work
-// multiplies tiles instead (scores and values as tile products; see "AMX" below).
+// multiplies tiles instead (scores and values as tile products; see "AMX" below); on AVX-512 BF16 without
+// them a prefill chunk's scores are taken a tile of 16 keys at a time, the tile turned into bfloat16 pairs
+// once for all the block's query rows (`tile_scores`).
 //
 // Cache layouts: k_cache, v_cache [num_kv_heads, num_blocks, block_size, head_size] of
 //   kind 0: float32, 1: bfloat16, 2: float16, 3: fp8 e4m3fn, 4: fp8 e5m2 (uint8 storage for both fp8),
@@ -419,12 +421,14 @@ struct ItemKeys {
   const int32_t* table = nullptr;  // null: no such item
   int64_t r = 0, h = 0;            // request, KV head
   int64_t first = 0, count = 1;    // its query tokens: [first, first + count) of the request's
+  bool chunk = false;              // its request's query is a prefill chunk (more than one token)
   int64_t len = 0;                 // the last of them sits at position len - 1
   int64_t head_base = 0, lo = 0, hi = 0;
   int64_t offset(const Problem& P, int64_t t) const {
     return head_base + (int64_t(table[t / P.block_size]) * P.block_size + t % P.block_size) * P.row;
   }
 };
+
 
 #if PL_AVX512
 // row_acc[row] = sum over positions i of p[row][i] * V[i] for query rows row0 .. row0 + R - 1 (those below
@@ -566,6 +570,85 @@ void accumulate_values_pairs(const Problem& P, const uint16_t* pw, int64_t pw_st
     }
 }
 
+// r[i][j] -> r[j][i]: four rounds of shuffles within and across 128-bit lanes
+inline void transpose16(__m512 r[16]) {
+  __m512 t[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    const __m512d a = _mm512_castps_pd(t[4 * i]), b = _mm512_castps_pd(t[4 * i + 1]);
+    const __m512d c = _mm512_castps_pd(t[4 * i + 2]), e = _mm512_castps_pd(t[4 * i + 3]);
+    r[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
+    r[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
+    r[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, e));
+    r[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, e));
+  }
+  for (int i = 0; i < 4; ++i) {
+    t[i] = _mm512_shuffle_f32x4(r[i], r[4 + i], 0x88);
+    t[4 + i] = _mm512_shuffle_f32x4(r[i], r[4 + i], 0xdd);
+    t[8 + i] = _mm512_shuffle_f32x4(r[8 + i], r[12 + i], 0x88);
+    t[12 + i] = _mm512_shuffle_f32x4(r[8 + i], r[12 + i], 0xdd);
+  }
+  for (int i = 0; i < 8; ++i) {
+    r[i] = _mm512_shuffle_f32x4(t[i], t[8 + i], 0x88);
+    r[8 + i] = _mm512_shuffle_f32x4(t[i], t[8 + i], 0xdd);
+  }
+}
+
+// A tile of 16 cached bfloat16 keys as pairs: kt[p] holds, for each of the 16 keys, elements 2p and 2p + 1
+// of its row (a 32-bit lane per key; the pair kernel's layout, with keys for columns), so one query row's
+// pair broadcast times kt[p] adds to all 16 keys' scores in one instruction, with no horizontal sums.
+inline void keys_as_pairs(const uint16_t* k, const int64_t* at, int64_t d, __m512i* kt) {
+  for (int64_t c = 0; c < d / 32; ++c) {
+    __m512 r[16];
+    for (int i = 0; i < 16; ++i) r[i] = _mm512_castsi512_ps(_mm512_loadu_si512(k + at[i] + 32 * c));
+    transpose16(r);
+    for (int j = 0; j < 16; ++j) kt[16 * c + j] = _mm512_castps_si512(r[j]);
+  }
+}
+
+// out[r * stride + 0..16) = scale * (query row r . the tile's 16 keys) for R query rows (bfloat16 pairs,
+// `pairs` a row), each score summed over the pairs in order
+template <int R>
+inline void pair_tile_scores(const uint32_t* q, int64_t pairs, const __m512i* kt, __m512 scale, float* out,
+                             int64_t stride) {
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < pairs; ++p) {
+    const __m512bh keys = (__m512bh)kt[p];
+    for (int r = 0; r < R; ++r)
+      acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_set1_epi32(static_cast<int>(q[r * pairs + p])), keys);
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * stride, _mm512_mul_ps(acc[r], scale));
+}
+
+// A prefill block's scores against one tile of 16 keys: the tile turned into pairs once, then every query
+// row 8 at a time (8 sums in registers a pass). Where a row-at-a-time dot product summed each key's
+// products in 16 lanes and then across them, a block of 15 rows spent most of its time in those sums.
+inline void tile_scores(const uint16_t* qb, int64_t rows, int64_t d, const uint16_t* k, const int64_t* at,
+                        __m512 scale, float* out, int64_t stride) {
+  alignas(64) __m512i kt[64];  // head size up to 128
+  keys_as_pairs(k, at, d, kt);
+  const auto* q = reinterpret_cast<const uint32_t*>(qb);
+  const int64_t pairs = d / 2;
+  for (int64_t row0 = 0; row0 < rows; row0 += 8) {
+    const uint32_t* qr = q + row0 * pairs;
+    float* o = out + row0 * stride;
+    switch (std::min<int64_t>(8, rows - row0)) {
+      case 1: pair_tile_scores<1>(qr, pairs, kt, scale, o, stride); break;
+      case 2: pair_tile_scores<2>(qr, pairs, kt, scale, o, stride); break;
+      case 3: pair_tile_scores<3>(qr, pairs, kt, scale, o, stride); break;
+      case 4: pair_tile_scores<4>(qr, pairs, kt, scale, o, stride); break;
+      case 5: pair_tile_scores<5>(qr, pairs, kt, scale, o, stride); break;
+      case 6: pair_tile_scores<6>(qr, pairs, kt, scale, o, stride); break;
+      case 7: pair_tile_scores<7>(qr, pairs, kt, scale, o, stride); break;
+      default: pair_tile_scores<8>(qr, pairs, kt, scale, o, stride); break;
+    }
+  }
+}
+
 template <int CH, int RMAX>
 void accumulate_rows_pairs(const Problem& P, const float* scores, int64_t width, const int64_t* offsets,
                            int64_t rows, float* row_acc, std::vector<uint16_t>& pw) {
@@ -618,33 +701,6 @@ struct alignas(64) AmxScratch {
 inline AmxScratch& amx_scratch() {
   static thread_local AmxScratch s;
   return s;
-}
-
-// r[i][j] -> r[j][i]: four rounds of shuffles within and across 128-bit lanes
-inline void transpose16(__m512 r[16]) {
-  __m512 t[16];
-  for (int i = 0; i < 8; ++i) {
-    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
-  }
-  for (int i = 0; i < 4; ++i) {
-    const __m512d a = _mm512_castps_pd(t[4 * i]), b = _mm512_castps_pd(t[4 * i + 1]);
-    const __m512d c = _mm512_castps_pd(t[4 * i + 2]), e = _mm512_castps_pd(t[4 * i + 3]);
-    r[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
-    r[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
-    r[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, e));
-    r[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, e));
-  }
-  for (int i = 0; i < 4; ++i) {
-    t[i] = _mm512_shuffle_f32x4(r[i], r[4 + i], 0x88);
-    t[4 + i] = _mm512_shuffle_f32x4(r[i], r[4 + i], 0xdd);
-    t[8 + i] = _mm512_shuffle_f32x4(r[8 + i], r[12 + i], 0x88);
-    t[12 + i] = _mm512_shuffle_f32x4(r[8 + i], r[12 + i], 0xdd);
-  }
-  for (int i = 0; i < 8; ++i) {
-    r[i] = _mm512_shuffle_f32x4(t[i], t[8 + i], 0x88);
-    r[8 + i] = _mm512_shuffle_f32x4(t[i], t[8 + i], 0xdd);
-  }
 }
 
 // scores[row * width + i] = scale * q[row] . k[lo + i] for the item's `rows` query rows
@@ -831,7 +887,7 @@ template <int64_t K>
 void attend_partition(const Problem& P, const float* qf, const void* qb, int64_t r, int64_t L, int64_t Q, int64_t h,
                       int64_t lo, int64_t hi, float* row_max, float* row_sum, float* row_acc,
                       std::vector<float>& scores, std::vector<float>& vrow, std::vector<int64_t>& offsets,
-                      std::vector<uint16_t>& weights, const ItemKeys& next) {
+                      std::vector<uint16_t>& weights, const ItemKeys& next, bool chunk) {
   constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
   const int64_t d = P.head_size, G = P.group;
   const int64_t rows = Q * G, width = hi - lo;
@@ -864,6 +920,12 @@ void attend_partition(const Problem& P, const float* qf, const void* qb, int64_t
     std::vector<uint16_t> tile(16 * d);  // a tile of keys widened to bfloat16
     const __m512 scale = _mm512_set1_ps(P.scale);
     const int64_t row_bytes = P.row * elem_size<K>();
+#if defined(__AVX512BF16__)
+    // a prefill chunk's blocks (the decodes' rows keep their dot products: a few rows do not repay turning
+    // the keys into pairs); by the request's query, not the block's rows, so that a token's scores do not
+    // depend on where the chunk's blocks fall
+    const bool pair_tiles = K == BF16 && qb != nullptr && d % 32 == 0 && d <= 128 && chunk;
+#endif
     // the first two tiles, which the loop's look-ahead never asks for (the previous item asked for its
     // successor's keys into L2 at the end of its own scores, below)
     for (int64_t i = lo; i < std::min(hi, lo + PREFETCH_AHEAD); ++i) {
@@ -879,6 +941,11 @@ void attend_partition(const Problem& P, const float* qf, const void* qb, int64_t
         prefetch_row<_MM_HINT_T1>(P.v, offset(i), row_bytes, elem_size<K>());
       }
 #if defined(__AVX512BF16__)
+      if (pair_tiles) {
+        tile_scores(static_cast<const uint16_t*>(qb), rows, d, static_cast<const uint16_t*>(P.k), at, scale,
+                    scores.data() + (t - lo), width);
+        continue;
+      }
       // other cache dtypes with a bfloat16 query: widen the tile's keys to bfloat16 once (exact for fp8,
       // whose 2-3 mantissa bits fit in bfloat16's 7), then every query row uses the pair-product path
       const bool widen = K != BF16 && qb != nullptr && d % 32 == 0 && K != F32;
@@ -1159,6 +1226,7 @@ void run(at::Tensor& out, const at::Tensor& q, const Problem& P, int64_t num_req
     keys.h = local / (parts[i] * blocks[i]);
     keys.first = local / parts[i] % blocks[i] * B;
     keys.count = std::min(B, Q - keys.first);
+    keys.chunk = Q > 1;
     keys.len = P.seq_lens[r] - Q + keys.first + keys.count;
     keys.head_base = keys.h * P.num_blocks * P.block_size * P.row;
     keys.lo = local % parts[i] * partition;
@@ -1203,7 +1271,7 @@ void run(at::Tensor& out, const at::Tensor& q, const Problem& P, int64_t num_req
       }
       const void* qbits = bf16_query ? reinterpret_cast<const void*>((reinterpret_cast<uintptr_t>(qb.data()) + 63) & ~uintptr_t(63)) : nullptr;
       attend_partition<K>(P, qf.data(), qbits, r, here.len, Q, h, here.lo, here.hi, base, base + max_rows,
-                          base + 2 * max_rows, scores, vrow, offsets, weights, next);
+                          base + 2 * max_rows, scores, vrow, offsets, weights, next, here.chunk);
       if (whole) {
         for (int64_t row = 0; row < Q * G; ++row) {
           const float sum = base[max_rows + row];
@@ -1348,6 +1416,14 @@ void store_kv(at::Tensor kv_cache, const at::Tensor& k, const at::Tensor& v, con
       for (int64_t h = 0; h < num_kv; ++h)
         std::memcpy(cache + kv * half + h * head_stride + slot[i] * row_bytes, src[kv] + i * token_stride[kv] + h * row_bytes, row_bytes);
   }
+}
+
+bool attention_pair_tiles() {
+#if PL_AVX512 && defined(__AVX512BF16__)
+  return true;
+#else
+  return false;
+#endif
 }
 
 std::string isa() {
