@@ -1,16 +1,20 @@
 """Train a small EAGLE-3 head for a target model on the target's own greedy outputs, and save it in the
 `speculators` layout that `speculative_config={"method": "eagle3", "model": OUT}` loads.
 
+    python examples/train_eagle3_head.py --target TARGET_DIR --out HEAD_DIR --chat 600
     python examples/train_eagle3_head.py --target TARGET_DIR --out HEAD_DIR --prompts prompts.txt
 
-What it does: transformers generates each prompt's greedy continuation (what the head must guess at
-temperature 0), the target's hidden states are read where pagellm reads them (the residual stream
-entering layers (2, L // 2, L - 3)), and the head (one Llama decoder layer over [embed(token);
-fc(three states)]) learns, row by row, the token two places after each state: row i sees token i + 1
-and the states at i. The draft vocabulary is the most frequent tokens of those outputs (`d2t`/`t2d`);
-rows whose answer is outside it do not count. Training is teacher-forced, one step deep: EAGLE-3's
-training-time test (feeding the head its own outputs for later steps) is left out, so acceptance of
-the second and later drafts is lower than a released head's. Small on purpose: a start, not a recipe.
+What it does: pagellm generates each prompt's greedy continuation in bfloat16 (what the head must guess
+at temperature 0; `--chat N`: N chat questions of `pagellm.bench.workloads.chat_questions`, from another
+seed than `pagellm bench latency --prompts chat` draws), transformers reads the target's hidden states in
+float32 where pagellm reads them (the residual stream entering layers (2, L // 2, L - 3)), and the head
+(one Llama decoder layer over [embed(token); fc(three states)]) learns the token two places after each
+state: row i sees token i + 1 and the states at i. With `--depth k` (EAGLE-3's training-time test) it
+also learns the later drafts as the proposer makes them: step s of row i sees token i + s and the head's
+own output of step s - 1 as its hidden state, attends to step 1's rows up to i and its own earlier steps
+of row i, and learns token i + s + 1. The draft vocabulary is the most frequent tokens of those outputs
+(`d2t`/`t2d`); its lm_head starts as the target's rows of those tokens; rows whose answer is outside it
+do not count. Small on purpose: minutes on two cores for a 135M target, not a released head's recipe.
 """
 
 from __future__ import annotations
@@ -69,42 +73,67 @@ class Head(nn.Module):
         self.norm = RMSNorm(hidden, eps)
         self.lm_head = nn.Linear(hidden, draft_vocab, bias=False)
 
-    def _rope(self, x: torch.Tensor) -> torch.Tensor:
-        d, n = x.shape[-1], x.shape[0]
+    def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        d = x.shape[-1]
         inv = 1.0 / (self.theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
-        angles = torch.arange(n, dtype=torch.float32)[:, None] * inv[None]
+        angles = positions.float()[:, None] * inv[None]
         cos, sin = torch.cat([angles.cos()] * 2, -1)[:, None], torch.cat([angles.sin()] * 2, -1)[:, None]
         return x * cos + torch.cat([-x[..., d // 2 :], x[..., : d // 2]], -1) * sin
 
-    def forward(self, embeds: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
-        """Draft logits of every row of one sequence (row i at position i)."""
-        layer, attn, n = self.layers[0], self.layers[0].self_attn, embeds.shape[0]
-        residual = self.fc(aux)
-        x = torch.cat([layer.input_layernorm(embeds), layer.hidden_norm(residual)], -1)
-        q = self._rope(attn["q_proj"](x).view(n, self.heads, -1)).transpose(0, 1)
-        k = self._rope(attn["k_proj"](x).view(n, self.kv_heads, -1)).transpose(0, 1)
-        v = attn["v_proj"](x).view(n, self.kv_heads, -1).transpose(0, 1)
-        groups = self.heads // self.kv_heads
-        out = F.scaled_dot_product_attention(
-            q, k.repeat_interleave(groups, 0), v.repeat_interleave(groups, 0), is_causal=True
+    def forward(self, embeds: list[torch.Tensor], aux: torch.Tensor) -> list[torch.Tensor]:
+        """Draft logits of every row of one sequence at each of `len(embeds)` steps (`embeds[s]`: the
+        token embeddings step s + 1 reads, a row per state of `aux`). Row i of step s is at position
+        i + s and attends to step 1's rows 0..i and its own row i of the steps before, as the proposer's
+        k-th draft sees the cache; each step's hidden state is the step before's output."""
+        layer, attn, n, depth = self.layers[0], self.layers[0].self_attn, aux.shape[0], len(embeds)
+        rows = torch.arange(n)
+        positions = torch.cat([rows + s for s in range(depth)])
+        step = torch.arange(depth).repeat_interleave(n)
+        row = rows.repeat(depth)
+        mask = ((step[None, :] == 0) & (row[None, :] <= row[:, None])) | (
+            (step[None, :] > 0) & (step[None, :] <= step[:, None]) & (row[None, :] == row[:, None])
         )
-        h = attn["o_proj"](out.transpose(0, 1).reshape(n, -1)) + residual
-        m = layer.post_attention_layernorm(h)
-        h = layer.mlp["down_proj"](F.silu(layer.mlp["gate_proj"](m)) * layer.mlp["up_proj"](m)) + h
-        return self.lm_head(self.norm(h))
+        hidden, logits = self.fc(aux), []
+        keys, values = [], []
+        for s in range(depth):
+            residual = hidden
+            x = torch.cat([layer.input_layernorm(embeds[s]), layer.hidden_norm(residual)], -1)
+            at = positions[s * n : (s + 1) * n]
+            q = self._rope(attn["q_proj"](x).view(n, self.heads, -1), at)
+            keys.append(self._rope(attn["k_proj"](x).view(n, self.kv_heads, -1), at))
+            values.append(attn["v_proj"](x).view(n, self.kv_heads, -1))
+            groups = self.heads // self.kv_heads
+            k = torch.cat(keys).repeat_interleave(groups, 1).transpose(0, 1)
+            v = torch.cat(values).repeat_interleave(groups, 1).transpose(0, 1)
+            out = F.scaled_dot_product_attention(
+                q.transpose(0, 1), k, v, attn_mask=mask[s * n : (s + 1) * n, : (s + 1) * n]
+            )
+            h = attn["o_proj"](out.transpose(0, 1).reshape(n, -1)) + residual
+            m = layer.post_attention_layernorm(h)
+            hidden = layer.mlp["down_proj"](F.silu(layer.mlp["gate_proj"](m)) * layer.mlp["up_proj"](m)) + h
+            logits.append(self.lm_head(self.norm(hidden)))
+        return logits
+
+
+def greedy_outputs(target: str, prompts: list[list[int]], max_new_tokens: int) -> list[torch.Tensor]:
+    """Each prompt followed by the target's greedy continuation, from pagellm in bfloat16 (the dtype the
+    head will draft for), `max_new_tokens` each: end-of-turn tokens do not stop them, so the head also
+    sees what follows one (as `pagellm bench latency`, which ignores them, will ask it)."""
+    from pagellm import LLM, SamplingParams
+
+    llm = LLM(target, dtype="bfloat16")
+    params = SamplingParams(temperature=0, max_tokens=max_new_tokens, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    return [torch.tensor(p + list(o.outputs[0].token_ids)) for p, o in zip(prompts, outputs, strict=True)]
 
 
 @torch.no_grad()
-def greedy_examples(target, tokenizer, prompts: list[str], max_new_tokens: int, layers: list[int]):
-    """(token ids, the three states per token) of each prompt followed by its greedy continuation."""
+def hidden_states(target, sequences: list[torch.Tensor], layers: list[int]):
+    """(token ids, the three states per token in bfloat16) of each sequence, from transformers in float32."""
     examples = []
-    for prompt in prompts:
-        ids = tokenizer(prompt, return_tensors="pt").input_ids
-        full = target.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False
-        )
-        states = target(full, output_hidden_states=True).hidden_states  # [i]: the stream entering layer i
-        examples.append((full[0], torch.cat([states[i][0] for i in layers], -1)))
+    for tokens in sequences:
+        states = target(tokens[None], output_hidden_states=True).hidden_states  # [i]: entering layer i
+        examples.append((tokens, torch.cat([states[i][0] for i in layers], -1).bfloat16()))
     return examples
 
 
@@ -116,27 +145,47 @@ def draft_vocabulary(examples, vocab: int, size: int) -> torch.Tensor:
     return counts.topk(min(size, vocab)).indices.sort().values
 
 
-def train(head: Head, embed: torch.Tensor, examples, t2d_index: torch.Tensor, steps: int, lr: float) -> None:
-    """Teacher-forced steps over the examples in turn: row i (token i + 1, states at i) learns token i + 2."""
+def train(
+    head: Head, embed: torch.Tensor, examples, t2d_index: torch.Tensor, epochs: int, lr: float, depth: int
+) -> None:
+    """Epochs over the examples in a seeded order, one sequence a step, AdamW with a cosine schedule. Step s
+    (1..depth) of row i reads token i + s and learns token i + s + 1; rows past the sequence's end, or whose
+    answer is outside the draft vocabulary, do not count."""
     optimizer = torch.optim.AdamW(head.parameters(), lr=lr)
-    for step in range(steps):
-        tokens, aux = examples[step % len(examples)]
-        if len(tokens) < 3:
+    total = epochs * len(examples)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda k: 0.5 * (1 + torch.cos(torch.tensor(k / total * torch.pi)).item())
+    )
+    order = torch.cat([torch.randperm(len(examples)) for _ in range(epochs)]).tolist()
+    correct, counted = torch.zeros(depth), torch.zeros(depth)
+    for k, e in enumerate(order):
+        tokens, aux = examples[e]
+        n = len(tokens) - 1  # rows: the states at 0..n-1
+        if n < depth + 1:
             continue
-        logits = head(embed[tokens[1:-1]], aux[:-2].float())
-        labels = t2d_index[tokens[2:]]  # -100 outside the draft vocabulary
-        loss = F.cross_entropy(logits, labels, ignore_index=-100)
+        padded = torch.cat([tokens, tokens.new_zeros(depth + 1)])
+        embeds = [embed[padded[s + 1 : s + 1 + n]] for s in range(depth)]
+        logits = head(embeds, aux[:n].float())
+        labels = [t2d_index[padded[s + 2 : s + 2 + n]] for s in range(depth)]
+        for s in range(depth):
+            labels[s][max(0, n - 1 - s) :] = -100  # past the end
+        loss = sum(F.cross_entropy(lg, lb, ignore_index=-100) for lg, lb in zip(logits, labels, strict=True))
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-        if step % 50 == 0:
-            accuracy = (logits.argmax(-1) == labels).float().mean().item()
-            print(f"step {step}: loss {loss.item():.3f}, next-next-token accuracy {accuracy:.2f}")
+        schedule.step()
+        for s in range(depth):
+            valid = labels[s] != -100
+            correct[s] += (logits[s].argmax(-1)[valid] == labels[s][valid]).sum()
+            counted[s] += valid.sum()
+        if (k + 1) % 100 == 0 or k + 1 == total:
+            accuracy = " ".join(f"{c / max(n, 1):.2f}" for c, n in zip(correct, counted, strict=True))
+            print(f"step {k + 1}/{total}: loss {loss.item() / depth:.3f}, accuracy per draft {accuracy}")
+            correct.zero_()
+            counted.zero_()
 
 
-def save(
-    head: Head, out: Path, target_config, embed: torch.Tensor, ids: torch.Tensor, layers: list[int]
-) -> None:
+def save(head: Head, out: Path, target_config, ids: torch.Tensor, layers: list[int]) -> None:
     """The speculators layout: config.json (speculators_model_type eagle3) and model.safetensors."""
     out.mkdir(parents=True, exist_ok=True)
     c = target_config
@@ -151,34 +200,41 @@ def save(
     tensors = {name: p.detach().contiguous() for name, p in head.state_dict().items()}
     t2d = torch.zeros(c.vocab_size, dtype=torch.bool)
     t2d[ids] = True
-    tensors.update(
-        {"embed_tokens.weight": embed.contiguous(), "d2t": ids - torch.arange(len(ids)), "t2d": t2d}
-    )
+    tensors.update({"d2t": ids - torch.arange(len(ids)), "t2d": t2d})  # embed_tokens: the target's
     save_file(tensors, str(out / "model.safetensors"))
 
 
 def main() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from pagellm.bench.workloads import chat_ids, chat_questions
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", required=True, help="the target model's directory (transformers layout)")
     parser.add_argument("--out", required=True, type=Path, help="where to write the head")
-    parser.add_argument("--prompts", required=True, type=Path, help="a text file, one prompt a line")
-    parser.add_argument("--max-new-tokens", type=int, default=64)
+    prompts_from = parser.add_mutually_exclusive_group(required=True)
+    prompts_from.add_argument("--prompts", type=Path, help="a text file, one user message a line")
+    prompts_from.add_argument("--chat", type=int, help="this many of the bench's chat questions (seed 1)")
+    parser.add_argument("--max-new-tokens", type=int, default=160)
     parser.add_argument("--draft-vocab", type=int, default=8192)
-    parser.add_argument("--steps", type=int, default=500)
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--depth", type=int, default=3, help="drafts trained for (training-time test)")
     parser.add_argument("--lr", type=float, default=1e-3)
     args = parser.parse_args()
 
     torch.manual_seed(0)
     tokenizer = AutoTokenizer.from_pretrained(args.target)
+    if args.chat:
+        texts = chat_questions(args.chat, seed=1)
+    else:
+        texts = [line for line in args.prompts.read_text().splitlines() if line.strip()]
+    sequences = greedy_outputs(args.target, [chat_ids(tokenizer, t) for t in texts], args.max_new_tokens)
     target = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32).eval()
     c = target.config
     layers = [2, c.num_hidden_layers // 2, c.num_hidden_layers - 3]  # pagellm's (and vLLM's) default
     if min(layers) < 0:
         raise SystemExit(f"the target has {c.num_hidden_layers} layers; the default layers need at least 3")
-    prompts = [line for line in args.prompts.read_text().splitlines() if line.strip()]
-    examples = greedy_examples(target, tokenizer, prompts, args.max_new_tokens, layers)
+    examples = hidden_states(target, sequences, layers)
     ids = draft_vocabulary(examples, c.vocab_size, args.draft_vocab)
     t2d_index = torch.full((c.vocab_size,), -100, dtype=torch.long)
     t2d_index[ids] = torch.arange(len(ids))
@@ -186,9 +242,13 @@ def main() -> None:
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
     head = Head(c.hidden_size, heads, kv_heads, head_dim, c.intermediate_size, len(ids), c.rms_norm_eps,
                 float(c.rope_parameters.get("rope_theta", 10000.0)))  # fmt: skip
+    with torch.no_grad():  # start from the target's output rows of the draft vocabulary and its final norm
+        head.lm_head.weight.copy_(target.get_output_embeddings().weight[ids])
+        head.norm.weight.copy_(target.model.norm.weight)
     embed = target.get_input_embeddings().weight.detach().float()
-    train(head, embed, examples, t2d_index, args.steps, args.lr)
-    save(head, args.out, c, embed, ids, layers)
+    del target
+    train(head, embed, examples, t2d_index, args.epochs, args.lr, args.depth)
+    save(head, args.out, c, ids, layers)
     print(f"saved to {args.out}: speculative_config={{'method': 'eagle3', 'model': '{args.out}', ...}}")
 
 

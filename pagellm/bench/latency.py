@@ -25,7 +25,7 @@ from pagellm.bench.profile import format_profile, profile_latency
 from pagellm.bench.speculation import acceptance, format_acceptance
 from pagellm.bench.steps import StepRecord, StepRecorder
 from pagellm.bench.throughput import floor_report, make_llm, warm_up
-from pagellm.bench.workloads import copy_prompts
+from pagellm.bench.workloads import chat_prompts, copy_prompts
 from pagellm.core.errors import ConfigError
 from pagellm.engine.llm import LLM
 from pagellm.engine.setup import cache_dir
@@ -41,9 +41,14 @@ class LatencyResult:
     decode_step_s: list[float]
     e2e_s: float
     floor: dict[str, Any] = field(default_factory=dict)  # "decode", "prefill", "run": floor reports
+    # the tokens the decode steps gave, all requests together (more than one a step and request with
+    # speculative decoding); None: one a step and request
+    decode_tokens: int | None = None
 
     def as_dict(self) -> dict[str, Any]:
         decode_ms = np.array(self.decode_step_s or [float("nan")]) * 1000
+        steps = len(self.decode_step_s)
+        tokens = self.decode_tokens if self.decode_tokens is not None else steps * self.batch_size
         prefill_s = sum(self.prefill_step_s)
         out = {
             "batch_size": self.batch_size,
@@ -56,6 +61,12 @@ class LatencyResult:
             "decode_step_mean_ms": float(decode_ms.mean()),
             "decode_step_p50_ms": float(np.percentile(decode_ms, 50)),
             "decode_step_p99_ms": float(np.percentile(decode_ms, 99)),
+            # a request's time per token in the decode steps (the step where each decodes one): what
+            # llama.cpp's generation step is compared with
+            "decode_ms_per_token": float(decode_ms.mean()) * steps * self.batch_size / tokens
+            if tokens
+            else float("nan"),
+            "decode_tokens": tokens,
             "e2e_s": self.e2e_s,
             "output_tok_s": self.batch_size * self.output_len / self.e2e_s,
         }
@@ -71,10 +82,11 @@ def latency_prompts(vocab_size: int, batch_size: int, input_len: int, seed: int 
 
 def run_batch(
     llm: LLM, prompts: list[list[int]], output_len: int
-) -> tuple[list[StepRecord], list[bool], float]:
+) -> tuple[list[StepRecord], list[bool], float, int]:
     """Queue the prompts, each generating `output_len`, and step the engine until all finish.
 
-    Returns the recorded steps, whether each was a decode step, and the end-to-end time."""
+    Returns the recorded steps, whether each was a decode step (every request has its first token), the
+    end-to-end time, and the tokens the decode steps gave."""
     engine = llm.engine
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     is_decode: list[bool] = []
@@ -82,13 +94,18 @@ def run_batch(
         start = time.perf_counter()
         ids = {engine.add_request({"prompt_token_ids": p}, params) for p in prompts}
         started: set[str] = set()
+        tokens: dict[str, int] = {}  # each request's output tokens so far
+        before_decode = 0  # all requests' when every one had started
         while engine.has_unfinished_requests():
             decoding = started == ids
             outputs = engine.step()
             is_decode += [decoding] * (len(recorder.steps) - len(is_decode))
+            tokens.update((o.request_id, len(o.outputs[0].token_ids)) for o in outputs)
             started.update(o.request_id for o in outputs if o.outputs[0].token_ids)
+            if not decoding and started == ids:
+                before_decode = sum(tokens.values())
         e2e = time.perf_counter() - start
-    return recorder.steps, is_decode, e2e
+    return recorder.steps, is_decode, e2e, len(prompts) * output_len - before_decode
 
 
 def run_latency(
@@ -107,11 +124,17 @@ def run_latency(
         prompts = latency_prompts(llm.engine.setup.hf_config.vocab_size, batch_size, input_len, seed)
     else:
         batch_size, input_len = len(prompts), round(sum(map(len, prompts)) / len(prompts))
-    steps, is_decode, e2e = run_batch(llm, prompts, output_len)
+    steps, is_decode, e2e, decode_tokens = run_batch(llm, prompts, output_len)
     prefill = [s for s, d in zip(steps, is_decode, strict=True) if not d]
     decode = [s for s, d in zip(steps, is_decode, strict=True) if d]
     result = LatencyResult(
-        batch_size, input_len, output_len, [s.seconds for s in prefill], [s.seconds for s in decode], e2e
+        batch_size,
+        input_len,
+        output_len,
+        [s.seconds for s in prefill],
+        [s.seconds for s in decode],
+        e2e,
+        decode_tokens=decode_tokens,
     )
     if machine is not None:
         result.floor["run"] = floor_report(llm, steps, machine, e2e, batch_size * output_len)
@@ -140,7 +163,8 @@ class LatencyArgs(BenchArgs):
     batch_size: int = 8
     input_len: int = 256
     output_len: int = 64
-    prompt_kind: Literal["random", "copy"] = "random"  # copy: requests to edit code (--input-len ignored)
+    # copy: requests to edit code; chat: a chat user's questions (both ignore --input-len)
+    prompt_kind: Literal["random", "copy", "chat"] = "random"
     profile: bool = False  # then the batch once more with timing hooks and torch.profiler
     compare: Sequence[str] = ()  # peers: "llama.cpp"
     llama_bench: str | None = None  # llama.cpp: the llama-bench executable (a path or a name on PATH)
@@ -160,7 +184,9 @@ def main(args: LatencyArgs) -> dict[str, Any]:
         echo(f"llama.cpp peer will be skipped: {llama_skipped}", err=True)
 
     def prompts_for(llm):
-        return copy_prompts(llm.engine.tokenizer, batch_size) if args.prompt_kind == "copy" else None
+        kinds = {"copy": copy_prompts, "chat": chat_prompts}
+        make = kinds.get(args.prompt_kind)
+        return make(llm.engine.tokenizer, batch_size) if make is not None else None
 
     baseline = None
     if config.speculative is not None:
@@ -242,7 +268,7 @@ def _ratios(result: dict[str, Any], peer: dict[str, Any]) -> dict[str, float | N
     llama.cpp's."""
     prefill = result["prefill_tok_s"]
     return {
-        "decode_step": peer["decode_step_mean_ms"] / result["decode_step_mean_ms"],
+        "decode_step": peer["decode_step_mean_ms"] / result["decode_ms_per_token"],
         "prefill_tok_s": prefill / peer["prefill_tok_s"] if prefill else None,
     }
 
@@ -261,9 +287,11 @@ def _peer_lines(result: dict[str, Any], peer: dict[str, Any], ratios: dict[str, 
     runs = "one run" if peer["repetitions"] == 1 else f"mean of {peer['repetitions'] or '?'} runs"
     rows = [{**result, "engine": "pagellm"}, {**peer, "engine": f"llama.cpp ({peer['tool']}, {runs})"}]
     lines = [table(rows, PEER_COLUMNS)]
+    speculating = result["decode_ms_per_token"] != result["decode_step_mean_ms"]
     lines.append(
-        f"decode step: llama.cpp {peer['decode_step_mean_ms']:.2f} ms / pagellm "
-        f"{result['decode_step_mean_ms']:.2f} ms = {ratios['decode_step']:.2f}x (above 1: pagellm is faster)"
+        f"decode step{', per token of a request (several a step with the drafts)' if speculating else ''}: "
+        f"llama.cpp {peer['decode_step_mean_ms']:.2f} ms / pagellm {result['decode_ms_per_token']:.2f} ms = "
+        f"{ratios['decode_step']:.2f}x (above 1: pagellm is faster)"
     )
     if ratios["prefill_tok_s"] is not None:
         lines.append(
@@ -283,6 +311,12 @@ def _summary(result: dict[str, Any]) -> list[str]:
         f"p50 {result['decode_step_p50_ms']:.1f} ms, p99 {result['decode_step_p99_ms']:.1f} ms",
         f"end to end: {result['e2e_s']:.2f} s ({result['output_tok_s']:.1f} output tok/s)",
     ]
+    if result["decode_ms_per_token"] != result["decode_step_mean_ms"]:
+        lines.insert(
+            3,
+            f"decode per token of a request: {result['decode_ms_per_token']:.2f} ms "
+            f"({result['decode_tokens']} tokens in {result['decode_steps']} steps)",
+        )
     floor = result.get("floor", {})
     if "decode" in floor:
         d = floor["decode"]

@@ -300,17 +300,59 @@ COPY_INSTRUCTIONS = (
 def copy_prompts(tokenizer, batch_size: int) -> list[list[int]]:
     """Prompts whose answers copy much of the prompt (code edits, W-spec "copy-friendly"): each asks for
     an edit of the same code (instructions in turn), through the chat template when the tokenizer has one."""
-    prompts = []
-    for i in range(batch_size):
-        text = f"{COPY_INSTRUCTIONS[i % len(COPY_INSTRUCTIONS)]}\n\n```python\n{COPY_SOURCE}```"
-        if getattr(tokenizer, "chat_template", None):
-            ids = tokenizer.apply_chat_template(
-                [{"role": "user", "content": text}], add_generation_prompt=True
-            )
-            prompts.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))  # a BatchEncoding in v5
-        else:
-            prompts.append(tokenizer.encode(text))
-    return prompts
+    return [
+        chat_ids(tokenizer, f"{COPY_INSTRUCTIONS[i % len(COPY_INSTRUCTIONS)]}\n\n```python\n{COPY_SOURCE}```")
+        for i in range(batch_size)
+    ]
+
+
+def chat_ids(tokenizer, text: str) -> list[int]:
+    """One user message's prompt: through the chat template when the tokenizer has one, else the text."""
+    if getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)  # a BatchEncoding in v5
+    return tokenizer.encode(text)
+
+
+CHAT_ASKS = (
+    "Explain {} in simple terms.",
+    "What are three interesting facts about {}?",
+    "Write a short poem about {}.",
+    "How would you describe {} to a ten-year-old?",
+    "Give me some tips for learning about {}.",
+    "What is the history of {}?",
+    "Why is {} important?",
+    "Write a short story that involves {}.",
+    "What are the advantages and disadvantages of {}?",
+    "Summarize what you know about {} in one paragraph.",
+    "What questions do people often ask about {}?",
+    "Write a friendly email to a colleague about {}.",
+)
+CHAT_SUBJECTS = (
+    "the moon", "photosynthesis", "the ocean", "volcanoes", "honey bees", "the internet", "rainbows",
+    "electric cars", "the Roman Empire", "chess", "coffee", "gravity", "dinosaurs", "recycling",
+    "the human heart", "solar panels", "mountains", "friendship", "music", "the weather", "sleep",
+    "bicycles", "libraries", "clouds", "trees", "computers", "the Pyramids of Giza", "vaccines",
+    "bread baking", "the French Revolution", "penguins", "earthquakes", "gardening", "the stock market",
+    "mathematics", "the solar system", "rivers", "birds", "robots", "cheese", "the Olympic Games",
+    "deserts", "airplanes", "languages", "exercise", "climate change", "the printing press", "tea",
+)  # fmt: skip
+"""Chat questions (`chat_questions`): a task and a subject each, so the prompts read as a chat user's do."""
+
+
+def chat_questions(n: int, seed: int = 0) -> list[str]:
+    """`n` chat questions drawn with a fixed seed: the same for every engine and run."""
+    rng = np.random.RandomState(seed)
+    return [
+        CHAT_ASKS[rng.randint(len(CHAT_ASKS))].format(CHAT_SUBJECTS[rng.randint(len(CHAT_SUBJECTS))])
+        for _ in range(n)
+    ]
+
+
+def chat_prompts(tokenizer, batch_size: int, seed: int = 0) -> list[list[int]]:
+    """Prompts of a chat user (`chat_questions`), through the chat template when the tokenizer has one:
+    the requests an EAGLE-3 head or MTP layer is measured on."""
+    return [chat_ids(tokenizer, q) for q in chat_questions(batch_size, seed)]
 
 
 RANDOM_MODELS = {

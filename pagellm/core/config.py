@@ -179,7 +179,8 @@ class EngineConfig:
         True,
         "Run a decode step in one native call where the platform has one (CPU: one request's step of "
         "Llama-family and Qwen3-MoE models from GGUF files, or in bfloat16 on CPUs without AMX; a batch's "
-        "step too where every linear is on the AVX-512 BF16 pair kernel; start-up says whether it applies "
+        "step, and a step verifying speculative drafts, too where every linear is on the AVX-512 BF16 pair "
+        "kernel; start-up says whether it applies "
         "and why); off: every step runs the model's forward.",
         envvar="PAGELLM_NATIVE_DECODE",
     )

@@ -79,15 +79,19 @@ class DenseDecoder:
 
 
 class NativeDecodeStep(Protocol):
-    """A platform's decode step over the model's KV cache: one request's token, or several requests' where
-    `batches`."""
+    """A platform's decode step over the model's KV cache: one request's token, or several rows where
+    `batches` (a row per request, or a request's token and the drafts after it, each row attending to the
+    rows before it of its request)."""
 
     batches: bool
+    # the layers whose incoming residual stream (h + residual) a call also reports in `aux`, for a proposer
+    # that reads them (EAGLE-3); set by the runner
+    aux_layers: tuple[int, ...]
+    aux: torch.Tensor | None  # the last call's, [rows, len(aux_layers) * hidden], layers in that order
 
     def __call__(
         self, tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray, block_tables: np.ndarray
     ) -> torch.Tensor:
-        """The final hidden states [rows, hidden] (after the final norm) of `tokens` (one per request) at
-        `positions`, their keys and values stored at cache `slots`; `block_tables`: int32 [rows, blocks],
-        each its request's."""
+        """The final hidden states [rows, hidden] (after the final norm) of `tokens` at `positions`, their
+        keys and values stored at cache `slots`; `block_tables`: int32 [rows, blocks], each its request's."""
         ...

@@ -29,19 +29,24 @@ from pagellm.platforms.cpu_moe import CpuFusedMoE
 
 class CpuNativeDecodeStep:
     """A plan handed to the kernels once (weights, caches, sizes); each call one decode step, of one
-    request, or of several where every projection is on the pair kernel (`batches`)."""
+    request, or of several rows where every projection is on the pair kernel (`batches`): a row per
+    request, or a request's token and the drafts after it to verify."""
 
     def __init__(self, kernels: Any, handle: int, hidden_size: int):
         self._kernels = kernels
         self._handle = handle
         self._hidden_size = hidden_size
         self.batches = bool(kernels.native_decoder_batches(handle))
+        self.aux_layers: tuple[int, ...] = ()
+        self.aux: torch.Tensor | None = None
         weakref.finalize(self, kernels.native_decoder_drop, handle)
 
     def __call__(
         self, tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray, block_tables: np.ndarray
     ) -> torch.Tensor:
-        out = torch.empty(len(tokens), self._hidden_size, dtype=torch.bfloat16)
+        rows = len(tokens)
+        out = torch.empty(rows, self._hidden_size, dtype=torch.bfloat16)
+        aux = torch.empty(len(self.aux_layers), rows, self._hidden_size, dtype=torch.bfloat16)
         self._kernels.native_decoder_step(
             self._handle,
             out,
@@ -49,7 +54,10 @@ class CpuNativeDecodeStep:
             _int64(positions),
             _int64(slots),
             torch.from_numpy(np.ascontiguousarray(block_tables, dtype=np.int32)),
+            torch.tensor(self.aux_layers, dtype=torch.int64),
+            aux,
         )
+        self.aux = aux.transpose(0, 1).reshape(rows, -1) if self.aux_layers else None
         return out
 
 

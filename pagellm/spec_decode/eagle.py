@@ -24,6 +24,19 @@ def load_eagle3(path: str, target: torch.nn.Module, init: Any) -> Eagle3Head:
     return load_eagle3_head(path, init, embed)
 
 
+class Eagle3Features:
+    """What the head reads of a target step: `fc` of the three auxiliary hidden states, reported by a
+    native step (`StepInputs.aux`) or caught by hooks on the target's layers during its forward."""
+
+    def __init__(self, head: Eagle3Head, hooks: AuxHiddenStates):
+        self.head = head
+        self.hooks = hooks
+
+    def __call__(self, step: StepInputs) -> torch.Tensor:
+        aux = step.aux if step.aux is not None else self.hooks.take(step.input_ids.shape[0])
+        return self.head.fc(aux)
+
+
 def make_eagle3_proposer(
     head: Eagle3Head,
     target: torch.nn.Module,
@@ -35,9 +48,7 @@ def make_eagle3_proposer(
 ) -> ChainedHeadProposer:
     """The proposer, with hooks on the target's layers the head reads (its config's, else vLLM's default)."""
     ids = head.config.aux_layer_ids or default_aux_layer_ids(len(decoder_layers(target)))
-    aux = AuxHiddenStates(target, ids)
-
-    def features(step: StepInputs) -> torch.Tensor:
-        return head.fc(aux.take(step.input_ids.shape[0]))
-
-    return ChainedHeadProposer("eagle3", head, features, kv_caches, backend, block_size, batch, device)
+    features = Eagle3Features(head, AuxHiddenStates(target, ids))
+    proposer = ChainedHeadProposer("eagle3", head, features, kv_caches, backend, block_size, batch, device)
+    proposer.aux_layers = tuple(ids)
+    return proposer

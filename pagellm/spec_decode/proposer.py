@@ -37,10 +37,15 @@ class StepInputs:
     attn: AttentionBatch
     hidden: torch.Tensor  # [T, hidden]: the target's last hidden states (what EAGLE-style heads read)
     rows: np.ndarray | None = None  # [B]: each request's row of the runner's persistent batch
+    # [T, len(Proposer.aux_layers) * hidden]: the residual stream entering those layers, where the step
+    # ran natively (which reports them); None after the eager forward (the proposer's hooks caught them)
+    aux: torch.Tensor | None = None
 
 
 class Proposer(ABC):
     name: ClassVar[str]
+    # the target layers whose incoming residual stream the proposer reads (`StepInputs.aux`)
+    aux_layers: tuple[int, ...] = ()
 
     def observe(self, step: StepInputs) -> None:  # noqa: B027 (optional hook)
         """Called after every target forward with the step's inputs (a draft model keeps its KV in step)."""

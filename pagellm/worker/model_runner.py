@@ -248,6 +248,8 @@ class ModelRunner:
         hidden = self.graphs.run(step.arrays) if self.graphs is not None else None
         if hidden is None and self.native_decode is not None:
             hidden = self._run_native_decode(step.arrays)
+            if hidden is not None and self.spec_decode is not None:
+                self.spec_decode.observe(self._native_step_inputs(step.arrays, hidden))
         if hidden is None:
             inputs = self._forward(step.arrays, step.lora, step.images)
             hidden = inputs.hidden
@@ -256,16 +258,16 @@ class ModelRunner:
         return hidden
 
     def _native_decode_step(self) -> NativeDecodeStep | None:
-        return self.built.native_decode_step(
-            speculative=self.spec_decode is not None, kv_transfer=self.kv_transfer is not None
-        )
+        aux_layers = self.spec_decode.proposer.aux_layers if self.spec_decode is not None else ()
+        return self.built.native_decode_step(aux_layers=aux_layers, kv_transfer=self.kv_transfer is not None)
 
     def _run_native_decode(self, a: StepArrays) -> torch.Tensor | None:
-        """The final hidden states of a step of decodes only (each request one token at the end of its
-        context): one request's, or a batch's where the native step takes batches; None for any other
-        step (it runs the forward)."""
-        rows = len(a.input_ids)
-        if rows != len(a.seq_lens) or (rows > 1 and not self.native_decode.batches):
+        """The final hidden states of a step of decodes only: each request's new token at the end of its
+        context, with the drafts to verify after it when speculating (rows of one request at consecutive
+        positions, as many as a verify step takes); one request's, or a batch's where the native step
+        takes batches; None for any other step (it runs the forward)."""
+        rows, requests = len(a.input_ids), len(a.seq_lens)
+        if rows > 1 and not self.native_decode.batches:
             return None
         if (
             a.more_groups
@@ -274,9 +276,25 @@ class ModelRunner:
             or a.bidirectional is not None
         ):
             return None
-        if not np.array_equal(a.seq_lens, a.positions + 1):
+        if rows == requests:
+            if not np.array_equal(a.seq_lens, a.positions + 1):
+                return None
+            return self.native_decode(a.input_ids, a.positions, a.slot_mapping, a.block_tables)
+        counts = np.diff(a.query_start_loc)
+        if self.spec_decode is None or counts.max() > 1 + self.spec_decode.speculative.num_speculative_tokens:
+            return None  # prefill chunks
+        if not np.array_equal(np.repeat(a.seq_lens, counts), a.positions + 1 + _offsets_from_end(counts)):
             return None
-        return self.native_decode(a.input_ids, a.positions, a.slot_mapping, a.block_tables)
+        tables = np.repeat(a.block_tables, counts, axis=0)
+        return self.native_decode(a.input_ids, a.positions, a.slot_mapping, tables)
+
+    def _native_step_inputs(self, a: StepArrays, hidden: torch.Tensor) -> StepInputs:
+        """What the proposer sees of a native step: as of the forward's, with the auxiliary hidden states the
+        native step reported in place of its hooks'."""
+        attn = attention_batches(a, self.device)[0]
+        return StepInputs(
+            self._dev(a.input_ids), self._dev(a.positions), attn, hidden, a.batch_rows, self.native_decode.aux
+        )
 
     def _forward(
         self, step: StepArrays, lora: LoRABatch | None = None, images: ImageBatch | None = None
@@ -369,3 +387,9 @@ class ModelRunner:
 
     def _dev(self, array: np.ndarray) -> torch.Tensor:
         return host_to_device(array, self.device)
+
+
+def _offsets_from_end(counts: np.ndarray) -> np.ndarray:
+    """For rows grouped by request (`counts` rows each): how many rows of its request follow each row."""
+    ends = np.repeat(np.cumsum(counts), counts)
+    return ends - 1 - np.arange(int(counts.sum()))

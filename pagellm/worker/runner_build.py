@@ -524,16 +524,19 @@ class RunnerBuild:
             self.layer_groups,
         )
 
-    def native_decode_step(self, *, speculative: bool, kv_transfer: bool) -> NativeDecodeStep | None:
-        """The platform's native decode step (`Platform.native_decode_step`), where the model
-        and this engine's features allow it (`speculative`, `kv_transfer`: the runner has those parts, which
-        read or save every step's layers); start-up logs whether it applies, and why."""
+    def native_decode_step(
+        self, *, aux_layers: tuple[int, ...], kv_transfer: bool
+    ) -> NativeDecodeStep | None:
+        """The platform's native decode step (`Platform.native_decode_step`), where the model and this
+        engine's features allow it (`kv_transfer`: the runner has that part, which saves every step's
+        layers), reporting the residual stream entering `aux_layers` (what a proposer reads); start-up logs
+        whether it applies, and why."""
         step, why = None, ""
         config = self.setup.config
         if not config.native_decode:
             why = "--no-native-decode"
-        elif self.lora is not None or speculative or kv_transfer or config.runner != "generate":
-            why = "LoRA, speculative decoding, KV transfer or a pooling runner reads or changes every layer"
+        elif self.lora is not None or kv_transfer or config.runner != "generate":
+            why = "LoRA, KV transfer or a pooling runner reads or changes every layer"
         elif self.parallel.world_size > 1:
             why = "the model is split across ranks"
         elif self.layer_groups is not None:
@@ -548,6 +551,8 @@ class RunnerBuild:
                 step, why = self.setup.platform.native_decode_step(
                     model, self.kv_caches, self.layers, self.block_size
                 )
+                if step is not None:
+                    step.aux_layers = aux_layers
         logger.info("native decode step: %s (%s)", "on" if step is not None else "off", why)
         return step
 

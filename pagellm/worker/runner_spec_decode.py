@@ -73,7 +73,8 @@ class RunnerSpecDecode:
         self.device = device
 
     def observe(self, inputs: StepInputs) -> None:
-        """After every eager target forward (a draft model runs the same tokens, keeping its KV in step)."""
+        """After every target forward, eager or native (a draft model runs the same tokens, keeping its KV
+        in step)."""
         self.proposer.observe(inputs)
 
     def verify(

@@ -236,3 +236,36 @@ def test_images_runs_i1_on_model_v_beside_transformers(tmp_path, monkeypatch):
     assert 0 < pagellm["extra"]["encoder_share"] < 1
     assert pagellm["input_tokens"] > 3 * 16  # each prompt holds its image's 16 tokens
     assert pagellm["extra"]["floor"]["linear_flops"] > 0 and 0 < pagellm["fraction_of_floor"]
+
+
+def test_chat_prompts_are_the_same_every_run_and_differ_by_seed():
+    from pagellm.bench.workloads import chat_questions
+
+    assert chat_questions(20, seed=0) == chat_questions(20, seed=0)
+    assert chat_questions(20, seed=0) != chat_questions(20, seed=1)
+    assert all(q.endswith((".", "?")) and "{}" not in q for q in chat_questions(50))
+
+
+def test_latency_with_speculation_counts_tokens_not_steps(tiny_model, tmp_path):
+    """Chat prompts, and the decode time per token of a request: a verifying step may give a request
+    several tokens, so the steps no longer count them."""
+    from pagellm.bench.workloads import chat_prompts
+    from pagellm.engine.tokenizer import load_tokenizer
+
+    out = tmp_path / "latency.json"
+    spec = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}'
+    args = ["latency", "--model", tiny_model, "--batch-size", "2", "--output-len", "24", "--prompts", "chat"]
+    result = run_bench([*args, "--speculative-config", spec, "--output-json", str(out), *ENGINE_ARGS])
+    report = json.loads(out.read_text())
+    latency = report["results"]["pagellm"]
+    prompts = chat_prompts(load_tokenizer(tiny_model), 2)
+    assert latency["input_len"] == round(sum(map(len, prompts)) / 2)
+    assert latency["decode_tokens"] == 2 * 23  # every token but the first, which the prefill step gives
+    per_token = latency["decode_step_mean_ms"] * latency["decode_steps"] * 2 / latency["decode_tokens"]
+    assert latency["decode_ms_per_token"] == pytest.approx(per_token)
+    plain = report["results"]["pagellm without speculation"]
+    assert plain["decode_tokens"] == 2 * 23 and plain["decode_steps"] == 23
+    assert plain["decode_ms_per_token"] == plain["decode_step_mean_ms"]
+    accepted = report["speculation"]["num_accepted_tokens"]
+    assert 23 - accepted <= latency["decode_steps"] <= 23
+    assert ("decode per token of a request" in result.output) == (latency["decode_steps"] < 23)

@@ -8,6 +8,7 @@ portable build (plain C++, AVX2) is checked under -m slow (`test_cpu_kernels_por
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import sys
 from pathlib import Path
@@ -268,6 +269,78 @@ def test_greedy_tokens_are_the_same_with_it_off(native_here, checkpoints):
         if on:
             assert len(gaps) > 30
     assert results[0] == results[1]
+
+
+def test_an_eagle3_heads_verify_steps_run_natively(native_here, checkpoints, tmp_path, two_threads):
+    """With an EAGLE-3 head, a step that verifies drafts (a request's token and its drafts at consecutive
+    positions, each row attending to the rows before it) runs in the native call with the other requests'
+    rows, and reports the residual stream entering the head's layers (layer 0's: the embeddings) as the
+    forward's hooks catch it; greedy tokens are those of the engine with it off, and its drafts all but
+    where the head's logits nearly tie. Each verify row is what a decode step of that token alone would
+    give (the same kernel), which the forward's chunk only approximates."""
+    sys.path.insert(0, str(Path(__file__).parents[1] / "spec_decode"))
+    from eagle_heads import write_speculators_head
+
+    vocab = json.loads((checkpoints["llama"] / "config.json").read_text())["vocab_size"]
+    head = write_speculators_head(tmp_path / "head", vocab, 96, aux_ids=(0, 1, 1), seed=4)
+    spec = {"method": "eagle3", "model": str(head), "num_speculative_tokens": 3}
+    prompts = [list(range(3, 300)), list(range(7, 40)) + [9, 10, 11] * 6]
+    params = [SamplingParams(max_tokens=n, **GREEDY) for n in (14, 24)]
+    results, drafts = [], []
+    for on in (True, False):
+        llm = _engine(checkpoints["llama"], native_decode=on, speculative_config=spec)
+        drafts.append(_record_drafts(llm.engine.runner.spec_decode.proposer))
+        shapes, gaps = _watch_with_aux(llm.engine.runner) if on else ([], [])
+        out = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        results.append([list(o.outputs[0].token_ids) for o in out])
+        if on:
+            assert any(rows > requests for rows, requests in shapes), shapes  # verify steps, natively
+            assert sum(rows for rows, _ in shapes) >= 30, shapes
+            # a verify step's rows on the decode kernel, the forward's as a chunk (the tiles): the same sums
+            # in another order and rounding, a few bfloat16 steps apart after two layers
+            assert max(gaps) <= 2**-5, gaps
+    assert results[0] == results[1]
+    # the head's own logits of a random head tie closely; a draft may come out the other side of a rounding
+    assert len(drafts[0]) == len(drafts[1])
+    differ = [(a, b) for a, b in zip(drafts[0], drafts[1], strict=True) if a != b]
+    print(f"{len(differ)} of {len(drafts[0])} proposals differ: {differ}")
+    assert len(differ) <= len(drafts[0]) // 10, differ
+
+
+def _record_drafts(proposer) -> list:
+    """Every list of drafts `proposer` returns from now on."""
+    propose, proposed = proposer.propose, []
+
+    def recording(requests):
+        proposed.append(propose(requests))
+        return proposed[-1]
+
+    proposer.propose = recording
+    return proposed
+
+
+def _watch_with_aux(runner) -> tuple[list[tuple[int, int]], list[float]]:
+    """Beside every native step, the forward with the proposer's hooks: (rows, requests) of each native
+    step, and how far apart the hidden states and the auxiliary states are (as `_watch`)."""
+    assert runner.native_decode.aux_layers == (0, 1, 1)
+    native, hooks = runner._run_native_decode, runner.spec_decode.proposer.features_of.hooks
+    shapes: list[tuple[int, int]] = []
+    gaps: list[float] = []
+
+    def both(arrays):
+        hidden = native(arrays)
+        if hidden is not None:
+            aux = runner.native_decode.aux
+            inputs = runner._forward(arrays)  # its hooks catch the auxiliary states
+            caught = hooks.take(len(arrays.input_ids))
+            for mine, theirs in ((hidden, inputs.hidden), (aux, caught)):
+                theirs = theirs.float()
+                gaps.append(((mine.float() - theirs).abs().max() / theirs.abs().max()).item())
+            shapes.append((len(arrays.input_ids), len(arrays.seq_lens)))
+        return hidden
+
+    runner._run_native_decode = both
+    return shapes, gaps
 
 
 def test_start_up_says_whether_it_applies_and_why(native_here, checkpoints, tmp_path, caplog):

@@ -104,7 +104,8 @@ int64_t native_decoder_plan(const at::Tensor& embed, int64_t embed_type, const a
                             at::IntArrayRef expert_types, at::IntArrayRef dims, at::ArrayRef<double> floats,
                             bool use_amx);
 void native_decoder_step(int64_t handle, at::Tensor out, const at::Tensor& tokens, const at::Tensor& positions,
-                         const at::Tensor& slots, const at::Tensor& block_tables);
+                         const at::Tensor& slots, const at::Tensor& block_tables, const at::Tensor& aux_layers,
+                         at::Tensor aux_out);
 // Whether a plan's step may take several requests' rows (its projections all pair-packed).
 bool native_decoder_batches(int64_t handle);
 void native_decoder_drop(int64_t handle);

@@ -654,12 +654,17 @@ void native_decoder_drop(int64_t handle) {
   if (handle >= 0 && handle < int64_t(decoders().size())) decoders()[handle].reset();
 }
 
-// out [rows, hidden] bfloat16: the final norm of the step's last hidden states, a row per request, each one
-// token: tokens, positions and slots (where its key and value go: block * block_size + offset) int64 [rows];
-// block_tables int32 [rows, blocks] (or [blocks] for one row), each its request's. Several rows only where
-// the plan's projections are all pair-packed (`native_decoder_batches`).
+// out [rows, hidden] bfloat16: the final norm of the step's last hidden states, a row per token: tokens,
+// positions and slots (where its key and value go: block * block_size + offset) int64 [rows]; block_tables
+// int32 [rows, blocks] (or [blocks] for one row), each its request's. Several rows only where the plan's
+// projections are all pair-packed (`native_decoder_batches`). Rows of one request at consecutive positions
+// (speculative drafts to verify) are a causal chunk: every row's key and value is stored before any row of
+// that layer attends. aux_out [len(aux_layers), rows, hidden] bfloat16 takes the residual stream entering
+// each of the layers aux_layers (int64) names, h + residual as the eager layers see it (what an EAGLE-3
+// head reads).
 void native_decoder_step(int64_t handle, at::Tensor out, const at::Tensor& tokens, const at::Tensor& positions,
-                         const at::Tensor& slots, const at::Tensor& block_tables) {
+                         const at::Tensor& slots, const at::Tensor& block_tables, const at::Tensor& aux_layers,
+                         at::Tensor aux_out) {
   Decoder& D = decoder(handle);
   const int64_t B = tokens.numel(), d = D.head_dim, half = d / 2;
   TORCH_CHECK(B >= 1 && tokens.scalar_type() == at::kLong && positions.scalar_type() == at::kLong &&
@@ -673,6 +678,15 @@ void native_decoder_step(int64_t handle, at::Tensor out, const at::Tensor& token
   const at::Tensor table = block_tables.reshape({B, -1});
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && table.is_contiguous(),
               "native_decoder_step: int32 block tables, a row per request");
+  const int64_t aux = aux_layers.numel();
+  TORCH_CHECK(aux_layers.scalar_type() == at::kLong && aux_layers.is_contiguous() &&
+                  (aux == 0 || (aux_out.numel() == aux * B * D.hidden && aux_out.is_contiguous() &&
+                                aux_out.scalar_type() == at::kBFloat16)),
+              "native_decoder_step: aux_layers int64, aux_out [", aux, ", ", B, ", ", D.hidden, "] bfloat16");
+  const int64_t* aux_layer = aux_layers.data_ptr<int64_t>();
+  for (int64_t j = 0; j < aux; ++j)
+    TORCH_CHECK(aux_layer[j] >= 0 && aux_layer[j] < int64_t(D.layers.size()), "native_decoder_step: aux layer ",
+                aux_layer[j], " is not a layer");
   const int64_t* token = tokens.data_ptr<int64_t>();
   const int64_t* position = positions.data_ptr<int64_t>();
   const int64_t* slot = slots.data_ptr<int64_t>();
@@ -724,6 +738,10 @@ void native_decoder_step(int64_t handle, at::Tensor out, const at::Tensor& token
                        D.eps, final_out + r * D.hidden);
       }
     });
+    for (int64_t j = 0; j < aux && next != nullptr; ++j)  // the residual stream entering layer i
+      if (aux_layer[j] == i)
+        std::memcpy(reinterpret_cast<uint16_t*>(aux_out.data_ptr()) + j * B * D.hidden, D.residual.data(),
+                    B * D.hidden * 2);
     if (next != nullptr)
       paged_attention(D.attn, D.q, next->k_cache, next->v_cache, table, D.seq_lens, D.query_start, D.reqs,
                       kCacheBf16, D.scale, 0, partition, D.amx, 0.0, c10::nullopt, false);

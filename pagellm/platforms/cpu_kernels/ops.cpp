@@ -154,7 +154,7 @@ TORCH_LIBRARY(TORCH_EXTENSION_NAME, m) {
         "bool use_amx) -> int",
         TORCH_FN(native_decoder_plan));
   m.def("native_decoder_step(int handle, Tensor(a!) out, Tensor tokens, Tensor positions, Tensor slots, "
-        "Tensor block_tables) -> ()",
+        "Tensor block_tables, Tensor aux_layers, Tensor(b!) aux_out) -> ()",
         TORCH_FN(native_decoder_step));
   m.def("native_decoder_batches(int handle) -> bool", TORCH_FN(native_decoder_batches));
   m.def("native_decoder_drop(int handle) -> ()", TORCH_FN(native_decoder_drop));

@@ -1,0 +1,39 @@
+"""examples/train_eagle3_head.py end to end on a tiny target (a few seconds): it writes a head in the speculators layout that pagellm loads, and the engine's greedy tokens with that head
+are its tokens without one."""
+
+from __future__ import annotations
+
+import json
+import runpy
+import sys
+from pathlib import Path
+
+from tiny import make_tiny_checkpoint
+
+from pagellm import LLM, SamplingParams
+
+EXAMPLE = Path(__file__).parents[2] / "examples" / "train_eagle3_head.py"
+
+
+def test_a_trained_head_loads_and_keeps_the_greedy_tokens(tmp_path, monkeypatch, capsys):
+    target = make_tiny_checkpoint("llama", tmp_path, num_hidden_layers=4, seed=2)
+    out = tmp_path / "head"
+    argv = [str(EXAMPLE), "--target", str(target), "--out", str(out), "--chat", "6", "--epochs", "2"]
+    monkeypatch.setattr(sys, "argv", [*argv, "--max-new-tokens", "24", "--depth", "3", "--draft-vocab", "64"])
+    runpy.run_path(str(EXAMPLE), run_name="__main__")
+    printed = capsys.readouterr().out
+    assert "accuracy per draft" in printed and f"saved to {out}" in printed
+    config = json.loads((out / "config.json").read_text())
+    assert config["speculators_model_type"] == "eagle3" and config["draft_vocab_size"] == 64
+    assert config["eagle_aux_hidden_state_layer_ids"] == [2, 2, 1]
+
+    prompts = [{"prompt_token_ids": list(range(5, 5 + n))} for n in (9, 30)]
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    spec = {"method": "eagle3", "model": str(out), "num_speculative_tokens": 3}
+    results = []
+    for speculative in (spec, None):
+        llm = LLM(str(target), dtype="float32", max_model_len=256, speculative_config=speculative)
+        results.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+        if speculative:
+            assert llm.engine.stats().spec_num_draft_tokens > 0
+    assert results[0] == results[1]
