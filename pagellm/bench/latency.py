@@ -44,6 +44,7 @@ class LatencyResult:
     # the tokens the decode steps gave, all requests together (more than one a step and request with
     # speculative decoding); None: one a step and request
     decode_tokens: int | None = None
+    rounds: int = 1  # batches run one after another (new prompts each), the steps of all of them
 
     def as_dict(self) -> dict[str, Any]:
         decode_ms = np.array(self.decode_step_s or [float("nan")]) * 1000
@@ -56,7 +57,10 @@ class LatencyResult:
             "output_len": self.output_len,
             "prefill_steps": len(self.prefill_step_s),
             "prefill_s": prefill_s,
-            "prefill_tok_s": self.batch_size * self.input_len / prefill_s if prefill_s else None,
+            "rounds": self.rounds,
+            "prefill_tok_s": self.rounds * self.batch_size * self.input_len / prefill_s
+            if prefill_s
+            else None,
             "decode_steps": len(self.decode_step_s),
             "decode_step_mean_ms": float(decode_ms.mean()),
             "decode_step_p50_ms": float(np.percentile(decode_ms, 50)),
@@ -68,7 +72,7 @@ class LatencyResult:
             else float("nan"),
             "decode_tokens": tokens,
             "e2e_s": self.e2e_s,
-            "output_tok_s": self.batch_size * self.output_len / self.e2e_s,
+            "output_tok_s": self.rounds * self.batch_size * self.output_len / self.e2e_s,
         }
         if self.floor:
             out["floor"] = self.floor
@@ -116,15 +120,24 @@ def run_latency(
     seed: int = 0,
     machine: Machine | None = None,
     prompts: list[list[int]] | None = None,
+    rounds: int = 1,
 ) -> LatencyResult:
-    """Queue `batch_size` random prompts of `input_len` tokens (or the `prompts` given; `input_len` is then
-    their mean length), each generating `output_len`, and step the engine until all finish; with
-    `machine`, the floor of each phase and of the whole run."""
+    """Queue `batch_size` random prompts of `input_len` tokens (or the `prompts` given, `rounds` batches of
+    them; `input_len` is then their mean length), each generating `output_len`, and step the engine until
+    all finish; `rounds` times, one batch after another (random prompts of seeds `seed`, `seed` + 1, ...);
+    with `machine`, the floor of each phase and of the whole run."""
     if prompts is None:
-        prompts = latency_prompts(llm.engine.setup.hf_config.vocab_size, batch_size, input_len, seed)
+        vocab = llm.engine.setup.hf_config.vocab_size
+        prompts = [p for r in range(rounds) for p in latency_prompts(vocab, batch_size, input_len, seed + r)]
     else:
-        batch_size, input_len = len(prompts), round(sum(map(len, prompts)) / len(prompts))
-    steps, is_decode, e2e, decode_tokens = run_batch(llm, prompts, output_len)
+        batch_size, input_len = len(prompts) // rounds, round(sum(map(len, prompts)) / len(prompts))
+    steps, is_decode, e2e, decode_tokens = [], [], 0.0, 0
+    for r in range(rounds):
+        batch = run_batch(llm, prompts[r * batch_size : (r + 1) * batch_size], output_len)
+        steps += batch[0]
+        is_decode += batch[1]
+        e2e += batch[2]
+        decode_tokens += batch[3]
     prefill = [s for s, d in zip(steps, is_decode, strict=True) if not d]
     decode = [s for s, d in zip(steps, is_decode, strict=True) if d]
     result = LatencyResult(
@@ -135,13 +148,14 @@ def run_latency(
         [s.seconds for s in decode],
         e2e,
         decode_tokens=decode_tokens,
+        rounds=rounds,
     )
     if machine is not None:
-        result.floor["run"] = floor_report(llm, steps, machine, e2e, batch_size * output_len)
+        result.floor["run"] = floor_report(llm, steps, machine, e2e, rounds * batch_size * output_len)
         if prefill:
             prefill_s = sum(s.seconds for s in prefill)
             report = floor_report(llm, prefill, machine, prefill_s)
-            report["floor_prompt_tok_s"] = batch_size * input_len / report["floor_s"]
+            report["floor_prompt_tok_s"] = rounds * batch_size * input_len / report["floor_s"]
             result.floor["prefill"] = report
         if decode:
             report = floor_report(
@@ -165,6 +179,7 @@ class LatencyArgs(BenchArgs):
     output_len: int = 64
     # copy: requests to edit code; chat: a chat user's questions (both ignore --input-len)
     prompt_kind: Literal["random", "copy", "chat"] = "random"
+    rounds: int = 1  # batches one after another, each its own prompts (copy: its instructions in turn)
     profile: bool = False  # then the batch once more with timing hooks and torch.profiler
     compare: Sequence[str] = ()  # peers: "llama.cpp"
     llama_bench: str | None = None  # llama.cpp: the llama-bench executable (a path or a name on PATH)
@@ -186,14 +201,16 @@ def main(args: LatencyArgs) -> dict[str, Any]:
     def prompts_for(llm):
         kinds = {"copy": copy_prompts, "chat": chat_prompts}
         make = kinds.get(args.prompt_kind)
-        return make(llm.engine.tokenizer, batch_size) if make is not None else None
+        return make(llm.engine.tokenizer, batch_size * args.rounds) if make is not None else None
 
     baseline = None
     if config.speculative is not None:
         echo("the batch without speculative decoding first, for the speedup ...", err=True)
         plain = make_llm(config.replace(speculative_config=None))
         warm_up(plain)
-        baseline = run_latency(plain, batch_size, input_len, output_len, prompts=prompts_for(plain)).as_dict()
+        baseline = run_latency(
+            plain, batch_size, input_len, output_len, prompts=prompts_for(plain), rounds=args.rounds
+        ).as_dict()
         del plain
         gc.collect()
     llm = make_llm(config)
@@ -201,7 +218,9 @@ def main(args: LatencyArgs) -> dict[str, Any]:
     machine = args.llm_machine(llm)
     before = llm.engine.stats()
     prompts = prompts_for(llm)
-    result = run_latency(llm, batch_size, input_len, output_len, machine=machine, prompts=prompts).as_dict()
+    result = run_latency(
+        llm, batch_size, input_len, output_len, machine=machine, prompts=prompts, rounds=args.rounds
+    ).as_dict()
     batch_size, input_len = result["batch_size"], result["input_len"]
     lines = _summary(result)
     floor = result.get("floor", {})
@@ -305,7 +324,8 @@ def _peer_lines(result: dict[str, Any], peer: dict[str, Any], ratios: dict[str, 
 def _summary(result: dict[str, Any]) -> list[str]:
     """The lines that report a `LatencyResult.as_dict()`: the batch, its steps and their floors."""
     lines = [
-        f"batch {result['batch_size']}, input {result['input_len']}, output {result['output_len']}",
+        f"batch {result['batch_size']}, input {result['input_len']}, output {result['output_len']}"
+        + (f", {result['rounds']} batches one after another" if result["rounds"] > 1 else ""),
         f"prefill: {result['prefill_steps']} steps, {result['prefill_s'] * 1000:.1f} ms",
         f"decode: {result['decode_steps']} steps, mean {result['decode_step_mean_ms']:.1f} ms, "
         f"p50 {result['decode_step_p50_ms']:.1f} ms, p99 {result['decode_step_p99_ms']:.1f} ms",

@@ -12,6 +12,7 @@ from __future__ import annotations
 import io
 import itertools
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -327,6 +328,14 @@ CHAT_ASKS = (
     "Summarize what you know about {} in one paragraph.",
     "What questions do people often ask about {}?",
     "Write a friendly email to a colleague about {}.",
+    "Can you help me plan a weekend around {}?",
+    "What would happen if there were no {}?",
+    "Compare {} with something from everyday life.",
+    "List five words that come to mind when you think of {}.",
+    "Tell me a fun story for children about {}.",
+    "What are common mistakes people make about {}?",
+    "Describe {} in three sentences.",
+    "What should a beginner know about {}?",
 )
 CHAT_SUBJECTS = (
     "the moon", "photosynthesis", "the ocean", "volcanoes", "honey bees", "the internet", "rainbows",
@@ -336,17 +345,26 @@ CHAT_SUBJECTS = (
     "bread baking", "the French Revolution", "penguins", "earthquakes", "gardening", "the stock market",
     "mathematics", "the solar system", "rivers", "birds", "robots", "cheese", "the Olympic Games",
     "deserts", "airplanes", "languages", "exercise", "climate change", "the printing press", "tea",
+    "the Great Wall of China", "owls", "snow", "wind turbines", "the brain", "pizza", "lighthouses",
+    "the Amazon rainforest", "telescopes", "butterflies", "the Moon landing", "chocolate", "trains",
+    "the immune system", "glaciers", "board games", "smartphones", "whales", "ancient Egypt", "kites",
+    "the water cycle", "museums", "elephants", "jazz", "bridges", "the alphabet", "fireworks", "sharks",
+    "renewable energy", "the Vikings", "yoga", "maps", "honey", "painting", "the Arctic", "spiders",
 )  # fmt: skip
 """Chat questions (`chat_questions`): a task and a subject each, so the prompts read as a chat user's do."""
 
 
-def chat_questions(n: int, seed: int = 0) -> list[str]:
-    """`n` chat questions drawn with a fixed seed: the same for every engine and run."""
-    rng = np.random.RandomState(seed)
-    return [
-        CHAT_ASKS[rng.randint(len(CHAT_ASKS))].format(CHAT_SUBJECTS[rng.randint(len(CHAT_SUBJECTS))])
-        for _ in range(n)
-    ]
+def chat_questions(n: int, seed: int = 0, avoid: Sequence[str] = ()) -> list[str]:
+    """`n` chat questions drawn with a fixed seed: the same for every engine and run; none of `avoid` (a
+    head's training set leaves out the questions it will be measured on)."""
+    rng, avoided, out = np.random.RandomState(seed), set(avoid), []
+    while len(out) < n:
+        question = CHAT_ASKS[rng.randint(len(CHAT_ASKS))].format(
+            CHAT_SUBJECTS[rng.randint(len(CHAT_SUBJECTS))]
+        )
+        if question not in avoided:
+            out.append(question)
+    return out
 
 
 def chat_prompts(tokenizer, batch_size: int, seed: int = 0) -> list[list[int]]:

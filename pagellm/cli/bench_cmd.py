@@ -203,6 +203,15 @@ def throughput(**params) -> None:
     "drawn with a fixed seed (what an EAGLE-3 head is measured on). copy and chat ignore --input-len.",
 )
 @click.option(
+    "--rounds",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Run this many batches one after another, each with its own prompts (random: the next seed; "
+    "chat: the next questions), and report the steps of all: a sample of more than one batch's prompts "
+    "(what speculative decoding's acceptance varies with).",
+)
+@click.option(
     "--profile",
     is_flag=True,
     help="Then run the batch once more with timing hooks: a decode (and prefill) step split into "

@@ -186,6 +186,9 @@ class RunnerBuild:
         else:
             head = load_eagle3(self.setup.config.speculative.model, self.model, init).to(self.device)
         self.model_bytes += model_weight_bytes(head)
+        if not self.setup.kernels_pending:  # else packed when the kernels are built (`take_up_kernels`)
+            self.pack_linears(head)
+            self.pack_experts(head)
         speculative = self.setup.config.speculative
         what = "the checkpoint's MTP layer" if method == "mtp" else f"EAGLE-3 head {speculative.model}"
         logger.info("speculative decoding: %s, %d tokens a step", what, speculative.num_speculative_tokens)
@@ -194,8 +197,9 @@ class RunnerBuild:
     def pack_linears(self, model) -> None:
         """Let the platform prepack every plain linear layer's weight (`Platform.pack_linear`), and the
         output projection's for `CausalLM.project_logits`. A tied lm_head is the embedding, which needs its
-        plain weight too, so it gets a packed copy (memory: the vocab x hidden weight once more)."""
-        lm_head = getattr(model, "lm_head", None)
+        plain weight too, so it gets a packed copy (memory: the vocab x hidden weight once more). A draft
+        head (no `packed_lm_head`: an EAGLE-3 head, an MTP layer) packs its lm_head as any linear."""
+        lm_head = getattr(model, "lm_head", None) if hasattr(model, "packed_lm_head") else None
         pack = self.setup.platform.pack_linear
         if self.setup.config.batch_invariant:
             pack = functools.partial(pack, batch_invariant=True)
@@ -294,7 +298,7 @@ class RunnerBuild:
         forward compiled (with --compile-in-background, in the compile process)."""
         self.kernels_pending = False
         started = time.monotonic()
-        models = [model for model in (self.model, self.draft_model) if model is not None]
+        models = [model for model in (self.model, self.draft_model, self.draft_head) if model is not None]
         for model in models:
             quant_methods = {getattr(module, "quant_method", None) for module in model.modules()} - {None}
             for quant in quant_methods:

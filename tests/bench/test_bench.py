@@ -244,6 +244,10 @@ def test_chat_prompts_are_the_same_every_run_and_differ_by_seed():
     assert chat_questions(20, seed=0) == chat_questions(20, seed=0)
     assert chat_questions(20, seed=0) != chat_questions(20, seed=1)
     assert all(q.endswith((".", "?")) and "{}" not in q for q in chat_questions(50))
+    asked = chat_questions(64, seed=0)  # what bench latency --prompts chat asks, up to batch 64
+    assert asked[:8] == chat_questions(8, seed=0)
+    training = chat_questions(500, seed=1, avoid=asked)  # examples/train_eagle3_head.py --chat 500
+    assert len(training) == 500 and not set(training) & set(asked)
 
 
 def test_latency_with_speculation_counts_tokens_not_steps(tiny_model, tmp_path):
@@ -255,17 +259,19 @@ def test_latency_with_speculation_counts_tokens_not_steps(tiny_model, tmp_path):
     out = tmp_path / "latency.json"
     spec = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}'
     args = ["latency", "--model", tiny_model, "--batch-size", "2", "--output-len", "24", "--prompts", "chat"]
-    result = run_bench([*args, "--speculative-config", spec, "--output-json", str(out), *ENGINE_ARGS])
+    args += ["--rounds", "2", "--speculative-config", spec, "--output-json", str(out), *ENGINE_ARGS]
+    result = run_bench(args)
     report = json.loads(out.read_text())
     latency = report["results"]["pagellm"]
-    prompts = chat_prompts(load_tokenizer(tiny_model), 2)
-    assert latency["input_len"] == round(sum(map(len, prompts)) / 2)
-    assert latency["decode_tokens"] == 2 * 23  # every token but the first, which the prefill step gives
+    prompts = chat_prompts(load_tokenizer(tiny_model), 4)  # two batches of two
+    assert latency["input_len"] == round(sum(map(len, prompts)) / 4) and latency["rounds"] == 2
+    assert "batch 2, input" in result.output and "2 batches one after another" in result.output
+    assert latency["decode_tokens"] == 4 * 23  # every token but the first, which a prefill step gives
     per_token = latency["decode_step_mean_ms"] * latency["decode_steps"] * 2 / latency["decode_tokens"]
     assert latency["decode_ms_per_token"] == pytest.approx(per_token)
     plain = report["results"]["pagellm without speculation"]
-    assert plain["decode_tokens"] == 2 * 23 and plain["decode_steps"] == 23
+    assert plain["decode_tokens"] == 4 * 23 and plain["decode_steps"] == 2 * 23
     assert plain["decode_ms_per_token"] == plain["decode_step_mean_ms"]
     accepted = report["speculation"]["num_accepted_tokens"]
-    assert 23 - accepted <= latency["decode_steps"] <= 23
-    assert ("decode per token of a request" in result.output) == (latency["decode_steps"] < 23)
+    assert 2 * 23 - accepted <= latency["decode_steps"] <= 2 * 23
+    assert ("decode per token of a request" in result.output) == (latency["decode_steps"] < 2 * 23)
