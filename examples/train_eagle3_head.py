@@ -1,7 +1,7 @@
 """Train a small EAGLE-3 head for a target model on the target's own greedy outputs, and save it in the
 `speculators` layout that `speculative_config={"method": "eagle3", "model": OUT}` loads.
 
-    python examples/train_eagle3_head.py --target TARGET_DIR --out HEAD_DIR --chat 600
+    python examples/train_eagle3_head.py --target S --out HEAD_DIR --chat 800 --epochs 2
     python examples/train_eagle3_head.py --target TARGET_DIR --out HEAD_DIR --prompts prompts.txt
 
 What it does: pagellm generates each prompt's greedy continuation in bfloat16 (what the head must guess
@@ -204,13 +204,33 @@ def save(head: Head, out: Path, target_config, ids: torch.Tensor, layers: list[i
     save_file(tensors, str(out / "model.safetensors"))
 
 
-def main() -> None:
+def load_target(path: str):
+    """(tokenizer, the transformers model in float32) of a checkpoint directory, or of a GGUF file (its
+    tensors dequantized by pagellm's reader, as pagellm serves it: model S is one)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from pagellm.bench.workloads import chat_ids, chat_questions
+    if not path.endswith(".gguf"):
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        return AutoTokenizer.from_pretrained(path), model.eval()
+    from pagellm.models.gguf_checkpoint import load_gguf
+
+    config, tokenizer, weights = load_gguf(path)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    missing = model.load_state_dict(dict(weights), strict=False).missing_keys
+    if missing not in ([], ["lm_head.weight"]) or (missing and not config.tie_word_embeddings):
+        raise SystemExit(f"{path}: the file has no {', '.join(missing)}")
+    return tokenizer, model.eval()
+
+
+def main() -> None:
+    from pagellm.bench.workloads import chat_ids, chat_questions, resolve_model
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--target", required=True, help="the target model's directory (transformers layout)")
+    parser.add_argument(
+        "--target",
+        required=True,
+        help="the target: a checkpoint directory, a GGUF file, or S (the bench's model S)",
+    )
     parser.add_argument("--out", required=True, type=Path, help="where to write the head")
     prompts_from = parser.add_mutually_exclusive_group(required=True)
     prompts_from.add_argument("--prompts", type=Path, help="a text file, one user message a line")
@@ -225,14 +245,14 @@ def main() -> None:
     args = parser.parse_args()
 
     torch.manual_seed(0)
-    tokenizer = AutoTokenizer.from_pretrained(args.target)
+    path = resolve_model(args.target)
+    tokenizer, target = load_target(path)
     if args.chat:
         # none of the questions `pagellm bench latency --prompts chat` asks (its first 64, seed 0)
         texts = chat_questions(args.chat, seed=1, avoid=chat_questions(64, seed=0))
     else:
         texts = [line for line in args.prompts.read_text().splitlines() if line.strip()]
-    sequences = greedy_outputs(args.target, [chat_ids(tokenizer, t) for t in texts], args.max_new_tokens)
-    target = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32).eval()
+    sequences = greedy_outputs(path, [chat_ids(tokenizer, t) for t in texts], args.max_new_tokens)
     c = target.config
     layers = [2, c.num_hidden_layers // 2, c.num_hidden_layers - 3]  # pagellm's (and vLLM's) default
     if min(layers) < 0:

@@ -8,15 +8,21 @@ import runpy
 import sys
 from pathlib import Path
 
+import pytest
 from tiny import make_tiny_checkpoint
 
 from pagellm import LLM, SamplingParams
+from pagellm.bench.gguf_convert import convert_hf_checkpoint
 
 EXAMPLE = Path(__file__).parents[2] / "examples" / "train_eagle3_head.py"
 
 
-def test_a_trained_head_loads_and_keeps_the_greedy_tokens(tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("layout", ["directory", "gguf"])
+def test_a_trained_head_loads_and_keeps_the_greedy_tokens(tmp_path, monkeypatch, capsys, layout):
+    """From a checkpoint directory, or a GGUF file (as model S ships)."""
     target = make_tiny_checkpoint("llama", tmp_path, num_hidden_layers=4, seed=2)
+    if layout == "gguf":
+        target = convert_hf_checkpoint(target, tmp_path / "tiny.f32.gguf", "float32")
     out = tmp_path / "head"
     argv = [str(EXAMPLE), "--target", str(target), "--out", str(out), "--chat", "6", "--epochs", "2"]
     monkeypatch.setattr(sys, "argv", [*argv, "--max-new-tokens", "24", "--depth", "3", "--draft-vocab", "64"])
