@@ -6,10 +6,11 @@
 
 What it does: pagellm generates each prompt's greedy continuation in bfloat16 (what the head must guess
 at temperature 0; `--chat N`: N chat questions of `pagellm.bench.workloads.chat_questions`, from another
-seed than `pagellm bench latency --prompts chat` draws), transformers reads the target's hidden states in
-float32 where pagellm reads them (the residual stream entering layers (2, L // 2, L - 3)), and the head
-(one Llama decoder layer over [embed(token); fc(three states)]) learns the token two places after each
-state: row i sees token i + 1 and the states at i. With `--depth k` (EAGLE-3's training-time test) it
+seed than `pagellm bench latency --prompts chat` draws), transformers reads the target's hidden states
+(in float32, or rounded to bfloat16 as served: `--states-dtype`) where pagellm reads them (the residual
+stream entering layers (2, L // 2, L - 3)), and the head (one Llama decoder layer over [embed(token);
+fc(three states)]) learns the token two places after each state: row i sees token i + 1 and the states
+at i. With `--depth k` (EAGLE-3's training-time test) it
 also learns the later drafts as the proposer makes them: step s of row i sees token i + s and the head's
 own output of step s - 1 as its hidden state, attends to step 1's rows up to i and its own earlier steps
 of row i, and learns token i + s + 1. The draft vocabulary is the most frequent tokens of those outputs
@@ -129,7 +130,7 @@ def greedy_outputs(target: str, prompts: list[list[int]], max_new_tokens: int) -
 
 @torch.no_grad()
 def hidden_states(target, sequences: list[torch.Tensor], layers: list[int]):
-    """(token ids, the three states per token in bfloat16) of each sequence, from transformers in float32."""
+    """(token ids, the three states per token in bfloat16) of each sequence, from transformers."""
     examples = []
     for tokens in sequences:
         states = target(tokens[None], output_hidden_states=True).hidden_states  # [i]: entering layer i
@@ -242,6 +243,13 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--depth", type=int, default=3, help="drafts trained for (training-time test)")
     parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument(
+        "--states-dtype",
+        choices=["float32", "bfloat16"],
+        default="float32",
+        help="the dtype transformers reads the target's hidden states in (bfloat16: rounded as pagellm's "
+        "bfloat16 serving rounds them)",
+    )
     args = parser.parse_args()
 
     torch.manual_seed(0)
@@ -257,7 +265,8 @@ def main() -> None:
     layers = [2, c.num_hidden_layers // 2, c.num_hidden_layers - 3]  # pagellm's (and vLLM's) default
     if min(layers) < 0:
         raise SystemExit(f"the target has {c.num_hidden_layers} layers; the default layers need at least 3")
-    examples = hidden_states(target, sequences, layers)
+    examples = hidden_states(target.to(getattr(torch, args.states_dtype)), sequences, layers)
+    target.float()
     ids = draft_vocabulary(examples, c.vocab_size, args.draft_vocab)
     t2d_index = torch.full((c.vocab_size,), -100, dtype=torch.long)
     t2d_index[ids] = torch.arange(len(ids))

@@ -228,10 +228,13 @@ def main(args: LatencyArgs) -> dict[str, Any]:
     if baseline is not None:
         report = acceptance(before, llm.engine.stats())
         report["speedup"] = baseline["e2e_s"] / result["e2e_s"]
+        report["decode_speedup"] = baseline["decode_ms_per_token"] / result["decode_ms_per_token"]
         lines.append(format_acceptance(report))
         lines.append(
             f"without speculation: {baseline['e2e_s']:.2f} s end to end ({baseline['output_tok_s']:.1f} output "
-            f"tok/s); with it {result['e2e_s']:.2f} s: speedup {report['speedup']:.2f}x"
+            f"tok/s); with it {result['e2e_s']:.2f} s: speedup {report['speedup']:.2f}x; decode per token of a "
+            f"request {baseline['decode_ms_per_token']:.2f} ms without, {result['decode_ms_per_token']:.2f} ms "
+            f"with: {report['decode_speedup']:.2f}x"
         )
         sections["results"]["pagellm without speculation"] = baseline
         sections["speculation"] = report

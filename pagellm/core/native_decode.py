@@ -79,11 +79,10 @@ class DenseDecoder:
 
 
 class NativeDecodeStep(Protocol):
-    """A platform's decode step over the model's KV cache: one request's token, or several rows where
-    `batches` (a row per request, or a request's token and the drafts after it, each row attending to the
-    rows before it of its request)."""
+    """A platform's decode step over the model's KV cache: up to `max_rows` rows, a row per request or a
+    request's token and the drafts after it (each row attending to the rows before it of its request)."""
 
-    batches: bool
+    max_rows: int
     # the layers whose incoming residual stream (h + residual) a call also reports in `aux`, for a proposer
     # that reads them (EAGLE-3); set by the runner
     aux_layers: tuple[int, ...]

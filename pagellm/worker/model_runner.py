@@ -264,10 +264,10 @@ class ModelRunner:
     def _run_native_decode(self, a: StepArrays) -> torch.Tensor | None:
         """The final hidden states of a step of decodes only: each request's new token at the end of its
         context, with the drafts to verify after it when speculating (rows of one request at consecutive
-        positions, as many as a verify step takes); one request's, or a batch's where the native step
-        takes batches; None for any other step (it runs the forward)."""
+        positions, as many as a verify step takes), up to as many rows as the native step takes; None for
+        any other step (it runs the forward)."""
         rows, requests = len(a.input_ids), len(a.seq_lens)
-        if rows > 1 and not self.native_decode.batches:
+        if rows > self.native_decode.max_rows:
             return None
         if (
             a.more_groups

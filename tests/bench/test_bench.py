@@ -272,6 +272,9 @@ def test_latency_with_speculation_counts_tokens_not_steps(tiny_model, tmp_path):
     plain = report["results"]["pagellm without speculation"]
     assert plain["decode_tokens"] == 4 * 23 and plain["decode_steps"] == 2 * 23
     assert plain["decode_ms_per_token"] == plain["decode_step_mean_ms"]
+    speedup = plain["decode_ms_per_token"] / latency["decode_ms_per_token"]
+    assert report["speculation"]["decode_speedup"] == pytest.approx(speedup)
+    assert f"with: {speedup:.2f}x" in result.output
     accepted = report["speculation"]["num_accepted_tokens"]
     assert 2 * 23 - accepted <= latency["decode_steps"] <= 2 * 23
     assert ("decode per token of a request" in result.output) == (latency["decode_steps"] < 2 * 23)

@@ -26,7 +26,7 @@ from quant_formats import k_quantize, write_quantized  # noqa: E402
 from pagellm import LLM, SamplingParams  # noqa: E402
 from pagellm.bench.gguf_convert import convert_hf_checkpoint, reencode_gguf  # noqa: E402
 from pagellm.engine.default_model import default_model_path  # noqa: E402
-from pagellm.platforms import cpu, cpu_kernels  # noqa: E402
+from pagellm.platforms import cpu, cpu_kernels, cpu_native_decode  # noqa: E402
 
 GREEDY = dict(temperature=0, ignore_eos=True)
 
@@ -136,7 +136,7 @@ def test_a_batch_of_decodes_runs_in_one_call(native_here, checkpoints, arch, two
         out = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         results.append([list(o.outputs[0].token_ids) for o in out])
         if on:
-            assert llm.engine.runner.native_decode.batches
+            assert llm.engine.runner.native_decode.max_rows == cpu_native_decode.ANY_ROWS
             assert rows == [3] * 9 + [2] * 10 + [1] * 10, rows
             exact = sum(gap == 0 for gap in gaps)
             assert exact >= 25 and max(gaps) <= 2**-7, gaps
@@ -144,19 +144,43 @@ def test_a_batch_of_decodes_runs_in_one_call(native_here, checkpoints, arch, two
 
 
 def test_gguf_blocks_give_the_forwards_hidden_state(native_gguf_here, gguf_checkpoint, two_threads):
-    """x quantized once per linear for both threads; the rows split as gguf_linear splits them. A batch's
-    step runs the forward (its tiles), not the native step."""
+    """x quantized once per linear for both threads; the rows split as gguf_linear splits them: the same
+    bits as the forward's, one request's step (one row) or up to four requests' (gguf_linear's rows straight
+    from the blocks); a batch of five runs the forward (its tiles)."""
+    prompts = [list(range(3 + i, 40 + 3 * i)) for i in range(5)]
+    params = [SamplingParams(max_tokens=n, **GREEDY) for n in (20, 8, 10, 12, 14)]
     results = []
     for on in (True, False):
         llm = _engine(gguf_checkpoint, quantization="gguf", native_decode=on)
-        assert not on or not llm.engine.runner.native_decode.batches
-        gaps = _watch(llm) if on else []
-        out = llm.generate(
-            [{"prompt_token_ids": list(range(3, 40))}], SamplingParams(max_tokens=20, **GREEDY)
-        )
+        assert not on or llm.engine.runner.native_decode.max_rows == 4
+        rows: list[int] = []
+        gaps = _watch(llm, rows) if on else []
+        alone = llm.generate([{"prompt_token_ids": prompts[0]}], params[0], use_tqdm=False)
+        together = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        results.append([list(o.outputs[0].token_ids) for o in [*alone, *together]])
+        if on:
+            # alone: 19 steps of one row; together: five rows (the forward) until the first request is done,
+            # then four, three, two, one
+            assert rows == [1] * 19 + [4] * 2 + [3] * 2 + [2] * 2 + [1] * 6, rows
+            assert max(gaps) <= 2**-7 and sum(g == 0 for g in gaps) >= len(gaps) - 3, gaps
+    assert results[0] == results[1]
+
+
+def test_a_gguf_plan_verifies_drafts_natively(native_gguf_here, gguf_checkpoint, two_threads):
+    """n-gram drafts on a GGUF file: a verify step (a request's token and up to three drafts) runs in the
+    native call as rows of one request, giving the forward's hidden states; greedy tokens as with it off."""
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    prompt = [5, 6, 7, 8, 9, 10] * 6
+    results = []
+    for on in (True, False):
+        llm = _engine(gguf_checkpoint, quantization="gguf", native_decode=on, speculative_config=spec)
+        shapes: list[int] = []
+        gaps = _watch(llm, shapes) if on else []
+        out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=24, **GREEDY))
         results.append(list(out[0].outputs[0].token_ids))
         if on:
-            assert len(gaps) == 19 and max(gaps) <= 2**-7, gaps
+            assert max(shapes) > 1 and llm.engine.stats().spec_num_draft_tokens > 0, shapes
+            assert max(gaps) <= 2**-7, gaps
     assert results[0] == results[1]
 
 
@@ -210,8 +234,9 @@ def test_routed_experts(native_gguf_here, tmp_path, weights, two_threads):
             print(
                 f"{weights}: {sum(g == 0 for g in gaps)} of {len(gaps)} steps the same bits, largest gap {max(gaps):.2e}"
             )
-            # bfloat16: the batch's 15 steps natively too (router and attention on the pair kernel)
-            assert len(gaps) == 45 + (15 if weights == "bf16" else 0) and sum(g == 0 for g in gaps) >= 30
+            # the batch's 15 steps natively too (bfloat16: the router and linears on the pair kernel; GGUF:
+            # three rows, as gguf_linear multiplies them straight from the blocks)
+            assert len(gaps) == 60 and sum(g == 0 for g in gaps) >= 30
     assert results[0] == results[1]
 
 

@@ -93,7 +93,7 @@ OPS = (
     "native_decoder_panels",
     "native_decoder_plan",
     "native_decoder_step",
-    "native_decoder_batches",
+    "native_decoder_max_rows",
     "native_decoder_drop",
 )
 """The operators the library defines in its own namespace (TORCH_LIBRARY in ops.cpp)."""

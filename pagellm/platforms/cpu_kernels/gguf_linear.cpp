@@ -65,32 +65,69 @@ void one_row_share(const Rows& q, const uint8_t* const* parts, const int64_t* ty
   }
 }
 
+// The m quantized x rows of q (bfloat16 x: `bf16`; else float32 values) times rows [begin, end) of the
+// parts' concatenation, each weight row with every x row (up to kDirectRows rows from four places of the run
+// at once, each place's next row prefetched): out[r * stride + i] for x row r and weight row i (out points
+// at weight row `begin`'s column).
+void rows_share(const Rows& q, int64_t m, bool bf16, const uint8_t* const* parts, const int64_t* types,
+                const int64_t* starts, size_t count, int64_t k, int64_t begin, int64_t end, float* out,
+                int64_t stride) {
+  for (size_t p = 0; p < count; ++p) {
+    const int64_t lo = std::max(begin, starts[p]), hi = std::min(end, starts[p + 1]);
+    if (lo >= hi) continue;
+    Layout layout;
+    layout_of(types[p], &layout);
+    const int64_t row_bytes = k / layout.block * layout.bytes, blocks = k / layout.block;
+    const RowFn fn = bf16 ? row_fn<false>(types[p]) : row_fn<true>(types[p]);
+    const bool direct = m <= kDirectRows, ahead = direct && rows_asked_ahead();
+    const int64_t streams = direct ? kRowStreams : 1;
+    const auto row_at = [&](int64_t i) { return parts[p] + (i - starts[p]) * row_bytes; };
+    const StreamOrder order(hi - lo, streams);
+    for (int64_t t = 0, n = hi - lo; t < n; ++t) {
+      const int64_t i = lo + order(t);
+      if (ahead && t + streams < n) prefetch_row(row_at(lo + order(t + streams)), row_bytes);
+      fn(row_at(i), blocks, q, 0, m, out + (i - begin), stride);
+    }
+  }
+}
+
 }  // namespace
+
+static_assert(kGgufDirectRows == kDirectRows, "the native step's GGUF rows are gguf_linear's direct rows");
 
 struct GgufRow {
   Rows q;
+  int64_t m = 1;  // x rows quantized in q
 };
 
 GgufRow* gguf_row_new() { return new GgufRow; }
 void gguf_row_delete(GgufRow* row) { delete row; }
 
-void gguf_row_quantize(GgufRow* row, const uint16_t* x, int64_t k) {
-  quantize_rows(reinterpret_cast<const c10::BFloat16*>(x), 1, k, row->q);
+void gguf_row_quantize(GgufRow* row, const uint16_t* x, int64_t m, int64_t k) {
+  quantize_rows(reinterpret_cast<const c10::BFloat16*>(x), m, k, row->q);
+  row->m = m;
 }
 
 void gguf_row_share(const GgufRow* row, const uint8_t* const* parts, const int64_t* types, const int64_t* starts,
                     int64_t count, int64_t k, const uint16_t* bias, uint16_t* y, int t, int T) {
   // the rows at::parallel_for(0, n, 16) gives thread t (gguf_linear's split: the same pairs, the same bits)
   const int64_t n = starts[count], used = std::min<int64_t>(T, (n + 15) / 16), chunk = (n + used - 1) / used;
-  const int64_t begin = t * chunk, end = std::min(n, begin + chunk);
+  const int64_t begin = t * chunk, end = std::min(n, begin + chunk), m = row->m, width = end - begin;
   if (t >= used || begin >= end) return;
   thread_local std::vector<float> sums;
-  sums.resize(end - begin);
-  one_row_share(row->q, parts, types, starts, count, k, begin, end, sums.data());
-  for (int64_t j = begin; j < end; ++j) {
-    const c10::BFloat16 v = round_to_bf16(sums[j - begin]);
-    y[j] = bias ? round_to_bf16(static_cast<float>(v) + static_cast<float>(c10::BFloat16(bias[j], c10::BFloat16::from_bits()))).x : v.x;
+  sums.resize(m * width);
+  if (m == 1) {
+    one_row_share(row->q, parts, types, starts, count, k, begin, end, sums.data());
+  } else {
+    rows_share(row->q, m, true, parts, types, starts, count, k, begin, end, sums.data(), width);
   }
+  for (int64_t r = 0; r < m; ++r)
+    for (int64_t j = begin; j < end; ++j) {
+      const c10::BFloat16 v = round_to_bf16(sums[r * width + j - begin]);
+      y[r * n + j] =
+          bias ? round_to_bf16(static_cast<float>(v) + static_cast<float>(c10::BFloat16(bias[j], c10::BFloat16::from_bits()))).x
+               : v.x;
+    }
 }
 
 void gguf_bf16_row(int64_t type, const uint8_t* src, int64_t k, uint16_t* dst) {
@@ -179,24 +216,9 @@ at::Tensor gguf_linear(const at::Tensor& input, at::TensorList parts, at::IntArr
     if (bf16 && m == 1) {
       one_row_share(q, pointers.data(), types.data(), starts.data(), parts.size(), k, begin, end, sums.data());
     } else {
-      for (size_t p = 0; p < parts.size(); ++p) {
-        const int64_t lo = std::max(begin, starts[p]), hi = std::min(end, starts[p + 1]);
-        if (lo >= hi) continue;
-        Layout layout;
-        layout_of(types[p], &layout);
-        const int64_t row_bytes = k / layout.block * layout.bytes, blocks = k / layout.block;
-        const RowFn fn = bf16 ? row_fn<false>(types[p]) : row_fn<true>(types[p]);
-        const bool direct = m <= kDirectRows, ahead = direct && rows_asked_ahead();
-        const int64_t streams = direct ? kRowStreams : 1;
-        const auto row_at = [&](int64_t i) { return pointers[p] + (i - starts[p]) * row_bytes; };
-        const StreamOrder order(hi - lo, streams);
-        for (int64_t t = 0, count = hi - lo; t < count; ++t) {
-          const int64_t i = lo + order(t);
-          if (ahead && t + streams < count) prefetch_row(row_at(lo + order(t + streams)), row_bytes);
-          float* dst = bf16 ? sums.data() + (i - begin) : out.data_ptr<float>() + i;
-          fn(row_at(i), blocks, q, 0, m, dst, bf16 ? end - begin : n);
-        }
-      }
+      float* dst = bf16 ? sums.data() : out.data_ptr<float>() + begin;
+      rows_share(q, m, bf16, pointers.data(), types.data(), starts.data(), parts.size(), k, begin, end, dst,
+                 bf16 ? end - begin : n);
     }
     if (bf16) {
       c10::BFloat16* y = out.data_ptr<c10::BFloat16>();

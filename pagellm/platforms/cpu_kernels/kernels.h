@@ -47,15 +47,17 @@ std::string gguf_isa();
 // Whether the one-row and few-row products prefetch the next weight rows here (`rows_asked_ahead`).
 bool gguf_rows_asked_ahead();
 int64_t gguf_interleaved_type(int64_t type);
-// A decode step's one bfloat16 x row quantized once (`gguf_row_quantize`), then each thread's share of a
-// linear's rows (`gguf_row_share`: thread t of T, the rows gguf_linear gives it), rounded to bfloat16, then a
+// A decode step's m bfloat16 x rows (at most kDirectRows, 4: what gguf_linear multiplies straight from the
+// blocks) quantized once (`gguf_row_quantize`), then each thread's share of a linear's rows
+// (`gguf_row_share`: thread t of T, the rows gguf_linear gives it; y [m, n]), rounded to bfloat16, then a
 // bfloat16 bias added (or none), as `gguf_linear(x) + bias` in bfloat16: for callers with their own parallel
 // region (native_decoder.cpp). Part p of `count` is uint8 rows [starts[p], starts[p + 1]) of GGML type
 // types[p] (interleaved or not), K = k.
+constexpr int64_t kGgufDirectRows = 4;
 struct GgufRow;
 GgufRow* gguf_row_new();
 void gguf_row_delete(GgufRow* row);
-void gguf_row_quantize(GgufRow* row, const uint16_t* x, int64_t k);
+void gguf_row_quantize(GgufRow* row, const uint16_t* x, int64_t m, int64_t k);
 void gguf_row_share(const GgufRow* row, const uint8_t* const* parts, const int64_t* types, const int64_t* starts,
                     int64_t count, int64_t k, const uint16_t* bias, uint16_t* y, int t, int T);
 // One row of a GGUF table (an embedding) in bfloat16, as gguf_embedding then .to(bfloat16) give it.
@@ -106,8 +108,9 @@ int64_t native_decoder_plan(const at::Tensor& embed, int64_t embed_type, const a
 void native_decoder_step(int64_t handle, at::Tensor out, const at::Tensor& tokens, const at::Tensor& positions,
                          const at::Tensor& slots, const at::Tensor& block_tables, const at::Tensor& aux_layers,
                          at::Tensor aux_out);
-// Whether a plan's step may take several requests' rows (its projections all pair-packed).
-bool native_decoder_batches(int64_t handle);
+// The rows a plan's step may take: any number (its projections all pair-packed), kGgufDirectRows (some GGUF
+// blocks) or one (a panel-packed projection).
+int64_t native_decoder_max_rows(int64_t handle);
 void native_decoder_drop(int64_t handle);
 // Whether pair-packed bfloat16 projections run here (a build with AVX-512 BF16); GGUF ones run in any.
 bool native_decoder_pairs();

@@ -120,7 +120,9 @@ struct Decoder {
   float eps = 0.f, rope_scaling = 1.f;
   double scale = 1.0;
   bool amx = false;
-  bool batches = false;  // every projection pair-packed: a step may take several requests' rows
+  // the rows a step may take: any number where every projection is pair-packed, kGgufDirectRows where some
+  // are GGUF blocks (the rows gguf_linear multiplies straight from the blocks), one where any is panel-packed
+  int64_t max_rows = 1;
   std::vector<float> inv_freq;
   const uint8_t* embed = nullptr;  // [vocab, embed_row_bytes]
   int64_t embed_type = -1, embed_row_bytes = 0, vocab = 0;  // GGML type of the rows; -1: bfloat16
@@ -131,7 +133,7 @@ struct Decoder {
   int64_t rows = 0, capacity = 0;
   std::vector<uint16_t> h, residual, normed, qkv, gate_up, act;
   std::vector<float> cos, sin;  // rounded to bfloat16, as apply_rotary rounds them; head_dim / 2 per row
-  std::unique_ptr<GgufRow, RowDeleter> xq;  // the next GGUF linear's x, quantized (one row)
+  std::unique_ptr<GgufRow, RowDeleter> xq;  // the next GGUF linear's x, quantized (the step's rows)
   std::vector<float> xf;                    // the next panel linear's x, widened (one row)
   std::vector<uint16_t> router;             // an expert layer's router logits
   // the kernels' tensors at `capacity` rows, and these step's `rows` of them
@@ -296,13 +298,22 @@ void rotate(uint16_t* x, const float* cos, const float* sin, int64_t half) {
 
 // Thread t of T's first of n items, taken in contiguous runs; one item goes to thread 0.
 inline int64_t share(int64_t n, int t, int T) { return (n * t + T - 1) / T; }
+// Thread t's rows [lo, hi) of B: a share, or all of them on thread 0 where `alone` (rows the next linear's
+// x is made ready from by thread 0, `prepare`)
+struct RowRun {
+  int64_t lo, hi;
+};
+inline RowRun rows_of(int64_t B, int t, int T, bool alone) {
+  if (alone) return t == 0 ? RowRun{0, B} : RowRun{B, B};
+  return {share(B, t, T), share(B, t + 1, T)};
+}
 
-// thread t of T's part of y = x @ W^T (+ bias) for the step's rows: at one row a pair- or panel-packed
-// weight's run of panels (as parallel_runs splits them; a panel weight reads x widened beforehand into
-// `xf`), a GGUF weight's rows (as gguf_linear splits them) from x quantized beforehand into `xq`; at several
-// (pair-packed weights only: `batches`) a run of panel pairs, as cpu_bf16_pair_linear splits a batch.
+// thread t of T's part of y = x @ W^T (+ bias) for the step's rows: a GGUF weight's rows (as gguf_linear
+// splits them) from the rows quantized beforehand into `xq`; at one row a pair- or panel-packed weight's run
+// of panels (as parallel_runs splits them; a panel weight reads x widened beforehand into `xf`); at several a
+// pair-packed weight's run of panel pairs, as cpu_bf16_pair_linear splits a batch.
 inline void linear(const Projection& w, const uint16_t* x, const Decoder& D, uint16_t* y, int t, int T) {
-  if (D.rows > 1) {
+  if (D.rows > 1 && !w.gguf) {
 #if PL_NATIVE_PAIRS
     const PairWeight& p = w.pair;
     const int64_t units = (p.panels + 1) / 2;
@@ -331,10 +342,11 @@ inline void linear(const Projection& w, const uint16_t* x, const Decoder& D, uin
 #endif
 }
 
-// x made ready for `w` where it is GGUF (quantized) or panel-packed (widened), by one thread, before the
-// barrier that precedes the linear
+// x (the step's rows) made ready for `w` where it is GGUF (quantized) or panel-packed (widened: one row), by
+// one thread, before the barrier that precedes the linear
+inline bool prepared(const Projection& w) { return w.gguf || w.panel; }
 inline void prepare(Decoder& D, const Projection& w, const uint16_t* x, int64_t k) {
-  if (w.gguf) gguf_row_quantize(D.xq.get(), x, k);
+  if (w.gguf) gguf_row_quantize(D.xq.get(), x, D.rows, k);
   if (w.panel) {
     D.xf.resize(k);
     for (int64_t j = 0; j < k; ++j) D.xf[j] = bf(x[j]);
@@ -354,9 +366,10 @@ void after_attention(Decoder& D, const Layer& L, int t, int T) {
   const int64_t B = D.rows, H = D.hidden, I = D.inter;
   linear(L.o, bits(D.attn), D, D.h.data(), t, T);
 #pragma omp barrier
-  for (int64_t r = share(B, t, T); r < share(B, t + 1, T); ++r)
+  const RowRun mine = rows_of(B, t, T, prepared(L.gate_up));
+  for (int64_t r = mine.lo; r < mine.hi; ++r)
     add_and_norm(D.h.data() + r * H, D.residual.data() + r * H, false, L.post_norm, H, D.eps, D.normed.data() + r * H);
-  if (t == 0 && B == 1) prepare(D, L.gate_up, D.normed.data(), H);
+  if (t == 0 && prepared(L.gate_up)) prepare(D, L.gate_up, D.normed.data(), H);
 #pragma omp barrier
   if (L.top_k > 0) {  // the router's logits; the experts run after the region (`run_experts`)
     linear(L.gate_up, D.normed.data(), D, D.router.data(), t, T);
@@ -364,16 +377,19 @@ void after_attention(Decoder& D, const Layer& L, int t, int T) {
   }
   linear(L.gate_up, D.normed.data(), D, D.gate_up.data(), t, T);
 #pragma omp barrier
-  // SiLU(gate) * up, rounded as the eager ops round; at one row one thread where the down projection
-  // quantizes or widens it next
+  // SiLU(gate) * up, rounded as the eager ops round; on one thread where the down projection quantizes or
+  // widens it next
   const auto row_silu = [&](int64_t r, int64_t first, int64_t last) {
     const uint16_t* gate = D.gate_up.data() + r * 2 * I;
     silu_mul(gate, gate + I, D.act.data() + r * I, first, last);
   };
-  if (B == 1) {
-    const int parts = L.down.gguf || L.down.panel ? 1 : T;
-    if (t < parts) row_silu(0, I * t / parts, I * (t + 1) / parts);
-    if (t == 0) prepare(D, L.down, D.act.data(), I);
+  if (prepared(L.down)) {
+    if (t == 0) {
+      for (int64_t r = 0; r < B; ++r) row_silu(r, 0, I);
+      prepare(D, L.down, D.act.data(), I);
+    }
+  } else if (B == 1) {
+    row_silu(0, I * t / T, I * (t + 1) / T);
   } else {
     for (int64_t r = share(B, t, T); r < share(B, t + 1, T); ++r) row_silu(r, 0, I);
   }
@@ -435,9 +451,10 @@ void run_experts(Decoder& D, const Layer& L) {
 // at its slot; the queries in D.q.
 void before_attention(Decoder& D, const Layer& L, bool first, const int64_t* slots, int t, int T) {
   const int64_t B = D.rows, H = D.hidden;
-  for (int64_t r = share(B, t, T); r < share(B, t + 1, T); ++r)
+  const RowRun mine = rows_of(B, t, T, prepared(L.qkv));
+  for (int64_t r = mine.lo; r < mine.hi; ++r)
     add_and_norm(D.h.data() + r * H, D.residual.data() + r * H, first, L.in_norm, H, D.eps, D.normed.data() + r * H);
-  if (t == 0 && B == 1) prepare(D, L.qkv, D.normed.data(), H);
+  if (t == 0 && prepared(L.qkv)) prepare(D, L.qkv, D.normed.data(), H);
 #pragma omp barrier
   linear(L.qkv, D.normed.data(), D, D.qkv.data(), t, T);
 #pragma omp barrier
@@ -543,7 +560,7 @@ Decoder& decoder(int64_t handle) {
 
 bool native_decoder_pairs() { return PL_NATIVE_PAIRS; }
 
-bool native_decoder_batches(int64_t handle) { return decoder(handle).batches; }
+int64_t native_decoder_max_rows(int64_t handle) { return decoder(handle).max_rows; }
 bool native_decoder_panels() { return PL_NATIVE_PANELS; }
 
 // dims: hidden, heads, kv_heads, head_dim, intermediate, block_size, items_per_thread, min_partition (the
@@ -638,10 +655,11 @@ int64_t native_decoder_plan(const at::Tensor& embed, int64_t embed_type, const a
   for (const Layer& L : D->layers)
     TORCH_CHECK(L.top_k == 0 || L.top_k == D->max_top_k, "native_decoder_plan: the expert layers' top_k differ");
   D->qkv_n = qkv_n;
-  D->batches = PL_NATIVE_PAIRS;
+  bool panels = !PL_NATIVE_PAIRS, blocks = false;
   for (const Layer& L : D->layers)
     for (const Projection* w : {&L.qkv, &L.o, &L.gate_up, &L.down})
-      if (w != &L.down || L.top_k == 0) D->batches = D->batches && !w->gguf && !w->panel;
+      if (w != &L.down || L.top_k == 0) panels = panels || w->panel, blocks = blocks || w->gguf;
+  D->max_rows = panels ? 1 : blocks ? kGgufDirectRows : std::numeric_limits<int64_t>::max();
   D->xq.reset(gguf_row_new());
   D->reserve(1);
   std::lock_guard<std::mutex> guard(decoders_lock);
@@ -656,8 +674,7 @@ void native_decoder_drop(int64_t handle) {
 
 // out [rows, hidden] bfloat16: the final norm of the step's last hidden states, a row per token: tokens,
 // positions and slots (where its key and value go: block * block_size + offset) int64 [rows]; block_tables
-// int32 [rows, blocks] (or [blocks] for one row), each its request's. Several rows only where the plan's
-// projections are all pair-packed (`native_decoder_batches`). Rows of one request at consecutive positions
+// int32 [rows, blocks] (or [blocks] for one row), each its request's. At most `native_decoder_max_rows`. Rows of one request at consecutive positions
 // (speculative drafts to verify) are a causal chunk: every row's key and value is stored before any row of
 // that layer attends. aux_out [len(aux_layers), rows, hidden] bfloat16 takes the residual stream entering
 // each of the layers aux_layers (int64) names, h + residual as the eager layers see it (what an EAGLE-3
@@ -671,8 +688,8 @@ void native_decoder_step(int64_t handle, at::Tensor out, const at::Tensor& token
                   slots.scalar_type() == at::kLong && tokens.is_contiguous() && positions.is_contiguous() &&
                   slots.is_contiguous() && positions.numel() == B && slots.numel() == B,
               "native_decoder_step: tokens, positions and slots must be int64, one per row");
-  TORCH_CHECK(B == 1 || D.batches,
-              "native_decoder_step: this plan runs one request a step (its projections are not all pair-packed)");
+  TORCH_CHECK(B <= D.max_rows, "native_decoder_step: this plan takes at most ", D.max_rows,
+              " rows a step (a panel-packed projection: one; GGUF blocks: ", kGgufDirectRows, ")");
   TORCH_CHECK(out.numel() == B * D.hidden && out.is_contiguous() && out.scalar_type() == at::kBFloat16,
               "native_decoder_step: out must be [", B, ", ", D.hidden, "] bfloat16");
   const at::Tensor table = block_tables.reshape({B, -1});
@@ -722,7 +739,7 @@ void native_decoder_step(int64_t handle, at::Tensor out, const at::Tensor& token
     // up to its attention, or the final norm
     const Layer* before = i > 0 ? &D.layers[i - 1] : nullptr;
     const Layer* next = i < n ? &D.layers[i] : nullptr;
-    if (before != nullptr && B == 1) prepare(D, before->o, bits(D.attn), D.heads * d);
+    if (before != nullptr && prepared(before->o)) prepare(D, before->o, bits(D.attn), D.heads * d);
     const bool experts = before != nullptr && before->top_k > 0;
     if (experts) {
       region([&](int t, int T) { after_attention(D, *before, t, T); });

@@ -156,7 +156,7 @@ TORCH_LIBRARY(TORCH_EXTENSION_NAME, m) {
   m.def("native_decoder_step(int handle, Tensor(a!) out, Tensor tokens, Tensor positions, Tensor slots, "
         "Tensor block_tables, Tensor aux_layers, Tensor(b!) aux_out) -> ()",
         TORCH_FN(native_decoder_step));
-  m.def("native_decoder_batches(int handle) -> bool", TORCH_FN(native_decoder_batches));
+  m.def("native_decoder_max_rows(int handle) -> int", TORCH_FN(native_decoder_max_rows));
   m.def("native_decoder_drop(int handle) -> ()", TORCH_FN(native_decoder_drop));
   m.def("begin_native_step(Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, Tensor slots, "
         "Tensor[] kv_caches, int[] kinds, float[] scales, int[] windows, Tensor[] reqs, int[] partitions, "
