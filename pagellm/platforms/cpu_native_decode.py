@@ -26,7 +26,6 @@ from pagellm.platforms import cpu_kernels, cpu_linear
 from pagellm.platforms.cpu_gguf_moe import GgufExperts
 from pagellm.platforms.cpu_moe import CpuFusedMoE
 
-
 ANY_ROWS = 2**63 - 1
 """`native_decoder_max_rows` of a plan whose projections are all pair-packed: a step of any batch."""
 
