@@ -227,15 +227,7 @@ def main(args: LatencyArgs) -> dict[str, Any]:
     sections: dict[str, Any] = {"results": {"pagellm": result}, "floor": floor}
     if baseline is not None:
         report = acceptance(before, llm.engine.stats())
-        report["speedup"] = baseline["e2e_s"] / result["e2e_s"]
-        report["decode_speedup"] = baseline["decode_ms_per_token"] / result["decode_ms_per_token"]
-        lines.append(format_acceptance(report))
-        lines.append(
-            f"without speculation: {baseline['e2e_s']:.2f} s end to end ({baseline['output_tok_s']:.1f} output "
-            f"tok/s); with it {result['e2e_s']:.2f} s: speedup {report['speedup']:.2f}x; decode per token of a "
-            f"request {baseline['decode_ms_per_token']:.2f} ms without, {result['decode_ms_per_token']:.2f} ms "
-            f"with: {report['decode_speedup']:.2f}x"
-        )
+        lines += _speculation_lines(report, baseline, result)
         sections["results"]["pagellm without speculation"] = baseline
         sections["speculation"] = report
     echo("\n".join(lines))
@@ -268,6 +260,19 @@ def main(args: LatencyArgs) -> dict[str, Any]:
             echo("\n".join(_peer_lines(result, peer, sections["ratios"]["llama.cpp"])))
     write_json(args.output_json, "latency", config, **sections)
     return sections
+
+
+def _speculation_lines(report: dict[str, Any], baseline: dict[str, Any], result: dict[str, Any]) -> list[str]:
+    """The acceptance and the speedups over the same batch without speculation (into `report`)."""
+    report["speedup"] = baseline["e2e_s"] / result["e2e_s"]
+    report["decode_speedup"] = baseline["decode_ms_per_token"] / result["decode_ms_per_token"]
+    return [
+        format_acceptance(report),
+        f"without speculation: {baseline['e2e_s']:.2f} s end to end ({baseline['output_tok_s']:.1f} output "
+        f"tok/s); with it {result['e2e_s']:.2f} s: speedup {report['speedup']:.2f}x; decode per token of a "
+        f"request {baseline['decode_ms_per_token']:.2f} ms without, {result['decode_ms_per_token']:.2f} ms "
+        f"with: {report['decode_speedup']:.2f}x",
+    ]
 
 
 def _llama_bench_binary(args: LatencyArgs) -> str:
