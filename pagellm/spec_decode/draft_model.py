@@ -76,11 +76,28 @@ def one_token_batch(
     """The attention batch of one query token per request (the request in persistent-batch row `rows[i]`
     at `positions[i]`), its KV stored at that position's slot of the target's block table: a proposer
     with a KV cache of its own steps this way, one draft token at a time."""
-    n, bs = len(positions), block_size
-    seq_lens = (positions + 1).astype(np.int32)
+    return chunk_batch(
+        block_table, rows, positions, np.ones(len(positions), dtype=np.int64), block_size, device
+    )
+
+
+def chunk_batch(
+    block_table: np.ndarray,
+    rows: np.ndarray,
+    starts: np.ndarray,
+    counts: np.ndarray,
+    block_size: int,
+    device: torch.device,
+) -> AttentionBatch:
+    """The attention batch of `counts[i]` query tokens of the request in persistent-batch row `rows[i]`, at
+    positions `starts[i]` onwards (the end of its context), their KV stored at those positions' slots of
+    the target's block table."""
+    bs = block_size
+    seq_lens = (starts + counts).astype(np.int32)
     max_blocks = int(-(-seq_lens.max() // bs))
-    slots = block_table[rows, positions // bs].astype(np.int64) * bs + positions % bs
-    query_start = np.arange(n + 1, dtype=np.int32)
+    positions = np.concatenate([np.arange(s, s + c) for s, c in zip(starts, counts, strict=True)])
+    slots = block_table[np.repeat(rows, counts), positions // bs].astype(np.int64) * bs + positions % bs
+    query_start = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
     return AttentionBatch(
         query_start_loc=to_device(query_start, device),
         seq_lens=to_device(seq_lens, device),
@@ -88,7 +105,7 @@ def one_token_batch(
         slot_mapping=to_device(slots, device),
         query_start_loc_cpu=torch.from_numpy(query_start),
         seq_lens_cpu=torch.from_numpy(seq_lens),
-        max_query_len=1,
+        max_query_len=int(counts.max()),
         max_seq_len=int(seq_lens.max()),
     )
 

@@ -3,26 +3,27 @@ the head drafts k tokens in a chain, each step feeding its own output back.
 
 The head's KV at position i comes from the token at i + 1 and the target's hidden states at i. Like a
 draft model's, its KV has its own tensors addressed by the target's block tables, so prefix-cache blocks,
-chunks and preemption need nothing of their own. `observe` runs the head over each step's tokens with
-each token's successor: the next token of the step, or for the step's last token of a request the next
-prompt token when the prompt goes on (a chunk); where the successor is still to be sampled the row gets a
-placeholder, rewritten by `propose` before anything reads it. `propose` starts at the position before the
-request's newest token (the row whose successor is now known: the target's own token after the accepted
-drafts, replacing a rejected draft's row) with the target's hidden states there, and each further step
-feeds the head's own output back (positions past the target's, in the lookahead slots the scheduler
-allocated).
+chunks and preemption need nothing of their own. `observe` keeps each step's features (what the head reads
+of the target's states); the head runs over the step's rows at the next `propose`, when every row's
+successor is known: the step's next token, the next prompt token after a chunk, or for a request that got
+tokens the accepted drafts and the target's own token. Its rows then go up to the position before the
+request's newest token (rejected drafts' rows are left out: their positions are written again when they
+come back), and the output at that last row is the first draft; each further step feeds the head's own
+output back (positions past the target's, in the lookahead slots the scheduler allocated). A request that
+got tokens but drafts nothing more (its last token is next) needs no rows.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
 from pagellm.models.context import set_forward_context
-from pagellm.spec_decode.draft_model import one_token_batch, to_device
+from pagellm.spec_decode.draft_model import chunk_batch, one_token_batch, to_device
 from pagellm.spec_decode.proposer import DraftRequest, Proposer, StepInputs
 
 
@@ -51,45 +52,37 @@ class ChainedHeadProposer(Proposer):
         self.block_size = block_size
         self.batch = batch
         self.device = device
-        self.features: torch.Tensor | None = None  # the last step's fc(auxiliary hidden states), [T, H]
-        self.segments: dict[
-            int, tuple[int, int, int]
-        ] = {}  # batch row -> (first feature row, position, count)
+        self.pending: _Pending | None = None  # the last step's rows, the head not yet run over them
 
     def observe(self, step: StepInputs) -> None:
         if step.rows is None:
             raise RuntimeError(f"{self.name} needs each step's batch rows (StepInputs.rows)")
-        features = self.features_of(step)
+        self._run_pending(())  # a step before that no request drafted after: its prompt chunks' rows
         cu = step.attn.query_start_loc_cpu.numpy().astype(np.int64)
         counts = cu[1:] - cu[:-1]
         starts = step.attn.seq_lens_cpu.numpy().astype(np.int64) - counts
-        successors = torch.empty_like(step.input_ids)
-        successors[:-1] = step.input_ids[1:]
+        successors = np.empty(len(step.positions), dtype=np.int64)
+        successors[:-1] = step.input_ids[1:].cpu().numpy()
         ends = starts + counts  # the position after each request's last token of the step
         known = ends < self.batch.num_tokens[step.rows]  # a prompt that goes on; else still to be sampled
-        last = np.where(known, self.batch.token_ids[step.rows, np.where(known, ends, 0)], 0)
-        successors[to_device(cu[1:] - 1, self.device)] = to_device(last, self.device)
-        with set_forward_context(self.backend.build_metadata(step.attn), self.kv_caches, self.layers):
-            self.head(successors, step.positions, features)
-        self.features = features
-        self.segments = {
-            int(row): (int(cu[s]), int(starts[s]), int(counts[s])) for s, row in enumerate(step.rows)
-        }
+        last = self.batch.token_ids[step.rows, np.where(known, ends, 0)]
+        successors[cu[1:] - 1] = np.where(known, last, -1)
+        tables = self.batch.block_table[step.rows].copy()  # the rows may change hands before the head runs
+        self.pending = _Pending(step, self.features_of(step), successors, cu, starts, counts, tables)
 
     def propose(self, requests: Sequence[DraftRequest]) -> list[list[int]]:
         drafts: list[list[int]] = [[] for _ in requests]
-        live = [i for i, r in enumerate(requests) if r.num_drafts > 0]
-        if not live:
+        outputs = self._run_pending(requests)
+        if outputs is None:
             return drafts
+        normed, hidden, last_rows = outputs
+        live = [i for i, r in enumerate(requests) if r.num_drafts > 0]
+        index = to_device(np.array([last_rows[i] for i in live], dtype=np.int64), self.device)
+        normed, hidden = normed[index], hidden[index]
         rows = np.array([requests[i].row for i in live], dtype=np.int64)
-        positions = np.array([len(requests[i].token_ids) - 2 for i in live], dtype=np.int64)
-        hidden = self.features[to_device(self._feature_rows(rows, positions), self.device)]
-        tokens = to_device(np.array([requests[i].token_ids[-1] for i in live], dtype=np.int64), self.device)
+        positions = np.array([len(requests[i].token_ids) - 1 for i in live], dtype=np.int64)
         step = 0
-        while True:
-            attn = one_token_batch(self.batch.block_table, rows, positions, self.block_size, self.device)
-            with set_forward_context(self.backend.build_metadata(attn), self.kv_caches, self.layers):
-                normed, hidden = self.head(tokens, to_device(positions, self.device), hidden)
+        while True:  # normed, hidden: the head's output at each live request's newest position - 1
             tokens = self.head.greedy_tokens(normed)
             for j, token in enumerate(tokens.tolist()):
                 drafts[live[j]].append(token)
@@ -101,16 +94,65 @@ class ChainedHeadProposer(Proposer):
                 index = to_device(np.array(keep, dtype=np.int64), self.device)
                 tokens, hidden = tokens[index], hidden[index]
                 rows, positions, live = rows[keep], positions[keep], [live[j] for j in keep]
+            attn = one_token_batch(self.batch.block_table, rows, positions, self.block_size, self.device)
+            with set_forward_context(self.backend.build_metadata(attn), self.kv_caches, self.layers):
+                normed, hidden = self.head(tokens, to_device(positions, self.device), hidden)
             positions = positions + 1
 
-    def _feature_rows(self, rows: np.ndarray, positions: np.ndarray) -> np.ndarray:
-        """Where the last step's features hold each request's target hidden states at `positions`."""
-        out = np.empty(len(rows), dtype=np.int64)
-        for j, (row, position) in enumerate(zip(rows.tolist(), positions.tolist(), strict=True)):
-            first, start, count = self.segments[row]
-            if not 0 <= position - start < count:
-                raise RuntimeError(
-                    f"{self.name}: position {position} of batch row {row} did not run last step"
-                )
-            out[j] = first + position - start
-        return out
+    def _run_pending(
+        self, requests: Sequence[DraftRequest]
+    ) -> tuple[torch.Tensor, torch.Tensor, dict[int, int]] | None:
+        """The head over the last step's rows whose successor is known now: a prompt chunk's all, a drafting
+        request's up to the position before its newest token (its successors: the tokens it has now), no
+        other request's. Returns the head's (normed, hidden) of those rows and, for each drafting request
+        (by index in `requests`), the row of its newest position - 1; None where nothing ran."""
+        pending, self.pending = self.pending, None
+        if pending is None:
+            return None
+        by_row = {r.row: i for i, r in enumerate(requests) if r.num_drafts > 0}
+        picked, firsts, counts, requests_of_step, last_rows = [], [], [], [], {}
+        successors = pending.successors.copy()
+        for s, row in enumerate(pending.step.rows.tolist()):
+            first, start, count = int(pending.cu[s]), int(pending.starts[s]), int(pending.counts[s])
+            if successors[first + count - 1] < 0:  # the step sampled this request's next token
+                if row not in by_row:
+                    continue  # nothing more to draft for it
+                i = by_row[row]
+                tokens = requests[i].token_ids
+                count = len(tokens) - 1 - start  # up to the position before its newest token
+                successors[first : first + count] = tokens[start + 1 : start + 1 + count]
+                last_rows[i] = len(picked) + count - 1
+            picked.extend(range(first, first + count))
+            firsts.append(start)
+            counts.append(count)
+            requests_of_step.append(s)
+        if not picked:
+            return None
+        index = to_device(np.array(picked, dtype=np.int64), self.device)
+        attn = chunk_batch(
+            pending.tables,
+            np.array(requests_of_step, dtype=np.int64),
+            np.array(firsts, dtype=np.int64),
+            np.array(counts, dtype=np.int64),
+            self.block_size,
+            self.device,
+        )
+        ids = to_device(successors[picked], self.device)
+        with set_forward_context(self.backend.build_metadata(attn), self.kv_caches, self.layers):
+            normed, hidden = self.head(ids, pending.step.positions[index], pending.features[index])
+        return normed, hidden, last_rows
+
+
+@dataclass
+class _Pending:
+    """A target step's rows the head is still to run over: the step, what the head reads of each row
+    (`features`), each row's successor (-1: the token the step samples), its requests' query starts,
+    first positions and token counts, and their block tables as they were."""
+
+    step: StepInputs
+    features: torch.Tensor
+    successors: np.ndarray
+    cu: np.ndarray
+    starts: np.ndarray
+    counts: np.ndarray
+    tables: np.ndarray
