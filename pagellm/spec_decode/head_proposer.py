@@ -72,11 +72,15 @@ class ChainedHeadProposer(Proposer):
 
     def propose(self, requests: Sequence[DraftRequest]) -> list[list[int]]:
         drafts: list[list[int]] = [[] for _ in requests]
-        outputs = self._run_pending(requests)
-        if outputs is None:
-            return drafts
-        normed, hidden, last_rows = outputs
         live = [i for i, r in enumerate(requests) if r.num_drafts > 0]
+        outputs = self._run_pending(requests)
+        last_rows = outputs[2] if outputs is not None else {}
+        missing = [requests[i].request_id for i in live if i not in last_rows]
+        if missing:
+            raise RuntimeError(f"{self.name}: requests {missing} have no rows in the last step to draft from")
+        if not live:
+            return drafts
+        normed, hidden = outputs[0], outputs[1]
         index = to_device(np.array([last_rows[i] for i in live], dtype=np.int64), self.device)
         normed, hidden = normed[index], hidden[index]
         rows = np.array([requests[i].row for i in live], dtype=np.int64)
