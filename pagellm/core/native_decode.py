@@ -8,7 +8,8 @@ made of (`CausalLM.dense_decoder`), in these plain terms, so neither imports the
 The shape described is the Llama decoder: embedding, then per layer h + attention(rms_norm(h)) and
 h + down(act(gate) * up)(rms_norm(h)) with the residual stream kept apart (`RMSNorm.add_and_norm`),
 neox rotary over whole heads, optional per-head q/k RMSNorm (Qwen3), optional biases, a final RMSNorm;
-or routed experts in place of a layer's MLP (Qwen3-MoE).
+or routed experts in place of a layer's MLP (Qwen3-MoE). An EAGLE-3 draft head (`DraftHead`) is that
+decoder's one layer with two inputs, run the same way (`Platform.native_head_step`).
 """
 
 from __future__ import annotations
@@ -76,6 +77,60 @@ class DenseDecoder:
     layers: Sequence[DenseLayer]
     embedding_type: int | None = None  # the GGML type of a GGUF embedding's rows
     dtype: torch.dtype = torch.bfloat16  # the activations'
+
+
+@dataclass
+class DraftHead:
+    """An EAGLE-3 head (`spec_decode/eagle_head.py`): one decoder layer whose q/k/v read
+    [rms_norm(embedding of the token); rms_norm(hidden)] (`input_norm`, `hidden_norm`; `qkv` has
+    2 * hidden_size inputs) and whose residual is the hidden state (normed first where
+    `norm_before_residual`); then the final norm, and `lm_head` over the draft vocabulary, whose argmax
+    `d2t` maps to the target's (target id = draft id + d2t[id])."""
+
+    embedding: torch.Tensor  # as DenseDecoder's (the target's, or the head's own)
+    embedding_type: int | None
+    layer: DenseLayer  # input_norm: the embeddings'; no q/k norms, no experts
+    hidden_norm: torch.Tensor
+    norm_before_residual: bool
+    final_norm: torch.Tensor
+    lm_head: Projection
+    d2t: torch.Tensor  # int64 [draft vocabulary]
+    inv_freq: torch.Tensor
+    rope_scaling: float
+    eps: float
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_size: int
+    intermediate_size: int
+    activation: str
+    dtype: torch.dtype = torch.bfloat16
+
+
+@dataclass
+class HeadRows:
+    """The rows of one pass of a draft head: `tokens` at `positions`, their keys and values stored at
+    `slots`, `block_tables` as `NativeDecodeStep`'s (rows of one request at consecutive positions attend
+    causally), each reading `hidden` [rows, hidden_size]; and the rows whose drafts are wanted (`picks`,
+    indices into the rows)."""
+
+    tokens: np.ndarray
+    positions: np.ndarray
+    slots: np.ndarray
+    block_tables: np.ndarray
+    hidden: torch.Tensor
+    picks: np.ndarray
+
+
+class NativeHeadStep(Protocol):
+    """A platform's pass of a draft head over its own KV cache: up to `max_rows` rows."""
+
+    max_rows: int
+
+    def __call__(self, rows: HeadRows) -> tuple[torch.Tensor, torch.Tensor]:
+        """For each picked row: the draft (the target's token id) and the head's output before its final
+        norm (what the next pass reads)."""
+        ...
 
 
 class NativeDecodeStep(Protocol):

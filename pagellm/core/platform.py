@@ -18,7 +18,7 @@ from pagellm.core.state import RecurrentKernels
 if TYPE_CHECKING:
     from pagellm.core.config import EngineConfig
     from pagellm.core.moe import Mxfp4Experts, PackedMoE
-    from pagellm.core.native_decode import DenseDecoder, NativeDecodeStep
+    from pagellm.core.native_decode import DenseDecoder, DraftHead, NativeDecodeStep, NativeHeadStep
 
 GiB = 1 << 30
 
@@ -262,9 +262,17 @@ class Platform:
         """A decode step of `model` in one native call over these KV caches (one per layer; `attention`:
         the layers' attention modules, whose backends hold their specs), or None; always with the reason,
         which start-up logs. Asked once, after the KV cache exists; the runner then calls it for every step
-        that is one request's one token, and every step of decodes only where the step says it `batches`
-        (`core/native_decode.py`)."""
+        of up to the step's `max_rows` rows (`core/native_decode.py`)."""
         return None, f"the {cls.name} platform has no native decode step"
+
+    @classmethod
+    def native_head_step(
+        cls, head: DraftHead, kv_cache: torch.Tensor, attention: Any, block_size: int
+    ) -> tuple[NativeHeadStep | None, str]:
+        """An EAGLE-3 head's pass in one native call over its KV cache (`attention`: its attention module),
+        or None; always with the reason, which start-up logs. The proposer then runs each pass of up to
+        the step's `max_rows` rows through it."""
+        return None, f"the {cls.name} platform has no native draft head step"
 
     @classmethod
     def supports_cuda_graphs(cls) -> bool:

@@ -23,7 +23,7 @@ from pagellm.plugins.hookspecs import hookimpl
 
 if TYPE_CHECKING:
     from pagellm.core.config import EngineConfig
-    from pagellm.core.native_decode import DenseDecoder, NativeDecodeStep
+    from pagellm.core.native_decode import DenseDecoder, DraftHead, NativeDecodeStep, NativeHeadStep
 
 PAGELLM_PLUGIN_API = "1.0"
 
@@ -192,6 +192,13 @@ class CpuPlatform(Platform):
         """cpu_kernels/native_decoder.cpp where the model's parts are on its kernels
         (`cpu_native_decode.py` says which)."""
         return cpu_native_decode.native_decode_step(model, kv_caches, attention, block_size)
+
+    @classmethod
+    def native_head_step(
+        cls, head: DraftHead, kv_cache: torch.Tensor, attention: Any, block_size: int
+    ) -> tuple[NativeHeadStep | None, str]:
+        """cpu_kernels/native_decoder.cpp's head pass where the head's parts are on its kernels."""
+        return cpu_native_decode.native_head_step(head, kv_cache, attention, block_size)
 
     @classmethod
     def pack_linear(cls, weight: torch.Tensor, batch_invariant: bool = False) -> PackedLinear | None:

@@ -9,19 +9,21 @@ CPUs: AMD Zen 2 and 3, older Intel), the token embedding bfloat16 or GGUF rows,
 bfloat16 activations and KV cache read by CPU_ATTN's kernel, a SiLU-gated MLP or routed experts on the
 GGUF or fused-MoE kernel (Qwen3-MoE: softmax routing, no bias), attention without a sliding
 window, soft cap, sinks or batch invariance. Anything else keeps the model's forward, and start-up says
-which part stopped it.
+which part stopped it. An EAGLE-3 head's pass (`native_head_step`) runs its one layer the same way, on the
+same terms.
 """
 
 from __future__ import annotations
 
 import weakref
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
 from pagellm.attention_backends.cpu_attn import KERNEL_ITEMS_PER_THREAD, MIN_PARTITION, CpuAttnBackend
-from pagellm.core.native_decode import DenseDecoder, DenseLayer, Experts, Projection
+from pagellm.core.native_decode import DenseDecoder, DenseLayer, DraftHead, Experts, HeadRows, Projection
 from pagellm.platforms import cpu_kernels, cpu_linear
 from pagellm.platforms.cpu_gguf_moe import GgufExperts
 from pagellm.platforms.cpu_moe import CpuFusedMoE
@@ -138,15 +140,98 @@ def native_decode_step(
     )
 
 
-def _unsupported(model: DenseDecoder, kv_caches: list[torch.Tensor], attention: list[Any]) -> str | None:
-    """Why the kernel cannot run this model's step, or None."""
+class CpuNativeHeadStep:
+    """An EAGLE-3 head's plan handed to the kernels once; each call one pass over up to `max_rows` rows."""
+
+    def __init__(self, kernels: Any, handle: int, hidden_size: int):
+        self._kernels = kernels
+        self._handle = handle
+        self._hidden_size = hidden_size
+        self.max_rows = int(kernels.native_decoder_max_rows(handle))
+        weakref.finalize(self, kernels.native_decoder_drop, handle)
+
+    def __call__(self, rows: HeadRows) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden_out = torch.empty(len(rows.picks), self._hidden_size, dtype=torch.bfloat16)
+        drafts = torch.empty(len(rows.picks), dtype=torch.int64)
+        self._kernels.native_head_step(
+            self._handle,
+            _int64(rows.tokens),
+            _int64(rows.positions),
+            _int64(rows.slots),
+            torch.from_numpy(np.ascontiguousarray(rows.block_tables, dtype=np.int32)),
+            rows.hidden.contiguous(),
+            _int64(rows.picks),
+            hidden_out,
+            drafts,
+        )
+        return drafts, hidden_out
+
+
+def native_head_step(
+    head: DraftHead, kv_cache: torch.Tensor, attention: Any, block_size: int
+) -> tuple[CpuNativeHeadStep | None, str]:
+    kernels = cpu_kernels.loaded()
+    if kernels is None:
+        return None, "the CPU kernels are not loaded here"
+    why = _unsupported(head, [kv_cache], [attention], [head.layer], [head.lm_head])
+    if why is not None:
+        return None, why
+    layer = head.layer
+    parts, part_types, part_counts = [], [], []
+    for p in [*_projections(layer), head.lm_head]:
+        blocks = p.blocks if p.blocks is not None else [(p.weight, _layout(p))]
+        parts += [tensor for tensor, _ in blocks]
+        part_types += [type_id for _, type_id in blocks]
+        part_counts.append(len(blocks))
+    dims = [
+        head.hidden_size,
+        head.num_heads,
+        head.num_kv_heads,
+        head.head_size,
+        head.intermediate_size,
+        block_size,
+        KERNEL_ITEMS_PER_THREAD,
+        MIN_PARTITION,
+    ]
+    handle = kernels.native_head_plan(
+        head.embedding,
+        -1 if head.embedding_type is None else head.embedding_type,
+        head.final_norm,
+        head.inv_freq.float(),
+        [layer.input_norm, head.hidden_norm, layer.post_attention_norm],
+        parts,
+        part_types,
+        part_counts,
+        [p.bias for p in [*_projections(layer), head.lm_head]],
+        kv_cache,
+        head.d2t.to(torch.int64).contiguous(),
+        dims,
+        [head.eps, head.rope_scaling, attention.impl.spec.softmax_scale],
+        attention.impl.use_amx,
+        head.norm_before_residual,
+    )
+    step = CpuNativeHeadStep(kernels, handle, head.hidden_size)
+    rows = "any number of rows" if step.max_rows == ANY_ROWS else f"up to {step.max_rows} rows"
+    return step, f"one call per pass of {rows}"
+
+
+def _unsupported(
+    model: DenseDecoder | DraftHead,
+    kv_caches: list[torch.Tensor],
+    attention: list[Any],
+    layers: Sequence[DenseLayer] | None = None,
+    extra: Sequence[Projection] = (),
+) -> str | None:
+    """Why the kernel cannot run this model's step (or this head's pass: its `layers` and `extra`
+    projections), or None."""
+    layers = model.layers if layers is None else layers
     if model.activation != "silu":
         return f"its MLP's activation is {model.activation}, not silu"
     if model.dtype != torch.bfloat16 or model.final_norm.dtype != torch.bfloat16:
         return f"the model's dtype is {model.dtype}, not bfloat16"
     if model.embedding_type is None and model.embedding.dtype != torch.bfloat16:
         return "its token embedding is neither bfloat16 nor GGUF blocks"
-    projections: list[Projection] = [p for layer in model.layers for p in _projections(layer)]
+    projections: list[Projection] = [p for layer in layers for p in _projections(layer)] + list(extra)
     if not all(p.blocks is not None or _layout(p) is not None for p in projections):
         return (
             "its bfloat16 linears are on neither the pair kernel (AVX-512 BF16) nor the panel kernel (AVX2)"
@@ -155,10 +240,10 @@ def _unsupported(model: DenseDecoder, kv_caches: list[torch.Tensor], attention: 
         p.blocks is not None and p.bias is not None and p.bias.dtype != torch.bfloat16 for p in projections
     ):
         return "a GGUF linear's bias is not bfloat16"
-    why = next(filter(None, (_experts_unsupported(layer.experts) for layer in model.layers)), None)
+    why = next(filter(None, (_experts_unsupported(layer.experts) for layer in layers)), None)
     if why is not None:
         return why
-    if len(attention) != len(model.layers) or len(kv_caches) != len(model.layers):
+    if len(attention) != len(layers) or len(kv_caches) != len(layers):
         return "its attention layers and KV caches do not match its decoder layers"
     scales = set()
     for layer, cache in zip(attention, kv_caches, strict=True):

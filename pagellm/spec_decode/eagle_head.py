@@ -24,11 +24,12 @@ import torch
 from torch import nn
 
 from pagellm.core.errors import ConfigError
+from pagellm.core.native_decode import DenseLayer, DraftHead
 from pagellm.models.context import ModelInit
 from pagellm.models.layers.linear import Linear
 from pagellm.models.layers.norm import RMSNorm
 from pagellm.models.layers.rotary import RotaryEmbedding
-from pagellm.models.llama import STACKED, LlamaAttention, LlamaMLP
+from pagellm.models.llama import STACKED, LlamaAttention, LlamaMLP, projection_of
 from pagellm.models.loader import copy_weights, iter_checkpoint_weights
 
 
@@ -137,6 +138,46 @@ class Eagle3Head(nn.Module):
         cos, sin = self.rotary_emb.cos_sin(positions)
         h, residual = self.layers[0](self.embed_tokens(input_ids), hidden, cos, sin)
         return self.norm.add_and_norm(h, residual)
+
+    def draft_head(self) -> DraftHead | str:
+        """The head as a platform's native pass takes it (`core/native_decode.py`), or why it cannot."""
+        layer, rope, embed = self.layers[0], self.rotary_emb, self.embed_tokens
+        attn, mlp = layer.self_attn, layer.mlp
+        if rope.by_length or rope.rotary_dim != attn.head_dim or rope.inv_freq.dim() != 1:
+            return "its rotary embedding depends on the sequence's length or covers part of each head"
+        lookup = getattr(embed, "lookup", None)
+        if (lookup is not None and embed.block_type is None) or getattr(embed, "group", None) is not None:
+            return "its token embedding is packed or split"
+        norms = [layer.input_layernorm, layer.hidden_norm, layer.post_attention_layernorm, self.norm]
+        if len({n.eps for n in norms}) != 1:
+            return "its norms' eps differ"
+        return DraftHead(
+            embedding=embed.packed_table if lookup is not None else embed.weight,
+            embedding_type=embed.block_type if lookup is not None else None,
+            layer=DenseLayer(
+                layer.input_layernorm.weight,
+                layer.post_attention_layernorm.weight,
+                projection_of(attn.qkv_proj),
+                projection_of(attn.o_proj),
+                projection_of(mlp.gate_up_proj),
+                projection_of(mlp.down_proj),
+            ),
+            hidden_norm=layer.hidden_norm.weight,
+            norm_before_residual=layer.norm_before_residual,
+            final_norm=self.norm.weight,
+            lm_head=projection_of(self.lm_head),
+            d2t=self.d2t,
+            inv_freq=rope.inv_freq,
+            rope_scaling=rope.scaling,
+            eps=self.norm.eps,
+            hidden_size=self.norm.weight.numel(),
+            num_heads=attn.num_heads,
+            num_kv_heads=attn.num_kv_heads,
+            head_size=attn.head_dim,
+            intermediate_size=mlp.gate_up_proj.out_features // 2,
+            activation=self.config.layer.hidden_act,
+            dtype=self.norm.weight.dtype,
+        )
 
     def greedy_tokens(self, normed: torch.Tensor) -> torch.Tensor:
         """The argmax of each row's draft logits, as a target token id."""

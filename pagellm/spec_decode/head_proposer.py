@@ -17,11 +17,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import numpy as np
 import torch
 
+from pagellm.core.native_decode import HeadRows, NativeHeadStep
 from pagellm.models.context import set_forward_context
 from pagellm.spec_decode.draft_model import chunk_batch, one_token_batch, to_device
 from pagellm.spec_decode.proposer import DraftRequest, Proposer, StepInputs
@@ -53,11 +55,13 @@ class ChainedHeadProposer(Proposer):
         self.batch = batch
         self.device = device
         self.pending: _Pending | None = None  # the last step's rows, the head not yet run over them
+        # the platform's pass of the head (`Platform.native_head_step`), where it has one; set by the runner
+        self.native: NativeHeadStep | None = None
 
     def observe(self, step: StepInputs) -> None:
         if step.rows is None:
             raise RuntimeError(f"{self.name} needs each step's batch rows (StepInputs.rows)")
-        self._run_pending(())  # a step before that no request drafted after: its prompt chunks' rows
+        self._run_pending((), [])  # a step before that no request drafted after: its prompt chunks' rows
         cu = step.attn.query_start_loc_cpu.numpy().astype(np.int64)
         counts = cu[1:] - cu[:-1]
         starts = step.attn.seq_lens_cpu.numpy().astype(np.int64) - counts
@@ -73,50 +77,49 @@ class ChainedHeadProposer(Proposer):
     def propose(self, requests: Sequence[DraftRequest]) -> list[list[int]]:
         drafts: list[list[int]] = [[] for _ in requests]
         live = [i for i, r in enumerate(requests) if r.num_drafts > 0]
-        outputs = self._run_pending(requests)
-        last_rows = outputs[2] if outputs is not None else {}
-        missing = [requests[i].request_id for i in live if i not in last_rows]
-        if missing:
-            raise RuntimeError(f"{self.name}: requests {missing} have no rows in the last step to draft from")
-        if not live:
+        first = self._run_pending(requests, live)
+        if first is None:
             return drafts
-        normed, hidden = outputs[0], outputs[1]
-        index = to_device(np.array([last_rows[i] for i in live], dtype=np.int64), self.device)
-        normed, hidden = normed[index], hidden[index]
+        tokens, hidden = first
         rows = np.array([requests[i].row for i in live], dtype=np.int64)
         positions = np.array([len(requests[i].token_ids) - 1 for i in live], dtype=np.int64)
         step = 0
-        while True:  # normed, hidden: the head's output at each live request's newest position - 1
-            tokens = self.head.greedy_tokens(normed)
-            for j, token in enumerate(tokens.tolist()):
+        while True:  # tokens, hidden: each live request's next draft and the head's output it came from
+            ids = np.array(tokens.tolist(), dtype=np.int64)
+            for j, token in enumerate(ids.tolist()):
                 drafts[live[j]].append(token)
             step += 1
             keep = [j for j, i in enumerate(live) if requests[i].num_drafts > step]
             if not keep:
                 return drafts
             if len(keep) < len(live):
-                index = to_device(np.array(keep, dtype=np.int64), self.device)
-                tokens, hidden = tokens[index], hidden[index]
-                rows, positions, live = rows[keep], positions[keep], [live[j] for j in keep]
-            attn = one_token_batch(self.batch.block_table, rows, positions, self.block_size, self.device)
-            with set_forward_context(self.backend.build_metadata(attn), self.kv_caches, self.layers):
-                normed, hidden = self.head(tokens, to_device(positions, self.device), hidden)
+                hidden = hidden[to_device(np.array(keep, dtype=np.int64), self.device)]
+                ids, rows, positions, live = ids[keep], rows[keep], positions[keep], [live[j] for j in keep]
+            tokens, hidden = self._pass(
+                ids,
+                positions,
+                self.batch.block_table[rows],
+                hidden,
+                np.arange(len(live), dtype=np.int64),
+                partial(
+                    one_token_batch, self.batch.block_table, rows, positions, self.block_size, self.device
+                ),
+            )
             positions = positions + 1
 
     def _run_pending(
-        self, requests: Sequence[DraftRequest]
-    ) -> tuple[torch.Tensor, torch.Tensor, dict[int, int]] | None:
+        self, requests: Sequence[DraftRequest], live: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The head over the last step's rows whose successor is known now: a prompt chunk's all, a drafting
         request's up to the position before its newest token (its successors: the tokens it has now), no
-        other request's. Returns the head's (normed, hidden) of those rows and, for each drafting request
-        (by index in `requests`), the row of its newest position - 1; None where nothing ran."""
+        other request's. Returns the drafts from the rows of each `live` request's newest position - 1 (its
+        first draft) and the head's output there, in the order of `live`; None where none drafts."""
         pending, self.pending = self.pending, None
-        if pending is None:
-            return None
-        by_row = {r.row: i for i, r in enumerate(requests) if r.num_drafts > 0}
+        by_row = {requests[i].row: i for i in live}
         picked, firsts, counts, requests_of_step, last_rows = [], [], [], [], {}
-        successors = pending.successors.copy()
-        for s, row in enumerate(pending.step.rows.tolist()):
+        steps = pending.step.rows.tolist() if pending is not None else []
+        successors = pending.successors.copy() if pending is not None else None
+        for s, row in enumerate(steps):
             first, start, count = int(pending.cu[s]), int(pending.starts[s]), int(pending.counts[s])
             if successors[first + count - 1] < 0:  # the step sampled this request's next token
                 if row not in by_row:
@@ -130,21 +133,48 @@ class ChainedHeadProposer(Proposer):
             firsts.append(start)
             counts.append(count)
             requests_of_step.append(s)
+        missing = [requests[i].request_id for i in live if i not in last_rows]
+        if missing:
+            raise RuntimeError(f"{self.name}: requests {missing} have no rows in the last step to draft from")
         if not picked:
             return None
-        index = to_device(np.array(picked, dtype=np.int64), self.device)
-        attn = chunk_batch(
-            pending.tables,
-            np.array(requests_of_step, dtype=np.int64),
-            np.array(firsts, dtype=np.int64),
-            np.array(counts, dtype=np.int64),
-            self.block_size,
-            self.device,
+        of_step, starts = np.array(requests_of_step, dtype=np.int64), np.array(firsts, dtype=np.int64)
+        lengths = np.array(counts, dtype=np.int64)
+        positions = np.concatenate([np.arange(s, s + c) for s, c in zip(firsts, counts, strict=True)])
+        drafts, hidden = self._pass(
+            successors[picked],
+            positions,
+            pending.tables[np.repeat(of_step, lengths)],
+            pending.features[to_device(np.array(picked, dtype=np.int64), self.device)],
+            np.array([last_rows[i] for i in live], dtype=np.int64),
+            partial(chunk_batch, pending.tables, of_step, starts, lengths, self.block_size, self.device),
         )
-        ids = to_device(successors[picked], self.device)
-        with set_forward_context(self.backend.build_metadata(attn), self.kv_caches, self.layers):
-            normed, hidden = self.head(ids, pending.step.positions[index], pending.features[index])
-        return normed, hidden, last_rows
+        return (drafts, hidden) if live else None
+
+    def _pass(
+        self,
+        ids: np.ndarray,
+        positions: np.ndarray,
+        tables: np.ndarray,
+        hidden: torch.Tensor,
+        picks: np.ndarray,
+        attention: Callable[[], Any],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One pass of the head over rows (`ids` at `positions`, each with its request's block table row and
+        the hidden state it reads; a request's rows at consecutive positions, in order): the drafts of the
+        rows `picks` and the head's outputs there. The platform's native pass where it takes this many
+        rows, else the head's forward over `attention()` (the rows' attention batch)."""
+        if self.native is not None and len(ids) <= self.native.max_rows:
+            bs = self.block_size
+            tables = tables[:, : -(-int(positions.max() + 1) // bs)]
+            slots = tables[np.arange(len(ids)), positions // bs].astype(np.int64) * bs + positions % bs
+            return self.native(HeadRows(ids, positions, slots, tables, hidden, picks))
+        with set_forward_context(self.backend.build_metadata(attention()), self.kv_caches, self.layers):
+            normed, out = self.head(to_device(ids, self.device), to_device(positions, self.device), hidden)
+        index = to_device(picks, self.device)
+        if not len(picks):
+            return index, out[index]
+        return self.head.greedy_tokens(normed[index]), out[index]
 
 
 @dataclass

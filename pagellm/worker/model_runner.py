@@ -32,6 +32,7 @@ from pagellm.distributed import Parallel
 from pagellm.lora.request import LoRARequest
 from pagellm.models.context import ImageBatch, LoRABatch, set_forward_context
 from pagellm.sampling.sampler import Sampler, SamplingRequest, build_sampling_batch, make_generator
+from pagellm.spec_decode.head_proposer import ChainedHeadProposer
 from pagellm.spec_decode.proposer import StepInputs
 from pagellm.worker.input_batch import (
     InputBatch,
@@ -258,7 +259,11 @@ class ModelRunner:
         return hidden
 
     def _native_decode_step(self) -> NativeDecodeStep | None:
-        aux_layers = self.spec_decode.proposer.aux_layers if self.spec_decode is not None else ()
+        """The target's native decode step, and a draft head's native pass where the proposer has one."""
+        proposer = self.spec_decode.proposer if self.spec_decode is not None else None
+        if isinstance(proposer, ChainedHeadProposer):
+            proposer.native = self.built.native_head_step(proposer)
+        aux_layers = proposer.aux_layers if proposer is not None else ()
         return self.built.native_decode_step(aux_layers=aux_layers, kv_transfer=self.kv_transfer is not None)
 
     def _run_native_decode(self, a: StepArrays) -> torch.Tensor | None:

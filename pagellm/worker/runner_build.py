@@ -27,7 +27,7 @@ import torch
 
 from pagellm.core.errors import ConfigError
 from pagellm.core.kv_cache_spec import blocks_per_request
-from pagellm.core.native_decode import NativeDecodeStep
+from pagellm.core.native_decode import NativeDecodeStep, NativeHeadStep
 from pagellm.core.platform import GiB
 from pagellm.distributed import Parallel
 from pagellm.models.base import ModelInit
@@ -40,6 +40,8 @@ from pagellm.models.loader import load_model, model_weight_bytes
 from pagellm.sampling.params import MAX_LOGPROBS, SamplingParams
 from pagellm.sampling.sampler import Sampler, SamplingRequest, build_sampling_batch
 from pagellm.spec_decode.eagle import load_eagle3
+from pagellm.spec_decode.eagle_head import Eagle3Head
+from pagellm.spec_decode.head_proposer import ChainedHeadProposer
 from pagellm.spec_decode.mtp import load_mtp
 from pagellm.worker.cuda_graphs import DecodeGraphs, capture_decode_graphs, decode_graphs_allowed
 from pagellm.worker.encoder_cache import EncoderCache
@@ -558,6 +560,19 @@ class RunnerBuild:
                 if step is not None:
                     step.aux_layers = aux_layers
         logger.info("native decode step: %s (%s)", "on" if step is not None else "off", why)
+        return step
+
+    def native_head_step(self, proposer: ChainedHeadProposer) -> NativeHeadStep | None:
+        """The platform's native pass of an EAGLE-3 head (`Platform.native_head_step`) over its KV cache,
+        where the head allows it; start-up logs whether it applies, and why."""
+        if not isinstance(proposer.head, Eagle3Head):
+            return None
+        head = proposer.head.draft_head()  # (tensor and pipeline parallelism refuse a head at start-up)
+        step, why = None, "--no-native-decode" if not self.setup.config.native_decode else head
+        if not isinstance(why, str):
+            cache, attention = proposer.kv_caches[0], proposer.layers[0]
+            step, why = self.setup.platform.native_head_step(head, cache, attention, self.block_size)
+        logger.info("native draft head pass: %s (%s)", "on" if step is not None else "off", why)
         return step
 
     def log_kv_windows(self) -> None:

@@ -332,6 +332,60 @@ def test_an_eagle3_heads_verify_steps_run_natively(native_here, checkpoints, tmp
     assert len(differ) <= len(drafts[0]) // 10, differ
 
 
+def test_an_eagle3_heads_passes_run_natively(native_here, checkpoints, tmp_path, two_threads, caplog):
+    """The head's passes (over a step's rows, a prompt chunk's included, then one row a request for each
+    further draft) run in one native call each (`Platform.native_head_step`), and give what the head's
+    forward gives on the same rows: its output before the final norm within a bfloat16 step or two (the
+    norms' sums taken in another order), the same drafts but where its random logits nearly tie; greedy
+    tokens are the target's either way."""
+    sys.path.insert(0, str(Path(__file__).parents[1] / "spec_decode"))
+    from eagle_heads import write_speculators_head
+
+    vocab = json.loads((checkpoints["llama"] / "config.json").read_text())["vocab_size"]
+    head = write_speculators_head(tmp_path / "head", vocab, 96, aux_ids=(0, 1, 1), seed=4)
+    spec = {"method": "eagle3", "model": str(head), "num_speculative_tokens": 3}
+    with caplog.at_level(logging.INFO, logger="pagellm"):
+        llm = _engine(
+            checkpoints["llama"], speculative_config=spec, max_num_batched_tokens=64, max_num_seqs=4
+        )
+    assert "native draft head pass: on (one call per pass of any number of rows)" in caplog.text
+    proposer = llm.engine.runner.spec_decode.proposer
+    native, run = proposer.native, proposer._pass
+    passes: list[tuple[int, int, float]] = []  # rows, drafts that differ, the outputs' gap
+
+    def both(ids, positions, tables, hidden, picks, attention):
+        mine = run(
+            ids, positions, tables, hidden, picks, attention
+        )  # native, then the forward (whose KV stays)
+        proposer.native = None
+        theirs = run(ids, positions, tables, hidden, picks, attention)
+        proposer.native = native
+        differ = int((mine[0] != theirs[0]).sum())
+        gap = ((mine[1].float() - theirs[1].float()).abs().max() / theirs[1].float().abs().max()).item()
+        passes.append((len(ids), differ, gap if len(picks) else 0.0))
+        return mine
+
+    proposer._pass = both
+    prompts = [list(range(3, 200)), list(range(7, 40)) + [9, 10, 11] * 6]
+    params = [SamplingParams(max_tokens=n, **GREEDY) for n in (12, 20)]
+    out = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    off = _engine(
+        checkpoints["llama"],
+        native_decode=False,
+        speculative_config=spec,
+        max_num_batched_tokens=64,
+        max_num_seqs=4,
+    )
+    expected = off.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in expected]
+    assert any(rows >= 32 for rows, _, _ in passes), passes  # a prompt chunk's rows in one pass
+    assert any(rows == 2 for rows, _, _ in passes), passes  # both requests' next drafts in one
+    assert max(gap for _, _, gap in passes) <= 2**-6, passes
+    drafts, differ = sum(rows for rows, _, _ in passes), sum(d for _, d, _ in passes)
+    print(f"{len(passes)} passes, {differ} drafts differ")
+    assert differ <= max(1, drafts // 20), passes
+
+
 def _record_drafts(proposer) -> list:
     """Every list of drafts `proposer` returns from now on."""
     propose, proposed = proposer.propose, []

@@ -94,6 +94,8 @@ OPS = (
     "native_decoder_plan",
     "native_decoder_step",
     "native_decoder_max_rows",
+    "native_head_plan",
+    "native_head_step",
     "native_decoder_drop",
 )
 """The operators the library defines in its own namespace (TORCH_LIBRARY in ops.cpp)."""

@@ -108,6 +108,15 @@ int64_t native_decoder_plan(const at::Tensor& embed, int64_t embed_type, const a
 void native_decoder_step(int64_t handle, at::Tensor out, const at::Tensor& tokens, const at::Tensor& positions,
                          const at::Tensor& slots, const at::Tensor& block_tables, const at::Tensor& aux_layers,
                          at::Tensor aux_out);
+int64_t native_head_plan(const at::Tensor& embed, int64_t embed_type, const at::Tensor& final_norm,
+                         const at::Tensor& inv_freq, at::TensorList norms, at::TensorList parts,
+                         at::IntArrayRef part_types, at::IntArrayRef part_counts,
+                         const c10::List<c10::optional<at::Tensor>>& biases, const at::Tensor& kv_cache,
+                         const at::Tensor& d2t, at::IntArrayRef dims, at::ArrayRef<double> floats, bool use_amx,
+                         bool norm_before_residual);
+void native_head_step(int64_t handle, const at::Tensor& tokens, const at::Tensor& positions, const at::Tensor& slots,
+                      const at::Tensor& block_tables, const at::Tensor& hidden, const at::Tensor& picks,
+                      at::Tensor hidden_out, at::Tensor drafts);
 // The rows a plan's step may take: any number (its projections all pair-packed), kGgufDirectRows (some GGUF
 // blocks) or one (a panel-packed projection).
 int64_t native_decoder_max_rows(int64_t handle);

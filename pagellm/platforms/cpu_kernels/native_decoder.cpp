@@ -136,6 +136,14 @@ struct Decoder {
   std::unique_ptr<GgufRow, RowDeleter> xq;  // the next GGUF linear's x, quantized (the step's rows)
   std::vector<float> xf;                    // the next panel linear's x, widened (one row)
   std::vector<uint16_t> router;             // an expert layer's router logits
+  // an EAGLE-3 head (native_head_plan): its one layer's q/k/v read [input_layernorm(embeds);
+  // hidden_norm(hidden)], 2 * hidden wide; its output, after the final norm, gives logits over its draft
+  // vocabulary (lm_head), whose argmax d2t maps to the target's
+  bool head = false, norm_before_residual = false;
+  const uint16_t* hidden_norm = nullptr;
+  Projection lm_head;
+  std::vector<int64_t> d2t;
+  std::vector<uint16_t> picked, logits;  // the rows drafted from, their logits
   // the kernels' tensors at `capacity` rows, and these step's `rows` of them
   at::Tensor moe_in_all, topk_weights_all, topk_ids_all, q_all, attn_all, seq_lens_all, query_start_all, reqs_all;
   at::Tensor moe_in, topk_weights, topk_ids;  // [rows, hidden] bfloat16, [rows, K] float32, [rows, K] int64
@@ -146,7 +154,8 @@ struct Decoder {
     if (n > capacity) {
       capacity = n;
       const int64_t d = head_dim;
-      h.resize(n * hidden), residual.resize(n * hidden), normed.resize(n * hidden), qkv.resize(n * qkv_n);
+      h.resize(n * hidden), residual.resize(n * hidden), normed.resize(n * hidden * (head ? 2 : 1));
+      qkv.resize(n * qkv_n), picked.resize(head ? n * hidden : 0), logits.resize(head ? n * d2t.size() : 0);
       gate_up.resize(n * 2 * inter), act.resize(n * inter), router.resize(n * max_experts);
       cos.resize(n * d / 2), sin.resize(n * d / 2);
       const auto bf16 = keep[0].options().dtype(at::kBFloat16), ints = keep[0].options().dtype(at::kInt);
@@ -447,8 +456,9 @@ void run_experts(Decoder& D, const Layer& L) {
 }
 
 
-// Layer L up to its attention: add and norm, qkv, q/k norms and rotary, each row's new key and value stored
-// at its slot; the queries in D.q.
+void qkv_and_cache(Decoder& D, const Layer& L, const int64_t* slots, int t, int T);
+
+// Layer L up to its attention: add and norm, then `qkv_and_cache`.
 void before_attention(Decoder& D, const Layer& L, bool first, const int64_t* slots, int t, int T) {
   const int64_t B = D.rows, H = D.hidden;
   const RowRun mine = rows_of(B, t, T, prepared(L.qkv));
@@ -456,6 +466,30 @@ void before_attention(Decoder& D, const Layer& L, bool first, const int64_t* slo
     add_and_norm(D.h.data() + r * H, D.residual.data() + r * H, first, L.in_norm, H, D.eps, D.normed.data() + r * H);
   if (t == 0 && prepared(L.qkv)) prepare(D, L.qkv, D.normed.data(), H);
 #pragma omp barrier
+  qkv_and_cache(D, L, slots, t, T);
+}
+
+// An EAGLE-3 head's layer up to its attention (Eagle3Layer.forward): each row's q/k/v input
+// [input_layernorm(embeds); hidden_norm(hidden)] (the embeddings in D.h, `hidden` [rows, H]) and its residual,
+// hidden itself (or, norm_before_residual, hidden_norm(hidden)); then `qkv_and_cache`.
+void head_before_attention(Decoder& D, const Layer& L, const uint16_t* hidden, const int64_t* slots, int t, int T) {
+  const int64_t B = D.rows, H = D.hidden;
+  const RowRun mine = rows_of(B, t, T, prepared(L.qkv));
+  for (int64_t r = mine.lo; r < mine.hi; ++r) {
+    uint16_t* x = D.normed.data() + r * 2 * H;
+    rms_norm(D.h.data() + r * H, L.in_norm, H, D.eps, x);
+    rms_norm(hidden + r * H, D.hidden_norm, H, D.eps, x + H);
+    std::memcpy(D.residual.data() + r * H, D.norm_before_residual ? x + H : hidden + r * H, H * 2);
+  }
+  if (t == 0 && prepared(L.qkv)) prepare(D, L.qkv, D.normed.data(), 2 * H);
+#pragma omp barrier
+  qkv_and_cache(D, L, slots, t, T);
+}
+
+// Layer L's qkv of the normed rows in D.normed, q/k norms and rotary, each row's new key and value stored at
+// its slot; the queries in D.q.
+void qkv_and_cache(Decoder& D, const Layer& L, const int64_t* slots, int t, int T) {
+  const int64_t B = D.rows;
   linear(L.qkv, D.normed.data(), D, D.qkv.data(), t, T);
 #pragma omp barrier
   const int64_t d = D.head_dim, half = d / 2, blocks = L.k_cache.size(1);
@@ -556,6 +590,105 @@ Decoder& decoder(int64_t handle) {
   return *decoders()[handle];
 }
 
+// A plan's sizes and what every plan has: dims hidden, heads, kv_heads, head_dim, intermediate, block_size,
+// items_per_thread, min_partition; floats eps, rope scaling, softmax scale; the embedding (bfloat16 [vocab,
+// hidden], embed_type -1, or GGUF rows), the final norm and rotary's inverse frequencies.
+std::unique_ptr<Decoder> new_decoder(const at::Tensor& embed, int64_t embed_type, const at::Tensor& final_norm,
+                                     const at::Tensor& inv_freq, at::IntArrayRef dims, at::ArrayRef<double> floats,
+                                     bool use_amx) {
+  TORCH_CHECK(dims.size() == 8 && floats.size() == 3, "native_decoder_plan: 8 sizes and 3 floats");
+  auto D = std::make_unique<Decoder>();
+  D->hidden = dims[0], D->heads = dims[1], D->kv_heads = dims[2], D->head_dim = dims[3], D->inter = dims[4];
+  D->block_size = dims[5], D->items_per_thread = dims[6], D->min_partition = dims[7];
+  D->eps = float(floats[0]), D->rope_scaling = float(floats[1]), D->scale = floats[2], D->amx = use_amx;
+  const int64_t H = D->hidden, d = D->head_dim;
+  TORCH_CHECK(d % 2 == 0 && D->heads % D->kv_heads == 0, "native_decoder_plan: head sizes");
+  TORCH_CHECK(inv_freq.numel() == d / 2 && inv_freq.scalar_type() == at::kFloat,
+              "native_decoder_plan: inv_freq must be head_dim / 2 float32 values");
+  const at::Tensor freqs = inv_freq.contiguous();
+  D->inv_freq.assign(freqs.data_ptr<float>(), freqs.data_ptr<float>() + d / 2);
+  TORCH_CHECK(embed.dim() == 2 && embed.is_contiguous() &&
+                  (embed_type < 0 ? embed.scalar_type() == at::kBFloat16 && embed.size(1) == H
+                                  : embed.scalar_type() == at::kByte),
+              "native_decoder_plan: the embedding must be bfloat16 [vocab, ", H, "] or GGUF rows");
+  D->embed = static_cast<const uint8_t*>(embed.data_ptr()), D->embed_type = embed_type, D->vocab = embed.size(0);
+  D->embed_row_bytes = embed.size(1) * embed.element_size();
+  D->final_norm = vector_of(final_norm, H, "the final norm");
+  D->keep = {embed, final_norm};
+  D->qkv_n = (D->heads + 2 * D->kv_heads) * d;
+  return D;
+}
+
+// Layer L's KV cache: bfloat16 [2, kv_heads, blocks, block_size, head_dim] in CPU_ATTN's layout
+void set_cache(const Decoder& D, Layer& L, const at::Tensor& cache) {
+  TORCH_CHECK(cache.dim() == 5 && cache.size(0) == 2 && cache.size(1) == D.kv_heads && cache.size(3) == D.block_size &&
+                  cache.size(4) == D.head_dim && cache.is_contiguous() && cache.scalar_type() == at::kBFloat16,
+              "native_decoder_plan: a contiguous bfloat16 cache [2, ", D.kv_heads, ", blocks, ", D.block_size, ", ",
+              D.head_dim, "]");
+  L.k_cache = cache[0], L.v_cache = cache[1];
+}
+
+// The plan's rows a step (`Decoder::max_rows`), kept under a new handle.
+int64_t add_decoder(std::unique_ptr<Decoder> D) {
+  bool panels = !PL_NATIVE_PAIRS, blocks = false;
+  for (const Layer& L : D->layers)
+    for (const Projection* w : {&L.qkv, &L.o, &L.gate_up, &L.down})
+      if (w != &L.down || L.top_k == 0) panels = panels || w->panel, blocks = blocks || w->gguf;
+  if (D->head) panels = panels || D->lm_head.panel, blocks = blocks || D->lm_head.gguf;
+  D->max_rows = panels ? 1 : blocks ? kGgufDirectRows : std::numeric_limits<int64_t>::max();
+  D->xq.reset(gguf_row_new());
+  D->reserve(1);
+  std::lock_guard<std::mutex> guard(decoders_lock);
+  decoders().push_back(std::move(D));
+  return int64_t(decoders().size()) - 1;
+}
+
+// A step's rows made ready (native_decoder_step's and native_head_step's arguments checked): the
+// buffers for them, each row's sequence length, cos and sin and token embedding (in D.h); returns the
+// attention's partition (cpu_attn._partition) and the block tables as [rows, blocks].
+int64_t begin_rows(Decoder& D, const at::Tensor& tokens, const at::Tensor& positions, const at::Tensor& slots,
+                   const at::Tensor& block_tables, at::Tensor* table_out) {
+  const int64_t B = tokens.numel(), half = D.head_dim / 2;
+  TORCH_CHECK(B >= 1 && tokens.scalar_type() == at::kLong && positions.scalar_type() == at::kLong &&
+                  slots.scalar_type() == at::kLong && tokens.is_contiguous() && positions.is_contiguous() &&
+                  slots.is_contiguous() && positions.numel() == B && slots.numel() == B,
+              "native_decoder_step: tokens, positions and slots must be int64, one per row");
+  TORCH_CHECK(B <= D.max_rows, "native_decoder_step: this plan takes at most ", D.max_rows,
+              " rows a step (a panel-packed projection: one; GGUF blocks: ", kGgufDirectRows, ")");
+  const at::Tensor table = block_tables.reshape({B, -1});
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && table.is_contiguous(),
+              "native_decoder_step: int32 block tables, a row per request");
+  const int64_t* token = tokens.data_ptr<int64_t>();
+  const int64_t* position = positions.data_ptr<int64_t>();
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  int64_t longest = 0;
+  for (int64_t r = 0; r < B; ++r) {
+    TORCH_CHECK(token[r] >= 0 && token[r] < D.vocab, "native_decoder_step: token id ", token[r], " out of range");
+    TORCH_CHECK(position[r] >= 0 && table.size(1) * D.block_size > position[r] && slot[r] >= 0,
+                "native_decoder_step: an int32 block table covering position ", position[r], " and a slot");
+    longest = std::max(longest, position[r] + 1);
+  }
+  D.reserve(B);
+  for (int64_t r = 0; r < B; ++r) {
+    D.seq_lens.data_ptr<int32_t>()[r] = int32_t(position[r] + 1);
+    for (int64_t j = 0; j < half; ++j) {  // RotaryEmbedding's cos/sin, then apply_rotary's rounding
+      const float f = float(position[r]) * D.inv_freq[j];
+      D.cos[r * half + j] = bf(rb(std::cos(f) * D.rope_scaling));
+      D.sin[r * half + j] = bf(rb(std::sin(f) * D.rope_scaling));
+    }
+    const uint8_t* row = D.embed + token[r] * D.embed_row_bytes;
+    if (D.embed_type < 0)
+      std::memcpy(D.h.data() + r * D.hidden, row, D.hidden * 2);
+    else
+      gguf_bf16_row(D.embed_type, row, D.hidden, D.h.data() + r * D.hidden);
+  }
+  *table_out = table;
+  // the attention backend's partition (cpu_attn._partition) for these requests
+  const int64_t wanted = D.items_per_thread * at::get_num_threads(), pairs = B * D.kv_heads;
+  const int64_t splits = (wanted + pairs - 1) / pairs;
+  return pairs >= wanted ? longest : std::max(D.min_partition, (longest + splits - 1) / splits);
+}
+
 }  // namespace
 
 bool native_decoder_pairs() { return PL_NATIVE_PAIRS; }
@@ -577,11 +710,7 @@ int64_t native_decoder_plan(const at::Tensor& embed, int64_t embed_type, const a
                             at::IntArrayRef moe, const c10::List<c10::optional<at::Tensor>>& experts,
                             at::IntArrayRef expert_types, at::IntArrayRef dims, at::ArrayRef<double> floats,
                             bool use_amx) {
-  TORCH_CHECK(dims.size() == 8 && floats.size() == 3, "native_decoder_plan: 8 sizes and 3 floats");
-  auto D = std::make_unique<Decoder>();
-  D->hidden = dims[0], D->heads = dims[1], D->kv_heads = dims[2], D->head_dim = dims[3], D->inter = dims[4];
-  D->block_size = dims[5], D->items_per_thread = dims[6], D->min_partition = dims[7];
-  D->eps = float(floats[0]), D->rope_scaling = float(floats[1]), D->scale = floats[2], D->amx = use_amx;
+  auto D = new_decoder(embed, embed_type, final_norm, inv_freq, dims, floats, use_amx);
   const int64_t layers = kv_caches.size(), H = D->hidden, d = D->head_dim;
   TORCH_CHECK(layers > 0 && int64_t(norms.size()) == 2 * layers && int64_t(part_counts.size()) == 4 * layers &&
                   int64_t(biases.size()) == 4 * layers && int64_t(head_norms.size()) == 2 * layers &&
@@ -589,20 +718,7 @@ int64_t native_decoder_plan(const at::Tensor& embed, int64_t embed_type, const a
                   int64_t(experts.size()) == 3 * layers && int64_t(expert_types.size()) == 3 * layers,
               "native_decoder_plan: per layer 2 norms, 4 projections, 4 biases, 2 head norms, a cache, 3 expert "
               "sizes, 3 expert tensors and their 3 types");
-  TORCH_CHECK(d % 2 == 0 && D->heads % D->kv_heads == 0, "native_decoder_plan: head sizes");
-  TORCH_CHECK(inv_freq.numel() == d / 2 && inv_freq.scalar_type() == at::kFloat,
-              "native_decoder_plan: inv_freq must be head_dim / 2 float32 values");
-  const at::Tensor freqs = inv_freq.contiguous();
-  D->inv_freq.assign(freqs.data_ptr<float>(), freqs.data_ptr<float>() + d / 2);
-  TORCH_CHECK(embed.dim() == 2 && embed.is_contiguous() &&
-                  (embed_type < 0 ? embed.scalar_type() == at::kBFloat16 && embed.size(1) == H
-                                  : embed.scalar_type() == at::kByte),
-              "native_decoder_plan: the embedding must be bfloat16 [vocab, ", H, "] or GGUF rows");
-  D->embed = static_cast<const uint8_t*>(embed.data_ptr()), D->embed_type = embed_type, D->vocab = embed.size(0);
-  D->embed_row_bytes = embed.size(1) * embed.element_size();
-  D->final_norm = vector_of(final_norm, H, "the final norm");
-  D->keep = {embed, final_norm};
-  const int64_t qkv_n = (D->heads + 2 * D->kv_heads) * d;
+  const int64_t qkv_n = D->qkv_n;
   const int64_t outs[4] = {qkv_n, H, 2 * D->inter, H}, ins[4] = {H, D->heads * d, H, D->inter};
   const char* names[4] = {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"};
   int64_t next = 0;
@@ -643,28 +759,13 @@ int64_t native_decoder_plan(const at::Tensor& embed, int64_t embed_type, const a
       L.q_norm = vector_of(*qn, d, "a q norm"), L.k_norm = vector_of(*kn, d, "a k norm");
       D->keep.push_back(*qn), D->keep.push_back(*kn);
     }
-    const at::Tensor& cache = kv_caches[i];
-    TORCH_CHECK(cache.dim() == 5 && cache.size(0) == 2 && cache.size(1) == D->kv_heads && cache.size(3) == D->block_size &&
-                    cache.size(4) == d && cache.is_contiguous() && cache.scalar_type() == at::kBFloat16,
-                "native_decoder_plan: a contiguous bfloat16 cache [2, ", D->kv_heads, ", blocks, ", D->block_size,
-                ", ", d, "]");
-    L.k_cache = cache[0], L.v_cache = cache[1];
+    set_cache(*D, L, kv_caches[i]);
     D->layers.push_back(std::move(L));
   }
   TORCH_CHECK(next == int64_t(parts.size()), "native_decoder_plan: parts left over");
   for (const Layer& L : D->layers)
     TORCH_CHECK(L.top_k == 0 || L.top_k == D->max_top_k, "native_decoder_plan: the expert layers' top_k differ");
-  D->qkv_n = qkv_n;
-  bool panels = !PL_NATIVE_PAIRS, blocks = false;
-  for (const Layer& L : D->layers)
-    for (const Projection* w : {&L.qkv, &L.o, &L.gate_up, &L.down})
-      if (w != &L.down || L.top_k == 0) panels = panels || w->panel, blocks = blocks || w->gguf;
-  D->max_rows = panels ? 1 : blocks ? kGgufDirectRows : std::numeric_limits<int64_t>::max();
-  D->xq.reset(gguf_row_new());
-  D->reserve(1);
-  std::lock_guard<std::mutex> guard(decoders_lock);
-  decoders().push_back(std::move(D));
-  return int64_t(decoders().size()) - 1;
+  return add_decoder(std::move(D));
 }
 
 void native_decoder_drop(int64_t handle) {
@@ -683,18 +784,12 @@ void native_decoder_step(int64_t handle, at::Tensor out, const at::Tensor& token
                          const at::Tensor& slots, const at::Tensor& block_tables, const at::Tensor& aux_layers,
                          at::Tensor aux_out) {
   Decoder& D = decoder(handle);
-  const int64_t B = tokens.numel(), d = D.head_dim, half = d / 2;
-  TORCH_CHECK(B >= 1 && tokens.scalar_type() == at::kLong && positions.scalar_type() == at::kLong &&
-                  slots.scalar_type() == at::kLong && tokens.is_contiguous() && positions.is_contiguous() &&
-                  slots.is_contiguous() && positions.numel() == B && slots.numel() == B,
-              "native_decoder_step: tokens, positions and slots must be int64, one per row");
-  TORCH_CHECK(B <= D.max_rows, "native_decoder_step: this plan takes at most ", D.max_rows,
-              " rows a step (a panel-packed projection: one; GGUF blocks: ", kGgufDirectRows, ")");
+  TORCH_CHECK(!D.head, "native_decoder_step: plan ", handle, " is a draft head's (native_head_step)");
+  at::Tensor table;
+  const int64_t partition = begin_rows(D, tokens, positions, slots, block_tables, &table);
+  const int64_t B = D.rows, d = D.head_dim;
   TORCH_CHECK(out.numel() == B * D.hidden && out.is_contiguous() && out.scalar_type() == at::kBFloat16,
               "native_decoder_step: out must be [", B, ", ", D.hidden, "] bfloat16");
-  const at::Tensor table = block_tables.reshape({B, -1});
-  TORCH_CHECK(block_tables.scalar_type() == at::kInt && table.is_contiguous(),
-              "native_decoder_step: int32 block tables, a row per request");
   const int64_t aux = aux_layers.numel();
   TORCH_CHECK(aux_layers.scalar_type() == at::kLong && aux_layers.is_contiguous() &&
                   (aux == 0 || (aux_out.numel() == aux * B * D.hidden && aux_out.is_contiguous() &&
@@ -704,34 +799,7 @@ void native_decoder_step(int64_t handle, at::Tensor out, const at::Tensor& token
   for (int64_t j = 0; j < aux; ++j)
     TORCH_CHECK(aux_layer[j] >= 0 && aux_layer[j] < int64_t(D.layers.size()), "native_decoder_step: aux layer ",
                 aux_layer[j], " is not a layer");
-  const int64_t* token = tokens.data_ptr<int64_t>();
-  const int64_t* position = positions.data_ptr<int64_t>();
   const int64_t* slot = slots.data_ptr<int64_t>();
-  int64_t longest = 0;
-  for (int64_t r = 0; r < B; ++r) {
-    TORCH_CHECK(token[r] >= 0 && token[r] < D.vocab, "native_decoder_step: token id ", token[r], " out of range");
-    TORCH_CHECK(position[r] >= 0 && table.size(1) * D.block_size > position[r] && slot[r] >= 0,
-                "native_decoder_step: an int32 block table covering position ", position[r], " and a slot");
-    longest = std::max(longest, position[r] + 1);
-  }
-  D.reserve(B);
-  // the attention backend's partition (cpu_attn._partition) for these requests
-  const int64_t wanted = D.items_per_thread * at::get_num_threads(), pairs = B * D.kv_heads;
-  const int64_t splits = (wanted + pairs - 1) / pairs;
-  const int64_t partition = pairs >= wanted ? longest : std::max(D.min_partition, (longest + splits - 1) / splits);
-  for (int64_t r = 0; r < B; ++r) {
-    D.seq_lens.data_ptr<int32_t>()[r] = int32_t(position[r] + 1);
-    for (int64_t j = 0; j < half; ++j) {  // RotaryEmbedding's cos/sin, then apply_rotary's rounding
-      const float f = float(position[r]) * D.inv_freq[j];
-      D.cos[r * half + j] = bf(rb(std::cos(f) * D.rope_scaling));
-      D.sin[r * half + j] = bf(rb(std::sin(f) * D.rope_scaling));
-    }
-    const uint8_t* row = D.embed + token[r] * D.embed_row_bytes;
-    if (D.embed_type < 0)
-      std::memcpy(D.h.data() + r * D.hidden, row, D.hidden * 2);
-    else
-      gguf_bf16_row(D.embed_type, row, D.hidden, D.h.data() + r * D.hidden);
-  }
   auto* final_out = reinterpret_cast<uint16_t*>(out.data_ptr());
   const int64_t n = D.layers.size();
   for (int64_t i = 0; i <= n; ++i) {
@@ -762,5 +830,105 @@ void native_decoder_step(int64_t handle, at::Tensor out, const at::Tensor& token
     if (next != nullptr)
       paged_attention(D.attn, D.q, next->k_cache, next->v_cache, table, D.seq_lens, D.query_start, D.reqs,
                       kCacheBf16, D.scale, 0, partition, D.amx, 0.0, c10::nullopt, false);
+  }
+}
+
+// An EAGLE-3 head's plan (eagle_head.py): the target's embedding (as native_decoder_plan takes it), the head's
+// final norm and rotary, norms (input_layernorm, hidden_norm, post_attention_layernorm), five projections
+// (qkv over 2 * hidden inputs, o, gate_up, down, lm_head over the draft vocabulary) from `parts` as
+// native_decoder_plan reads a layer's, their biases, the head's KV cache and d2t (int64 [draft vocabulary]:
+// target id = draft id + d2t[id]); dims and floats as native_decoder_plan's.
+int64_t native_head_plan(const at::Tensor& embed, int64_t embed_type, const at::Tensor& final_norm,
+                         const at::Tensor& inv_freq, at::TensorList norms, at::TensorList parts,
+                         at::IntArrayRef part_types, at::IntArrayRef part_counts,
+                         const c10::List<c10::optional<at::Tensor>>& biases, const at::Tensor& kv_cache,
+                         const at::Tensor& d2t, at::IntArrayRef dims, at::ArrayRef<double> floats, bool use_amx,
+                         bool norm_before_residual) {
+  auto D = new_decoder(embed, embed_type, final_norm, inv_freq, dims, floats, use_amx);
+  const int64_t H = D->hidden, vocab = d2t.numel();
+  TORCH_CHECK(norms.size() == 3 && part_counts.size() == 5 && biases.size() == 5,
+              "native_head_plan: 3 norms (input, hidden, post-attention) and 5 projections");
+  TORCH_CHECK(d2t.scalar_type() == at::kLong && d2t.is_contiguous() && vocab > 0, "native_head_plan: int64 d2t");
+  D->head = true, D->norm_before_residual = norm_before_residual;
+  D->d2t.assign(d2t.data_ptr<int64_t>(), d2t.data_ptr<int64_t>() + vocab);
+  Layer L;
+  L.in_norm = vector_of(norms[0], H, "the input norm");
+  D->hidden_norm = vector_of(norms[1], H, "the hidden norm");
+  L.post_norm = vector_of(norms[2], H, "the post-attention norm");
+  for (const at::Tensor& norm : norms) D->keep.push_back(norm);
+  Projection* projections[5] = {&L.qkv, &L.o, &L.gate_up, &L.down, &D->lm_head};
+  const int64_t outs[5] = {D->qkv_n, H, 2 * D->inter, H, vocab};
+  const int64_t ins[5] = {2 * H, D->heads * D->head_dim, H, D->inter, H};
+  const char* names[5] = {"qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head"};
+  int64_t next = 0;
+  for (int j = 0; j < 5; ++j) {
+    const int64_t count = part_counts[j];
+    TORCH_CHECK(count >= 1 && next + count <= int64_t(parts.size()), "native_head_plan: part counts");
+    *projections[j] = projection(parts.data() + next, part_types.data() + next, count, biases.get(j), outs[j], ins[j],
+                                 names[j], D->keep);
+    next += count;
+  }
+  TORCH_CHECK(next == int64_t(parts.size()), "native_head_plan: parts left over");
+  set_cache(*D, L, kv_cache);
+  D->layers.push_back(std::move(L));
+  return add_decoder(std::move(D));
+}
+
+// One pass of an EAGLE-3 head (Eagle3Head.forward, then greedy_tokens at the rows `picks`): rows of tokens
+// at positions, their keys and values stored at `slots` of the head's cache (block tables as
+// native_decoder_step's: rows of one request at consecutive positions are a causal chunk), each with the
+// hidden state it reads (`hidden` [rows, hidden] bfloat16: `fc` of the target's, or the head's own of the
+// pass before). For each picked row (int64 [P]): its draft, the target's id of its logits' argmax (the
+// first largest, as torch's argmax), in drafts (int64 [P]), and its output before the final norm (what the
+// next pass reads) in hidden_out [P, hidden].
+void native_head_step(int64_t handle, const at::Tensor& tokens, const at::Tensor& positions, const at::Tensor& slots,
+                      const at::Tensor& block_tables, const at::Tensor& hidden, const at::Tensor& picks,
+                      at::Tensor hidden_out, at::Tensor drafts) {
+  Decoder& D = decoder(handle);
+  TORCH_CHECK(D.head, "native_head_step: plan ", handle, " is a decoder's (native_decoder_step)");
+  at::Tensor table;
+  const int64_t partition = begin_rows(D, tokens, positions, slots, block_tables, &table);
+  const int64_t B = D.rows, H = D.hidden, P = picks.numel(), V = D.d2t.size();
+  TORCH_CHECK(hidden.numel() == B * H && hidden.is_contiguous() && hidden.scalar_type() == at::kBFloat16,
+              "native_head_step: hidden must be [", B, ", ", H, "] bfloat16");
+  TORCH_CHECK(picks.scalar_type() == at::kLong && picks.is_contiguous() && P <= B,
+              "native_head_step: picks, int64, up to ", B, " rows");
+  TORCH_CHECK(hidden_out.numel() == P * H && hidden_out.is_contiguous() && hidden_out.scalar_type() == at::kBFloat16 &&
+                  drafts.numel() == P && drafts.is_contiguous() && drafts.scalar_type() == at::kLong,
+              "native_head_step: hidden_out [", P, ", ", H, "] bfloat16 and drafts [", P, "] int64");
+  const int64_t* pick = picks.data_ptr<int64_t>();
+  for (int64_t p = 0; p < P; ++p)
+    TORCH_CHECK(pick[p] >= 0 && pick[p] < B, "native_head_step: pick ", pick[p], " is not a row");
+  const Layer& L = D.layers[0];
+  const uint16_t* x = bits(hidden);
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  region([&](int t, int T) { head_before_attention(D, L, x, slot, t, T); });
+  paged_attention(D.attn, D.q, L.k_cache, L.v_cache, table, D.seq_lens, D.query_start, D.reqs, kCacheBf16, D.scale, 0,
+                  partition, D.amx, 0.0, c10::nullopt, false);
+  if (prepared(L.o)) prepare(D, L.o, bits(D.attn), D.heads * D.head_dim);
+  auto* out = reinterpret_cast<uint16_t*>(hidden_out.data_ptr());
+  region([&](int t, int T) {
+    after_attention(D, L, t, T);
+    // the picked rows' final norm (the residual, h added, is what the next pass reads)
+    for (int64_t p = share(P, t, T); p < share(P, t + 1, T); ++p) {
+      const int64_t r = pick[p];
+      add_and_norm(D.h.data() + r * H, D.residual.data() + r * H, false, D.final_norm, H, D.eps, D.picked.data() + p * H);
+      std::memcpy(out + p * H, D.residual.data() + r * H, H * 2);
+    }
+  });
+  if (P == 0) return;  // rows whose keys and values were all the pass was for (a prompt's chunk)
+  D.reserve(P);  // the lm_head's rows: the picked ones
+  if (prepared(D.lm_head)) prepare(D, D.lm_head, D.picked.data(), H);
+  region([&](int t, int T) { linear(D.lm_head, D.picked.data(), D, D.logits.data(), t, T); });
+  int64_t* draft = drafts.data_ptr<int64_t>();
+  for (int64_t p = 0; p < P; ++p) {
+    const uint16_t* row = D.logits.data() + p * V;
+    int64_t best = 0;
+    float top = bf(row[0]);
+    for (int64_t j = 1; j < V && !std::isnan(top); ++j) {
+      const float v = bf(row[j]);
+      if (v > top || std::isnan(v)) top = v, best = j;
+    }
+    draft[p] = best + D.d2t[best];
   }
 }

@@ -156,6 +156,13 @@ TORCH_LIBRARY(TORCH_EXTENSION_NAME, m) {
   m.def("native_decoder_step(int handle, Tensor(a!) out, Tensor tokens, Tensor positions, Tensor slots, "
         "Tensor block_tables, Tensor aux_layers, Tensor(b!) aux_out) -> ()",
         TORCH_FN(native_decoder_step));
+  m.def("native_head_plan(Tensor embed, int embed_type, Tensor final_norm, Tensor inv_freq, Tensor[] norms, "
+        "Tensor[] parts, int[] part_types, int[] part_counts, Tensor?[] biases, Tensor kv_cache, Tensor d2t, "
+        "int[] dims, float[] floats, bool use_amx, bool norm_before_residual) -> int",
+        TORCH_FN(native_head_plan));
+  m.def("native_head_step(int handle, Tensor tokens, Tensor positions, Tensor slots, Tensor block_tables, "
+        "Tensor hidden, Tensor picks, Tensor(a!) hidden_out, Tensor(b!) drafts) -> ()",
+        TORCH_FN(native_head_step));
   m.def("native_decoder_max_rows(int handle) -> int", TORCH_FN(native_decoder_max_rows));
   m.def("native_decoder_drop(int handle) -> ()", TORCH_FN(native_decoder_drop));
   m.def("begin_native_step(Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, Tensor slots, "
