@@ -70,11 +70,32 @@ class StateBatch:
     fresh: list[bool]  # [B]
     caches: Sequence[tuple[torch.Tensor, ...]]  # by state_idx: the layer's tensors, [slots, *shape] each
     kernels: RecurrentKernels = RecurrentKernels()  # the platform's; None fields run the references
+    # per request: its rows past its known tokens (drafts to verify); None when the step has none
+    drafts: list[int] | None = None
+    # what the layers leave for after the verification: a request's states as they were before the step,
+    # and how to advance them by the rows it keeps (`DraftReplay`), one per layer and drafting request
+    replays: list[DraftReplay] = field(default_factory=list)
 
     @property
     def decode_only(self) -> bool:
         """Every request adds one token to a state it already has (a vectorised update serves them all)."""
         return not any(self.fresh) and self.query_start_loc[-1] == len(self.slot_list)
+
+
+@dataclass
+class DraftReplay:
+    """One recurrent layer's state of one request in a step that verifies drafts: the step advanced it over
+    all of the request's `rows` (its last known token and the drafts); after the verification only the
+    accepted ones count, so `keep(n)` puts back the state from before the step and advances it over the
+    first n rows again (their conv and recurrence only: the layer's inputs of those rows are kept)."""
+
+    request: int  # index in the step's batch
+    rows: int
+    replay: Any  # (n) -> None: restore the state from before the step, then advance it over n rows
+
+    def keep(self, n: int) -> None:
+        if n < self.rows:
+            self.replay(n)
 
 
 @dataclass

@@ -30,7 +30,7 @@ from pagellm.core.kv_connector import KVConnector, KVConnectorContext, KVConnect
 from pagellm.core.native_decode import NativeDecodeStep
 from pagellm.distributed import Parallel
 from pagellm.lora.request import LoRARequest
-from pagellm.models.context import ImageBatch, LoRABatch, set_forward_context
+from pagellm.models.context import ImageBatch, LoRABatch, StateBatch, set_forward_context
 from pagellm.sampling.sampler import Sampler, SamplingRequest, build_sampling_batch, make_generator
 from pagellm.spec_decode.head_proposer import ChainedHeadProposer
 from pagellm.spec_decode.proposer import StepInputs
@@ -124,6 +124,7 @@ class ModelRunner:
         self.graphs = self.built.capture_graphs(speculative=self.spec_decode is not None)
         # a decode step in one native call, where the platform has it
         self.native_decode = self._native_decode_step()
+        self.step_states: StateBatch | None = None  # the last forward's recurrent states (`_forward`)
         self.built.log_kv_windows()
 
     @property
@@ -193,11 +194,21 @@ class ModelRunner:
             return result
         if out.spec_token_ids:
             self.spec_decode.verify(out, hidden, step.sampling, step.cu, result)
+            self._keep_accepted_states(step, result)
         else:
             self._sample(out, hidden, step, result)
         if self.spec_decode is not None:
             self.spec_decode.propose(step.sampling, self.input_batch.rows, result)
         return result
+
+    def _keep_accepted_states(self, step: PreparedStep, result: StepResult) -> None:
+        """The recurrent layers' states of each request that verified drafts, as of the rows it keeps: its
+        last known token and the accepted drafts (the step advanced them over every draft)."""
+        if self.step_states is None or not self.step_states.replays:
+            return
+        request_ids = {i: r.request_id for i, r in step.sampling}
+        for replay in self.step_states.replays:
+            replay.keep(len(result.sampled[request_ids[replay.request]]))
 
     def _prepare_inputs(self, out: SchedulerOutput) -> PreparedStep:
         """Bring the scheduled requests' rows of the persistent batch up to date (new tokens and blocks, and
@@ -228,6 +239,9 @@ class ModelRunner:
         arrays, cu = batch.step_arrays(rows, starts, counts)
         if self.state_layers:
             arrays.state_slots = np.asarray(rows, dtype=np.int64)
+            if out.spec_token_ids:
+                known = np.array([r.num_tokens for r in out.scheduled], dtype=np.int64)
+                arrays.state_drafts = np.maximum(np.add(starts, counts) - known, 0)
         if self.uses_mrope:
             arrays.mrope_positions = mrope_positions(out.scheduled, arrays.positions, cu)
         if self.rope_length_base is not None:  # the length transformers rotates each token for
@@ -317,6 +331,7 @@ class ModelRunner:
             positions = self._dev(step.mrope_positions)
         lengths = self._dev(step.rope_lengths) if step.rope_lengths is not None else None
         state = state_batch(step, self.state_caches, self.recurrent_kernels, self.device)
+        self.step_states = state  # its replays, for after a verification (`_keep_accepted_states`)
         with set_forward_context(
             metadata[0],
             self.kv_caches,

@@ -329,10 +329,18 @@ class RunnerBuild:
         if not self.state_layers:
             return config.max_num_seqs
         if config.speculative is not None:
-            raise ConfigError(
-                "speculative decoding is not supported for models with recurrent layers (a rejected draft "
-                "would need the state before it); drop --speculative-config"
-            )
+            others = sorted({type(layer).__name__ for layer in self.state_layers if not layer.replays_drafts})
+            if others:
+                raise ConfigError(
+                    f"speculative decoding is not supported for models with these recurrent layers: "
+                    f"{', '.join(others)} (a rejected draft needs the state before it, which only the "
+                    "delta-rule layers keep); drop --speculative-config"
+                )
+            if self.parallel.world_size > 1:
+                raise ConfigError(
+                    "speculative decoding of a model with recurrent layers runs on one rank (the states of "
+                    "the accepted drafts are kept after the verification, which only the driver runs)"
+                )
         return config.max_num_seqs
 
     def _state_slots(self, budget: int) -> int:

@@ -43,4 +43,5 @@ def state_batch(
         fresh=[int(n) == b - a for n, a, b in zip(step.seq_lens, qsl, qsl[1:], strict=False)],
         caches=caches,
         kernels=kernels,
+        drafts=step.state_drafts.tolist() if step.state_drafts is not None else None,
     )

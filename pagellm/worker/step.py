@@ -139,6 +139,9 @@ class StepArrays:
     more_groups: tuple[tuple[np.ndarray, np.ndarray], ...] = ()
     # [B] int64, for a model with recurrent layers only: each request's state slot (its batch row)
     state_slots: np.ndarray | None = None
+    # [B] int64, for a model with recurrent layers in a step that verifies drafts only: each request's rows
+    # past its known tokens (the drafts), whose states the layers keep a way back from (`DraftReplay`)
+    state_drafts: np.ndarray | None = None
     # [3, T] int64, for a multimodal rope only (Qwen-VL): each token's (temporal, height, width) position,
     # which the model reads in place of `positions`
     mrope_positions: np.ndarray | None = None

@@ -1,7 +1,8 @@
 """Checks every hybrid model (recurrent layers beside attention) shares: its logits against transformers'
 (prompts prefilled in chunks in one batch, each chunk continuing from the states the last one left, then
-decode steps that add one token to every sequence at once: the vectorised state update), and the start-up
-refusals of what recurrent state rules out."""
+decode steps that add one token to every sequence at once: the vectorised state update), speculative
+decoding where the layers keep a way back from a rejected draft, and the start-up refusals of what
+recurrent state rules out."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from models_harness import PagedRunner, load_pagellm, load_reference, reference_logits
-from parity import Reference, assert_greedy_parity, chunked_llm, mixed_prompts
+from parity import Reference, assert_greedy_parity, chunked_llm, mixed_prompts, small_kv_cache
 
 from pagellm.models.base import CausalLM
 
@@ -81,19 +82,69 @@ def assert_every_mixed_prompt_matches(path: Path, reference: Reference) -> None:
     assert_greedy_parity(llm, reference, mixed_prompts(300, seed=2))
 
 
-def assert_speculation_and_parallelism_refused(path: Path, unsplit: str) -> None:
-    """Speculative decoding (a rejected draft would need the state before it) and tensor parallelism (the
-    recurrent layers have no split; `unsplit` is part of the reason given) are refused at start-up."""
+def assert_speculation_keeps_greedy_output(path: Path, reference: Reference | None = None) -> None:
+    """Speculative decoding on a model with delta-rule layers (`RecurrentLayer.replays_drafts`): greedy
+    outputs equal transformers' (`reference`, by default 16 tokens) through chunked prefill, a batch and
+    preemption. The drafts are transformers' own next tokens with one in three replaced (a random tiny
+    model repeats nothing an n-gram lookup would find), so steps accept some drafts and reject the rest;
+    after a rejection the layers' states are put back to those of the accepted rows (`DraftReplay`), else
+    every later token would read the rejected drafts."""
     from pagellm import LLM
+
+    reference = reference or Reference(path, 16)
+    prompts = mixed_prompts(300, seed=6)
+    llm = LLM(
+        str(path),
+        dtype="float32",
+        max_model_len=MAX_MODEL_LEN,
+        num_kv_blocks=small_kv_cache(path, MAX_MODEL_LEN, TOKEN_BUDGET, spare=2),
+        max_num_batched_tokens=TOKEN_BUDGET,
+        max_num_seqs=8,
+        speculative_config={"method": "ngram", "num_speculative_tokens": 3},
+    )
+    continuations = {tuple(p): reference.generate(p) for p in prompts}
+    calls = []
+
+    def propose(requests):
+        drafts = []
+        for r in requests:
+            prompt = next(p for p in continuations if tuple(r.token_ids[: len(p)]) == p)
+            done = len(r.token_ids) - len(prompt)
+            draft = list(continuations[prompt][done : done + r.num_drafts])
+            calls.append(len(calls))
+            if draft and len(calls) % 3:  # two calls in three: one draft wrong
+                wrong = len(calls) % len(draft)
+                draft[wrong] = (draft[wrong] + 1) % 300 + 3
+            drafts.append(draft)
+        return drafts
+
+    llm.engine.runner.spec_decode.proposer.propose = propose
+    assert_greedy_parity(llm, reference, prompts)
+    stats = llm.engine.stats()
+    assert 0 < stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens, stats
+    assert stats.num_preemptions > 0, stats
+
+
+def assert_parallelism_refused(path: Path, unsplit: str) -> None:
+    """Tensor parallelism (the recurrent layers have no split; `unsplit` is part of the reason given) is
+    refused at start-up."""
     from pagellm.core.config import EngineConfig
     from pagellm.core.errors import ConfigError
     from pagellm.engine.setup import resolve_engine
 
-    speculative = {"method": "ngram", "num_speculative_tokens": 2}
-    with pytest.raises(ConfigError, match="recurrent layers"):
-        LLM(str(path), dtype="float32", num_kv_blocks=64, speculative_config=speculative)
     with pytest.raises(ConfigError, match=unsplit):
         resolve_engine(EngineConfig(model=str(path), dtype="float32", tensor_parallel_size=2))
+
+
+def assert_speculation_refused(path: Path, layers: str) -> None:
+    """Speculative decoding on recurrent layers that keep no way back from a rejected draft (`layers`,
+    their class) is refused at start-up."""
+    from pagellm import LLM
+    from pagellm.core.errors import ConfigError
+
+    speculative = {"method": "ngram", "num_speculative_tokens": 2}
+    with pytest.raises(ConfigError, match=f"recurrent layers: {layers}"):
+        LLM(str(path), dtype="float32", num_kv_blocks=64, speculative_config=speculative)
 
 
 def assert_compiled_forward_matches(

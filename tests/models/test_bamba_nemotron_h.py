@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 
 import pytest
+from hybrid_checks import assert_speculation_refused
 from parity import Reference, assert_greedy_parity, chunked_llm, mixed_prompts
 from tiny import make_tiny_checkpoint
 
@@ -64,3 +65,8 @@ def test_nemotron_h_refuses_expert_blocks(tmp_path):
     )
     with pytest.raises(ConfigError, match="moe are not supported"):
         LLM(str(path), dtype="float32", max_model_len=64, num_kv_blocks=16)
+
+
+def test_speculative_decoding_is_refused_at_start_up(model):
+    """Mamba-2 layers keep no way back from a rejected draft (the delta-rule layers do: hybrid_checks)."""
+    assert_speculation_refused(model[1], "Mamba2Mixer")

@@ -11,7 +11,8 @@ import torch
 from hybrid_checks import (
     assert_checkpoint_logits_match,
     assert_compiled_forward_matches,
-    assert_speculation_and_parallelism_refused,
+    assert_parallelism_refused,
+    assert_speculation_keeps_greedy_output,
 )
 from models_harness import load_pagellm
 from tiny import make_tiny_checkpoint
@@ -82,9 +83,12 @@ def test_unsupported_configs_are_refused(overrides, match, tmp_path):
         load_pagellm(path)
 
 
-def test_speculative_decoding_and_parallelism_are_refused_at_start_up(tmp_path):
-    path = make_tiny_checkpoint("kimi_linear", tmp_path)
-    assert_speculation_and_parallelism_refused(path, "KDA layers")
+def test_speculative_decoding_keeps_the_greedy_output(tmp_path):
+    assert_speculation_keeps_greedy_output(make_tiny_checkpoint("kimi_linear", tmp_path))
+
+
+def test_parallelism_is_refused_at_start_up(tmp_path):
+    assert_parallelism_refused(make_tiny_checkpoint("kimi_linear", tmp_path), "KDA layers")
 
 
 @pytest.mark.slow

@@ -14,6 +14,7 @@ from hybrid_checks import (
     assert_compiled_forward_matches,
     assert_engine_parity_under_preemption,
     assert_every_mixed_prompt_matches,
+    assert_speculation_refused,
 )
 from models_harness import load_pagellm, load_reference
 from parity import Reference, assert_greedy_parity, mixed_prompts
@@ -103,3 +104,8 @@ def test_a_gguf_file_is_refused_at_start():
     """transformers reads LFM2 GGUF files, but no conversion of one is checked: refused, saying so."""
     with pytest.raises(ConfigError, match="LFM2 GGUF files are not supported"):
         fill_gguf_config(tiny_config("lfm2", 384), _Lfm2GGUF())
+
+
+def test_speculative_decoding_is_refused_at_start_up(model):
+    """Its short convolutions keep no way back from a rejected draft (the delta-rule layers do)."""
+    assert_speculation_refused(model[0], "ShortConv")

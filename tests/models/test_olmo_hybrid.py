@@ -10,7 +10,8 @@ import pytest
 from hybrid_checks import (
     assert_checkpoint_logits_match,
     assert_compiled_forward_matches,
-    assert_speculation_and_parallelism_refused,
+    assert_parallelism_refused,
+    assert_speculation_keeps_greedy_output,
 )
 from models_harness import load_pagellm
 from tiny import make_tiny_checkpoint
@@ -57,9 +58,12 @@ def test_unsupported_configs_are_refused(overrides, match, tmp_path):
         load_pagellm(path)
 
 
-def test_speculative_decoding_and_parallelism_are_refused_at_start_up(tmp_path):
-    path = make_tiny_checkpoint("olmo_hybrid", tmp_path)
-    assert_speculation_and_parallelism_refused(path, "Gated DeltaNet layers")
+def test_speculative_decoding_keeps_the_greedy_output(tmp_path):
+    assert_speculation_keeps_greedy_output(make_tiny_checkpoint("olmo_hybrid", tmp_path))
+
+
+def test_parallelism_is_refused_at_start_up(tmp_path):
+    assert_parallelism_refused(make_tiny_checkpoint("olmo_hybrid", tmp_path), "Gated DeltaNet layers")
 
 
 @pytest.mark.slow

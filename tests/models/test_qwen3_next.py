@@ -7,11 +7,11 @@ from __future__ import annotations
 import logging
 
 import pytest
+from hybrid_checks import assert_speculation_keeps_greedy_output
 from parity import Reference, assert_greedy_parity, mixed_prompts, small_kv_cache
 from tiny import make_tiny_checkpoint
 
 from pagellm import LLM
-from pagellm.core.errors import ConfigError
 
 MAX_TOKENS = 16
 MAX_MODEL_LEN, TOKEN_BUDGET = 400, 48
@@ -64,15 +64,9 @@ def test_qwen3_5_matches_transformers(arch, tmp_path):
     assert_greedy_parity(llm, reference, mixed_prompts(300, seed=4)[:8])
 
 
-def test_speculative_decoding_is_refused(model):
-    path, _ = model
-    with pytest.raises(ConfigError, match="recurrent layers"):
-        LLM(
-            str(path),
-            dtype="float32",
-            num_kv_blocks=64,
-            speculative_config={"method": "ngram", "num_speculative_tokens": 2},
-        )
+def test_speculative_decoding_keeps_the_greedy_output(model):
+    path, reference = model
+    assert_speculation_keeps_greedy_output(path, reference)
 
 
 @pytest.mark.slow

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagellm.core.state import RecurrentKernels, StateSpec
-from pagellm.models.context import ModelInit, get_forward_context
+from pagellm.models.context import DraftReplay, ModelInit, get_forward_context
 from pagellm.models.layers.linear import Linear
 from pagellm.models.layers.recurrent import RecurrentLayer
 from pagellm.models.layers.recurrent_kernels import complete
@@ -53,6 +53,8 @@ class GatedDeltaNet(RecurrentLayer):
     `grouped`: Qwen3-Next's projections, whose outputs come grouped per key head (q, k, then v and z of its
     value heads; b then a likewise). Else Qwen3.5's, separate in the checkpoint (in_proj_qkv, in_proj_z,
     in_proj_b, in_proj_a) and in plain order, loaded into the same two fused linears (`STACKED`)."""
+
+    replays_drafts = True
 
     STACKED = (
         ("in_proj_qkvz", "in_proj_qkv", 0),
@@ -218,18 +220,40 @@ def conv_and_delta_rule(
         return decode(kernels, *split_heads(x), g, beta, delta_states, state.slots)
     out = mixed.new_empty(mixed.shape[0], *out_heads)
     qsl = state.query_start_loc
+
+    def advance(slot: int, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
+        x, conv_states[slot] = kernels.causal_conv1d_prefill(
+            mixed, conv_weight, None, conv_states[slot], "silu"
+        )
+        o, delta_states[slot] = prefill(kernels, *split_heads(x), g, beta, delta_states[slot])
+        return o
+
     for i, slot in enumerate(state.slot_list):
         rows = slice(qsl[i], qsl[i + 1])
         if state.fresh[i]:
             conv_states[slot].zero_()
             delta_states[slot].zero_()
-        x, conv_states[slot] = kernels.causal_conv1d_prefill(
-            mixed[rows], conv_weight, None, conv_states[slot], "silu"
-        )
-        out[rows], delta_states[slot] = prefill(
-            kernels, *split_heads(x), g[rows], beta[rows], delta_states[slot]
-        )
+        if state.drafts is not None and state.drafts[i]:
+            state.replays.append(
+                DraftReplay(i, rows.stop - rows.start, _replay(advance, slot, conv_states, delta_states,
+                                                               mixed[rows], g[rows], beta[rows]))
+            )  # fmt: skip
+        out[rows] = advance(slot, mixed[rows], g[rows], beta[rows])
     return out
+
+
+def _replay(advance: Callable[..., torch.Tensor], slot: int, conv_states: torch.Tensor,
+            delta_states: torch.Tensor, *inputs: torch.Tensor) -> Callable[[int], None]:  # fmt: skip
+    """How to put back a slot's states as they are now and advance them over the first n of the rows
+    `inputs` (copied: a compiled graph may reuse the step's buffers)."""
+    conv, delta, kept = conv_states[slot].clone(), delta_states[slot].clone(), [x.clone() for x in inputs]
+
+    def replay(n: int) -> None:
+        conv_states[slot].copy_(conv)
+        delta_states[slot].copy_(delta)
+        advance(slot, *(x[:n] for x in kept))
+
+    return replay
 
 
 @_gated_delta_net.register_fake

@@ -42,6 +42,8 @@ class KimiDeltaAttention(RecurrentLayer):
     f_a_proj, f_b_proj, dt_bias and A_log on the layer itself, as the checkpoint keeps them; q, k, v loaded
     into one fused `in_proj_qkv`, `STACKED`; o_proj as `out_proj`)."""
 
+    replays_drafts = True
+
     STACKED = (
         ("linear_attn.in_proj_qkv", "linear_attn.q_proj", 0),
         ("linear_attn.in_proj_qkv", "linear_attn.k_proj", 1),

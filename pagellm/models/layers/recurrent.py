@@ -12,6 +12,10 @@ class RecurrentLayer(nn.Module):
     0..S-1 (as `Attention.layer_idx` numbers its attention layers); the runner allocates `state_spec()`'s
     tensors for it and hands them over in the forward context (`ForwardContext.state.caches[state_idx]`)."""
 
+    # whether the layer keeps a way back from a step's drafts (`DraftReplay`), so that speculative decoding
+    # can run on a model made of it
+    replays_drafts = False
+
     def __init__(self, state_idx: int):
         super().__init__()
         self.state_idx = state_idx
