@@ -148,6 +148,7 @@ class Qwen3NextForCausalLM(CausalLM):
             routing = softmax_routing(c)
             if self.renormalize_top_k is not None:
                 routing = Routing(c.num_experts_per_tok, renormalize=self.renormalize_top_k)
+        self.routing = routing  # the experts' (an MTP layer's route as the model's: spec_decode/qwen_mtp.py)
         self.model = Qwen3NextModel(init, self.grouped_projections, routing)
         self.tied = bool(getattr(c, "tie_word_embeddings", False))
         self.lm_head = (
@@ -171,7 +172,7 @@ class Qwen3NextForCausalLM(CausalLM):
 
     def _adapt(self, name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor] | None:
         if name.startswith("mtp.") or (self.tied and name == "lm_head.weight"):
-            return None  # multi-token-prediction weights: not used (no speculative decoding here)
+            return None  # the multi-token-prediction layer: read apart (spec_decode/qwen_mtp.py)
         return name, tensor
 
 

@@ -1,5 +1,6 @@
 """Multi-token prediction (MTP) drafting with the layer DeepSeek-V3 and GLM-4.5 checkpoints ship after
-their decoder layers (`model.layers.<num_hidden_layers>.*`, `num_nextn_predict_layers`).
+their decoder layers (`model.layers.<num_hidden_layers>.*`, `num_nextn_predict_layers`); Qwen3-Next's and
+Qwen3.5's (`mtp.*`) in `qwen_mtp.py`.
 
 The MTP layer (vLLM's `deepseek_mtp.py`): the next token's embedding and the target's final hidden state,
 each RMS-normed (`enorm`, `hnorm`), concatenated and projected (`eh_proj`), then one decoder layer of the
@@ -21,7 +22,9 @@ from pagellm.models.deepseek import adapt_moe_names
 from pagellm.models.layers.linear import Linear
 from pagellm.models.layers.norm import RMSNorm
 from pagellm.models.loader import CheckpointSlice, iter_checkpoint_weights
+from pagellm.models.qwen3_next import Qwen3NextForCausalLM
 from pagellm.spec_decode.head_proposer import ChainedHeadProposer
+from pagellm.spec_decode.qwen_mtp import QWEN_MTP_MODEL_TYPES, QwenMTPHead, load_qwen_mtp
 
 MTP_MODEL_TYPES = ("deepseek_v3", "glm4_moe")
 
@@ -74,21 +77,25 @@ class MTPHead(nn.Module):
         return self.layer.shared_head.head(normed).float().argmax(dim=-1)
 
 
-def load_mtp(setup: Any, target: nn.Module, init: Any, device: torch.device) -> MTPHead:
+def load_mtp(setup: Any, target: nn.Module, init: Any, device: torch.device) -> MTPHead | QwenMTPHead:
     """The MTP layer of the target's checkpoint on `device` (read a second time, only that layer's
-    tensors); a ConfigError where the checkpoint has none or it cannot run here."""
+    tensors; Qwen3-Next's and Qwen3.5's: `qwen_mtp.py`); a ConfigError where the checkpoint has none or it
+    cannot run here."""
     c = setup.hf_config
-    if getattr(c, "model_type", None) not in MTP_MODEL_TYPES:
-        raise ConfigError(
-            f"speculative_config: mtp runs the MTP layers of {', '.join(MTP_MODEL_TYPES)} checkpoints, "
-            f"not {getattr(c, 'model_type', None)!r}"
-        )
-    if not getattr(c, "num_nextn_predict_layers", 0):
-        raise ConfigError("speculative_config: the checkpoint has no MTP layers (num_nextn_predict_layers)")
+    model_type = getattr(c, "model_type", None)
     if setup.quant_method is not None or setup.source.gguf_original:
         raise ConfigError(
             "speculative_config: mtp loads float checkpoints only (no quantization or GGUF) yet"
         )
+    if model_type in QWEN_MTP_MODEL_TYPES and isinstance(target, Qwen3NextForCausalLM):
+        return load_qwen_mtp(setup, target, init, device)
+    if model_type not in MTP_MODEL_TYPES:
+        raise ConfigError(
+            "speculative_config: mtp runs the MTP layers of "
+            f"{', '.join(MTP_MODEL_TYPES + QWEN_MTP_MODEL_TYPES)} checkpoints, not {model_type!r}"
+        )
+    if not getattr(c, "num_nextn_predict_layers", 0):
+        raise ConfigError("speculative_config: the checkpoint has no MTP layers (num_nextn_predict_layers)")
     with torch.device(device):
         head = MTPHead(init, target)
     prefix = f"model.layers.{head.index}."
