@@ -29,14 +29,13 @@ from pagellm.platforms.cpu_gguf_moe import GgufExperts
 from pagellm.platforms.cpu_moe import CpuFusedMoE
 
 ANY_ROWS = 2**63 - 1
-"""`native_decoder_max_rows` of a plan whose projections are all pair-packed: a step of any batch."""
+"""`native_decoder_max_rows` of a plan with no GGUF projection: a step of any batch."""
 
 
 class CpuNativeDecodeStep:
     """A plan handed to the kernels once (weights, caches, sizes); each call one decode step of up to
-    `max_rows` rows (any number where every projection is on the pair kernel, four where some are GGUF
-    blocks, one where any is on the panel kernel): a row per request, or a request's token and the drafts
-    after it to verify."""
+    `max_rows` rows (any number, four where some projections are GGUF blocks): a row per request, or a
+    request's token and the drafts after it to verify."""
 
     def __init__(self, kernels: Any, handle: int, hidden_size: int):
         self._kernels = kernels
@@ -129,14 +128,9 @@ def native_decode_step(
     step = CpuNativeDecodeStep(kernels, handle, model.hidden_size)
     if step.max_rows == ANY_ROWS:
         return step, "one call per decode step, of one request or a batch"
-    if step.max_rows > 1:
-        return step, (
-            f"one call per decode step of up to {step.max_rows} rows (requests, or one request's drafts to "
-            "verify); a larger batch's runs the forward (GGUF linears: their tiles)"
-        )
-    return (
-        step,
-        "one call per step of one request; a batch's runs the forward (not every linear is on the pair kernel)",
+    return step, (
+        f"one call per decode step of up to {step.max_rows} rows (requests, or one request's drafts to "
+        "verify); a larger batch's runs the forward (GGUF linears: their tiles)"
     )
 
 

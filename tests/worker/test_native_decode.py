@@ -180,7 +180,11 @@ def test_a_gguf_plan_verifies_drafts_natively(native_gguf_here, gguf_checkpoint,
         results.append(list(out[0].outputs[0].token_ids))
         if on:
             assert max(shapes) > 1 and llm.engine.stats().spec_num_draft_tokens > 0, shapes
-            assert max(gaps) <= 2**-7, gaps
+            # the verify rows are decodes on the attention kernel; the forward attends to its chunk on the
+            # kernel too where it tiles chunks (AVX-512 BF16, AMX), else with torch's fused kernel in float32,
+            # which rounds otherwise (a few bfloat16 steps after two layers: 0.02-0.04 on the AVX2 build)
+            on_kernel = llm.engine.runner.layers[0].impl.prefills_on_kernel
+            assert max(gaps) <= (2**-7 if on_kernel else 2**-4), gaps
     assert results[0] == results[1]
 
 
@@ -253,7 +257,8 @@ def panel_linears(native_gguf_here, monkeypatch):
 
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3_moe"])
 def test_bfloat16_on_the_panel_kernel(panel_linears, checkpoints, tmp_path, arch, two_threads):
-    """x widened once per linear for both threads; Qwen3-MoE's router on the panel kernel too."""
+    """x widened once per linear for both threads; Qwen3-MoE's router on the panel kernel too; a batch's
+    rows multiplied as the forward's panel call multiplies them (the same sums)."""
     src = (
         checkpoints["qwen2"]
         if arch == "qwen2"
@@ -266,13 +271,17 @@ def test_bfloat16_on_the_panel_kernel(panel_linears, checkpoints, tmp_path, arch
             type(llm.engine.runner.model.model.layers[0].self_attn.qkv_proj.packed_matmul).__name__
             == "PanelLinear"
         )
-        gaps = _watch(llm) if on else []
+        rows: list[int] = []
+        gaps = _watch(llm, rows) if on else []
         out = llm.generate(
-            [{"prompt_token_ids": list(range(3, 300))}], SamplingParams(max_tokens=16, **GREEDY)
+            [{"prompt_token_ids": list(range(3, 300))}, {"prompt_token_ids": list(range(7, 60))}],
+            [SamplingParams(max_tokens=n, **GREEDY) for n in (16, 10)],
+            use_tqdm=False,
         )
-        results.append(list(out[0].outputs[0].token_ids))
+        results.append([list(o.outputs[0].token_ids) for o in out])
         if on:
-            assert len(gaps) == 15 and sum(g == 0 for g in gaps) >= 12 and max(gaps) <= 2**-7, gaps
+            assert rows.count(2) >= 8 and rows.count(1) >= 5, rows  # batches of two, then the one left
+            assert sum(g == 0 for g in gaps) >= 0.8 * len(gaps) and max(gaps) <= 2**-7, gaps
     assert results[0] == results[1]
 
 

@@ -81,6 +81,10 @@ at::Tensor cpu_panel_linear(const at::Tensor& input, const at::Tensor& packed, c
 bool panel_rows_available();
 void bf16_panel_row_run(const float* x, int64_t k, const uint16_t* w, const float* bias, int64_t n, uint16_t* y,
                         int64_t first, int64_t last);
+// m float32 x rows (k apart; y's n apart) times panels [first, last) of a bfloat16 panel-packed weight, as a
+// batch's cpu_panel_linear call multiplies them (the same sums): a thread's share of a batch. AVX2 builds only.
+void bf16_panel_rows_run(const float* x, int64_t m, int64_t k, const uint16_t* w, const float* bias, int64_t n,
+                         uint16_t* y, int64_t first, int64_t last);
 
 // linear_bf16_pairs.cpp
 bool bf16_pairs_available();
@@ -117,8 +121,7 @@ int64_t native_head_plan(const at::Tensor& embed, int64_t embed_type, const at::
 void native_head_step(int64_t handle, const at::Tensor& tokens, const at::Tensor& positions, const at::Tensor& slots,
                       const at::Tensor& block_tables, const at::Tensor& hidden, const at::Tensor& picks,
                       at::Tensor hidden_out, at::Tensor drafts);
-// The rows a plan's step may take: any number (its projections all pair-packed), kGgufDirectRows (some GGUF
-// blocks) or one (a panel-packed projection).
+// The rows a plan's step may take: any number, or kGgufDirectRows where some projections are GGUF blocks.
 int64_t native_decoder_max_rows(int64_t handle);
 void native_decoder_drop(int64_t handle);
 // Whether pair-packed bfloat16 projections run here (a build with AVX-512 BF16); GGUF ones run in any.

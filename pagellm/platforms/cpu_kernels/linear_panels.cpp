@@ -331,4 +331,22 @@ void bf16_panel_row_run(const float* x, int64_t k, const uint16_t* w, const floa
   one_row_run<kBf16, true>(x, k, reinterpret_cast<const uint8_t*>(w), nullptr, bias, n,
                            reinterpret_cast<uint8_t*>(y), first, last);
 }
+
+void bf16_panel_rows_run(const float* x, int64_t m, int64_t k, const uint16_t* w, const float* bias, int64_t n,
+                         uint16_t* y, int64_t first, int64_t last) {
+  const int64_t panel_bytes = k * kPanel * 2;
+  const auto* packed = reinterpret_cast<const uint8_t*>(w);
+  for (int64_t r0 = 0; r0 < m; r0 += kChunkRows) {  // as `run` blocks a batch's rows: the same sums
+    const int64_t rows = std::min(kChunkRows, m - r0);
+    for (int64_t p = first; p < last; ++p) {
+      const int64_t cols = std::min(kPanel, n - p * kPanel);
+      float last_bias[kPanel] = {};  // the last panel's, zero-padded: the kernel reads 16
+      const float* b = bias ? bias + p * kPanel : nullptr;
+      if (b && cols < kPanel) std::copy(b, b + cols, last_bias), b = last_bias;
+      const void* ahead = p + 1 < last ? packed + (p + 1) * panel_bytes : nullptr;
+      panel_blocks<kBf16, true>(x + r0 * k, rows, k, packed + p * panel_bytes, nullptr, b,
+                                reinterpret_cast<uint8_t*>(y + r0 * n + p * kPanel), n, cols, ahead, false);
+    }
+  }
+}
 #endif

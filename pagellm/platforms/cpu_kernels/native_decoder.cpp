@@ -1,8 +1,10 @@
 // A decode step of a dense Llama-shaped model (Llama, Mistral, SmolLM2, Qwen2, Qwen3) in one native call,
-// one request's token or, where every linear is pair-packed, a batch's (a row per request), its linears either GGUF blocks on gguf_linear.cpp's one-row products (any build: AVX2,
-// AVX-512, AMX or plain C++; x quantized once per linear, the rows split as gguf_linear splits them, so
-// the same bits) or bfloat16 on the pair kernel (linear_bf16_pairs.cpp: builds with AVX-512 BF16, which
-// CPUs without AMX use for bfloat16 linears: AMD Zen 4 and 5).
+// one request's token or a batch's (a row per request; up to kGgufDirectRows where some linears are GGUF
+// blocks), its linears either GGUF blocks on gguf_linear.cpp's products straight from the blocks (any build:
+// AVX2, AVX-512, AMX or plain C++; x quantized once per linear, the rows split as gguf_linear splits them,
+// so the same bits) or bfloat16 on the pair kernel (linear_bf16_pairs.cpp: builds with AVX-512 BF16, which
+// CPUs without AMX use for bfloat16 linears: AMD Zen 4 and 5) or the panel kernel (linear_panels.cpp: AVX2
+// builds, the AVX2-only CPUs' layout: AMD Zen 2 and 3).
 //
 // Why: at one token a step reads the weights once (~8 ms for model S at ~35 GB/s on a 2-core Zen 4) and
 // everything around those reads is serial. The compiled graph spent ~2 ms of model S's ~11.5 ms step
@@ -11,9 +13,9 @@
 // thread. Here a layer's work after its attention and the next layer's before it (o_proj, add and norm,
 // gate_up, SiLU and multiply, down, add and norm, qkv, q/k norms, rotary, the cache store) run in one
 // parallel region, the threads meeting at a barrier between ops; attention is paged_attention, called
-// directly (it splits the context between the threads itself). A batch's rows are multiplied by the
-// panel pairs as a batch's cpu_bf16_pair_linear call multiplies them (bf16_pair_rows_run), and the rows'
-// norms, SiLU, rotary and cache stores split between the threads a row at a time.
+// directly (it splits the context between the threads itself). A batch's rows are multiplied as a batch's
+// cpu_bf16_pair_linear or cpu_panel_linear call multiplies them (bf16_pair_rows_run, bf16_panel_rows_run),
+// and the rows' norms, SiLU, rotary and cache stores split between the threads a row at a time.
 //
 // The arithmetic is the eager PyTorch forward's: every op rounds its result to bfloat16 where the model's
 // modules do (RMSNorm in float32, scaled in bfloat16; rotary with cos/sin rounded to bfloat16; SiLU rounded
@@ -120,8 +122,8 @@ struct Decoder {
   float eps = 0.f, rope_scaling = 1.f;
   double scale = 1.0;
   bool amx = false;
-  // the rows a step may take: any number where every projection is pair-packed, kGgufDirectRows where some
-  // are GGUF blocks (the rows gguf_linear multiplies straight from the blocks), one where any is panel-packed
+  // the rows a step may take: any number, or kGgufDirectRows where some projections are GGUF blocks (the rows
+  // gguf_linear multiplies straight from the blocks)
   int64_t max_rows = 1;
   std::vector<float> inv_freq;
   const uint8_t* embed = nullptr;  // [vocab, embed_row_bytes]
@@ -134,7 +136,7 @@ struct Decoder {
   std::vector<uint16_t> h, residual, normed, qkv, gate_up, act;
   std::vector<float> cos, sin;  // rounded to bfloat16, as apply_rotary rounds them; head_dim / 2 per row
   std::unique_ptr<GgufRow, RowDeleter> xq;  // the next GGUF linear's x, quantized (the step's rows)
-  std::vector<float> xf;                    // the next panel linear's x, widened (one row)
+  std::vector<float> xf;                    // the next panel linear's x, widened (the step's rows)
   std::vector<uint16_t> router;             // an expert layer's router logits
   // an EAGLE-3 head (native_head_plan): its one layer's q/k/v read [input_layernorm(embeds);
   // hidden_norm(hidden)], 2 * hidden wide; its output, after the final norm, gives logits over its draft
@@ -320,9 +322,10 @@ inline RowRun rows_of(int64_t B, int t, int T, bool alone) {
 // thread t of T's part of y = x @ W^T (+ bias) for the step's rows: a GGUF weight's rows (as gguf_linear
 // splits them) from the rows quantized beforehand into `xq`; at one row a pair- or panel-packed weight's run
 // of panels (as parallel_runs splits them; a panel weight reads x widened beforehand into `xf`); at several a
-// pair-packed weight's run of panel pairs, as cpu_bf16_pair_linear splits a batch.
+// pair-packed weight's run of panel pairs, as cpu_bf16_pair_linear splits a batch, or a panel-packed one's
+// run of panels over every row.
 inline void linear(const Projection& w, const uint16_t* x, const Decoder& D, uint16_t* y, int t, int T) {
-  if (D.rows > 1 && !w.gguf) {
+  if (D.rows > 1 && !w.gguf && !w.panel) {
 #if PL_NATIVE_PAIRS
     const PairWeight& p = w.pair;
     const int64_t units = (p.panels + 1) / 2;
@@ -340,8 +343,11 @@ inline void linear(const Projection& w, const uint16_t* x, const Decoder& D, uin
   if (w.panel) {
 #if PL_NATIVE_PANELS
     const PanelWeight& p = w.panels;
-    bf16_panel_row_run(D.xf.data(), p.k, p.w, p.bias.empty() ? nullptr : p.bias.data(), p.n, y, p.panels * t / T,
-                       p.panels * (t + 1) / T);
+    const float* bias = p.bias.empty() ? nullptr : p.bias.data();
+    if (D.rows == 1)
+      bf16_panel_row_run(D.xf.data(), p.k, p.w, bias, p.n, y, p.panels * t / T, p.panels * (t + 1) / T);
+    else
+      bf16_panel_rows_run(D.xf.data(), D.rows, p.k, p.w, bias, p.n, y, p.panels * t / T, p.panels * (t + 1) / T);
 #endif
     return;
   }
@@ -351,14 +357,14 @@ inline void linear(const Projection& w, const uint16_t* x, const Decoder& D, uin
 #endif
 }
 
-// x (the step's rows) made ready for `w` where it is GGUF (quantized) or panel-packed (widened: one row), by
+// x (the step's rows) made ready for `w` where it is GGUF (quantized) or panel-packed (widened), by
 // one thread, before the barrier that precedes the linear
 inline bool prepared(const Projection& w) { return w.gguf || w.panel; }
 inline void prepare(Decoder& D, const Projection& w, const uint16_t* x, int64_t k) {
   if (w.gguf) gguf_row_quantize(D.xq.get(), x, D.rows, k);
   if (w.panel) {
-    D.xf.resize(k);
-    for (int64_t j = 0; j < k; ++j) D.xf[j] = bf(x[j]);
+    D.xf.resize(D.rows * k);
+    for (int64_t j = 0; j < D.rows * k; ++j) D.xf[j] = bf(x[j]);
   }
 }
 
@@ -628,14 +634,14 @@ void set_cache(const Decoder& D, Layer& L, const at::Tensor& cache) {
   L.k_cache = cache[0], L.v_cache = cache[1];
 }
 
-// The plan's rows a step (`Decoder::max_rows`), kept under a new handle.
+// The plan's rows a step (`Decoder::max_rows`: any, or as many as GGUF blocks are multiplied straight
+// from, kGgufDirectRows), kept under a new handle.
 int64_t add_decoder(std::unique_ptr<Decoder> D) {
-  bool panels = !PL_NATIVE_PAIRS, blocks = false;
+  bool blocks = D->head && D->lm_head.gguf;
   for (const Layer& L : D->layers)
     for (const Projection* w : {&L.qkv, &L.o, &L.gate_up, &L.down})
-      if (w != &L.down || L.top_k == 0) panels = panels || w->panel, blocks = blocks || w->gguf;
-  if (D->head) panels = panels || D->lm_head.panel, blocks = blocks || D->lm_head.gguf;
-  D->max_rows = panels ? 1 : blocks ? kGgufDirectRows : std::numeric_limits<int64_t>::max();
+      if (w != &L.down || L.top_k == 0) blocks = blocks || w->gguf;
+  D->max_rows = blocks ? kGgufDirectRows : std::numeric_limits<int64_t>::max();
   D->xq.reset(gguf_row_new());
   D->reserve(1);
   std::lock_guard<std::mutex> guard(decoders_lock);
@@ -654,7 +660,7 @@ int64_t begin_rows(Decoder& D, const at::Tensor& tokens, const at::Tensor& posit
                   slots.is_contiguous() && positions.numel() == B && slots.numel() == B,
               "native_decoder_step: tokens, positions and slots must be int64, one per row");
   TORCH_CHECK(B <= D.max_rows, "native_decoder_step: this plan takes at most ", D.max_rows,
-              " rows a step (a panel-packed projection: one; GGUF blocks: ", kGgufDirectRows, ")");
+              " rows a step (GGUF blocks: ", kGgufDirectRows, ")");
   const at::Tensor table = block_tables.reshape({B, -1});
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && table.is_contiguous(),
               "native_decoder_step: int32 block tables, a row per request");
