@@ -288,7 +288,9 @@ class SpeculativeConfig:
     ngram proposes the tokens that followed the latest earlier occurrence of the request's last
     `prompt_lookup_max` .. `prompt_lookup_min` tokens; draft_model runs a smaller model with the same
     vocabulary greedily; eagle3 runs an EAGLE-3 head (`model`: its directory) on the target's hidden
-    states; mtp runs the checkpoint's own multi-token-prediction layer (docs/speculative-decoding.md). Either way the target model verifies every draft, so greedy output is unchanged."""
+    states; mtp runs the checkpoint's own multi-token-prediction layer, or, for Gemma 4, the assistant
+    checkpoint `model` names (docs/speculative-decoding.md). Either way the target model verifies every
+    draft, so greedy output is unchanged."""
 
     method: str
     num_speculative_tokens: int
@@ -331,8 +333,4 @@ class SpeculativeConfig:
             raise ConfigError(f"speculative_config.model: {method} needs {what}")
         if method == "ngram" and model:
             raise ConfigError("speculative_config.model: ngram takes no model (did you mean draft_model?)")
-        if method == "mtp" and model:
-            raise ConfigError(
-                "speculative_config.model: mtp takes no model (the MTP layer is the target's own)"
-            )
         return cls(method, k, lo, hi, model)

@@ -80,6 +80,13 @@ def kv_sources(hf_config: Any) -> list[int | None]:
     return sources
 
 
+def kv_stores(hf_config: Any) -> dict[str, int]:
+    """Per layer type, the last layer of that type that keeps its own KV (transformers' "store" layers): the
+    KV a Gemma 4 assistant reads."""
+    sources = kv_sources(hf_config)
+    return {t: i for i, t in enumerate(hf_config.layer_types) if sources[i] is None}
+
+
 def gemma4_attention_spec(
     hf_config: Any, dtype: torch.dtype, block_size: int, layer_idx: int
 ) -> AttentionSpec:
@@ -106,6 +113,21 @@ def shared_kv_attention_spec(
         scale=1.0,
         kv_source=kv_sources(hf_config)[layer_idx],
     )
+
+
+def rotaries_by_layer_type(hf_config: Any) -> tuple[nn.ModuleList, list[int]]:
+    """A rotary embedding per layer type, from that type's rope parameters and head size, and each layer's
+    index into them (a Gemma 4 model's and its assistant's)."""
+    types = sorted(set(hf_config.layer_types))
+    rotaries = []
+    for layer_type in types:
+        params = hf_config.rope_parameters.get(layer_type)
+        if params is None:
+            raise ConfigError(f"rope_parameters has no entry for the model's {layer_type!r} layers")
+        config = copy.copy(layer_config(hf_config, layer_type))  # its head size
+        config.rope_parameters = dict(params)
+        rotaries.append(RotaryEmbedding(config))
+    return nn.ModuleList(rotaries), [types.index(t) for t in hf_config.layer_types]
 
 
 class Gemma4RMSNorm(RMSNorm):
@@ -277,17 +299,7 @@ class Gemma4Model(LlamaModel):
             self.per_layer_projection_norm = Gemma4RMSNorm(size, c.rms_norm_eps, init.dtype)
 
     def init_rope(self, hf_config: Any) -> None:
-        types = sorted(set(hf_config.layer_types))
-        rotaries = []
-        for layer_type in types:
-            params = hf_config.rope_parameters.get(layer_type)
-            if params is None:
-                raise ConfigError(f"rope_parameters has no entry for the model's {layer_type!r} layers")
-            config = copy.copy(layer_config(hf_config, layer_type))  # its head size
-            config.rope_parameters = dict(params)
-            rotaries.append(RotaryEmbedding(config))
-        self.rotaries = nn.ModuleList(rotaries)
-        self.layer_rope = [types.index(t) for t in hf_config.layer_types]
+        self.rotaries, self.layer_rope = rotaries_by_layer_type(hf_config)
 
     def rope(self, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         return [rotary.cos_sin(positions) for rotary in self.rotaries]

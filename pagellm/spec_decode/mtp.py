@@ -1,6 +1,7 @@
 """Multi-token prediction (MTP) drafting with the layer DeepSeek-V3 and GLM-4.5 checkpoints ship after
 their decoder layers (`model.layers.<num_hidden_layers>.*`, `num_nextn_predict_layers`); Qwen3-Next's and
-Qwen3.5's (`mtp.*`) in `qwen_mtp.py`.
+Qwen3.5's (`mtp.*`) in `qwen_mtp.py`; Gemma 4's, a checkpoint of its own (the assistant), in
+`gemma4_assistant.py`.
 
 The MTP layer (vLLM's `deepseek_mtp.py`): the next token's embedding and the target's final hidden state,
 each RMS-normed (`enorm`, `hnorm`), concatenated and projected (`eh_proj`), then one decoder layer of the
@@ -12,6 +13,7 @@ EAGLE-3 heads use (`head_proposer.py`); the hidden state it reads is the target'
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import torch
@@ -19,12 +21,15 @@ from torch import nn
 
 from pagellm.core.errors import ConfigError
 from pagellm.models.deepseek import adapt_moe_names
+from pagellm.models.gemma4 import Gemma4ForCausalLM, Gemma4Model
 from pagellm.models.layers.linear import Linear
 from pagellm.models.layers.norm import RMSNorm
 from pagellm.models.loader import CheckpointSlice, iter_checkpoint_weights
 from pagellm.models.qwen3_next import Qwen3NextForCausalLM
+from pagellm.spec_decode.gemma4_assistant import Gemma4AssistantHead, load_gemma4_assistant
 from pagellm.spec_decode.head_proposer import ChainedHeadProposer
 from pagellm.spec_decode.qwen_mtp import QWEN_MTP_MODEL_TYPES, QwenMTPHead, load_qwen_mtp
+from pagellm.spec_decode.shared_kv_proposer import SharedKVHeadProposer
 
 MTP_MODEL_TYPES = ("deepseek_v3", "glm4_moe")
 
@@ -77,12 +82,27 @@ class MTPHead(nn.Module):
         return self.layer.shared_head.head(normed).float().argmax(dim=-1)
 
 
-def load_mtp(setup: Any, target: nn.Module, init: Any, device: torch.device) -> MTPHead | QwenMTPHead:
+def load_mtp(
+    setup: Any, target: nn.Module, init: Any, device: torch.device
+) -> MTPHead | QwenMTPHead | Gemma4AssistantHead:
     """The MTP layer of the target's checkpoint on `device` (read a second time, only that layer's
-    tensors; Qwen3-Next's and Qwen3.5's: `qwen_mtp.py`); a ConfigError where the checkpoint has none or it
+    tensors; Qwen3-Next's and Qwen3.5's: `qwen_mtp.py`), or for Gemma 4 the assistant checkpoint
+    `speculative_config.model` names (`gemma4_assistant.py`); a ConfigError where there is none or it
     cannot run here."""
     c = setup.hf_config
     model_type = getattr(c, "model_type", None)
+    assistant = setup.config.speculative.model
+    gemma4 = isinstance(target, Gemma4ForCausalLM)
+    if gemma4 != bool(assistant):
+        raise ConfigError(
+            "speculative_config.model: Gemma 4 ships its MTP drafter as a checkpoint of its own (the "
+            "`*-assistant` beside each model): name its directory"
+            if gemma4
+            else "speculative_config.model: mtp takes a model only for a Gemma 4 target (its assistant); "
+            "other families' MTP layers are the target checkpoint's own"
+        )
+    if gemma4:
+        return load_gemma4_assistant(assistant, c, init).to(device)
     if setup.quant_method is not None or setup.source.gguf_original:
         raise ConfigError(
             "speculative_config: mtp loads float checkpoints only (no quantization or GGUF) yet"
@@ -123,4 +143,30 @@ def make_mtp_proposer(
     """The proposer over the target's final hidden states (`StepInputs.hidden`)."""
     return ChainedHeadProposer(
         "mtp", head, lambda step: step.hidden, kv_caches, backend, block_size, batch, device
+    )
+
+
+def make_assistant_proposer(
+    head: Gemma4AssistantHead,
+    target: nn.Module,
+    kv_caches: list[torch.Tensor],
+    group_of: Any,
+    backend: Any,
+    block_size: int,
+    batch: Any,
+    device: torch.device,
+) -> SharedKVHeadProposer:
+    """The proposer of a Gemma 4 assistant over the target's caches and final hidden states, fed the
+    target's scaled token embedding (not a multimodal model's, which would merge image rows)."""
+    model = target.model
+    return SharedKVHeadProposer(
+        "mtp",
+        head,
+        partial(Gemma4Model.embed, model),
+        kv_caches,
+        group_of,
+        backend,
+        block_size,
+        batch,
+        device,
     )

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from pagellm.core.errors import ConfigError
-from pagellm.core.kv_cache_spec import blocks_per_request
+from pagellm.core.kv_cache_spec import LocalChunk, blocks_per_request
 from pagellm.core.native_decode import NativeDecodeStep, NativeHeadStep
 from pagellm.core.platform import GiB
 from pagellm.distributed import Parallel
@@ -101,7 +101,7 @@ class RunnerBuild:
         self.draft_model = self._load(*draft) if draft else None
         self.draft_head = self._load_draft_head() if config.speculative else None
         # KV slots a proposer writes past a step's tokens: a draft model's own k - 1 steps ahead, and one more
-        own_kv = self.draft_model is not None or self.draft_head is not None
+        own_kv = self.draft_model is not None or self._head_keeps_kv()
         self.num_lookahead_tokens = config.speculative.num_speculative_tokens if own_kv else 0
         self.state_layers = self.model.state_layers()
         self.max_num_seqs = self._check_state_layers()
@@ -192,9 +192,19 @@ class RunnerBuild:
             self.pack_linears(head)
             self.pack_experts(head)
         speculative = self.setup.config.speculative
-        what = "the checkpoint's MTP layer" if method == "mtp" else f"EAGLE-3 head {speculative.model}"
+        what = (
+            f"EAGLE-3 head {speculative.model}"
+            if method == "eagle3"
+            else f"Gemma 4 assistant {speculative.model}"
+            if speculative.model
+            else "the checkpoint's MTP layer"
+        )
         logger.info("speculative decoding: %s, %d tokens a step", what, speculative.num_speculative_tokens)
         return head
+
+    def _head_keeps_kv(self) -> bool:
+        """Whether the draft head keeps a KV cache of its own (a Gemma 4 assistant reads the target's)."""
+        return self.draft_head is not None and not getattr(self.draft_head, "reads_target_kv", False)
 
     def pack_linears(self, model) -> None:
         """Let the platform prepack every plain linear layer's weight (`Platform.pack_linear`), and the
@@ -376,12 +386,15 @@ class RunnerBuild:
 
     def kv_windows(self) -> tuple[int | None, ...]:
         """Each KV cache group's sliding window as the KV cache manager is to honour it (None: the group
-        keeps every block): a KV connector moves whole block tables, and a draft model reads group 0's."""
+        keeps every block): a KV connector moves whole block tables, a draft model reads group 0's, and a
+        Gemma 4 assistant reads one token further back than the target's next query."""
         windows = list(self.kv_layout.windows)
         if self.setup.config.kv_transfer is not None:
             windows = [None] * len(windows)
-        elif self.draft_model is not None or self.draft_head is not None:
+        elif self.draft_model is not None or self._head_keeps_kv():
             windows[0] = None
+        elif self.draft_head is not None:
+            windows = [w if w is None or isinstance(w, LocalChunk) else w + 1 for w in windows]
         return tuple(windows)
 
     def _num_blocks(self) -> int:
@@ -494,12 +507,15 @@ class RunnerBuild:
                 self.draft_setup, self.parallel.tp, layers, self.num_blocks, self.block_size, self.device
             )
             draft = (self.draft_setup, self.draft_model, caches)
-        if self.draft_head is not None:
+        if self._head_keeps_kv():
             layers = self.draft_head.attention_layers()
             caches = allocate_kv_caches(
                 self.setup, self.parallel.tp, layers, self.num_blocks, self.block_size, self.device
             )
             draft = (self.setup, self.draft_head, caches, self.model, input_batch)  # eagle3 and mtp
+        elif self.draft_head is not None:  # a Gemma 4 assistant: the target's caches, by KV cache group
+            caches = (self.kv_caches, self.kv_layout.group_of if self.layer_groups else lambda _: 0)
+            draft = (self.setup, self.draft_head, caches, self.model, input_batch)
         speculative = self.setup.config.speculative
         proposer = make_proposer(speculative, draft, self.block_size, block_table, self.device)
         return RunnerSpecDecode(

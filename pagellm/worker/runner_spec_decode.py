@@ -14,7 +14,7 @@ from pagellm.core.errors import ConfigError
 from pagellm.sampling.sampler import Sampler, SamplingRequest, build_sampling_batch, compute_logprobs
 from pagellm.spec_decode.draft_model import DraftModelProposer
 from pagellm.spec_decode.eagle import make_eagle3_proposer
-from pagellm.spec_decode.mtp import make_mtp_proposer
+from pagellm.spec_decode.mtp import make_assistant_proposer, make_mtp_proposer
 from pagellm.spec_decode.ngram import NgramProposer
 from pagellm.spec_decode.proposer import DraftRequest, Proposer, StepInputs
 from pagellm.spec_decode.rejection import verify
@@ -34,7 +34,8 @@ def make_proposer(
 ) -> Proposer:
     """n-gram lookup, or the draft model (`draft`: its setup, model and KV caches) over the target's block
     tables (the runner's persistent batch), or an EAGLE-3 head or the MTP layer (`draft`: the target's setup,
-    the head, its KV caches, the target model and the runner's persistent batch)."""
+    the head, its KV caches, the target model and the runner's persistent batch; for a Gemma 4 assistant
+    the target's KV caches and its layers' KV cache groups in place of the head's caches)."""
     if speculative.method == "ngram":
         return NgramProposer(speculative.prompt_lookup_min, speculative.prompt_lookup_max)
     if draft is None:
@@ -42,6 +43,11 @@ def make_proposer(
     if speculative.method == "eagle3":
         setup, head, kv_caches, target, batch = draft
         return make_eagle3_proposer(head, target, kv_caches, setup.backend, block_size, batch, device)
+    if speculative.method == "mtp" and getattr(draft[1], "reads_target_kv", False):
+        setup, head, (kv_caches, group_of), target, batch = draft
+        return make_assistant_proposer(
+            head, target, kv_caches, group_of, setup.backend, block_size, batch, device
+        )
     if speculative.method == "mtp":
         setup, head, kv_caches, _, batch = draft
         return make_mtp_proposer(head, kv_caches, setup.backend, block_size, batch, device)
