@@ -125,6 +125,62 @@ def assert_speculation_keeps_greedy_output(path: Path, reference: Reference | No
     assert stats.num_preemptions > 0, stats
 
 
+def assert_sampled_speculation_keeps_the_distribution(path: Path, reference: Reference) -> None:
+    """Seeded requests of 3 tokens at temperature 0.3, each drafting once a token the target all but
+    never samples after the likeliest first token t1: the verify step rejects it and draws the second
+    token in its place, so the third comes from the next step, after each delta-rule layer's state was
+    put back to the one after t1 (the step's second row read the rejected draft). Given the
+    likeliest first two tokens (t1, t2), the third must follow transformers' p(. | prompt, t1, t2)
+    (chi-square below its 0.1% critical value), a test that a point mass fails."""
+    import numpy as np
+
+    from pagellm import LLM, SamplingParams
+
+    prompt, temperature = list(range(5, 13)), 0.3
+
+    def probabilities(ids: list[int]) -> np.ndarray:
+        with torch.no_grad():
+            return (reference.model(torch.tensor([ids])).logits[0, -1] / temperature).softmax(-1).numpy()
+
+    t1 = int(probabilities(prompt).argmax())
+    p2 = probabilities(prompt + [t1])
+    t2, unlikely = int(p2.argmax()), int(p2.argmin())
+    p3 = probabilities(prompt + [t1, t2])
+    llm = LLM(str(path), dtype="float32", max_model_len=64, num_kv_blocks=1200, max_num_seqs=256,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 2})  # fmt: skip
+    llm.engine.runner.spec_decode.proposer.propose = lambda requests: [
+        [unlikely] * r.num_drafts for r in requests
+    ]
+    params = [SamplingParams(temperature=temperature, max_tokens=3, seed=i) for i in range(4000)]
+    outs = llm.generate([prompt] * len(params), params, use_tqdm=False)
+    thirds = [o.outputs[0].token_ids[2] for o in outs if o.outputs[0].token_ids[:2] == [t1, t2]]
+    stats = llm.engine.stats()
+    assert len(thirds) > 300 and stats.spec_num_draft_tokens > stats.spec_num_accepted_tokens, (
+        len(thirds),
+        stats,
+    )
+    observed = np.bincount(thirds, minlength=len(p3)).astype(float)
+    assert not chi_square_p_below_0_1_percent(observed, p3)
+    point_mass = np.eye(len(p3))[int(p3.argmax())] * 0.999 + 0.001 / len(p3)
+    assert chi_square_p_below_0_1_percent(observed, point_mass)
+
+
+def chi_square_p_below_0_1_percent(observed, probabilities) -> bool:
+    """Pearson's test over the tokens expected at least 5 times, the rest pooled; the 0.1% critical value
+    by the Wilson-Hilferty approximation (z = 3.09)."""
+    import numpy as np
+
+    expected = probabilities * observed.sum()
+    big = expected >= 5
+    obs = np.append(observed[big], observed[~big].sum())
+    exp = np.append(expected[big], expected[~big].sum())
+    obs, exp = obs[exp > 0], exp[exp > 0]
+    statistic = float(((obs - exp) ** 2 / exp).sum())
+    df = len(obs) - 1
+    critical = df * (1 - 2 / (9 * df) + 3.09 * (2 / (9 * df)) ** 0.5) ** 3
+    return statistic > critical
+
+
 def assert_parallelism_refused(path: Path, unsplit: str) -> None:
     """Tensor parallelism (the recurrent layers have no split; `unsplit` is part of the reason given) is
     refused at start-up."""

@@ -7,7 +7,10 @@ from __future__ import annotations
 import logging
 
 import pytest
-from hybrid_checks import assert_speculation_keeps_greedy_output
+from hybrid_checks import (
+    assert_sampled_speculation_keeps_the_distribution,
+    assert_speculation_keeps_greedy_output,
+)
 from parity import Reference, assert_greedy_parity, mixed_prompts, small_kv_cache
 from tiny import make_tiny_checkpoint
 
@@ -67,6 +70,10 @@ def test_qwen3_5_matches_transformers(arch, tmp_path):
 def test_speculative_decoding_keeps_the_greedy_output(model):
     path, reference = model
     assert_speculation_keeps_greedy_output(path, reference)
+
+
+def test_sampled_speculative_decoding_keeps_the_distribution(model):
+    assert_sampled_speculation_keeps_the_distribution(*model)
 
 
 @pytest.mark.slow

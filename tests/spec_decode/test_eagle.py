@@ -8,6 +8,7 @@ import json
 
 import pytest
 from eagle_heads import ReferenceHead, write_eagle3_head, write_speculators_head
+from hybrid_checks import chi_square_p_below_0_1_percent
 from parity import Reference, assert_greedy_parity, mixed_prompts
 from test_spec_engine import copy_friendly_prompts
 from tiny import make_tiny_checkpoint
@@ -122,25 +123,9 @@ def test_sampling_with_an_eagle3_head_keeps_the_target_distribution(target, tmp_
     observed = np.bincount(seconds, minlength=len(p2)).astype(float)
     accepted = observed[int(p2.argmax())] / len(seconds)  # a rejected draft is never drawn again
     assert len(seconds) > 500 and 0.1 < accepted < 0.9 and llm.engine.stats().spec_num_draft_tokens > 0
-    assert _chi_square_p_below_0_1_percent(observed, p2) is False
+    assert chi_square_p_below_0_1_percent(observed, p2) is False
     point_mass = np.eye(len(p2))[int(p2.argmax())] * 0.999 + 0.001 / len(p2)  # and the test can fail
-    assert _chi_square_p_below_0_1_percent(observed, point_mass) is True
-
-
-def _chi_square_p_below_0_1_percent(observed, probabilities) -> bool:
-    """Pearson's test over the tokens expected at least 5 times, the rest pooled; the 0.1% critical value
-    by the Wilson-Hilferty approximation (z = 3.09)."""
-    import numpy as np
-
-    expected = probabilities * observed.sum()
-    big = expected >= 5
-    obs = np.append(observed[big], observed[~big].sum())
-    exp = np.append(expected[big], expected[~big].sum())
-    obs, exp = obs[exp > 0], exp[exp > 0]
-    statistic = float(((obs - exp) ** 2 / exp).sum())
-    df = len(obs) - 1
-    critical = df * (1 - 2 / (9 * df) + 3.09 * (2 / (9 * df)) ** 0.5) ** 3
-    return statistic > critical
+    assert chi_square_p_below_0_1_percent(observed, point_mass) is True
 
 
 def test_a_grammar_and_a_lora_adapter_keep_the_greedy_output(target, head, tmp_path):
