@@ -74,6 +74,21 @@ def test_prefill_and_decode_match_transformers(arch, tmp_path):
     torch.testing.assert_close(got[1], reference_logits(reference, other[:17])[14:], atol=ATOL, rtol=0)
 
 
+def test_a_chunk_runs_in_query_slices_with_the_same_logits(tmp_path, monkeypatch):
+    """A long prefill chunk over a long context scores and attends a slice of its queries at a time
+    (`SLICE_ELEMENTS`); here one query a slice, every logit still transformers'."""
+    from pagellm.models.layers import sparse_attention
+
+    path = make_tiny_checkpoint("deepseek_v32", tmp_path)
+    slices = []
+    real = sparse_attention._query_slices
+    monkeypatch.setattr(sparse_attention, "SLICE_ELEMENTS", 1)
+    monkeypatch.setattr(sparse_attention, "_query_slices", lambda n, per: slices.append(n) or real(n, per))
+    got = PagedRunner(load_pagellm(path), num_seqs=1).step({0: PROMPT})[0]
+    torch.testing.assert_close(got, reference_logits(load_reference(path), PROMPT), atol=ATOL, rtol=0)
+    assert len(real(len(PROMPT), 64)) == len(PROMPT) and len(PROMPT) in slices
+
+
 def test_selection_drops_tokens(tmp_path):
     """With index_topk 8 the 19-token prompt's later queries read 8 tokens: transformers' logits differ from
     the same weights reading every token (index_topk 64), and pagellm's equal the sparse ones."""

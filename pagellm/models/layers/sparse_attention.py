@@ -156,14 +156,16 @@ def sparse_mla_forward(
             chosen.append(None)
             continue
         positions = torch.arange(seq_len - (end - first), seq_len, device=q.device)
-        slots = context_slots(index_meta.batch.block_tables[r], seq_len, block_size)
-        scores = index_scores(
-            index_q[first:end],
-            index_rows.index_select(0, slots),
-            index_weights[first:end],
-            params.index_scale,
+        keys = index_rows.index_select(
+            0, context_slots(index_meta.batch.block_tables[r], seq_len, block_size)
         )
-        chosen.append(select_topk(scores, positions, params.topk))
+        parts = []
+        for a, b in _query_slices(end - first, index_q.shape[1] * seq_len):  # [Q, Hi, S] floats at most
+            scores = index_scores(
+                index_q[first + a : first + b], keys, index_weights[first + a : first + b], params.index_scale
+            )
+            parts.append(select_topk(scores, positions[a:b], params.topk))
+        chosen.append(_joined(parts))
     _SELECTIONS[layers[0]] = (_step_key(mla_meta.batch), chosen)
     return attend_chosen(q, mla_cache, mla_meta, chosen, params)
 
@@ -194,10 +196,36 @@ def attend_chosen(
         if choice is None:
             continue
         first, end = starts[r], starts[r + 1]
-        slots = slots_of(batch.block_tables[r], choice.positions, block_size)  # [Q, k]: the chosen only
-        rows = rows_of.index_select(0, slots.reshape(-1)).view(*slots.shape, -1).to(q.dtype)
-        out[first:end] = attend_selected(q[first:end], rows, choice.valid, params.scale, params.v_size)
+        for a, b in _query_slices(end - first, choice.positions.shape[1] * rows_of.shape[1]):
+            slots = slots_of(batch.block_tables[r], choice.positions[a:b], block_size)  # the chosen only
+            rows = rows_of.index_select(0, slots.reshape(-1)).view(*slots.shape, -1).to(q.dtype)
+            out[first + a : first + b] = attend_selected(
+                q[first + a : first + b], rows, choice.valid[a:b], params.scale, params.v_size
+            )
     return out
+
+
+SLICE_ELEMENTS = 1 << 24
+"""Most elements a query slice's largest tensor holds (the indexer's [Q, Hi, S] float32 scores, the gathered
+latent rows [Q, k, R']): 64 MiB of float32, so a long prefill chunk over a long context runs in slices
+instead of asking for gigabytes (2,048 queries over 16k keys and 64 indexer heads: 8 GiB at once)."""
+
+
+def _query_slices(num_queries: int, per_query: int) -> list[tuple[int, int]]:
+    """[a, b) ranges of queries, each holding at most SLICE_ELEMENTS of `per_query` elements (one at least)."""
+    size = max(1, SLICE_ELEMENTS // max(1, per_query))
+    return [(a, min(a + size, num_queries)) for a in range(0, num_queries, size)]
+
+
+def _joined(parts: list[Selection]) -> Selection:
+    """The selections of consecutive query slices as one."""
+    if len(parts) == 1:
+        return parts[0]
+    return Selection(
+        torch.cat([p.positions for p in parts]),
+        torch.cat([p.valid for p in parts]),
+        torch.cat([p.scores for p in parts]),
+    )
 
 
 def shared_sparse_mla_forward(
