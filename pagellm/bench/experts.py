@@ -33,10 +33,12 @@ MOE_FAMILIES = (
     "gpt_oss",
     "deepseek_v2",
     "deepseek_v3",
+    "deepseek_v32",
     "glm4_moe",
+    "glm_moe_dsa",
 )
 """Mixture-of-experts configs `mlp_from_hf_config` knows."""
-FLOAT32_ROUTERS = ("deepseek_v2", "deepseek_v3", "glm4_moe")
+FLOAT32_ROUTERS = ("deepseek_v2", "deepseek_v3", "deepseek_v32", "glm4_moe", "glm_moe_dsa")
 """Families whose router weights are float32 whatever the model's dtype (`deepseek_moe_block`)."""
 
 

@@ -14,6 +14,8 @@ tokens choose, each once (the expected number of distinct ones under uniform rou
 per layer for n tokens: pagellm.bench.experts), plus the KV cache each decode token reads (its cached
 context * layers * 2 * kv_heads * head_size * cache element size, one latent row for MLA; the new token's
 own K/V is fresh), plus the tokens before a prompt chunk (a cached prefix, earlier chunks), read once.
+Sparse attention (DeepSeek-V3.2's indexer): a query attends to at most index_topk latent rows a layer, and
+its indexer reads every earlier key (2 * index heads * index head size FLOPs a key, one key row a token).
 Embedding rows, activations and norms are left out: a floor may only be low.
 
 Steps: the in-process benches count the steps the engine ran and what each scheduled
@@ -66,6 +68,11 @@ class ModelShape:
     # step the sequence runs in), and their FLOPs per token (the delta rule's)
     state_bytes: int = 0
     recurrent_flops_per_token: float = 0.0
+    # sparse attention (DeepSeek-V3.2's indexer): each query's indexer scores every earlier key (these FLOPs
+    # per query and key of context, and these bytes of keys per cached token, over the indexed layers), and
+    # its attention reads only index_topk latent rows (`layer_windows` counts them as windows of that size)
+    index_flops_per_key: float = 0.0
+    index_bytes_per_token: float = 0.0
 
     @property
     def weight_bytes(self) -> int:
@@ -123,12 +130,15 @@ class ModelShape:
         the chunk, once (a decode token's context; a prompt chunk's cached prefix or earlier chunks; the
         chunk's own keys and values are fresh)."""
         attended = self.attended_range(start + 1, start + num_tokens)
+        keys = (2 * start + num_tokens + 1) * num_tokens // 2  # the indexer's: every earlier key, each query
         return Work(
             linear_flops=2.0 * self.linear_params * num_tokens,
-            attention_flops=self.attention_flops(attended) + self.recurrent_flops_per_token * num_tokens,
+            attention_flops=self.attention_flops(attended)
+            + self.recurrent_flops_per_token * num_tokens
+            + self.index_flops_per_key * keys,
             lm_head_flops=2.0 * self.lm_head_params if samples else 0.0,
             expert_flops=self.expert_flops(num_tokens),
-            kv_bytes=self.kv_read_bytes(self.cached_tokens_read(start)),
+            kv_bytes=self.kv_read_bytes(self.cached_tokens_read(start)) + self.index_bytes_per_token * start,
             state_bytes=2.0 * self.state_bytes if start > 0 else float(self.state_bytes),
         )
 
@@ -178,6 +188,11 @@ class ModelShape:
         lm_head = hidden * c.vocab_size
         windows = tuple(_layer_window(c, i) for i in range(layers))
         kv_rows = 1 if v_head_size is not None else 2  # MLA caches one latent row per token and layer
+        sparse = _sparse_attention(c, layers, elem)
+        if sparse:
+            windows = (c.index_topk,) * layers
+            linear += sparse["index_params"]
+            linear_bytes += sparse["index_params"] * elem
         return cls(
             num_layers=layers,
             num_heads=heads,
@@ -191,6 +206,8 @@ class ModelShape:
             layer_windows=windows if any(w is not None for w in windows) else (),
             v_head_size=v_head_size,
             experts=experts,
+            index_flops_per_key=sparse.get("flops_per_key", 0.0),
+            index_bytes_per_token=sparse.get("bytes_per_token", 0.0),
         )
 
     @classmethod
@@ -236,6 +253,7 @@ class ModelShape:
         from pagellm.models.deepseek import LatentUpProjection
         from pagellm.models.layers.attention import Attention
         from pagellm.models.layers.linear import Linear
+        from pagellm.models.layers.sparse_attention import Indexer
         from pagellm.worker.kv_cache import layers_block_bytes
 
         runner = llm.engine.runner
@@ -250,7 +268,9 @@ class ModelShape:
             if isinstance(m, Linear) and m is not lm_head and id(m) not in per_image
         ]
         latents = [m for m in model.modules() if isinstance(m, LatentUpProjection)]
-        attentions = [m for m in model.modules() if isinstance(m, Attention)]
+        indexers = [m for m in model.modules() if isinstance(m, Indexer)]
+        index_caches = {id(m.cache) for m in indexers}
+        attentions = [m for m in model.modules() if isinstance(m, Attention) and id(m) not in index_caches]
         if not attentions:
             raise ValueError("the model has no Attention layers")
         spec = attentions[0].spec
@@ -270,7 +290,8 @@ class ModelShape:
         else:
             lm_head_params = hf_config.hidden_size * hf_config.vocab_size
             lm_head_bytes = lm_head_params * element_size(llm.engine.setup.dtype)
-        windows = tuple(a.spec.sliding_window for a in attentions)
+        windows = tuple(a.spec.index_topk or a.spec.sliding_window for a in attentions)
+        index_bytes = sum(m.cache.spec.head_size * m.cache.spec.cache_dtype.itemsize for m in indexers)
         # a hybrid layout (sliding and full layers) shares each KV tensor between layers of different
         # groups, but every layer still reads its own rows: count the cache by layer, not by tensor
         # (of each layer's own shape; one reading another layer's cache reads that layer's rows)
@@ -288,12 +309,15 @@ class ModelShape:
             lm_head_params=lm_head_params,
             linear_bytes=linear_bytes,
             lm_head_bytes=lm_head_bytes,
-            kv_bytes_per_token=(runner.block_bytes() - by_tensor + by_layer) / runner.block_size,
+            kv_bytes_per_token=(runner.block_bytes() - by_tensor + by_layer) / runner.block_size
+            - index_bytes,
             layer_windows=windows if any(w is not None for w in windows) else (),
             v_head_size=spec.v_head_size,
             experts=experts_of_model(model),
             state_bytes=sum(layer.state_spec().bytes for layer in runner.state_layers),
             recurrent_flops_per_token=sum(layer.recurrent_flops_per_token() for layer in runner.state_layers),
+            index_flops_per_key=sum(2.0 * m.n_heads * m.head_dim for m in indexers),
+            index_bytes_per_token=index_bytes,
         )
 
 
@@ -332,6 +356,22 @@ def _mla_attention(c: Any) -> tuple[int, int, int, int]:
         + heads * v * hidden
     )
     return params, 1, rank + rope, rank
+
+
+def _sparse_attention(c: Any, layers: int, elem: int) -> dict[str, float]:
+    """DeepSeek-V3.2's (and GLM-5's) lightning indexers: their projections' params, FLOPs per query and
+    key and key bytes per token over the layers that have one; {} for a model without."""
+    if not getattr(c, "index_topk", None):
+        return {}
+    kinds = getattr(c, "indexer_types", None) or ["full"] * layers
+    n = sum(kind == "full" for kind in kinds)
+    heads, dim = c.index_n_heads, c.index_head_dim
+    return {
+        "index_params": n
+        * (c.q_lora_rank * heads * dim + c.hidden_size * dim),  # wq_b, wk (weights_proj: float32, left out)
+        "flops_per_key": 2.0 * n * heads * dim,
+        "bytes_per_token": float(n * dim * elem),
+    }
 
 
 def _layer_window(hf_config: Any, layer: int) -> int | None:

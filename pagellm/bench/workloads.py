@@ -3,8 +3,9 @@
 Requests are token ids drawn from fixed `numpy.random.RandomState` seeds, so every engine and every run
 sees identical prompts. Model S is the embedded SmolLM2 GGUF; the others (`RANDOM_MODELS`: M, a random Qwen2
 shaped like Qwen2.5-0.5B; E, a random Qwen3-MoE shaped like a small Qwen3-30B-A3B; H, a random Qwen3.5 text
-hybrid, three Gated DeltaNet layers to one attention layer; M-gemma3, a Gemma 3 text model of M's size) are random checkpoints built once (seeded) and cached on disk, with a locally built
-tokenizer.
+hybrid, three Gated DeltaNet layers to one attention layer; M-gemma3, a Gemma 3 text model of M's size; D, a
+DeepSeek-V3.2 with its sparse attention's sizes, and D-dense, its checkpoint without the indexer) are random
+checkpoints built once (seeded) and cached on disk, with a locally built tokenizer.
 """
 
 from __future__ import annotations
@@ -128,6 +129,39 @@ MODEL_V_CONFIG = dict(
 )
 """Model V, I1's vision-language model: LLaVA's layout at a tiny width (a CLIP tower of 448-pixel images in
 14-pixel patches, 1024 tokens an image; a Qwen2 decoder of 512 wide, 8 layers), random weights."""
+MODEL_D_CONFIG = dict(
+    hidden_size=1024,
+    num_hidden_layers=4,
+    num_attention_heads=16,
+    num_key_value_heads=16,
+    q_lora_rank=512,
+    kv_lora_rank=512,
+    qk_nope_head_dim=128,
+    qk_rope_head_dim=64,
+    v_head_dim=128,
+    index_n_heads=8,
+    index_head_dim=128,
+    index_topk=2048,
+    intermediate_size=1024,
+    first_k_dense_replace=4,  # every layer dense: the experts are not what this model measures
+    n_routed_experts=8,
+    moe_intermediate_size=256,
+    num_experts_per_tok=2,
+    n_group=1,
+    topk_group=1,
+    vocab_size=32768,
+    tie_word_embeddings=False,
+    rope_parameters={"rope_type": "default", "rope_theta": 10_000.0},
+    max_position_embeddings=20480,
+    rms_norm_eps=1e-6,
+    bos_token_id=0,
+    eos_token_id=1,
+)
+"""Model D, DeepSeek-V3.2's attention at its own sizes (MLA's latent of 512 + 64, heads of 128 + 64; the
+indexer's keys of 128, each query reading its 2,048 best tokens) with an eighth of its heads (16 MLA, 8
+indexer) and a small dense rest, so that at long contexts the attention is most of a decode step: issue 50's
+check that sparse attention reads the indexer's keys and 2,048 tokens, not the whole context. "D-dense" is
+the same checkpoint without the indexer (DeepSeek-V3: MLA over every token)."""
 _SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 IMAGE_TOKEN = "<image>"
 
@@ -379,6 +413,8 @@ RANDOM_MODELS = {
     "H": ("Qwen3_5TextConfig", "MODEL_H_CONFIG"),
     "M-gemma3": ("Gemma3TextConfig", "MODEL_M_GEMMA3_CONFIG"),
     "V": ("LlavaConfig", "MODEL_V_CONFIG"),
+    "D": ("DeepseekV32Config", "MODEL_D_CONFIG"),
+    "D-dense": ("DeepseekV3Config", "MODEL_D_CONFIG"),
 }
 """Name -> (transformers config class, this module's config dict): looked up when built, so a test may
 shrink a config by patching the dict."""
@@ -415,6 +451,9 @@ def _build_random_model(name: str, path: Path) -> None:
     import transformers
     from transformers import AutoModelForCausalLM
 
+    if name in DENSE_TWINS:
+        _dense_twin(random_model_path(DENSE_TWINS[name], path.parent), path)
+        return
     config_class, config_name = RANDOM_MODELS[name]
     settings = globals()[config_name]
     partial = path.with_name(path.name + ".partial")
@@ -431,6 +470,31 @@ def _build_random_model(name: str, path: Path) -> None:
         _llava_processor(settings).save_pretrained(partial)
     else:
         make_byte_tokenizer(settings["vocab_size"]).save_pretrained(partial)
+    partial.rename(path)
+
+
+DENSE_TWINS = {"D-dense": "D"}
+"""A random model made from another's checkpoint with its sparse attention's indexer left out."""
+
+
+def _dense_twin(sparse: Path, path: Path) -> None:
+    """DeepSeek-V3.2 checkpoint `sparse` as DeepSeek-V3 (the same weights, no indexer) at `path`."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    partial = path.with_name(path.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    shutil.copytree(sparse, partial, ignore=shutil.ignore_patterns("*.safetensors*", "config.json"))
+    tensors = {}
+    for file in sorted(sparse.glob("*.safetensors")):
+        tensors.update({n: t for n, t in load_file(str(file)).items() if ".indexer." not in n})
+    save_file(tensors, str(partial / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((sparse / "config.json").read_text())
+    config = {k: v for k, v in config.items() if not k.startswith("index_") and k != "layer_types"}
+    config.update(model_type="deepseek_v3", architectures=["DeepseekV3ForCausalLM"])
+    (partial / "config.json").write_text(json.dumps(config, indent=2))
     partial.rename(path)
 
 

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
+from pagellm.core.sparse_kernels import SparseAttentionKernels
 from pagellm.core.state import RecurrentKernels
 
 if TYPE_CHECKING:
@@ -227,6 +228,13 @@ class Platform:
         fields left None run the plain-torch references. Asked once per model runner of a model that has
         such layers."""
         return RecurrentKernels()
+
+    @classmethod
+    def sparse_attention_kernels(cls) -> SparseAttentionKernels:
+        """This device's kernels for sparse attention's passes over the cache (DeepSeek-V3.2's indexer and
+        its chosen tokens); the fields left None run the torch references. Asked when the model runner is
+        built and again when background-built kernels are taken up."""
+        return SparseAttentionKernels()
 
     @classmethod
     def argmax(cls, logits: torch.Tensor) -> torch.Tensor:

@@ -16,6 +16,7 @@ from pagellm.core.dtypes import dtype_name
 from pagellm.core.errors import ConfigError
 from pagellm.core.moe import Mxfp4Experts, PackedMoE
 from pagellm.core.platform import DTYPE_VIEWS, FLOAT8, Availability, GiB, PackedLinear, Platform
+from pagellm.core.sparse_kernels import SparseAttentionKernels
 from pagellm.core.state import RecurrentKernels
 from pagellm.platforms import cpu_gguf_moe, cpu_linear, cpu_moe, cpu_native_decode
 from pagellm.platforms._common import classproperty, gib
@@ -291,6 +292,18 @@ class CpuPlatform(Platform):
             gated_delta_rule_update=kernels.gated_delta_rule_update,
             selective_state_update=kernels.selective_state_update,
         )
+
+    @classmethod
+    def sparse_attention_kernels(cls) -> SparseAttentionKernels:
+        """The indexer's scores and the attention over the chosen tokens on pagellm's native kernels
+        (platforms/cpu_kernels/sparse_attention.cpp): cached rows read in place through their slots and
+        widened in registers, where the references gather and widen copies of them (a decode at 16k tokens:
+        indexer keys and chosen rows, model D's shapes, docs/performance-log.md). None of them where the
+        kernels cannot be had."""
+        kernels = _kernels()
+        if kernels is None:
+            return SparseAttentionKernels()
+        return SparseAttentionKernels(kernels.sparse_index_scores, kernels.sparse_attend_rows)
 
     @classmethod
     def argmax(cls, logits: torch.Tensor) -> torch.Tensor:

@@ -32,6 +32,7 @@ from pagellm.core.platform import GiB
 from pagellm.distributed import Parallel
 from pagellm.models.base import ModelInit
 from pagellm.models.context import set_forward_context
+from pagellm.models.layers import sparse_attention
 from pagellm.models.layers.fused_moe.layer import FusedMoE, place_mxfp4_experts
 from pagellm.models.layers.linear import Linear
 from pagellm.models.layers.recurrent import RecurrentLayer
@@ -130,6 +131,7 @@ class RunnerBuild:
         self.uses_mrope = bool(getattr(self.model, "uses_mrope", False))
         self.bidirectional_images = bool(getattr(self.model, "bidirectional_images", False))
         self.recurrent_kernels = setup.platform.recurrent_kernels()
+        sparse_attention.use_kernels(setup.platform.sparse_attention_kernels())
         if self.state_layers:
             logger.info("recurrent layers' kernels: %s", self.recurrent_kernels.describe())
 
@@ -323,6 +325,7 @@ class RunnerBuild:
             for layer in model.attention_layers():
                 layer.impl = type(layer.impl)(layer.impl.spec)
         self.recurrent_kernels = self.setup.platform.recurrent_kernels()
+        sparse_attention.use_kernels(self.setup.platform.sparse_attention_kernels())
         self.model_bytes = sum(model_weight_bytes(model) for model in models)
         self.compiler.take_the_core_back()
         self.forward = self.compile()

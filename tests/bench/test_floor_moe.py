@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from pagellm.bench import floor as fl
-from pagellm.bench.experts import Experts
+from pagellm.bench.experts import MOE_FAMILIES, Experts
 from pagellm.bench.floor import Floor, Machine, ModelShape, workload_work
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "models"))
@@ -100,9 +100,7 @@ def test_unknown_experts_are_refused():
         ModelShape.from_hf_config(olmoe, torch.bfloat16)
 
 
-@pytest.mark.parametrize(
-    "arch", ["qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss", "deepseek_v2", "deepseek_v3", "glm4_moe"]
-)
+@pytest.mark.parametrize("arch", [f for f in MOE_FAMILIES if f not in ("qwen3_next", "qwen3_5_moe_text")])
 def test_loaded_moe_engine_agrees_with_its_config(arch, tmp_path):
     from pagellm import LLM
 
@@ -141,3 +139,36 @@ def test_layers_whose_experts_take_different_bytes_are_charged_their_mean(tmp_pa
     mixed = experts_of_model(model)
     assert mixed.params == plain.params and mixed.layers == plain.layers
     assert mixed.bytes == round((300 + 100 * (len(layers) - 1)) / len(layers))
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v32", "glm_moe_dsa"])
+def test_sparse_attention_reads_the_indexer_keys_and_k_latent_rows(arch, tmp_path):
+    """A decode query far past index_topk (8 in the tiny configs) attends to k latent rows a layer and its
+    indexers read every earlier key: the loaded engine and its config agree on both."""
+    from pagellm import LLM
+
+    llm = LLM(str(make_tiny_checkpoint(arch, tmp_path)), dtype="float32", kv_cache_space=0.01)
+    c = llm.engine.setup.hf_config
+    from_model = ModelShape.from_llm(llm)
+    from_config = ModelShape.from_hf_config(c, torch.float32)
+    indexed = sum(
+        kind == "full" for kind in (getattr(c, "indexer_types", None) or ["full"] * c.num_hidden_layers)
+    )
+    for shape in (from_model, from_config):
+        assert shape.num_layers == c.num_hidden_layers  # the indexers' key caches are not attention layers
+        assert shape.layer_windows == (c.index_topk,) * c.num_hidden_layers
+        assert shape.index_bytes_per_token == indexed * c.index_head_dim * 4
+        assert shape.index_flops_per_key == 2.0 * indexed * c.index_n_heads * c.index_head_dim
+        assert shape.kv_bytes_per_token == c.num_hidden_layers * (c.kv_lora_rank + c.qk_rope_head_dim) * 4
+    assert from_model.linear_params == from_config.linear_params
+    context = 1000
+    work = from_config.chunk_work(context, 1, samples=True)
+    rows = c.num_hidden_layers * c.index_topk
+    assert work.attention_flops == from_config.attention_flops(rows) + from_config.index_flops_per_key * (
+        context + 1
+    )
+    latent = from_config.kv_bytes_per_token / c.num_hidden_layers
+    assert (
+        work.kv_bytes
+        == latent * c.num_hidden_layers * (c.index_topk - 1) + indexed * c.index_head_dim * 4 * context
+    )

@@ -28,14 +28,6 @@ pytestmark = pytest.mark.usefixtures("two_threads")  # the kernels split their w
 QUANTIZED = {"int8": Int8Method, "fp8": Fp8Method}
 
 
-@pytest.fixture(scope="module")
-def kernels():
-    module = cpu_kernels.load()
-    if module is None:
-        pytest.skip(f"no native kernels here: {cpu_kernels.why_unavailable()}")
-    return module
-
-
 # name: (tokens, top_k, experts, hidden, intermediate); hidden and intermediate not multiples of the
 # vector width (8) or the panel (16) unless a case needs the even path
 SHAPES = {

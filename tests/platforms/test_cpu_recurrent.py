@@ -9,20 +9,12 @@ import torch
 
 from pagellm.core.state import RecurrentKernels
 from pagellm.models.layers.recurrent_kernels import REFERENCE
-from pagellm.platforms import cpu, cpu_kernels
+from pagellm.platforms import cpu
 from pagellm.platforms.cpu import CpuPlatform
 
 pytestmark = pytest.mark.usefixtures("two_threads")  # the kernels split their work across threads
 
 NUM_SLOTS = 7
-
-
-@pytest.fixture(scope="module")
-def kernels():
-    module = cpu_kernels.load()
-    if module is None:
-        pytest.skip(f"no native kernels here: {cpu_kernels.why_unavailable()}")
-    return module
 
 
 def _slots(batch: int, gen: torch.Generator) -> torch.Tensor:

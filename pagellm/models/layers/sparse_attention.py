@@ -42,6 +42,7 @@ from torch import nn
 
 from pagellm.attention_backends._base import store_kv
 from pagellm.core.attention import AttentionSpec
+from pagellm.core.sparse_kernels import ROW_DTYPES, SparseAttentionKernels
 from pagellm.models.context import ForwardContext, ModelInit, get_forward_context
 from pagellm.models.layers.attention import Attention
 from pagellm.models.layers.linear import Linear
@@ -49,6 +50,15 @@ from pagellm.models.layers.rotary import apply_rotary
 
 INDEX_NORM_EPS = 1e-6
 """transformers' indexer LayerNorm eps (not the config's rms_norm_eps)."""
+
+_KERNELS = SparseAttentionKernels()
+"""The platform's kernels for the two passes over the cache (`use_kernels`); None fields: the references."""
+
+
+def use_kernels(kernels: SparseAttentionKernels) -> None:
+    """Run the passes on `kernels` from now on (the model runner's platform's, set when it is built)."""
+    global _KERNELS
+    _KERNELS = kernels
 
 
 def indexer_cache_spec(hf_config: Any, dtype: torch.dtype, block_size: int) -> AttentionSpec:
@@ -156,14 +166,22 @@ def sparse_mla_forward(
             chosen.append(None)
             continue
         positions = torch.arange(seq_len - (end - first), seq_len, device=q.device)
-        keys = index_rows.index_select(
-            0, context_slots(index_meta.batch.block_tables[r], seq_len, block_size)
-        )
+        slots = context_slots(index_meta.batch.block_tables[r], seq_len, block_size)
+        kernel = _KERNELS.index_scores if index_rows.dtype in ROW_DTYPES else None
+        keys = index_rows.index_select(0, slots) if kernel is None else None
         parts = []
         for a, b in _query_slices(end - first, index_q.shape[1] * seq_len):  # [Q, Hi, S] floats at most
-            scores = index_scores(
-                index_q[first + a : first + b], keys, index_weights[first + a : first + b], params.index_scale
-            )
+            iq, weights = index_q[first + a : first + b], index_weights[first + a : first + b]
+            if kernel is None:
+                scores = index_scores(iq, keys, weights, params.index_scale)
+            else:
+                scores = kernel(
+                    iq.contiguous(),
+                    index_rows,
+                    slots,
+                    weights.float().contiguous(),
+                    params.index_scale,
+                )
             parts.append(select_topk(scores, positions[a:b], params.topk))
         chosen.append(_joined(parts))
     _SELECTIONS[layers[0]] = (_step_key(mla_meta.batch), chosen)
@@ -190,6 +208,7 @@ def attend_chosen(
     """Each request's chosen positions -> slots through the latent group's block table -> those latent rows
     alone -> attention (q [T, H, R'] -> [T, H, v_size])."""
     batch, rows_of = mla_meta.batch, _rows(mla_cache)
+    kernel = _KERNELS.attend_rows if rows_of.dtype in ROW_DTYPES else None
     block_size, starts = mla_cache.shape[2], batch.query_start_loc_cpu.tolist()
     out = q.new_zeros(q.shape[0], q.shape[1], params.v_size)
     for r, choice in enumerate(chosen):
@@ -198,6 +217,17 @@ def attend_chosen(
         first, end = starts[r], starts[r + 1]
         for a, b in _query_slices(end - first, choice.positions.shape[1] * rows_of.shape[1]):
             slots = slots_of(batch.block_tables[r], choice.positions[a:b], block_size)  # the chosen only
+            if kernel is not None:
+                part = kernel(
+                    q[first + a : first + b].contiguous(),
+                    rows_of,
+                    slots.contiguous(),
+                    choice.valid[a:b].contiguous(),
+                    params.scale,
+                    params.v_size,
+                )
+                out[first + a : first + b] = part.to(q.dtype)
+                continue
             rows = rows_of.index_select(0, slots.reshape(-1)).view(*slots.shape, -1).to(q.dtype)
             out[first + a : first + b] = attend_selected(
                 q[first + a : first + b], rows, choice.valid[a:b], params.scale, params.v_size

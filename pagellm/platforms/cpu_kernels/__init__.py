@@ -50,6 +50,7 @@ SOURCES = (
     "gguf_moe.cpp",
     "recurrent.cpp",
     "native_decoder.cpp",
+    "sparse_attention.cpp",
     "ops.cpp",
 )
 HEADERS = (
@@ -89,6 +90,8 @@ OPS = (
     "gated_delta_rule_update",
     "selective_state_update",
     "conv1d_update",
+    "sparse_index_scores",
+    "sparse_attend_rows",
     "native_decoder_pairs",
     "native_decoder_panels",
     "native_decoder_plan",

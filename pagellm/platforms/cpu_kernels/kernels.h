@@ -137,3 +137,13 @@ at::Tensor selective_state_update(const at::Tensor& x, const at::Tensor& dt, con
                                   const at::Tensor& slots);
 at::Tensor conv1d_update(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
                          at::Tensor conv_states, const at::Tensor& slots, c10::optional<c10::string_view> activation);
+
+// sparse_attention.cpp: DeepSeek Sparse Attention over cached rows [slots, d] (float32 or bfloat16) read in
+// place through slots. The indexer's scores: q [Q, H, d] float32, slots [S], weights [Q, H] float32 ->
+// [Q, S] float32, sum_h weights[q, h] * relu(scale * q_h . row[slots[t]]). The attention over each query's
+// chosen rows: q [Q, H, d] float32, slots [Q, k], valid [Q, k] -> [Q, H, v_size] float32, softmax(scale *
+// q_h . row) over the valid ones times the rows' first v_size values.
+at::Tensor sparse_index_scores(const at::Tensor& q, const at::Tensor& rows, const at::Tensor& slots,
+                               const at::Tensor& weights, double scale);
+at::Tensor sparse_attend_rows(const at::Tensor& q, const at::Tensor& rows, const at::Tensor& slots,
+                              const at::Tensor& valid, double scale, int64_t v_size);

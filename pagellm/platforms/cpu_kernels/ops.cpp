@@ -179,4 +179,8 @@ TORCH_LIBRARY(TORCH_EXTENSION_NAME, m) {
   m.def("conv1d_update(Tensor x, Tensor weight, Tensor? bias, Tensor(a!) conv_states, Tensor slots, "
         "str? activation) -> Tensor",
         TORCH_FN(conv1d_update));
+  m.def("sparse_index_scores(Tensor q, Tensor rows, Tensor slots, Tensor weights, float scale) -> Tensor",
+        TORCH_FN(sparse_index_scores));
+  m.def("sparse_attend_rows(Tensor q, Tensor rows, Tensor slots, Tensor valid, float scale, int v_size) -> Tensor",
+        TORCH_FN(sparse_attend_rows));
 }

@@ -1,0 +1,434 @@
+// DeepSeek Sparse Attention's two passes over cached rows, read in place through slots (no gathered,
+// widened copy of the context): the lightning indexer's scores of every earlier token, and the absorbed MLA
+// attention over the tokens the top k chose (models/layers/sparse_attention.py defines the math: its
+// `index_scores` and `attend_selected`, which these equal up to float32 summation order).
+//
+// The cached rows are bfloat16 or float32 (a slot-major cache, TORCH_SDPA's layout), products and sums in
+// float32 (a bfloat16 value widens exactly). The indexer's pass is split over the keys between the threads,
+// each key read once for every query and head; the attention's over queries (a decode's over parts of its
+// chosen rows, merged as flash-decoding merges partitions), each part's rows read twice for every head (the
+// scores, then the weighted sum of their first v_size values).
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "kernels.h"
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define SP_AVX512 1
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define SP_AVX2 1
+#endif
+
+namespace {
+
+// A row of d values widened to float32 (bfloat16: the bits shifted up, exact).
+template <typename T>
+inline void widen(const T* src, int64_t d, float* dst);
+
+template <>
+inline void widen<float>(const float* src, int64_t d, float* dst) {
+  std::memcpy(dst, src, d * sizeof(float));
+}
+
+template <>
+inline void widen<uint16_t>(const uint16_t* src, int64_t d, float* dst) {
+  int64_t i = 0;
+#if SP_AVX512
+  for (; i + 16 <= d; i += 16) {
+    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i)));
+    _mm512_storeu_ps(dst + i, _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16)));
+  }
+#elif SP_AVX2
+  for (; i + 8 <= d; i += 8) {
+    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i)));
+    _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16)));
+  }
+#endif
+  for (; i < d; ++i) {
+    const uint32_t bits = static_cast<uint32_t>(src[i]) << 16;
+    std::memcpy(dst + i, &bits, 4);
+  }
+}
+
+// sum_i a[i] * b[i] in float32.
+inline float dot(const float* a, const float* b, int64_t d) {
+  int64_t i = 0;
+  float total = 0.f;
+#if SP_AVX512
+  __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+  for (; i + 32 <= d; i += 32) {
+    acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc0);
+    acc1 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i + 16), _mm512_loadu_ps(b + i + 16), acc1);
+  }
+  for (; i + 16 <= d; i += 16) acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc0);
+  total = _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
+#elif SP_AVX2
+  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+  for (; i + 16 <= d; i += 16) {
+    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+    acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), acc1);
+  }
+  for (; i + 8 <= d; i += 8) acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+  const __m256 s = _mm256_add_ps(acc0, acc1);
+  const __m128 h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+  const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  total = _mm_cvtss_f32(_mm_add_ss(q, _mm_shuffle_ps(q, q, 1)));
+#endif
+  for (; i < d; ++i) total += a[i] * b[i];
+  return total;
+}
+
+// out[i] += w * x[i]
+inline void axpy(float w, const float* x, int64_t d, float* out) {
+  int64_t i = 0;
+#if SP_AVX512
+  const __m512 wv = _mm512_set1_ps(w);
+  for (; i + 16 <= d; i += 16)
+    _mm512_storeu_ps(out + i, _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + i), _mm512_loadu_ps(out + i)));
+#elif SP_AVX2
+  const __m256 wv = _mm256_set1_ps(w);
+  for (; i + 8 <= d; i += 8)
+    _mm256_storeu_ps(out + i, _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + i), _mm256_loadu_ps(out + i)));
+#endif
+  for (; i < d; ++i) out[i] += w * x[i];
+}
+
+#if SP_AVX512
+// 16 values of a row from element i, widened.
+inline __m512 load16(const float* p, int64_t i) { return _mm512_loadu_ps(p + i); }
+inline __m512 load16(const uint16_t* p, int64_t i) {
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+#endif
+
+// out[r * G + h] = q_h . row_r for G query vectors (q + h * d) and two rows: each 16-value slice of the rows
+// loaded once for all G (2 * G sums in registers), each slice of q once for both rows.
+template <typename T, int G>
+inline void dots2(const float* q, int64_t d, const T* r0, const T* r1, float* out) {
+  int64_t i = 0;
+#if SP_AVX512
+  __m512 a0[G], a1[G];
+  for (int h = 0; h < G; ++h) a0[h] = a1[h] = _mm512_setzero_ps();
+  for (; i + 16 <= d; i += 16) {
+    const __m512 x0 = load16(r0, i), x1 = load16(r1, i);
+    for (int h = 0; h < G; ++h) {
+      const __m512 qv = _mm512_loadu_ps(q + h * d + i);
+      a0[h] = _mm512_fmadd_ps(qv, x0, a0[h]);
+      a1[h] = _mm512_fmadd_ps(qv, x1, a1[h]);
+    }
+  }
+  for (int h = 0; h < G; ++h) out[h] = _mm512_reduce_add_ps(a0[h]), out[G + h] = _mm512_reduce_add_ps(a1[h]);
+#else
+  for (int h = 0; h < G; ++h) out[h] = out[G + h] = 0.f;
+#endif
+  if (i < d) {
+    float t0[512], t1[512];
+    const int64_t rest = d - i;
+    widen<T>(r0 + i, rest, t0), widen<T>(r1 + i, rest, t1);
+    for (int h = 0; h < G; ++h) out[h] += dot(q + h * d + i, t0, rest), out[G + h] += dot(q + h * d + i, t1, rest);
+  }
+}
+
+// out[r * g + h] = q_h . row_r, h < g, for rows r0 and r1 (r1 may equal r0): dots2 in groups of at most 8.
+template <typename T>
+inline void dots_rows(const float* q, int64_t g, int64_t d, const T* r0, const T* r1, float* out) {
+  float part[16];
+  for (int64_t h0 = 0; h0 < g; h0 += 8) {
+    const int64_t n = std::min<int64_t>(8, g - h0);
+    const float* qh = q + h0 * d;
+    switch (n) {
+      case 8: dots2<T, 8>(qh, d, r0, r1, part); break;
+      case 4: dots2<T, 4>(qh, d, r0, r1, part); break;
+      case 2: dots2<T, 2>(qh, d, r0, r1, part); break;
+      default:
+        for (int64_t h = 0; h < n; ++h) {
+          dots2<T, 1>(qh + h * d, d, r0, r1, part + 2 * h);
+        }
+        for (int64_t h = 0; h < n; ++h) out[h0 + h] = part[2 * h], out[g + h0 + h] = part[2 * h + 1];
+        continue;
+    }
+    for (int64_t h = 0; h < n; ++h) out[h0 + h] = part[h], out[g + h0 + h] = part[n + h];
+  }
+}
+
+#if SP_AVX512
+// o[h][c .. c + 32) += sum_j p[h * k + j] * row_j[c .. c + 32) for G heads and rows j0..j1 (valid ones): the
+// 2 * G sums in registers, each row slice loaded once for the G heads.
+template <typename T, int G>
+inline void weighted_slice(const float* p, int64_t k, const T* rows, int64_t d, const int64_t* at, const bool* ok,
+                           int64_t j0, int64_t j1, int64_t c, float* o, int64_t v_size) {
+  __m512 a0[G], a1[G];
+  for (int h = 0; h < G; ++h) a0[h] = _mm512_loadu_ps(o + h * v_size + c), a1[h] = _mm512_loadu_ps(o + h * v_size + c + 16);
+  for (int64_t j = j0; j < j1; ++j) {
+    if (!ok[j]) continue;
+    const T* r = rows + at[j] * d;
+    const __m512 x0 = load16(r, c), x1 = load16(r, c + 16);
+    for (int h = 0; h < G; ++h) {
+      const __m512 w = _mm512_set1_ps(p[h * k + j]);
+      a0[h] = _mm512_fmadd_ps(w, x0, a0[h]);
+      a1[h] = _mm512_fmadd_ps(w, x1, a1[h]);
+    }
+  }
+  for (int h = 0; h < G; ++h) _mm512_storeu_ps(o + h * v_size + c, a0[h]), _mm512_storeu_ps(o + h * v_size + c + 16, a1[h]);
+}
+#endif
+
+// o[h][:v_size] = sum over the valid chosen rows j of p[h * k + j] * row_j[:v_size], h < g: blocks of rows that
+// stay in cache while each 32-value slice of the output is summed in registers (`row`: scratch of d floats).
+// The same for bfloat16 queries and rows: pairs of products in one vdpbf16ps (exact products, float32
+// sums), where the build has AVX-512 BF16; else the queries widened (`dots_rows` over float32 q).
+#if defined(__AVX512BF16__)
+constexpr bool kBf16Dots = true;
+template <int G>
+inline void dots2_bf16(const uint16_t* q, int64_t d, const uint16_t* r0, const uint16_t* r1, float* out) {
+  __m512 a0[G], a1[G];
+  for (int h = 0; h < G; ++h) a0[h] = a1[h] = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 32 <= d; i += 32) {
+    const __m512bh x0 = (__m512bh)_mm512_loadu_si512(r0 + i), x1 = (__m512bh)_mm512_loadu_si512(r1 + i);
+    for (int h = 0; h < G; ++h) {
+      const __m512bh qv = (__m512bh)_mm512_loadu_si512(q + h * d + i);
+      a0[h] = _mm512_dpbf16_ps(a0[h], qv, x0);
+      a1[h] = _mm512_dpbf16_ps(a1[h], qv, x1);
+    }
+  }
+  for (int h = 0; h < G; ++h) out[h] = _mm512_reduce_add_ps(a0[h]), out[G + h] = _mm512_reduce_add_ps(a1[h]);
+  if (i < d) {
+    float qf[32], t0[32], t1[32];
+    const int64_t rest = d - i;
+    widen<uint16_t>(r0 + i, rest, t0), widen<uint16_t>(r1 + i, rest, t1);
+    for (int h = 0; h < G; ++h) {
+      widen<uint16_t>(q + h * d + i, rest, qf);
+      out[h] += dot(qf, t0, rest), out[G + h] += dot(qf, t1, rest);
+    }
+  }
+}
+#else
+constexpr bool kBf16Dots = false;
+template <int G>
+inline void dots2_bf16(const uint16_t*, int64_t, const uint16_t*, const uint16_t*, float*) {}
+#endif
+
+inline void dots_rows(const uint16_t* q, int64_t g, int64_t d, const uint16_t* r0, const uint16_t* r1, float* out) {
+  float part[16];
+  for (int64_t h0 = 0; h0 < g; h0 += 8) {
+    const int64_t n = std::min<int64_t>(8, g - h0);
+    const uint16_t* qh = q + h0 * d;
+    if (n == 8) {
+      dots2_bf16<8>(qh, d, r0, r1, part);
+    } else {
+      for (int64_t h = 0; h < n; ++h) {
+        float two[2];
+        dots2_bf16<1>(qh + h * d, d, r0, r1, two);
+        part[h] = two[0], part[n + h] = two[1];
+      }
+    }
+    for (int64_t h = 0; h < n; ++h) out[h0 + h] = part[h], out[g + h0 + h] = part[n + h];
+  }
+}
+
+template <typename T>
+void weighted_rows(const float* p, int64_t k, int64_t g, const T* rows, int64_t d, const int64_t* at,
+                   const bool* ok, int64_t v_size, float* o, float* row) {
+  int64_t done = 0;
+#if SP_AVX512
+  done = v_size / 32 * 32;
+  constexpr int64_t kBlock = 64;
+  for (int64_t j0 = 0; j0 < k; j0 += kBlock) {
+    const int64_t j1 = std::min(k, j0 + kBlock);
+    for (int64_t c = 0; c < done; c += 32)
+      for (int64_t h0 = 0; h0 < g; h0 += 8) {
+        const int64_t n = std::min<int64_t>(8, g - h0);
+        const float* ph = p + h0 * k;
+        float* oh = o + h0 * v_size;
+        switch (n) {
+          case 8: weighted_slice<T, 8>(ph, k, rows, d, at, ok, j0, j1, c, oh, v_size); break;
+          case 4: weighted_slice<T, 4>(ph, k, rows, d, at, ok, j0, j1, c, oh, v_size); break;
+          default:
+            for (int64_t h = 0; h < n; ++h)
+              weighted_slice<T, 1>(ph + h * k, k, rows, d, at, ok, j0, j1, c, oh + h * v_size, v_size);
+        }
+      }
+  }
+#endif
+  if (done == v_size) return;
+  for (int64_t j = 0; j < k; ++j) {
+    if (!ok[j]) continue;
+    widen<T>(rows + at[j] * d + done, v_size - done, row);
+    for (int64_t h = 0; h < g; ++h) axpy(p[h * k + j], row, v_size - done, o + h * v_size + done);
+  }
+}
+
+template <typename T, typename Q>
+void index_scores_impl(const Q* q, const T* rows, const int64_t* slots, const float* weights, int64_t queries,
+                       int64_t heads, int64_t d, int64_t keys, float scale, float* out) {
+  at::parallel_for(0, (keys + 1) / 2, 128, [&](int64_t begin, int64_t end) {
+    std::vector<float> dots(2 * heads);
+    for (int64_t pair = begin; pair < end; ++pair) {
+      const int64_t t = 2 * pair, t1 = std::min(t + 1, keys - 1);
+      const T *k0 = rows + slots[t] * d, *k1 = rows + slots[t1] * d;
+      for (int64_t i = 0; i < queries; ++i) {
+        dots_rows(q + i * heads * d, heads, d, k0, k1, dots.data());
+        float s0 = 0.f, s1 = 0.f;
+        for (int64_t h = 0; h < heads; ++h) {
+          s0 += weights[i * heads + h] * std::max(0.f, scale * dots[h]);
+          s1 += weights[i * heads + h] * std::max(0.f, scale * dots[heads + h]);
+        }
+        out[i * keys + t] = s0;
+        if (t1 != t) out[i * keys + t1] = s1;
+      }
+    }
+  });
+}
+
+template <typename T, typename Q>
+void attend_rows_impl(const Q* q, const T* rows, const int64_t* slots, const bool* valid, int64_t queries,
+                      int64_t heads, int64_t d, int64_t k, int64_t v_size, float scale, float* out) {
+  // work items of one query and a part of its chosen rows, every head (each row read once per item: a
+  // decode's rows split between the threads, a chunk's queries); the parts' softmax sums merged after
+  const int64_t threads = at::get_num_threads();
+  const int64_t parts = queries >= threads ? 1 : std::max<int64_t>(1, std::min<int64_t>(threads, k / 64));
+  std::vector<float> part_out(parts > 1 ? queries * parts * heads * v_size : 0);
+  std::vector<float> part_max(queries * parts * heads), part_sum(queries * parts * heads);
+  at::parallel_for(0, queries * parts, 1, [&](int64_t begin, int64_t end) {
+    const int64_t most = (k + parts - 1) / parts;
+    std::vector<float> row(d), scores(heads * most), pair_dots(2 * heads);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t i = item / parts, part = item % parts;
+      const int64_t j0 = part * k / parts, n = (part + 1) * k / parts - j0;
+      const Q* qi = q + i * heads * d;
+      const bool* ok = valid + i * k + j0;
+      const int64_t* at = slots + i * k + j0;
+      float* best = part_max.data() + item * heads;
+      float* total = part_sum.data() + item * heads;
+      std::fill(best, best + heads, -std::numeric_limits<float>::infinity());
+      for (int64_t j = 0; j < n; j += 2) {
+        const int64_t j1 = std::min(j + 1, n - 1);
+        dots_rows(qi, heads, d, rows + at[j] * d, rows + at[j1] * d, pair_dots.data());
+        for (int64_t h = 0; h < heads; ++h) {
+          scores[h * n + j] = scale * pair_dots[h];
+          if (ok[j]) best[h] = std::max(best[h], scores[h * n + j]);
+          if (j1 != j) {
+            scores[h * n + j1] = scale * pair_dots[heads + h];
+            if (ok[j1]) best[h] = std::max(best[h], scores[h * n + j1]);
+          }
+        }
+      }
+      for (int64_t h = 0; h < heads; ++h) {
+        total[h] = 0.f;
+        for (int64_t j = 0; j < n; ++j) {
+          const float e = ok[j] ? std::exp(scores[h * n + j] - best[h]) : 0.f;
+          scores[h * n + j] = e;
+          total[h] += e;
+        }
+        const float inv = parts > 1 || total[h] == 0.f ? 1.f : 1.f / total[h];
+        for (int64_t j = 0; j < n; ++j) scores[h * n + j] *= inv;
+      }
+      float* o = parts > 1 ? part_out.data() + item * heads * v_size : out + i * heads * v_size;
+      std::fill(o, o + heads * v_size, 0.f);
+      weighted_rows<T>(scores.data(), n, heads, rows, d, at, ok, v_size, o, row.data());
+    }
+  });
+  if (parts == 1) return;
+  for (int64_t i = 0; i < queries; ++i)  // the parts' sums, each scaled by e^(its max - the max)
+    for (int64_t h = 0; h < heads; ++h) {
+      float top = -std::numeric_limits<float>::infinity(), total = 0.f;
+      for (int64_t part = 0; part < parts; ++part) top = std::max(top, part_max[(i * parts + part) * heads + h]);
+      float* o = out + (i * heads + h) * v_size;
+      std::fill(o, o + v_size, 0.f);
+      for (int64_t part = 0; part < parts; ++part) {
+        const int64_t at = (i * parts + part) * heads + h;
+        if (part_sum[at] == 0.f) continue;
+        const float w = std::exp(part_max[at] - top);
+        total += w * part_sum[at];
+        axpy(w, part_out.data() + at * v_size, v_size, o);
+      }
+      const float inv = 1.f / total;
+      for (int64_t c = 0; c < v_size; ++c) o[c] *= inv;
+    }
+}
+
+void check_rows(const at::Tensor& rows, const char* what) {
+  TORCH_CHECK(rows.dim() == 2 && rows.is_contiguous() &&
+                  (rows.scalar_type() == at::kBFloat16 || rows.scalar_type() == at::kFloat),
+              what, ": rows must be contiguous float32 or bfloat16 [slots, d]");
+}
+
+void check_q(const at::Tensor& q, const at::Tensor& rows, const char* what) {
+  TORCH_CHECK(q.dim() == 3 && (q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16) &&
+                  q.is_contiguous() && q.size(2) == rows.size(1),
+              what, ": q must be contiguous float32 or bfloat16 [Q, H, d]");
+}
+
+// Runs `fn(q, rows)` with typed pointers: bfloat16 q straight on bfloat16 rows where the build has the pair
+// products, else q widened to float32 (a copy of Q x H x d values).
+template <typename Fn>
+void with_types(const at::Tensor& q, const at::Tensor& rows, Fn fn) {
+  const bool bf16_rows = rows.scalar_type() == at::kBFloat16;
+  const auto* rows16 = reinterpret_cast<const uint16_t*>(rows.data_ptr());
+  if (q.scalar_type() == at::kBFloat16 && bf16_rows && kBf16Dots) {
+    fn(reinterpret_cast<const uint16_t*>(q.data_ptr()), rows16);
+    return;
+  }
+  std::vector<float> widened;
+  const float* qf = q.scalar_type() == at::kFloat ? q.data_ptr<float>() : nullptr;
+  if (qf == nullptr) {
+    widened.resize(q.numel());
+    widen<uint16_t>(reinterpret_cast<const uint16_t*>(q.data_ptr()), q.numel(), widened.data());
+    qf = widened.data();
+  }
+  if (bf16_rows)
+    fn(qf, rows16);
+  else
+    fn(qf, rows.data_ptr<float>());
+}
+
+}  // namespace
+
+at::Tensor sparse_index_scores(const at::Tensor& q, const at::Tensor& rows, const at::Tensor& slots,
+                               const at::Tensor& weights, double scale) {
+  check_rows(rows, "sparse_index_scores");
+  check_q(q, rows, "sparse_index_scores");
+  TORCH_CHECK(weights.scalar_type() == at::kFloat && weights.is_contiguous() && weights.size(0) == q.size(0) &&
+                  weights.size(1) == q.size(1),
+              "sparse_index_scores: weights must be contiguous float32 [Q, H]");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.is_contiguous(),
+              "sparse_index_scores: slots must be int64 [S]");
+  const int64_t queries = q.size(0), heads = q.size(1), d = q.size(2), keys = slots.size(0);
+  at::Tensor out = q.new_empty({queries, keys}, q.options().dtype(at::kFloat));
+  with_types(q, rows, [&](const auto* qp, const auto* rp) {
+    index_scores_impl(qp, rp, slots.data_ptr<int64_t>(), weights.data_ptr<float>(), queries, heads, d, keys,
+                      static_cast<float>(scale), out.data_ptr<float>());
+  });
+  return out;
+}
+
+at::Tensor sparse_attend_rows(const at::Tensor& q, const at::Tensor& rows, const at::Tensor& slots,
+                              const at::Tensor& valid, double scale, int64_t v_size) {
+  check_rows(rows, "sparse_attend_rows");
+  check_q(q, rows, "sparse_attend_rows");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 2 && slots.is_contiguous() &&
+                  slots.size(0) == q.size(0),
+              "sparse_attend_rows: slots must be int64 [Q, k]");
+  TORCH_CHECK(valid.scalar_type() == at::kBool && valid.is_contiguous() && valid.sizes() == slots.sizes(),
+              "sparse_attend_rows: valid must be bool [Q, k]");
+  TORCH_CHECK(v_size > 0 && v_size <= rows.size(1), "sparse_attend_rows: v_size must be within d");
+  const int64_t queries = q.size(0), heads = q.size(1), d = q.size(2), k = slots.size(1);
+  at::Tensor out = q.new_empty({queries, heads, v_size}, q.options().dtype(at::kFloat));
+  with_types(q, rows, [&](const auto* qp, const auto* rp) {
+    attend_rows_impl(qp, rp, slots.data_ptr<int64_t>(), valid.data_ptr<bool>(), queries, heads, d, k, v_size,
+                     static_cast<float>(scale), out.data_ptr<float>());
+  });
+  return out;
+}
