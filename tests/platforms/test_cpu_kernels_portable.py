@@ -1,7 +1,7 @@
 """The kernels' plain C++ paths (what a CPU without AVX2 runs) and their AVX2 paths (what AMD Zen 2/3 and
-older Intel CPUs run) pass the GGUF kernel tests (linears and experts) and the native decode step's GGUF
-tests: the library built with PAGELLM_CPU_KERNELS_ARCH=x86-64 or haswell, in a process of its own (one
-build of the kernels each: slow)."""
+older Intel CPUs run) pass the GGUF kernel tests (linears and experts), the native decode step's GGUF
+tests and sparse attention's: the library built with PAGELLM_CPU_KERNELS_ARCH=x86-64 or haswell, in a
+process of its own (one build of the kernels each: slow)."""
 
 from __future__ import annotations
 
@@ -39,6 +39,7 @@ def test_gguf_kernels_on_a_portable_build(tmp_path, arch, isa):
             "no:cacheprovider",
             str(HERE / "test_cpu_gguf.py"),
             str(HERE / "test_cpu_gguf_moe.py"),
+            str(HERE / "test_cpu_sparse_attention.py"),
             str(HERE.parent / "worker" / "test_native_decode.py"),
         ],
         env=env,

@@ -132,11 +132,11 @@ inline void dots2(const float* q, int64_t d, const T* r0, const T* r1, float* ou
 #else
   for (int h = 0; h < G; ++h) out[h] = out[G + h] = 0.f;
 #endif
-  if (i < d) {
-    float t0[512], t1[512];
-    const int64_t rest = d - i;
-    widen<T>(r0 + i, rest, t0), widen<T>(r1 + i, rest, t1);
-    for (int h = 0; h < G; ++h) out[h] += dot(q + h * d + i, t0, rest), out[G + h] += dot(q + h * d + i, t1, rest);
+  for (; i < d; i += 256) {  // the tail (all of it without AVX-512), widened 256 values at a time
+    float t0[256], t1[256];
+    const int64_t n = std::min<int64_t>(256, d - i);
+    widen<T>(r0 + i, n, t0), widen<T>(r1 + i, n, t1);
+    for (int h = 0; h < G; ++h) out[h] += dot(q + h * d + i, t0, n), out[G + h] += dot(q + h * d + i, t1, n);
   }
 }
 
