@@ -178,12 +178,15 @@ def adapt_moe_names(name: str) -> str:
 
 
 class LatentUpProjection(nn.Module):
-    """`kv_b_proj`, kept as the checkpoint's [num_heads * (qk_nope + v_head_dim), kv_lora_rank] weight but
-    never applied to the cache: each head's first qk_nope rows (W_UK) absorb into its query, its v_head_dim
-    rows (W_UV) expand its latent output. A plain parameter, not a `Linear`, since both products read the
-    weight per head (a platform's packed or a quantized layout would hide it). Under tensor parallelism a
-    rank holds only its `num_heads` heads' rows, from head `first_head` on (None: one rank, every head);
-    both products read nothing else, so the absorbed form needs no per-head copy split apart from it."""
+    """`kv_b_proj`: the checkpoint's [num_heads * (qk_nope + v_head_dim), kv_lora_rank] weight, never applied
+    to the cache: each head's first qk_nope rows (W_UK) absorb into its query, its v_head_dim rows (W_UV)
+    expand its latent output. A plain parameter, not a `Linear`, since both products read the weight per
+    head (a platform's packed or a quantized layout would hide it). It is loaded laid out as the products
+    read it (`_load`): every head's W_UK [qk_nope, rank], then every head's W_UV^T [rank, v_head_dim], so
+    each batched product reads contiguous matrices (strided per-head slices of the checkpoint's layout had
+    torch's bmm copy both, 2 MiB a layer and step at model D's sizes). Under tensor parallelism a rank holds
+    only its `num_heads` heads' rows, from head `first_head` on (None: one rank, every head); both products
+    read nothing else."""
 
     def __init__(
         self,
@@ -200,6 +203,8 @@ class LatentUpProjection(nn.Module):
         self.weight = nn.Parameter(
             torch.empty(num_heads * (nope + v_dim), rank, dtype=dtype), requires_grad=False
         )
+        self.weight.weight_loader = self._load
+        self.split = num_heads * nope * rank  # where the W_UV^T part starts
 
     def narrow_checkpoint(self, attr: str, tensor: torch.Tensor, part: int | None) -> torch.Tensor:
         """This rank's heads' rows of the checkpoint's `kv_b_proj.weight` (called by the loader)."""
@@ -208,18 +213,28 @@ class LatentUpProjection(nn.Module):
         rows = self.nope + self.v_dim
         return tensor.narrow(0, self.first_head * rows, self.num_heads * rows)
 
-    def _per_head(self) -> torch.Tensor:
-        return self.weight.view(self.num_heads, self.nope + self.v_dim, self.rank)
+    def _load(self, param: torch.Tensor, tensor: torch.Tensor, shard: int | None) -> None:
+        """The checkpoint's rows (this rank's), laid out as the products read them."""
+        if tensor.shape != param.shape:
+            raise ConfigError(
+                f"kv_b_proj.weight has shape {tuple(tensor.shape)}, the model expects {tuple(param.shape)}; "
+                "the config does not match the weights"
+            )
+        per_head = tensor.view(self.num_heads, self.nope + self.v_dim, self.rank)
+        flat = param.data.view(-1)
+        flat[: self.split].view(self.num_heads, self.nope, self.rank).copy_(per_head[:, : self.nope])
+        w_uv_t = flat[self.split :].view(self.num_heads, self.rank, self.v_dim)
+        w_uv_t.copy_(per_head[:, self.nope :].transpose(1, 2))
 
     def absorb_query(self, q_nope: torch.Tensor) -> torch.Tensor:
         """[T, H, qk_nope] -> [T, H, kv_lora_rank]: q_nope_h W_UK_h."""
-        w_uk = self._per_head()[:, : self.nope]  # [H, nope, rank]
+        w_uk = self.weight.view(-1)[: self.split].view(self.num_heads, self.nope, self.rank)
         return torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)
 
     def expand_output(self, latent: torch.Tensor) -> torch.Tensor:
         """[T, H, kv_lora_rank] -> [T, H, v_head_dim]: o_h W_UV_h^T."""
-        w_uv = self._per_head()[:, self.nope :]  # [H, v, rank]
-        return torch.bmm(latent.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
+        w_uv_t = self.weight.view(-1)[self.split :].view(self.num_heads, self.rank, self.v_dim)
+        return torch.bmm(latent.transpose(0, 1), w_uv_t).transpose(0, 1)
 
 
 class MLAAttention(nn.Module):

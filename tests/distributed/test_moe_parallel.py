@@ -178,7 +178,10 @@ def test_a_deepseek_rank_keeps_its_heads_and_the_whole_latent_path(tmp_path, mon
         assert torch.equal(attn.fused_qkv_a_proj.weight, a)
         v_dim = attn.v_dim
         up_rows = 2 * (16 + v_dim)  # heads 0-1's W_UK and W_UV rows: rank 0's
-        assert torch.equal(attn.kv_b_proj.weight, full[f"{name}.kv_b_proj.weight"][up_rows:])
+        up = full[f"{name}.kv_b_proj.weight"][up_rows:].view(2, -1, attn.rank)  # this rank's two heads
+        nope = attn.kv_b_proj.nope
+        laid_out = torch.cat([up[:, :nope].flatten(), up[:, nope:].transpose(1, 2).flatten()])
+        assert torch.equal(attn.kv_b_proj.weight.flatten(), laid_out)  # W_UK per head, then W_UV^T per head
         assert torch.equal(attn.o_proj.weight, full[f"{name}.o_proj.weight"][:, 2 * v_dim :])
         assert torch.equal(attn.kv_a_layernorm.weight, full[f"{name}.kv_a_layernorm.weight"])
         spec = attn.attn.spec
