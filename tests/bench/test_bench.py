@@ -147,6 +147,37 @@ def test_model_m_is_built_once_into_the_cache_dir(tmp_path, monkeypatch):
     assert workloads.resolve_model("M") == path
 
 
+def test_model_d_dense_is_model_d_without_its_indexer(tmp_path, monkeypatch):
+    """D-dense is D's checkpoint as DeepSeek-V3: the same tensors but the indexers', so where every query
+    reads all its tokens (a prompt within index_topk) the two give the same logits."""
+    from safetensors.torch import load_file
+
+    from pagellm import LLM, SamplingParams
+    from pagellm.bench import workloads
+
+    small = dict(workloads.MODEL_D_CONFIG, hidden_size=64, num_hidden_layers=2, num_attention_heads=4)
+    small.update(
+        num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8
+    )
+    small.update(v_head_dim=16, index_n_heads=4, index_head_dim=16, index_topk=64, first_k_dense_replace=2)
+    small.update(intermediate_size=64, vocab_size=600, max_position_embeddings=256)
+    monkeypatch.setattr(workloads, "MODEL_D_CONFIG", small)
+    sparse, dense = (workloads.random_model_path(name, tmp_path) for name in ("D", "D-dense"))
+    tensors = {n: t for n, t in load_file(str(sparse / "model.safetensors")).items() if ".indexer." not in n}
+    twin = load_file(str(dense / "model.safetensors"))
+    assert tensors.keys() == twin.keys() and all(t.equal(twin[n]) for n, t in tensors.items())
+    outputs = []
+    for path in (sparse, dense):
+        llm = LLM(str(path), dtype="float32", max_model_len=128, num_kv_blocks=64)
+        out = llm.generate(
+            [{"prompt_token_ids": list(range(10, 40))}], SamplingParams(max_tokens=8, logprobs=3)
+        )
+        outputs.append(out[0].outputs[0])
+    assert outputs[0].token_ids == outputs[1].token_ids
+    for a, b in zip(outputs[0].logprobs, outputs[1].logprobs, strict=True):
+        assert a.keys() == b.keys() and all(abs(a[t].logprob - b[t].logprob) < 1e-4 for t in a)
+
+
 def test_peer_loads_a_gguf_file_dequantized(monkeypatch):
     import torch
     import transformers
