@@ -61,6 +61,10 @@ class FlexAttentionBackend(TorchSDPABackend):
     # group the query heads alike, and a latent layer's one KV head groups them all
     supports_latent_kv = False
     metadata_type = FlexMetadata
+    not_in_compiled_graphs = (
+        "its block masks come from torch.vmap over the mask function, which fails inside the ahead-of-time "
+        "compiled forward's call of the attention op (torch: NYI: querying is_contiguous inside of vmap)"
+    )
 
     @classmethod
     def unsupported_reasons(cls, spec: AttentionSpec, platform: type[Platform]) -> list[str]:

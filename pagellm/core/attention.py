@@ -179,6 +179,9 @@ class AttentionBackend:
     supports_batch_invariant: ClassVar[bool] = False
     """Whether it runs `batch_invariant` specs: each query token's output the same bits whether it comes in
     a prefill chunk or a decode, alone or beside any other requests (`--batch-invariant`)."""
+    not_in_compiled_graphs: ClassVar[str | None] = None
+    """Why a compiled forward cannot call it (the model runner then runs the forward eagerly and says why),
+    or None."""
     graph_op: Any = None
     """An op (q [T, H*D], k, v [T, KV*D], layer_idx) -> [T, H*D] that compiled graphs call instead of
     `pagellm::attention` (the Python op, which calls `forward`), or None. It must give the same results and

@@ -283,7 +283,8 @@ class RunnerBuild:
     def compile(self) -> Callable[..., torch.Tensor]:
         """The compiled forward (`RunnerCompile`); the eager model with --enforce-eager, LoRA (the LoRA
         terms' row groups change every step), a split model (collectives stay out of compiled graphs), an
-        EAGLE-3 head (it reads hidden states through layer hooks, which a compiled graph does not call),
+        EAGLE-3 head (it reads hidden states through layer hooks, which a compiled graph does not call), an
+        attention backend a compiled graph cannot call (`AttentionBackend.not_in_compiled_graphs`, logged),
         and while the platform's kernels build (the graph calls them: compiled after `take_up_kernels`)."""
         config = self.setup.config
         if (
@@ -292,6 +293,10 @@ class RunnerBuild:
             or self.parallel.world_size > 1
             or self._hooks_layers()
         ):
+            return self.model
+        backend = self.setup.backend
+        if backend.not_in_compiled_graphs is not None:
+            logger.info("compiled forward: off (%s: %s)", backend.name, backend.not_in_compiled_graphs)
             return self.model
         if self.kernels_pending:
             self.compiler.yield_a_core()  # the build's, as a compile process's

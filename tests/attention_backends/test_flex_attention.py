@@ -327,3 +327,26 @@ def test_a_failed_size_oblivious_trace_traces_again_with_dynamo_defaults(monkeyp
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
     retried = [r.getMessage() for r in caplog.records if "traced again with sizes 0 and 1" in r.getMessage()]
     assert len(retried) == 2
+
+
+def test_a_model_on_it_runs_eagerly_where_a_compiled_forward_was_asked(tmp_path, caplog):
+    """A compiled forward cannot build the block masks (torch's vmap inside the ahead-of-time graph's call of
+    the attention op): the runner runs the model eagerly and says why, where the start had failed."""
+    from tiny import make_tiny_checkpoint
+
+    from pagellm import LLM, SamplingParams
+
+    path = str(make_tiny_checkpoint("llama", tmp_path))
+    settings = dict(dtype="float32", max_model_len=128, num_kv_blocks=64)
+    with caplog.at_level(logging.INFO, logger="pagellm"):
+        llm = LLM(path, attention_backend="FLEX_ATTENTION", enforce_eager=False, **settings)
+    runner = llm.engine.runner
+    assert runner.forward is runner.model
+    assert "compiled forward: off (FLEX_ATTENTION: its block masks come from torch.vmap" in caplog.text
+    params = SamplingParams(temperature=0, max_tokens=6)
+    prompt = [{"prompt_token_ids": list(range(5, 40))}]
+    reference = LLM(path, attention_backend="TORCH_SDPA", enforce_eager=True, **settings)
+    assert (
+        llm.generate(prompt, params)[0].outputs[0].token_ids
+        == reference.generate(prompt, params)[0].outputs[0].token_ids
+    )
