@@ -86,8 +86,12 @@ class Selection:
 
 
 def context_slots(block_table: torch.Tensor, num_tokens: int, block_size: int) -> torch.Tensor:
-    """Cache slots of a request's positions 0..num_tokens-1 through its block table row."""
-    return slots_of(block_table, torch.arange(num_tokens, device=block_table.device), block_size)
+    """Cache slots of a request's positions 0..num_tokens-1 through its block table row: each block's
+    first slot plus 0..block_size-1 (two ops over the blocks, where `slots_of` over 16k positions took
+    five elementwise passes, ~0.16 ms a layer and step)."""
+    blocks = -(-num_tokens // block_size)
+    offsets = torch.arange(block_size, device=block_table.device)
+    return (block_table[:blocks].long()[:, None] * block_size + offsets).reshape(-1)[:num_tokens]
 
 
 def slots_of(block_table: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:

@@ -62,6 +62,7 @@ HEADERS = (
     "gguf_tiles.h",
     "gguf_amx.h",
     "moe_routing.h",
+    "avx512_helpers.h",
 )
 ENV_SWITCH = "PAGELLM_CPU_KERNELS"
 ARCH_SWITCH = "PAGELLM_CPU_KERNELS_ARCH"

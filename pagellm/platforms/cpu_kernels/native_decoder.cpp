@@ -43,6 +43,7 @@
 
 #include "kernels.h"
 #include "panels.h"
+#include "avx512_helpers.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
 #define PL_NATIVE_PAIRS 1  // bf16_pair_row_run is in this build (linear_bf16_pairs.cpp)
@@ -211,22 +212,6 @@ inline __m512 rounded(__m512 f) {  // f rounded to bfloat16 and widened again
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(round16(f)), 16));
 }
 
-// e^x within about one float32 unit in the last place (libm's expf, which the scalar SiLU calls, is within
-// one half): x = n ln 2 + r, |r| <= ln 2 / 2, e^r by Cephes' expf polynomial (its six terms paired, for
-// shorter chains of dependent multiply-adds), times 2^n
-inline __m512 exp16(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-104.f)), _mm512_set1_ps(89.f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f),
-                                    _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x));
-  const __m512 r2 = _mm512_mul_ps(r, r);
-  const __m512 high = _mm512_fmadd_ps(_mm512_set1_ps(1.9875691500e-4f), r, _mm512_set1_ps(1.3981999507e-3f));
-  const __m512 mid = _mm512_fmadd_ps(_mm512_set1_ps(8.3334519073e-3f), r, _mm512_set1_ps(4.1665795894e-2f));
-  const __m512 low = _mm512_fmadd_ps(_mm512_set1_ps(1.6666665459e-1f), r, _mm512_set1_ps(5.0000001201e-1f));
-  const __m512 poly = _mm512_fmadd_ps(_mm512_fmadd_ps(high, r2, mid), r2, low);
-  return _mm512_scalef_ps(_mm512_fmadd_ps(poly, r2, _mm512_add_ps(r, _mm512_set1_ps(1.f))), n);
-}
 #endif
 
 // float32 sum of squares of n bfloat16 values, 16 partial sums (a vectorisable order, as torch's is)

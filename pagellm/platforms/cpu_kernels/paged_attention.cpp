@@ -34,6 +34,7 @@
 #include <vector>
 
 #include "kernels.h"
+#include "avx512_helpers.h"
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -568,45 +569,6 @@ void accumulate_values_pairs(const Problem& P, const uint16_t* pw, int64_t pw_st
       for (int L = 0; L < 4; ++L)
         for (int j = 0; j < 4; ++j) dst[8 * L + j] = lo[4 * L + j], dst[8 * L + 4 + j] = hi[4 * L + j];
     }
-}
-
-// r[i][j] -> r[j][i]: four rounds of shuffles within and across 128-bit lanes
-inline void transpose16(__m512 r[16]) {
-  __m512 t[16];
-  for (int i = 0; i < 8; ++i) {
-    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
-  }
-  for (int i = 0; i < 4; ++i) {
-    const __m512d a = _mm512_castps_pd(t[4 * i]), b = _mm512_castps_pd(t[4 * i + 1]);
-    const __m512d c = _mm512_castps_pd(t[4 * i + 2]), e = _mm512_castps_pd(t[4 * i + 3]);
-    r[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
-    r[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
-    r[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, e));
-    r[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, e));
-  }
-  for (int i = 0; i < 4; ++i) {
-    t[i] = _mm512_shuffle_f32x4(r[i], r[4 + i], 0x88);
-    t[4 + i] = _mm512_shuffle_f32x4(r[i], r[4 + i], 0xdd);
-    t[8 + i] = _mm512_shuffle_f32x4(r[8 + i], r[12 + i], 0x88);
-    t[12 + i] = _mm512_shuffle_f32x4(r[8 + i], r[12 + i], 0xdd);
-  }
-  for (int i = 0; i < 8; ++i) {
-    r[i] = _mm512_shuffle_f32x4(t[i], t[8 + i], 0x88);
-    r[8 + i] = _mm512_shuffle_f32x4(t[i], t[8 + i], 0xdd);
-  }
-}
-
-// A tile of 16 cached bfloat16 keys as pairs: kt[p] holds, for each of the 16 keys, elements 2p and 2p + 1
-// of its row (a 32-bit lane per key; the pair kernel's layout, with keys for columns), so one query row's
-// pair broadcast times kt[p] adds to all 16 keys' scores in one instruction, with no horizontal sums.
-inline void keys_as_pairs(const uint16_t* k, const int64_t* at, int64_t d, __m512i* kt) {
-  for (int64_t c = 0; c < d / 32; ++c) {
-    __m512 r[16];
-    for (int i = 0; i < 16; ++i) r[i] = _mm512_castsi512_ps(_mm512_loadu_si512(k + at[i] + 32 * c));
-    transpose16(r);
-    for (int j = 0; j < 16; ++j) kt[16 * c + j] = _mm512_castps_si512(r[j]);
-  }
 }
 
 // out[r * stride + 0..16) = scale * (query row r . the tile's 16 keys) for R query rows (bfloat16 pairs,

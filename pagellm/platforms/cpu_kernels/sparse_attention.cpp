@@ -5,9 +5,10 @@
 //
 // The cached rows are bfloat16 or float32 (a slot-major cache, TORCH_SDPA's layout), products and sums in
 // float32 (a bfloat16 value widens exactly). The indexer's pass is split over the keys between the threads,
-// each key read once for every query and head; the attention's over queries (a decode's over parts of its
-// chosen rows, merged as flash-decoding merges partitions), each part's rows read twice for every head (the
-// scores, then the weighted sum of their first v_size values).
+// each key read once for every query and head (bfloat16 keys of a multiple of 32 values, up to 128, in tiles
+// of 16 keys turned into pairs: `index_tile_scores`); the attention's over queries (a decode's over parts of
+// its chosen rows, merged as flash-decoding merges partitions), each part's rows read twice for every head
+// (the scores, then the weighted sum of their first v_size values), asked for ahead of the first read.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -17,8 +18,10 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
+#include "avx512_helpers.h"
 #include "kernels.h"
 
 #if defined(__AVX512F__)
@@ -270,9 +273,67 @@ void weighted_rows(const float* p, int64_t k, int64_t g, const T* rows, int64_t 
   }
 }
 
+#if defined(__AVX512BF16__)
+constexpr int64_t kTileKeys = 16;
+constexpr int64_t kMostTilePairs = 64;  // keys of up to 128 values (DeepSeek-V3.2's and GLM-5's: 128)
+
+// out[i * keys + t0 + 0..n) for the tile of keys t0..t0+n (n <= 16): the tile turned into pairs once
+// (`keys_as_pairs`), then each query's heads, 8 at a time, broadcast pair by pair against it: 16 keys'
+// products in one register per head and no horizontal sums (where a key at a time spent most of its time
+// summing 16 lanes per head), then ReLU, the scale and the head's weight.
+void index_tile_scores(const uint16_t* q, const uint16_t* rows, const int64_t* at, int64_t n, const float* weights,
+                       int64_t queries, int64_t heads, int64_t d, int64_t keys, float scale, float* out) {
+  alignas(64) __m512i kt[kMostTilePairs];
+  keys_as_pairs(rows, at, d, kt);
+  const int64_t pairs = d / 2;
+  const __m512 zero = _mm512_setzero_ps(), sc = _mm512_set1_ps(scale);
+  for (int64_t i = 0; i < queries; ++i) {
+    const auto* qi = reinterpret_cast<const uint32_t*>(q + i * heads * d);
+    __m512 total = zero;
+    for (int64_t h0 = 0; h0 < heads; h0 += 8) {
+      const int64_t g = std::min<int64_t>(8, heads - h0);
+      __m512 acc[8];
+      for (int h = 0; h < 8; ++h) acc[h] = zero;
+      for (int64_t p = 0; p < pairs; ++p) {
+        const __m512bh tile = (__m512bh)kt[p];
+        for (int h = 0; h < 8; ++h)
+          if (h < g)
+            acc[h] = _mm512_dpbf16_ps(acc[h], (__m512bh)_mm512_set1_epi32(static_cast<int>(qi[(h0 + h) * pairs + p])),
+                                      tile);
+      }
+      for (int h = 0; h < g; ++h)
+        total = _mm512_fmadd_ps(_mm512_set1_ps(weights[i * heads + h0 + h]),
+                                _mm512_max_ps(zero, _mm512_mul_ps(sc, acc[h])), total);
+    }
+    _mm512_mask_storeu_ps(out + i * keys, static_cast<__mmask16>((1u << n) - 1), total);
+  }
+}
+
+bool index_tiles_fit(int64_t d) { return d % 32 == 0 && d / 2 <= kMostTilePairs; }
+
+// The indexer's pass in tiles of 16 keys split between the threads.
+void index_scores_tiles(const uint16_t* q, const uint16_t* rows, const int64_t* slots, const float* weights,
+                        int64_t queries, int64_t heads, int64_t d, int64_t keys, float scale, float* out) {
+  const int64_t tiles = (keys + kTileKeys - 1) / kTileKeys;
+  at::parallel_for(0, tiles, 8, [&](int64_t begin, int64_t end) {
+    int64_t at[kTileKeys];
+    for (int64_t tile = begin; tile < end; ++tile) {
+      const int64_t t0 = tile * kTileKeys, n = std::min(kTileKeys, keys - t0);
+      for (int64_t j = 0; j < kTileKeys; ++j) at[j] = slots[t0 + std::min(j, n - 1)] * d;  // past n: the last again
+      index_tile_scores(q, rows, at, n, weights, queries, heads, d, keys, scale, out + tile * kTileKeys);
+    }
+  });
+}
+#endif
+
 template <typename T, typename Q>
 void index_scores_impl(const Q* q, const T* rows, const int64_t* slots, const float* weights, int64_t queries,
                        int64_t heads, int64_t d, int64_t keys, float scale, float* out) {
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, uint16_t> && std::is_same_v<Q, uint16_t>) {
+    if (index_tiles_fit(d)) return index_scores_tiles(q, rows, slots, weights, queries, heads, d, keys, scale, out);
+  }
+#endif
   at::parallel_for(0, (keys + 1) / 2, 128, [&](int64_t begin, int64_t end) {
     std::vector<float> dots(2 * heads);
     for (int64_t pair = begin; pair < end; ++pair) {
@@ -292,6 +353,44 @@ void index_scores_impl(const Q* q, const T* rows, const int64_t* slots, const fl
   });
 }
 
+// Chosen rows asked for this many rows ahead of their scores: they are scattered over the cache, where the
+// hardware prefetchers do not follow (a decode at 16k tokens: 2,048 rows of 1,152 bytes a layer).
+constexpr int64_t kRowsAhead = 8;
+
+template <typename T>
+inline void ask_for_row(const T* row, int64_t d) {
+#if SP_AVX512 || SP_AVX2
+  const auto* bytes = reinterpret_cast<const char*>(row);
+  for (int64_t e = 0; e < d * static_cast<int64_t>(sizeof(T)); e += 64) _mm_prefetch(bytes + e, _MM_HINT_T0);
+#else
+  (void)row, (void)d;
+#endif
+}
+
+// s[j] = e^(s[j] - top) where ok[j], else 0; returns their sum (16 at a time where the build has AVX-512)
+inline float exponentials(float* s, const bool* ok, int64_t n, float top) {
+  int64_t j = 0;
+  float total = 0.f;
+#if SP_AVX512
+  const __m512 t = _mm512_set1_ps(top);
+  __m512 sum = _mm512_setzero_ps();
+  for (; j + 16 <= n; j += 16) {
+    const __mmask16 live = _mm512_test_epi32_mask(
+        _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ok + j))), _mm512_set1_epi32(1));
+    const __m512 e = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(_mm512_loadu_ps(s + j), t)));
+    _mm512_storeu_ps(s + j, e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  total = _mm512_reduce_add_ps(sum);
+#endif
+  for (; j < n; ++j) {
+    const float e = ok[j] ? std::exp(s[j] - top) : 0.f;
+    s[j] = e;
+    total += e;
+  }
+  return total;
+}
+
 template <typename T, typename Q>
 void attend_rows_impl(const Q* q, const T* rows, const int64_t* slots, const bool* valid, int64_t queries,
                       int64_t heads, int64_t d, int64_t k, int64_t v_size, float scale, float* out) {
@@ -303,7 +402,8 @@ void attend_rows_impl(const Q* q, const T* rows, const int64_t* slots, const boo
   std::vector<float> part_max(queries * parts * heads), part_sum(queries * parts * heads);
   at::parallel_for(0, queries * parts, 1, [&](int64_t begin, int64_t end) {
     const int64_t most = (k + parts - 1) / parts;
-    std::vector<float> row(d), scores(heads * most), pair_dots(2 * heads);
+    std::vector<float> row(d), score_buf(heads * most), pair_dots(2 * heads);
+    float* scores = score_buf.data();
     for (int64_t item = begin; item < end; ++item) {
       const int64_t i = item / parts, part = item % parts;
       const int64_t j0 = part * k / parts, n = (part + 1) * k / parts - j0;
@@ -315,6 +415,8 @@ void attend_rows_impl(const Q* q, const T* rows, const int64_t* slots, const boo
       std::fill(best, best + heads, -std::numeric_limits<float>::infinity());
       for (int64_t j = 0; j < n; j += 2) {
         const int64_t j1 = std::min(j + 1, n - 1);
+        if (j + kRowsAhead + 1 < n)
+          ask_for_row(rows + at[j + kRowsAhead] * d, d), ask_for_row(rows + at[j + kRowsAhead + 1] * d, d);
         dots_rows(qi, heads, d, rows + at[j] * d, rows + at[j1] * d, pair_dots.data());
         for (int64_t h = 0; h < heads; ++h) {
           scores[h * n + j] = scale * pair_dots[h];
@@ -326,18 +428,13 @@ void attend_rows_impl(const Q* q, const T* rows, const int64_t* slots, const boo
         }
       }
       for (int64_t h = 0; h < heads; ++h) {
-        total[h] = 0.f;
-        for (int64_t j = 0; j < n; ++j) {
-          const float e = ok[j] ? std::exp(scores[h * n + j] - best[h]) : 0.f;
-          scores[h * n + j] = e;
-          total[h] += e;
-        }
+        total[h] = exponentials(scores + h * n, ok, n, best[h]);
         const float inv = parts > 1 || total[h] == 0.f ? 1.f : 1.f / total[h];
         for (int64_t j = 0; j < n; ++j) scores[h * n + j] *= inv;
       }
       float* o = parts > 1 ? part_out.data() + item * heads * v_size : out + i * heads * v_size;
       std::fill(o, o + heads * v_size, 0.f);
-      weighted_rows<T>(scores.data(), n, heads, rows, d, at, ok, v_size, o, row.data());
+      weighted_rows<T>(scores, n, heads, rows, d, at, ok, v_size, o, row.data());
     }
   });
   if (parts == 1) return;
