@@ -185,6 +185,13 @@ class Platform:
         return None
 
     @classmethod
+    def pack_per_head(cls, weight: torch.Tensor) -> PackedLinear | None:
+        """Per-head weights [H, out, in] (MLA's W_UK^T and W_UV, `models/deepseek.LatentUpProjection`) in a
+        layout whose matmul takes x [T, H, in] to [T, H, out], each head's x times its own W^T (bias None),
+        or None: the model keeps its batched products (torch.bmm)."""
+        return None
+
+    @classmethod
     def batch_invariant_unsupported(cls, dtype: torch.dtype) -> str | None:
         """Why this platform cannot run `--batch-invariant` (every linear through `pack_linear(weight,
         batch_invariant=True)`, attention through a backend that `supports_batch_invariant`) in `dtype`;

@@ -43,7 +43,7 @@ method loads it as a draft head (`spec_decode/mtp.py`).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -51,6 +51,7 @@ from torch import nn
 
 from pagellm.core.attention import AttentionSpec
 from pagellm.core.errors import ConfigError
+from pagellm.core.platform import PackedLinear
 from pagellm.models.base import ModelInit, rank_heads
 from pagellm.models.layers.attention import Attention
 from pagellm.models.layers.fused_moe.block import SparseMoeBlock, is_sparse_layer
@@ -226,13 +227,30 @@ class LatentUpProjection(nn.Module):
         w_uv_t = flat[self.split :].view(self.num_heads, self.rank, self.v_dim)
         w_uv_t.copy_(per_head[:, self.nope :].transpose(1, 2))
 
+    def pack_per_head(self, pack: Callable[[torch.Tensor], PackedLinear | None]) -> None:
+        """Hand both products' weights to the platform (`Platform.pack_per_head`: W_UK_h^T and W_UV_h, each
+        [out, in] per head); where it packs both, keep only the packed ones and multiply with its matmul."""
+        w_uk = self.weight.view(-1)[: self.split].view(self.num_heads, self.nope, self.rank)
+        w_uv_t = self.weight.view(-1)[self.split :].view(self.num_heads, self.rank, self.v_dim)
+        absorb, expand = pack(w_uk.transpose(1, 2)), pack(w_uv_t.transpose(1, 2))
+        if absorb is None or expand is None:
+            return
+        self.register_buffer("packed_absorb", absorb.weight, persistent=False)
+        self.register_buffer("packed_expand", expand.weight, persistent=False)
+        self.absorb_matmul, self.expand_matmul = absorb.matmul, expand.matmul
+        self.weight = None
+
     def absorb_query(self, q_nope: torch.Tensor) -> torch.Tensor:
         """[T, H, qk_nope] -> [T, H, kv_lora_rank]: q_nope_h W_UK_h."""
+        if self.weight is None:
+            return self.absorb_matmul(q_nope, self.packed_absorb, None)
         w_uk = self.weight.view(-1)[: self.split].view(self.num_heads, self.nope, self.rank)
         return torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)
 
     def expand_output(self, latent: torch.Tensor) -> torch.Tensor:
         """[T, H, kv_lora_rank] -> [T, H, v_head_dim]: o_h W_UV_h^T."""
+        if self.weight is None:
+            return self.expand_matmul(latent, self.packed_expand, None)
         w_uv_t = self.weight.view(-1)[self.split :].view(self.num_heads, self.rank, self.v_dim)
         return torch.bmm(latent.transpose(0, 1), w_uv_t).transpose(0, 1)
 

@@ -45,6 +45,14 @@ def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_feat
     return x.new_empty((*x.shape[:-1], out_features))
 
 
+torch.library.define("pagellm::cpu_bf16_pair_heads", "(Tensor x, Tensor weight, int out_features) -> Tensor")
+
+
+@torch.library.register_fake("pagellm::cpu_bf16_pair_heads")
+def _(x: torch.Tensor, weight: torch.Tensor, out_features: int) -> torch.Tensor:
+    return x.new_empty((x.shape[1], x.shape[0], out_features))
+
+
 class PanelLinear:
     """x @ W^T + bias with W in the panel layout (out_features kept: the layout pads it to 16).
 
@@ -81,6 +89,31 @@ def pack_pairs(weight: torch.Tensor) -> PackedLinear:
     panels = huge_page_empty(tuple(panels.shape), panels.dtype).copy_(panels)
     return PackedLinear(
         panels.view(torch.bfloat16).unflatten(-1, (cpu_moe.PANEL, 2)), PairLinear(out_features)
+    )
+
+
+class PairHeads:
+    """x [T, H, in] bfloat16 -> [T, H, out]: each head's rows times its own W^T, W laid out by
+    `pack_pair_heads` (the op returns [H, T, out]; the result is its transposed view, as torch.bmm's was)."""
+
+    def __init__(self, out_features: int):
+        self.out_features = out_features
+
+    def __call__(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        return torch.ops.pagellm.cpu_bf16_pair_heads(x, weight, self.out_features).transpose(0, 1)
+
+
+def pack_pair_heads(weight: torch.Tensor) -> PackedLinear:
+    """bfloat16 per-head weights [H, out, in] (in even) as [H, ceil(out/16), in/2, 16, 2]: each head's
+    weight laid out as `pack_pairs` lays out a linear's (the caller has loaded the kernels)."""
+    heads, out_features, in_features = weight.shape
+    padded = torch.nn.functional.pad(weight, (0, 0, 0, -out_features % cpu_moe.PANEL))
+    words = padded.contiguous().view(torch.int32)  # [H, out, in / 2]: a pair of inputs a word
+    panels = words.reshape(heads, -1, cpu_moe.PANEL, words.shape[2]).transpose(2, 3).contiguous()
+    return PackedLinear(
+        panels.view(torch.bfloat16).unflatten(-1, (cpu_moe.PANEL, 2)), PairHeads(out_features)
     )
 
 

@@ -212,7 +212,9 @@ class RunnerBuild:
         """Let the platform prepack every plain linear layer's weight (`Platform.pack_linear`), and the
         output projection's for `CausalLM.project_logits`. A tied lm_head is the embedding, which needs its
         plain weight too, so it gets a packed copy (memory: the vocab x hidden weight once more). A draft
-        head (no `packed_lm_head`: an EAGLE-3 head, an MTP layer) packs its lm_head as any linear."""
+        head (no `packed_lm_head`: an EAGLE-3 head, an MTP layer) packs its lm_head as any linear. A module
+        with per-head products (`pack_per_head`: MLA's up-projections) hands them to
+        `Platform.pack_per_head`."""
         lm_head = getattr(model, "lm_head", None) if hasattr(model, "packed_lm_head") else None
         pack = self.setup.platform.pack_linear
         if self.setup.config.batch_invariant:
@@ -225,6 +227,12 @@ class RunnerBuild:
                 and module.weight is not None  # not packed already
             ):
                 module.use_packed(pack(module.weight))
+            elif (
+                callable(getattr(module, "pack_per_head", None))
+                and module.weight is not None
+                and not self.setup.config.batch_invariant  # the per-head kernel's sums follow the rows
+            ):
+                module.pack_per_head(self.setup.platform.pack_per_head)
         if (
             lm_head is None
             or getattr(lm_head, "quant_method", None) is not None

@@ -14,7 +14,7 @@ from models_harness import PagedRunner, load_pagellm, load_reference, reference_
 from parity import Reference, assert_greedy_parity, mixed_prompts
 from tiny import make_tiny_checkpoint
 
-from pagellm import LLM
+from pagellm import LLM, SamplingParams
 from pagellm.core.attention import AttentionSpec
 from pagellm.core.config import EngineConfig
 from pagellm.core.errors import BackendUnsupportedError, ConfigError
@@ -226,3 +226,24 @@ def test_greedy_parity_on_each_cpu_backend(backend, tmp_path):
     )
     assert llm.engine.setup.backend.name == backend
     assert_greedy_parity(llm, reference, mixed_prompts(300, seed=2)[:8])
+
+
+def test_bfloat16_up_projections_run_on_the_platforms_per_head_kernel(tmp_path, monkeypatch):
+    """On a CPU with the AVX-512 BF16 pair kernel, MLA's two per-head products (W_UK, W_UV) are packed for
+    it at load (`Platform.pack_per_head`) and the plain weight dropped; greedy tokens equal the same engine
+    on torch.bmm's products."""
+    from pagellm.platforms import cpu
+
+    if cpu._bf16_pair_kernels() is None:
+        pytest.skip("no AVX-512 BF16 pair kernel here")
+    path = make_tiny_checkpoint("deepseek_v3", tmp_path)
+    prompts = [{"prompt_token_ids": PROMPT}]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    packed = LLM(str(path), dtype="bfloat16", num_kv_blocks=32, max_model_len=256, enforce_eager=True)
+    projections = [m for m in packed.engine.runner.model.modules() if hasattr(m, "packed_absorb")]
+    assert projections and all(m.weight is None for m in projections)
+    tokens = packed.generate(prompts, params)[0].outputs[0].token_ids
+    monkeypatch.setattr(cpu.CpuPlatform, "pack_per_head", classmethod(lambda cls, weight: None))
+    plain = LLM(str(path), dtype="bfloat16", num_kv_blocks=32, max_model_len=256, enforce_eager=True)
+    assert not any(hasattr(m, "packed_absorb") for m in plain.engine.runner.model.modules())
+    assert plain.generate(prompts, params)[0].outputs[0].token_ids == tokens

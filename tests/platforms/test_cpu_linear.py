@@ -287,3 +287,32 @@ def test_bfloat16_weights_take_the_pair_kernel_where_avx512_bf16_runs_it(monkeyp
     half = CpuPlatform.pack_linear(torch.randn(32, 64).half())
     assert half is None or not isinstance(half.matmul, cpu_linear.PairLinear)
     assert CpuPlatform.pack_linear(torch.randn(32, 64)) is None  # float32 on AVX-512: F.linear
+
+
+# one row (each head's panels split into streams), a block of rows, several blocks; a padded last panel
+@pytest.mark.parametrize("rows", [1, 3, 21])
+@pytest.mark.parametrize(("heads", "out_features", "in_features"), [(4, 512, 128), (3, 40, 64)])
+def test_per_head_products_equal_each_heads_own_matmul(rows, heads, out_features, in_features):
+    """MLA's up-projections on the pair kernel (`CpuPlatform.pack_per_head`): every head's rows of a strided
+    x (q_nope, a slice of each head's query) times that head's own weight, bit for bit what the pair kernel
+    gives that head alone, and within one bfloat16 rounding of float32 products."""
+    pair_kernels()
+    gen = torch.Generator().manual_seed(rows + heads)
+    weight = torch.randn(heads, out_features, in_features, generator=gen).bfloat16()
+    q = torch.randn(rows, heads, in_features + 32, generator=gen).bfloat16()
+    x = q[..., :in_features]  # strided over tokens and heads, contiguous within a head
+    packed = CpuPlatform.pack_per_head(weight)
+    out = packed.matmul(x, packed.weight, None)
+    assert out.shape == (rows, heads, out_features) and out.dtype == torch.bfloat16
+    for h in range(heads):
+        alone = cpu_linear.pack_pairs(weight[h])
+        assert torch.equal(out[:, h], alone.matmul(x[:, h].contiguous(), alone.weight, None))
+    expected = torch.bmm(x.float().transpose(0, 1), weight.float().transpose(1, 2)).transpose(0, 1)
+    torch.testing.assert_close(out.float(), expected, rtol=2**-8, atol=1e-4)
+
+
+def test_per_head_products_only_for_bfloat16_with_the_pair_kernel():
+    pair_kernels()
+    assert CpuPlatform.pack_per_head(torch.randn(2, 32, 16)) is None  # float32: torch.bmm
+    assert CpuPlatform.pack_per_head(torch.randn(2, 32, 15).bfloat16()) is None  # an odd K
+    assert CpuPlatform.pack_per_head(torch.randn(2, 8, 16).bfloat16()) is None  # narrower than a panel

@@ -90,6 +90,7 @@ void bf16_panel_rows_run(const float* x, int64_t m, int64_t k, const uint16_t* w
 bool bf16_pairs_available();
 at::Tensor cpu_bf16_pair_linear(const at::Tensor& input, const at::Tensor& packed,
                                 const c10::optional<at::Tensor>& bias, int64_t out_features);
+at::Tensor cpu_bf16_pair_heads(const at::Tensor& x, const at::Tensor& packed, int64_t out_features);
 // One bfloat16 x row times panels [first, last) of a pair-packed weight (bias: float32, whole panels, or
 // null); a thread's share, for callers with their own parallel region. Only in builds with AVX-512 BF16.
 void bf16_pair_row_run(const uint16_t* x, const uint16_t* w, int64_t pairs, const float* b, int64_t n, uint16_t* y,

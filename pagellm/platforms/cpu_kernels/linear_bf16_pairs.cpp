@@ -287,3 +287,43 @@ at::Tensor cpu_bf16_pair_linear(const at::Tensor& input, const at::Tensor& packe
 #endif
   return out;
 }
+
+// Per-head products, x [T, H, K] bfloat16 (K contiguous, even) times each head's own packed W [N, K]
+// (packed [H, panels, pairs, 16, 2]) -> [H, T, N] bfloat16: MLA's absorbed query (q_nope_h W_UK_h) and
+// expanded output (o_h W_UV_h^T), 16 to 128 small matrices a layer that torch's bmm read at ~14 GB/s at
+// one row (2 MiB a layer at model D's sizes in ~150 us, 2-core AMD EPYC Zen 4). The heads' panels (one row)
+// or panel pairs (several) are split between the threads in contiguous runs, each head's rows multiplied
+// as cpu_bf16_pair_linear multiplies a linear's.
+at::Tensor cpu_bf16_pair_heads(const at::Tensor& x, const at::Tensor& packed, int64_t out_features) {
+  TORCH_CHECK(PL_BF16_PAIRS, "cpu_bf16_pair_heads: this build has no AVX-512 BF16 path");
+  TORCH_CHECK(x.dim() == 3 && x.scalar_type() == at::kBFloat16 && x.stride(2) == 1 && x.size(2) % 2 == 0,
+              "cpu_bf16_pair_heads: bfloat16 x [T, H, K], K contiguous and even");
+  const int64_t t = x.size(0), h = x.size(1), k = x.size(2), n = out_features;
+  const int64_t panels = (n + kCols - 1) / kCols, pairs = k / 2;
+  TORCH_CHECK(packed.dim() == 5 && packed.size(0) == h && packed.size(1) == panels && packed.size(2) == pairs &&
+                  packed.size(3) == kCols && packed.size(4) == 2 && packed.is_contiguous() &&
+                  packed.scalar_type() == at::kBFloat16,
+              "cpu_bf16_pair_heads: the weights must be packed by platforms/cpu_linear.py for ", h, " heads of ", n,
+              " x ", k);
+  auto out = x.new_empty({h, t, n});
+  if (t == 0 || n == 0) return out;
+#if PL_BF16_PAIRS
+  const auto* xs = reinterpret_cast<const uint16_t*>(x.data_ptr());
+  const auto* w = reinterpret_cast<const uint16_t*>(packed.data_ptr());
+  auto* ys = reinterpret_cast<uint16_t*>(out.data_ptr());
+  const int64_t head_elems = panels * pairs * 2 * kCols, units = t == 1 ? panels : (panels + 1) / 2;
+  parallel_runs(h * units, [&](int64_t first, int64_t last) {
+    for (int64_t head = first / units; head * units < last; ++head) {
+      const int64_t lo = std::max(first, head * units) - head * units, hi = std::min(last, (head + 1) * units) - head * units;
+      const uint16_t* xh = xs + head * x.stride(1);
+      const uint16_t* wh = w + head * head_elems;
+      uint16_t* yh = ys + head * t * n;
+      if (t == 1)
+        bf16_pair_row_run(xh, wh, pairs, nullptr, n, yh, lo, hi);
+      else
+        bf16_pair_rows_run(xh, t, x.stride(0), wh, pairs, panels, nullptr, n, yh, lo, hi);
+    }
+  });
+#endif
+  return out;
+}

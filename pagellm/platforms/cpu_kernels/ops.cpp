@@ -114,6 +114,7 @@ TORCH_LIBRARY_IMPL(pagellm, CPU, m) {
   m.impl("cpu_fused_moe", TORCH_FN(cpu_fused_moe));
   m.impl("cpu_panel_linear", TORCH_FN(cpu_panel_linear));
   m.impl("cpu_bf16_pair_linear", TORCH_FN(cpu_bf16_pair_linear));
+  m.impl("cpu_bf16_pair_heads", TORCH_FN(cpu_bf16_pair_heads));
   m.impl("gguf_linear", TORCH_FN(gguf_linear));
   m.impl("gguf_embedding", TORCH_FN(gguf_embedding));
   m.impl("gguf_moe", TORCH_FN(gguf_moe));
