@@ -305,7 +305,7 @@ class ModelShape:
             num_kv_heads=spec.num_kv_heads,
             head_size=spec.head_size,
             linear_params=sum(m.in_features * m.out_features for m in linears)
-            + sum(m.weight.numel() for m in latents),
+            + sum(m.num_heads * (m.nope + m.v_dim) * m.rank for m in latents),  # packed: no .weight
             lm_head_params=lm_head_params,
             linear_bytes=linear_bytes,
             lm_head_bytes=lm_head_bytes,

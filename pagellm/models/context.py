@@ -126,6 +126,9 @@ class ForwardContext:
     state: StateBatch | None = None
     # a multimodal model's step with image placeholder rows; None otherwise
     images: ImageBatch | None = None
+    # what the step's layers work out once and share, by a key of the layer kind's choosing (sparse
+    # attention's context slots per KV-cache group); a new context, so a new memo, every forward
+    memo: dict[Any, Any] = field(default_factory=dict)
 
     def metadata_of(self, layer_idx: int) -> Any:
         """The metadata attention layer `layer_idx` runs with."""

@@ -15,6 +15,7 @@ from parity import Reference, assert_greedy_parity, mixed_prompts
 from tiny import make_tiny_checkpoint
 
 from pagellm import LLM, SamplingParams
+from pagellm.bench.floor import ModelShape
 from pagellm.core.attention import AttentionSpec
 from pagellm.core.config import EngineConfig
 from pagellm.core.errors import BackendUnsupportedError, ConfigError
@@ -247,3 +248,5 @@ def test_bfloat16_up_projections_run_on_the_platforms_per_head_kernel(tmp_path, 
     plain = LLM(str(path), dtype="bfloat16", num_kv_blocks=32, max_model_len=256, enforce_eager=True)
     assert not any(hasattr(m, "packed_absorb") for m in plain.engine.runner.model.modules())
     assert plain.generate(prompts, params)[0].outputs[0].token_ids == tokens
+    # the bench's floor counts the same weights either way
+    assert ModelShape.from_llm(packed).linear_params == ModelShape.from_llm(plain).linear_params

@@ -217,7 +217,7 @@ def test_attention_reads_only_the_selected_latent_rows():
     chosen = scores.topk(topk).indices
     for p in chosen.tolist():
         mla_cache.view(-1, row)[slots[p]] = chosen_rows[p]
-    ctx = SimpleNamespace(kv_caches=[mla_cache, index_cache], metadata_of=lambda i: meta)
+    ctx = SimpleNamespace(kv_caches=[mla_cache, index_cache], metadata_of=lambda i: meta, memo={})
     params = SparseParams(scale=0.5, v_size=rank, index_scale=1.0, topk=topk)
     out = sparse_mla_forward(q, latent, index_q, keys[-1:], weights, (0, 1), params, ctx)
     rows = torch.cat([chosen_rows[:-1], latent])[chosen]  # the step's own row is stored first
@@ -237,3 +237,24 @@ def test_unsupported_settings_are_refused_at_start_up(tmp_path):
     init = ModelInit(tiny_config("deepseek_v32", vocab_size=384), torch.float32, TorchSDPABackend)
     with pytest.raises(ConfigError, match="int8 KV cache"):
         DeepseekV32ForCausalLM(dataclasses.replace(init, kv_cache_dtype=torch.int8))
+
+
+def test_context_slots_are_worked_out_once_a_step_per_group():
+    """A group's layers share its block tables: the first layer of a step works a request's slots out, the
+    others read them (`ForwardContext.memo`, new every step)."""
+    from pagellm.models.context import ForwardContext
+    from pagellm.models.layers.sparse_attention import context_slots, step_context_slots
+
+    tables = torch.tensor([[3, 1, 0], [2, 0, 0]], dtype=torch.int32)
+    groups = [SimpleNamespace(batch=SimpleNamespace(block_tables=t)) for t in (tables, tables.flip(0))]
+    step = ForwardContext(None, [], layer_metadata=groups)
+    first = step_context_slots(step, 0, 0, 20, 16)
+    assert torch.equal(first, torch.cat([torch.arange(48, 64), torch.arange(16, 20)]))
+    assert step_context_slots(step, 0, 0, 20, 16) is first  # the next layer of the step
+    assert torch.equal(step_context_slots(step, 1, 0, 5, 16), context_slots(tables[1], 5, 16))  # its group's
+    assert torch.equal(step_context_slots(step, 0, 1, 5, 16), context_slots(tables[1], 5, 16))
+    tables[0, 0] = 2  # the next step's tables
+    assert torch.equal(
+        step_context_slots(ForwardContext(None, [], layer_metadata=groups), 0, 0, 20, 16)[:16],
+        torch.arange(32, 48),
+    )

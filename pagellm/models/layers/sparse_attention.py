@@ -87,16 +87,24 @@ class Selection:
 
 def context_slots(block_table: torch.Tensor, num_tokens: int, block_size: int) -> torch.Tensor:
     """Cache slots of a request's positions 0..num_tokens-1 through its block table row: each block's
-    first slot plus 0..block_size-1 (two ops over the blocks, where `slots_of` over 16k positions took
-    five elementwise passes, ~0.16 ms a layer and step)."""
+    first slot plus 0..block_size-1 (two ops over the blocks, where each position's block and offset over
+    16k positions took five elementwise passes, ~0.16 ms a layer and step)."""
     blocks = -(-num_tokens // block_size)
     offsets = torch.arange(block_size, device=block_table.device)
     return (block_table[:blocks].long()[:, None] * block_size + offsets).reshape(-1)[:num_tokens]
 
 
-def slots_of(block_table: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
-    """Cache slots of a request's `positions` (any shape) through its block table row."""
-    return block_table[positions // block_size].long() * block_size + positions % block_size
+def step_context_slots(
+    ctx: ForwardContext, layer_idx: int, request: int, num_tokens: int, block_size: int
+) -> torch.Tensor:
+    """`context_slots` of `request` through the block tables of layer `layer_idx`'s KV-cache group, worked
+    out once a step (`ForwardContext.memo`): the group's layers share its tables (the indexer's and MLA's
+    groups, each read by every sparse layer)."""
+    batch = ctx.metadata_of(layer_idx).batch
+    key = ("sparse context slots", id(batch.block_tables), request, num_tokens)
+    if key not in ctx.memo:
+        ctx.memo[key] = context_slots(batch.block_tables[request], num_tokens, block_size)
+    return ctx.memo[key]
 
 
 def index_scores(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, scale: float) -> torch.Tensor:
@@ -170,7 +178,7 @@ def sparse_mla_forward(
             chosen.append(None)
             continue
         positions = torch.arange(seq_len - (end - first), seq_len, device=q.device)
-        slots = context_slots(index_meta.batch.block_tables[r], seq_len, block_size)
+        slots = step_context_slots(ctx, layers[1], r, seq_len, block_size)
         kernel = _KERNELS.index_scores if index_rows.dtype in ROW_DTYPES else None
         keys = index_rows.index_select(0, slots) if kernel is None else None
         parts = []
@@ -189,7 +197,7 @@ def sparse_mla_forward(
             parts.append(select_topk(scores, positions[a:b], params.topk))
         chosen.append(_joined(parts))
     _SELECTIONS[layers[0]] = (_step_key(mla_meta.batch), chosen)
-    return attend_chosen(q, mla_cache, mla_meta, chosen, params)
+    return attend_chosen(q, mla_cache, layers[0], chosen, params, ctx)
 
 
 _SELECTIONS: dict[int, tuple[tuple, list[Selection | None]]] = {}
@@ -205,22 +213,25 @@ def _step_key(batch: Any) -> tuple:
 def attend_chosen(
     q: torch.Tensor,
     mla_cache: torch.Tensor,
-    mla_meta: Any,
+    mla_layer: int,
     chosen: list[Selection | None],
     params: SparseParams,
+    ctx: ForwardContext,
 ) -> torch.Tensor:
     """Each request's chosen positions -> slots through the latent group's block table -> those latent rows
     alone -> attention (q [T, H, R'] -> [T, H, v_size])."""
-    batch, rows_of = mla_meta.batch, _rows(mla_cache)
+    batch, rows_of = ctx.metadata_of(mla_layer).batch, _rows(mla_cache)
     kernel = _KERNELS.attend_rows if rows_of.dtype in ROW_DTYPES else None
     block_size, starts = mla_cache.shape[2], batch.query_start_loc_cpu.tolist()
+    seq_lens = batch.seq_lens_cpu.tolist()
     out = q.new_zeros(q.shape[0], q.shape[1], params.v_size)
     for r, choice in enumerate(chosen):
         if choice is None:
             continue
         first, end = starts[r], starts[r + 1]
+        context = step_context_slots(ctx, mla_layer, r, seq_lens[r], block_size)
         for a, b in _query_slices(end - first, choice.positions.shape[1] * rows_of.shape[1]):
-            slots = slots_of(batch.block_tables[r], choice.positions[a:b], block_size)  # the chosen only
+            slots = context[choice.positions[a:b]]  # the chosen only
             if kernel is not None:
                 part = kernel(
                     q[first + a : first + b].contiguous(),
@@ -274,7 +285,7 @@ def shared_sparse_mla_forward(
         raise RuntimeError(
             f"attention layer {layers[0]} shares layer {layers[1]}'s selection, not made this step"
         )
-    return attend_chosen(q, mla_cache, mla_meta, chosen, params)
+    return attend_chosen(q, mla_cache, layers[0], chosen, params, ctx)
 
 
 @torch.library.custom_op("pagellm::shared_sparse_mla_attention", mutates_args=())
