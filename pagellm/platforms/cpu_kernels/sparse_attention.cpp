@@ -1,14 +1,16 @@
 // DeepSeek Sparse Attention's two passes over cached rows, read in place through slots (no gathered,
 // widened copy of the context): the lightning indexer's scores of every earlier token, and the absorbed MLA
 // attention over the tokens the top k chose (models/layers/sparse_attention.py defines the math: its
-// `index_scores` and `attend_selected`, which these equal up to float32 summation order).
+// `index_scores` and `attend_selected`, which these equal up to float32 summation order, and for bfloat16
+// queries and rows up to the attention weights' rounding to bfloat16, as CPU_ATTN's pair path rounds them).
 //
 // The cached rows are bfloat16 or float32 (a slot-major cache, TORCH_SDPA's layout), products and sums in
 // float32 (a bfloat16 value widens exactly). The indexer's pass is split over the keys between the threads,
 // each key read once for every query and head (bfloat16 keys of a multiple of 32 values, up to 128, in tiles
 // of 16 keys turned into pairs: `index_tile_scores`); the attention's over queries (a decode's over parts of
-// its chosen rows, merged as flash-decoding merges partitions), each part's rows read twice for every head
-// (the scores, then the weighted sum of their first v_size values), asked for ahead of the first read.
+// its chosen rows, merged as flash-decoding merges partitions), each part's rows in blocks of 64 asked for
+// ahead, scored, then summed into the values while in cache under a running softmax (flash attention's),
+// bfloat16 rows two at a time per vdpbf16ps with the weights rounded to bfloat16.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -187,9 +189,7 @@ inline void weighted_slice(const float* p, int64_t k, const T* rows, int64_t d, 
 }
 #endif
 
-// o[h][:v_size] = sum over the valid chosen rows j of p[h * k + j] * row_j[:v_size], h < g: blocks of rows that
-// stay in cache while each 32-value slice of the output is summed in registers (`row`: scratch of d floats).
-// The same for bfloat16 queries and rows: pairs of products in one vdpbf16ps (exact products, float32
+// `dots_rows` for bfloat16 queries and rows: pairs of products in one vdpbf16ps (exact products, float32
 // sums), where the build has AVX-512 BF16; else the queries widened (`dots_rows` over float32 q).
 #if defined(__AVX512BF16__)
 constexpr bool kBf16Dots = true;
@@ -241,12 +241,86 @@ inline void dots_rows(const uint16_t* q, int64_t g, int64_t d, const uint16_t* r
   }
 }
 
-template <typename T>
-void weighted_rows(const float* p, int64_t k, int64_t g, const T* rows, int64_t d, const int64_t* at,
-                   const bool* ok, int64_t v_size, float* o, float* row) {
-  int64_t done = 0;
+#if defined(__AVX512BF16__)
+// o[h][c .. c + 32) += sum_j pb_h[j] * row_j[c .. c + 32) for G heads, the rows two at a time: the
+// probabilities as bfloat16 (pb: each head's `stride` values, read as pairs p_j, p_j+1), the two rows' 32
+// values interleaved within 128-bit lanes (vpunpck{l,h}wd), so one vdpbf16ps adds both rows' products to
+// 16 columns' sums (half the instructions of float32 multiply-adds); an invalid row reads as zeros (never
+// its values), and the sums' lane-interleaved columns are put back in order at the end.
+template <int G>
+inline void weighted_slice_pairs(const uint16_t* pb, int64_t stride, const uint16_t* rows, int64_t d,
+                                 const int64_t* at, const bool* ok, int64_t j0, int64_t j1, int64_t k, int64_t c,
+                                 float* o, int64_t v_size) {
+  __m512 lo[G], hi[G];
+  for (int h = 0; h < G; ++h) lo[h] = hi[h] = _mm512_setzero_ps();
+  const auto* pairs = reinterpret_cast<const uint32_t*>(pb);
+  for (int64_t j = j0; j < j1; j += 2) {
+    const __m512i zero = _mm512_setzero_si512();
+    const __m512i r0 = ok[j] ? _mm512_loadu_si512(rows + at[j] * d + c) : zero;
+    const __m512i r1 = j + 1 < k && ok[j + 1] ? _mm512_loadu_si512(rows + at[j + 1] * d + c) : zero;
+    const __m512bh a = (__m512bh)_mm512_unpacklo_epi16(r0, r1), b = (__m512bh)_mm512_unpackhi_epi16(r0, r1);
+    for (int h = 0; h < G; ++h) {
+      const __m512bh w = (__m512bh)_mm512_set1_epi32(static_cast<int>(pairs[(h * stride + j) / 2]));
+      lo[h] = _mm512_dpbf16_ps(lo[h], w, a);
+      hi[h] = _mm512_dpbf16_ps(hi[h], w, b);
+    }
+  }
+  // lo's 128-bit lane L holds columns 8L..8L+3, hi's 8L+4..8L+7
+  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  for (int h = 0; h < G; ++h) {
+    float* oh = o + h * v_size + c;
+    _mm512_storeu_ps(oh, _mm512_add_ps(_mm512_loadu_ps(oh), _mm512_permutex2var_ps(lo[h], first, hi[h])));
+    _mm512_storeu_ps(oh + 16, _mm512_add_ps(_mm512_loadu_ps(oh + 16), _mm512_permutex2var_ps(lo[h], second, hi[h])));
+  }
+}
+
+// p [g, k] rounded to bfloat16 in place (as CPU_ATTN's pair path rounds its probabilities), and the same
+// values as bfloat16 into pb, each head's `stride` apart (zero-padded).
+void round_probabilities(float* p, int64_t k, int64_t g, uint16_t* pb, int64_t stride) {
+  for (int64_t h = 0; h < g; ++h) {
+    for (int64_t j = 0; j < k; j += 16) {
+      const __mmask16 live = static_cast<__mmask16>(k - j >= 16 ? 0xffff : (1u << (k - j)) - 1);
+      const __m256i half = (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(live, p + h * k + j));
+      _mm256_mask_storeu_epi16(pb + h * stride + j, live, half);
+      const __m512 back = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+      _mm512_mask_storeu_ps(p + h * k + j, live, back);
+    }
+  }
+}
+
+// The first v_size / 32 * 32 columns of `weighted_rows` for bfloat16 rows and queries, p already rounded
+// (`round_probabilities`, pb its bfloat16 copy): `weighted_slice_pairs` over blocks of rows that stay in
+// cache. Returns the columns done.
+int64_t weighted_rows_pairs(const uint16_t* pb, int64_t stride, int64_t k, int64_t g, const uint16_t* rows,
+                            int64_t d, const int64_t* at, const bool* ok, int64_t v_size, float* o) {
+  const int64_t done = v_size / 32 * 32;
+  constexpr int64_t kBlock = 64;
+  for (int64_t j0 = 0; j0 < k; j0 += kBlock) {
+    const int64_t j1 = std::min(k, j0 + kBlock);
+    for (int64_t c = 0; c < done; c += 32)
+      for (int64_t h0 = 0; h0 < g; h0 += 8) {
+        const uint16_t* ph = pb + h0 * stride;
+        float* oh = o + h0 * v_size;
+        if (g - h0 >= 8) {
+          weighted_slice_pairs<8>(ph, stride, rows, d, at, ok, j0, j1, k, c, oh, v_size);
+        } else {
+          for (int64_t h = 0; h < g - h0; ++h)
+            weighted_slice_pairs<1>(ph + h * stride, stride, rows, d, at, ok, j0, j1, k, c, oh + h * v_size, v_size);
+        }
+      }
+  }
+  return done;
+}
+#endif
+
 #if SP_AVX512
-  done = v_size / 32 * 32;
+// The first v_size / 32 * 32 columns of `weighted_rows` in float32 products, over blocks of rows that stay
+// in cache while each 32-value slice of the output is summed in registers. Returns the columns done.
+template <typename T>
+int64_t weighted_rows_floats(const float* p, int64_t k, int64_t g, const T* rows, int64_t d, const int64_t* at,
+                             const bool* ok, int64_t v_size, float* o) {
+  const int64_t done = v_size / 32 * 32;
   constexpr int64_t kBlock = 64;
   for (int64_t j0 = 0; j0 < k; j0 += kBlock) {
     const int64_t j1 = std::min(k, j0 + kBlock);
@@ -264,6 +338,31 @@ void weighted_rows(const float* p, int64_t k, int64_t g, const T* rows, int64_t 
         }
       }
   }
+  return done;
+}
+#endif
+
+// o[h][:v_size] = sum over the valid chosen rows j of p[h * k + j] * row_j[:v_size], h < g (`row`: scratch of
+// d floats for the columns past the vector paths'). `pairs`: bfloat16 rows with bfloat16 queries, whose
+// probabilities are rounded to bfloat16 in p first (`round_probabilities`; then `weighted_rows_pairs`, where
+// the build has AVX-512 BF16); else float32 products.
+template <typename T>
+void weighted_rows(float* p, int64_t k, int64_t g, const T* rows, int64_t d, const int64_t* at,
+                   const bool* ok, int64_t v_size, float* o, float* row, bool pairs) {
+  int64_t done = 0;
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, uint16_t>) {
+    if (pairs) {
+      const int64_t stride = (k + 1) & ~int64_t(1);  // even: a head's pairs start on a pair
+      std::vector<uint16_t> pb(g * stride, 0);
+      round_probabilities(p, k, g, pb.data(), stride);
+      done = weighted_rows_pairs(pb.data(), stride, k, g, rows, d, at, ok, v_size, o);
+    }
+  }
+#endif
+  (void)pairs;
+#if SP_AVX512
+  if (done == 0) done = weighted_rows_floats<T>(p, k, g, rows, d, at, ok, v_size, o);
 #endif
   if (done == v_size) return;
   for (int64_t j = 0; j < k; ++j) {
@@ -391,6 +490,42 @@ inline float exponentials(float* s, const bool* ok, int64_t n, float top) {
   return total;
 }
 
+constexpr int64_t kRowBlock = 64;  // chosen rows scored and summed together (72 KiB of 576-value bf16 rows)
+
+// scores[h * m + j] = scale * q_h . row_j for the block's m rows (`left`: rows from the block's first to the
+// item's end, for asking ahead across blocks)
+template <typename T, typename Q>
+void block_scores(const Q* qi, int64_t heads, int64_t d, const T* rows, const int64_t* at, const bool* ok, int64_t m,
+                  int64_t left, float scale, float* scores, float* pair_dots) {
+  (void)ok;
+  for (int64_t j = 0; j < m; j += 2) {
+    const int64_t j1 = std::min(j + 1, m - 1);
+    if (j + kRowsAhead + 1 < left)
+      ask_for_row(rows + at[j + kRowsAhead] * d, d), ask_for_row(rows + at[j + kRowsAhead + 1] * d, d);
+    dots_rows(qi, heads, d, rows + at[j] * d, rows + at[j1] * d, pair_dots);
+    for (int64_t h = 0; h < heads; ++h) {
+      scores[h * m + j] = scale * pair_dots[h];
+      if (j1 != j) scores[h * m + j1] = scale * pair_dots[heads + h];
+    }
+  }
+}
+
+// One head's block in the running softmax (flash attention's): its max over the valid rows raises the
+// head's running max `best` if above it, scaling the sums so far (`total` and o's v_size values) by
+// e^(old - new); then s becomes e^(s - best) (0 where invalid), added to `total`.
+inline void rescale_head(float* s, const bool* ok, int64_t m, float& best, float& total, float* o, int64_t v_size) {
+  float top = best;
+  for (int64_t j = 0; j < m; ++j)
+    if (ok[j]) top = std::max(top, s[j]);
+  if (top > best) {
+    const float factor = std::exp(best - top);  // 0 for the first valid block (best: -inf)
+    total *= factor;
+    for (int64_t c = 0; c < v_size; ++c) o[c] *= factor;
+    best = top;
+  }
+  total += exponentials(s, ok, m, best);
+}
+
 template <typename T, typename Q>
 void attend_rows_impl(const Q* q, const T* rows, const int64_t* slots, const bool* valid, int64_t queries,
                       int64_t heads, int64_t d, int64_t k, int64_t v_size, float scale, float* out) {
@@ -401,40 +536,31 @@ void attend_rows_impl(const Q* q, const T* rows, const int64_t* slots, const boo
   std::vector<float> part_out(parts > 1 ? queries * parts * heads * v_size : 0);
   std::vector<float> part_max(queries * parts * heads), part_sum(queries * parts * heads);
   at::parallel_for(0, queries * parts, 1, [&](int64_t begin, int64_t end) {
-    const int64_t most = (k + parts - 1) / parts;
-    std::vector<float> row(d), score_buf(heads * most), pair_dots(2 * heads);
+    std::vector<float> row(d), score_buf(heads * kRowBlock), pair_dots(2 * heads);
     float* scores = score_buf.data();
     for (int64_t item = begin; item < end; ++item) {
       const int64_t i = item / parts, part = item % parts;
       const int64_t j0 = part * k / parts, n = (part + 1) * k / parts - j0;
       const Q* qi = q + i * heads * d;
-      const bool* ok = valid + i * k + j0;
-      const int64_t* at = slots + i * k + j0;
       float* best = part_max.data() + item * heads;
       float* total = part_sum.data() + item * heads;
       std::fill(best, best + heads, -std::numeric_limits<float>::infinity());
-      for (int64_t j = 0; j < n; j += 2) {
-        const int64_t j1 = std::min(j + 1, n - 1);
-        if (j + kRowsAhead + 1 < n)
-          ask_for_row(rows + at[j + kRowsAhead] * d, d), ask_for_row(rows + at[j + kRowsAhead + 1] * d, d);
-        dots_rows(qi, heads, d, rows + at[j] * d, rows + at[j1] * d, pair_dots.data());
-        for (int64_t h = 0; h < heads; ++h) {
-          scores[h * n + j] = scale * pair_dots[h];
-          if (ok[j]) best[h] = std::max(best[h], scores[h * n + j]);
-          if (j1 != j) {
-            scores[h * n + j1] = scale * pair_dots[heads + h];
-            if (ok[j1]) best[h] = std::max(best[h], scores[h * n + j1]);
-          }
-        }
-      }
-      for (int64_t h = 0; h < heads; ++h) {
-        total[h] = exponentials(scores + h * n, ok, n, best[h]);
-        const float inv = parts > 1 || total[h] == 0.f ? 1.f : 1.f / total[h];
-        for (int64_t j = 0; j < n; ++j) scores[h * n + j] *= inv;
-      }
+      std::fill(total, total + heads, 0.f);
       float* o = parts > 1 ? part_out.data() + item * heads * v_size : out + i * heads * v_size;
       std::fill(o, o + heads * v_size, 0.f);
-      weighted_rows<T>(scores, n, heads, rows, d, at, ok, v_size, o, row.data());
+      for (int64_t b0 = 0; b0 < n; b0 += kRowBlock) {  // a block's rows scored, then summed while in cache
+        const int64_t m = std::min(kRowBlock, n - b0);
+        const bool* ok = valid + i * k + j0 + b0;
+        const int64_t* at = slots + i * k + j0 + b0;
+        block_scores(qi, heads, d, rows, at, ok, m, n - b0, scale, scores, pair_dots.data());
+        for (int64_t h = 0; h < heads; ++h) rescale_head(scores + h * m, ok, m, best[h], total[h], o + h * v_size, v_size);
+        weighted_rows<T>(scores, m, heads, rows, d, at, ok, v_size, o, row.data(), std::is_same_v<Q, uint16_t>);
+      }
+      if (parts > 1) continue;
+      for (int64_t h = 0; h < heads; ++h) {
+        const float inv = total[h] == 0.f ? 1.f : 1.f / total[h];
+        for (int64_t c = 0; c < v_size; ++c) o[h * v_size + c] *= inv;
+      }
     }
   });
   if (parts == 1) return;
