@@ -129,7 +129,7 @@ class Gemma4ForConditionalGeneration(SupportsImages, Gemma4TextOfMultimodal):
         the encoder in float32, which maps them to [-1, 1] before its cast, as transformers does."""
         if self.vision_tower is None:
             raise ConfigError("this Gemma 4 checkpoint has no vision tower: it takes no images")
-        device = self.embed_vision.embedding_projection.weight.device
+        device = next(self.vision_tower.parameters()).device  # (the embedder's weight may be packed away)
         pixels = torch.cat([image["pixel_values"] for image in images]).to(device, torch.float32)
         positions = torch.cat([image["image_position_ids"] for image in images]).to(device)
         return [self.embed_vision(rows) for rows in self.vision_tower(pixels, positions)]

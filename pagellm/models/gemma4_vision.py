@@ -64,7 +64,8 @@ class Gemma4VisionPatchEmbedder(nn.Module):
 
     def forward(self, pixels: torch.Tensor, positions: torch.Tensor, padding: torch.Tensor) -> torch.Tensor:
         """pixels [B, P, 3 x patch²] in [0, 1], positions [B, P, 2] -> [B, P, hidden]."""
-        pixels = (2 * (pixels - 0.5)).to(self.input_proj.weight.dtype)  # no normalisation in the processor
+        # no normalisation in the processor; the dtype from the table (input_proj's weight may be packed away)
+        pixels = (2 * (pixels - 0.5)).to(self.position_embedding_table.dtype)
         h = self.input_proj(pixels.reshape(-1, pixels.shape[-1])).view(*pixels.shape[:2], -1)
         where = positions.clamp(min=0)
         table = self.position_embedding_table

@@ -9,7 +9,7 @@ import torch
 
 from pagellm.attention_backends import cpu_attn
 from pagellm.attention_backends._base import store_kv
-from pagellm.attention_backends.cpu_attn import CpuAttnBackend
+from pagellm.attention_backends.cpu_attn import _CACHE_KINDS, CpuAttnBackend
 from pagellm.attention_backends.torch_sdpa import TorchSDPABackend
 from pagellm.core.attention import AttentionSpec
 from pagellm.core.int8_rows import dequantize_int8_rows, quantize_int8_rows
@@ -356,20 +356,23 @@ def test_prefills_go_to_the_kernel_where_it_multiplies_tiles(monkeypatch):
     assert CpuAttnBackend(bf16).prefills_on_kernel == kernel.attention_pair_tiles()
 
 
-def test_a_prefill_tokens_row_does_not_depend_on_its_chunk():
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_prefill_tokens_row_does_not_depend_on_its_chunk(dtype):
     """The kernel's prefill rows (AMX or pair tiles where the build has them, else its vector path) are the
-    same bits whether a token's chunk starts at the prompt's start or later."""
+    same bits whether a token's chunk starts at the prompt's start or later: a block of the chunk's rows
+    ends its keys at its own last row, so a key in a whole tile of one block may be in the last, short tile
+    of another."""
     kernel = cpu_kernels.load()
     if kernel is None:
         pytest.skip(cpu_kernels.why_unavailable())
     gen = torch.Generator().manual_seed(0)
     length, blocks = 70, 5
-    q = torch.randn(length, 9, 64, generator=gen).bfloat16()
-    cache = torch.randn(2, 3, blocks + 1, 16, 64, generator=gen).bfloat16()
+    q = torch.randn(length, 9, 64, generator=gen).to(dtype)
+    cache = torch.randn(2, 3, blocks + 1, 16, 64, generator=gen).to(dtype)
     table = torch.arange(1, blocks + 1, dtype=torch.int32)[None]
     rows = []
     for start in (0, 21, 50):  # the chunk [start, length) of the prompt, its earlier keys in the cache
-        out = torch.empty(length - start, 9, 64, dtype=torch.bfloat16)
+        out = torch.empty(length - start, 9, 64, dtype=dtype)
         kernel.paged_attention(
             out,
             q[start:].contiguous(),
@@ -379,7 +382,7 @@ def test_a_prefill_tokens_row_does_not_depend_on_its_chunk():
             torch.tensor([length], dtype=torch.int32),
             torch.tensor([0, length - start], dtype=torch.int32),
             torch.tensor([0], dtype=torch.int32),
-            1,
+            _CACHE_KINDS[dtype],
             0.125,
             0,
             length,

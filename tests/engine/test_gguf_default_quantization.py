@@ -26,6 +26,12 @@ def _q8_file(tmp_path):
     )
 
 
+def _float_weight(linear):
+    """The layer's weight, or its packed copy where the platform packed it (float32 panels on AVX2-only
+    CPUs)."""
+    return linear.weight if linear.weight is not None else linear.packed_weight
+
+
 def test_a_gguf_file_keeps_its_blocks_unless_told(tmp_path):
     path = _q8_file(tmp_path)
     prompts = [{"prompt_token_ids": [5, 17, 42, 9]}]
@@ -43,7 +49,7 @@ def test_a_gguf_file_keeps_its_blocks_unless_told(tmp_path):
     assert widened.engine.setup.quant_method is None
     assert any("quantization none (--quantization none)" in line for line in widened.engine.setup.explanation)
     qkv = widened.engine.runner.model.model.layers[0].self_attn.qkv_proj
-    assert qkv.weight.dtype == torch.float32 and not hasattr(qkv, "qweight_types")
+    assert _float_weight(qkv).dtype == torch.float32 and not hasattr(qkv, "qweight_types")
     # Q8_0 on a tiny random model: both give the same greedy tokens (the packed path's error is far
     # below these logits' gaps; a near-tie would show here as a mismatch to look at, not to loosen)
     assert widened.generate(prompts, params, use_tqdm=False)[0].outputs[0].token_ids == tokens
@@ -118,4 +124,4 @@ def test_a_file_of_float_matrices_loads_as_floats(tmp_path):
         assert requested is None and f"a {file_type} GGUF file" in why, why
     llm = LLM(str(path), **ENGINE)
     assert llm.engine.setup.quant_method is None
-    assert llm.engine.runner.model.model.layers[0].self_attn.qkv_proj.weight.dtype == torch.float32
+    assert _float_weight(llm.engine.runner.model.model.layers[0].self_attn.qkv_proj).dtype == torch.float32

@@ -194,7 +194,7 @@ def test_the_shipped_gguf_file_with_its_gguf_embedding(native_gguf_here, two_thr
         path = default_model_path()
     except Exception as e:  # the package is not installed
         pytest.skip(str(e))
-    llm = _engine(path, quantization="gguf", dtype="auto")
+    llm = _engine(path, quantization="gguf", dtype="bfloat16")
     assert llm.engine.runner.model.model.embed_tokens.block_type is not None
     gaps = _watch(llm)
     llm.generate([{"prompt_token_ids": list(range(1000, 1100))}], SamplingParams(max_tokens=12, **GREEDY))

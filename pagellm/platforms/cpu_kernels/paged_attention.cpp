@@ -894,8 +894,14 @@ void attend_partition(const Problem& P, const float* qf, const void* qb, int64_t
       prefetch_row<_MM_HINT_T0>(P.k, offset(i), row_bytes, elem_size<K>());
       prefetch_row<_MM_HINT_T1>(P.v, offset(i), row_bytes, elem_size<K>());
     }
-    for (; t + 16 <= hi; t += 16) {
-      for (int i = 0; i < 16; ++i) at[i] = offset(t + i);
+    std::vector<float> last_tile(rows * 16);
+    for (; t < hi; t += 16) {
+      // a last tile of fewer keys repeats its last key, so every key's score is summed as in a whole tile
+      // (as the AVX2 path's tiles of 8)
+      const int64_t n = std::min<int64_t>(16, hi - t);
+      for (int i = 0; i < 16; ++i) at[i] = offset(t + std::min<int64_t>(i, n - 1));
+      float* dst = n == 16 ? scores.data() + (t - lo) : last_tile.data();
+      const int64_t stride = n == 16 ? width : 16;
       // blocks sit anywhere in memory, so the hardware prefetcher cannot see the next one coming: fetch
       // the keys of a tile ahead into L1 and its values into L2 for the second pass
       for (int64_t i = t + PREFETCH_AHEAD; i < std::min(hi, t + PREFETCH_AHEAD + 16); ++i) {
@@ -904,37 +910,44 @@ void attend_partition(const Problem& P, const float* qf, const void* qb, int64_t
       }
 #if defined(__AVX512BF16__)
       if (pair_tiles) {
-        tile_scores(static_cast<const uint16_t*>(qb), rows, d, static_cast<const uint16_t*>(P.k), at, scale,
-                    scores.data() + (t - lo), width);
-        continue;
-      }
-      // other cache dtypes with a bfloat16 query: widen the tile's keys to bfloat16 once (exact for fp8,
-      // whose 2-3 mantissa bits fit in bfloat16's 7), then every query row uses the pair-product path
-      const bool widen = K != BF16 && qb != nullptr && d % 32 == 0 && K != F32;
-      if (widen) {
-        for (int i = 0; i < 16; ++i)
-          for (int64_t e = 0; e < d; e += 32)
-            _mm512_storeu_si512(tile.data() + i * d + e,
-                                (__m512i)_mm512_cvtne2ps_pbh(vload<K>(P.k, at[i] + e + 16), vload<K>(P.k, at[i] + e)));
-      }
+        tile_scores(static_cast<const uint16_t*>(qb), rows, d, static_cast<const uint16_t*>(P.k), at, scale, dst,
+                    stride);
+      } else
 #endif
-      for (int64_t row = 0; row < rows; ++row) {
+      {
 #if defined(__AVX512BF16__)
-        if (K == BF16 && qb != nullptr && d % 32 == 0) {
-          const __m512bh* q = static_cast<const __m512bh*>(qb) + row * (d / 32);
-          partial_dots16_bf16(q, P.k, at, d, part);
-        } else if (widen) {
-          const __m512bh* q = static_cast<const __m512bh*>(qb) + row * (d / 32);
-          int64_t tile_at[16];
-          for (int i = 0; i < 16; ++i) tile_at[i] = i * d;
-          partial_dots16_bf16(q, tile.data(), tile_at, d, part);
-        } else
-#endif
-        {
-          for (int i = 0; i < 16; ++i) part[i] = partial_dot<K>(qf + row * d, P.k, at[i], d);
+        // other cache dtypes with a bfloat16 query: widen the tile's keys to bfloat16 once (exact for fp8,
+        // whose 2-3 mantissa bits fit in bfloat16's 7), then every query row uses the pair-product path
+        const bool widen = K != BF16 && qb != nullptr && d % 32 == 0 && K != F32;
+        if (widen) {
+          for (int i = 0; i < 16; ++i)
+            for (int64_t e = 0; e < d; e += 32)
+              _mm512_storeu_si512(
+                  tile.data() + i * d + e,
+                  (__m512i)_mm512_cvtne2ps_pbh(vload<K>(P.k, at[i] + e + 16), vload<K>(P.k, at[i] + e)));
         }
-        _mm512_storeu_ps(scores.data() + row * width + (t - lo), _mm512_mul_ps(reduce16(part), scale));
+#endif
+        for (int64_t row = 0; row < rows; ++row) {
+#if defined(__AVX512BF16__)
+          if (K == BF16 && qb != nullptr && d % 32 == 0) {
+            const __m512bh* q = static_cast<const __m512bh*>(qb) + row * (d / 32);
+            partial_dots16_bf16(q, P.k, at, d, part);
+          } else if (widen) {
+            const __m512bh* q = static_cast<const __m512bh*>(qb) + row * (d / 32);
+            int64_t tile_at[16];
+            for (int i = 0; i < 16; ++i) tile_at[i] = i * d;
+            partial_dots16_bf16(q, tile.data(), tile_at, d, part);
+          } else
+#endif
+          {
+            for (int i = 0; i < 16; ++i) part[i] = partial_dot<K>(qf + row * d, P.k, at[i], d);
+          }
+          _mm512_storeu_ps(dst + row * stride, _mm512_mul_ps(reduce16(part), scale));
+        }
       }
+      if (n < 16)
+        for (int64_t row = 0; row < rows; ++row)
+          std::memcpy(scores.data() + row * width + (t - lo), dst + row * 16, n * sizeof(float));
     }
     // the thread's next item's keys into L2 while this one's softmax and values run (kNextItemBytes): its
     // blocks sit anywhere, so nothing else fetches them before its first tiles wait on memory
@@ -950,20 +963,30 @@ void attend_partition(const Problem& P, const float* qf, const void* qb, int64_t
     const int64_t row_bytes = P.row * elem_size<K>();
     std::vector<float> key_parts(d % 64 == 0 ? rows * 64 : 0);
     for (int64_t i = lo; i < std::min(hi, lo + PREFETCH_AHEAD); ++i) prefetch_row<_MM_HINT_T0>(P.k, offset(i), row_bytes, elem_size<K>());
-    for (; t + 8 <= hi; t += 8) {
-      for (int i = 0; i < 8; ++i) at[i] = offset(t + i);
+    std::vector<float> last_tile(rows * 8);
+    for (; t < hi; t += 8) {
+      // a last tile of fewer keys repeats its last key, so every key's score is summed as in a whole tile:
+      // a token's scores then do not depend on where its block's context ends (a prefill chunk's blocks
+      // end at their own last rows)
+      const int64_t n = std::min<int64_t>(8, hi - t);
+      for (int i = 0; i < 8; ++i) at[i] = offset(t + std::min<int64_t>(i, n - 1));
       for (int64_t i = t + PREFETCH_AHEAD; i < std::min(hi, t + PREFETCH_AHEAD + 8); ++i) {
         prefetch_row<_MM_HINT_T0>(P.k, offset(i), row_bytes, elem_size<K>());
         prefetch_row<_MM_HINT_T1>(P.v, offset(i), row_bytes, elem_size<K>());
       }
+      float* dst = n == 8 ? scores.data() + (t - lo) : last_tile.data();
+      const int64_t stride = n == 8 ? width : 8;
       if (d % 64 == 0) {
-        key_tile_scores8<K>(qf, rows, P.k, at, d, P.scale, scores.data() + (t - lo), width, key_parts.data());
-        continue;
+        key_tile_scores8<K>(qf, rows, P.k, at, d, P.scale, dst, stride, key_parts.data());
+      } else {
+        for (int64_t row = 0; row < rows; ++row) {
+          for (int i = 0; i < 8; ++i) part[i] = partial_dot8<K>(qf + row * d, P.k, at[i], d);
+          _mm256_storeu_ps(dst + row * stride, _mm256_mul_ps(reduce8(part), scale));
+        }
       }
-      for (int64_t row = 0; row < rows; ++row) {
-        for (int i = 0; i < 8; ++i) part[i] = partial_dot8<K>(qf + row * d, P.k, at[i], d);
-        _mm256_storeu_ps(scores.data() + row * width + (t - lo), _mm256_mul_ps(reduce8(part), scale));
-      }
+      if (n < 8)
+        for (int64_t row = 0; row < rows; ++row)
+          std::memcpy(scores.data() + row * width + (t - lo), dst + row * 8, n * sizeof(float));
     }
     // as the AVX-512 path: the next item's keys into L2 (kNextItemBytes)
     if (next.table)
