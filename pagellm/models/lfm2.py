@@ -9,7 +9,8 @@ is called `embedding_norm`. The MLP's width is `intermediate_size` adjusted as t
 (`block_auto_adjust_ff_dim`: two thirds, times `block_ffn_dim_multiplier`, rounded up to
 `block_multiple_of`). Attention layers are numbered among themselves for the KV cache
 (`num_attention_layers`), conv layers likewise for their states. LFM2-MoE (lfm2_moe.py) swaps the MLP for
-routed experts after its first dense layers.
+routed experts after its first dense layers; LFM3 (lfm3.py) adds sliding attention layers, a rope per
+attention kind, a gate on the attention's heads and norms on each branch's output.
 """
 
 from __future__ import annotations
@@ -87,6 +88,9 @@ class Lfm2Attention(LlamaAttention):
 
 
 class Lfm2DecoderLayer(nn.Module):
+    attention_class: type[nn.Module] = Lfm2Attention
+    """The attention layers' class, built as (init, index among the attention layers); LFM3 gates its output."""
+
     def __init__(self, init: ModelInit, conv: bool, kind_idx: int, feed_forward: nn.Module):
         super().__init__()
         c = init.hf_config
@@ -94,7 +98,7 @@ class Lfm2DecoderLayer(nn.Module):
         if conv:
             self.conv = ShortConv(init, kind_idx, c.conv_L_cache, c.conv_bias)
         else:
-            self.self_attn = Lfm2Attention(init, kind_idx)
+            self.self_attn = self.attention_class(init, kind_idx)
         self.is_conv = conv
         self.ffn_norm = RMSNorm(c.hidden_size, c.norm_eps, init.dtype)
         self.feed_forward = feed_forward
@@ -106,29 +110,41 @@ class Lfm2DecoderLayer(nn.Module):
 
 
 class Lfm2Model(nn.Module):
+    layer_class: type[nn.Module] = Lfm2DecoderLayer
+
     def __init__(self, init: ModelInit, feed_forward: Any):
         """`feed_forward(init, layer_idx)`: the MLP (or expert block) of each layer."""
         super().__init__()
         c = init.hf_config
         self.embed_tokens = Embedding(c.vocab_size, c.hidden_size, init.dtype, init.parallel.tp)
-        self.rotary_emb = RotaryEmbedding(c)
+        self.init_rope(c)
         counts = {True: 0, False: 0}
         layers = []
         for i, conv in enumerate(is_conv_layer(c)):
-            layers.append(Lfm2DecoderLayer(init, conv, counts[conv], feed_forward(init, i)))
+            layers.append(self.layer_class(init, conv, counts[conv], feed_forward(init, i)))
             counts[conv] += 1
         self.layers = nn.ModuleList(layers)
         self.embedding_norm = RMSNorm(c.hidden_size, c.norm_eps, init.dtype)
 
+    def init_rope(self, hf_config: Any) -> None:
+        """One rope for every attention layer; `layer_rope[i]`: which of `rope()`'s cos/sin layer i takes
+        (a model with a rope per layer type, LFM3, builds several)."""
+        self.rotary_emb = RotaryEmbedding(hf_config)
+        self.layer_rope = [0] * hf_config.num_hidden_layers
+
+    def rope(self, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [self.rotary_emb.cos_sin(positions)]
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        cos, sin = self.rotary_emb.cos_sin(positions)
+        rope = self.rope(positions)
         h = self.embed_tokens(input_ids)
-        for layer in self.layers:
-            h = layer(h, cos, sin)
+        for layer, which in zip(self.layers, self.layer_rope, strict=True):
+            h = layer(h, *rope[which])
         return self.embedding_norm(h)
 
 
 class Lfm2ForCausalLM(CausalLM):
+    model_class: type[Lfm2Model] = Lfm2Model
     unsplit_layers = (
         "the short-conv layers (models/layers/short_conv.py) have no split of their channels or state"
     )
@@ -137,7 +153,7 @@ class Lfm2ForCausalLM(CausalLM):
     def __init__(self, init: ModelInit):
         super().__init__()
         c = init.hf_config
-        self.model = Lfm2Model(init, self.feed_forward)
+        self.model = self.model_class(init, self.feed_forward)
         self.tied = bool(getattr(c, "tie_word_embeddings", False))
         self.lm_head = (
             self.model.embed_tokens if self.tied else Linear(c.hidden_size, c.vocab_size, False, init.dtype)

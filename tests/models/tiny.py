@@ -59,6 +59,7 @@ ARCHS = (
     "falcon_h1",
     "lfm2",
     "lfm2_moe",
+    "lfm3",
     "olmo_hybrid",
     "kimi_linear",
     "ministral3",
@@ -666,6 +667,22 @@ _DEFAULTS["lfm2_moe"] = dict(
     moe_intermediate_size=32,
     routed_scaling_factor=1.5,
 )
+# LFM3: short convs (3 taps) in layers 0, 2 and 4, sliding attention (a window of 24, so the parity prompts
+# cross it) in 1, full attention in 3; the released ropes (plain on the sliding layers, proportional on the
+# full one: 4 of its 8 frequency pairs rotate), the attention's sigmoid gate and the sandwich norms, an MLP
+# 96 wide (not adjusted), tied embeddings
+_DEFAULTS["lfm3"] = dict(
+    _SIZES,
+    num_hidden_layers=5,
+    layer_types=["conv", "sliding_attention", "conv", "full_attention", "conv"],
+    num_key_value_heads=2,
+    head_dim=16,
+    intermediate_size=96,
+    sliding_window=24,
+    conv_L_cache=3,
+    norm_eps=1e-5,
+    initializer_range=0.15,
+)
 # OLMo Hybrid as released: Gated DeltaNet in layers 0-2 and OLMo attention without rotary (NoPE) in 3; 2 key
 # heads feeding 4 value heads (16 wide for keys, 32 for values), beta in (0, 2) (negative eigenvalues); A
 # drawn from (0, 1) and dt up to 1 (transformers' defaults: A up to 16, dt up to 0.1) so the decay keeps the
@@ -798,6 +815,7 @@ def tiny_config(arch: str, vocab_size: int, **overrides: Any):
         "falcon_h1": transformers.FalconH1Config,
         "lfm2": transformers.Lfm2Config,
         "lfm2_moe": transformers.Lfm2MoeConfig,
+        "lfm3": transformers.Lfm3Config,
         "ministral3": transformers.Ministral3Config,
         "mistral4": transformers.Mistral4Config,
     }[arch]
@@ -879,3 +897,66 @@ def write_bin_checkpoint(model_dir: str | os.PathLike, shards: int = 1) -> None:
         torch.save({n: state[n] for n in part}, root / file)
         weight_map.update(dict.fromkeys(part, file))
     (root / "pytorch_model.bin.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+
+# DeepSeek-V4: every attention kind (a window of 8 on every layer; layers 1 and 3 compressed-sparse at rate
+# 4 with an indexer keeping the best 3 pooled rows; layer 2 heavily compressed at rate 8), so ~40-token
+# prompts cross the window and several pooled rows of each rate;
+# 4 hyper-connection streams, a grouped output projection of 2 groups, hash-routed experts on layer 0 and
+# top-k ones after. 16 indexer heads keep exact-zero scores (every head's ReLU at 0) rare.
+DEEPSEEK_V4 = dict(
+    _SIZES,
+    num_hidden_layers=4,
+    num_key_value_heads=1,
+    head_dim=32,
+    partial_rotary_factor=0.25,
+    q_lora_rank=24,
+    o_groups=2,
+    o_lora_rank=16,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    n_shared_experts=1,
+    moe_intermediate_size=32,
+    routed_scaling_factor=1.5,
+    swiglu_limit=2.0,
+    layer_types=[
+        "sliding_attention",
+        "compressed_sparse_attention",
+        "heavily_compressed_attention",
+        "compressed_sparse_attention",
+    ],
+    mlp_layer_types=["hash_moe", "moe", "moe", "moe"],
+    compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
+    sliding_window=8,
+    index_n_heads=16,
+    index_head_dim=16,
+    index_topk=3,
+    hc_mult=4,
+    hc_sinkhorn_iters=5,
+    rms_norm_eps=1e-6,
+    initializer_range=0.15,
+)
+
+
+def make_tiny_deepseek_v4(tmp_path: str | os.PathLike, *, seed: int = 0, **overrides: Any) -> Path:
+    """A tiny DeepSeek-V4 checkpoint (`DEEPSEEK_V4`, `overrides` replacing fields) and its tokenizer in
+    `tmp_path/tiny-deepseek_v4`. The hash router's token -> experts table (`tid2eid`, zeros as transformers
+    initialises it) is drawn at random, two distinct experts per token, so that hash routing is tested."""
+    import transformers
+
+    out = Path(tmp_path) / "tiny-deepseek_v4"
+    tokenizer = make_tokenizer(384)
+    fields = dict(DEEPSEEK_V4, vocab_size=len(tokenizer), bos_token_id=BOS_ID, eos_token_id=EOS_ID)
+    config = transformers.DeepseekV4Config(**{**fields, "pad_token_id": PAD_ID, **overrides})
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    randomise_vectors(model)
+    experts, k = config.n_routed_experts, config.num_experts_per_tok
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            if name.endswith("tid2eid"):
+                buffer.copy_(torch.stack([torch.randperm(experts)[:k] for _ in range(buffer.shape[0])]))
+    model.config.dtype = torch.float32
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
