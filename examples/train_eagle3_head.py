@@ -13,7 +13,9 @@ fc(three states)]) learns the token two places after each state: row i sees toke
 at i. With `--depth k` (EAGLE-3's training-time test) it
 also learns the later drafts as the proposer makes them: step s of row i sees token i + s and the head's
 own output of step s - 1 as its hidden state, attends to step 1's rows up to i and its own earlier steps
-of row i, and learns token i + s + 1. The draft vocabulary is the most frequent tokens of those outputs
+of row i, and learns token i + s + 1. Only tokens the proposer is asked for count in the loss: those after
+the target's first output token (the prompt's rows are read, as keys, but a draft is never asked to guess
+the prompt or the chat template around it). The draft vocabulary is the most frequent tokens of those outputs
 (`d2t`/`t2d`); its lm_head starts as the target's rows of those tokens; rows whose answer is outside it
 do not count. Small on purpose: minutes on two cores for a 135M target, not a released head's recipe.
 """
@@ -129,29 +131,47 @@ def greedy_outputs(target: str, prompts: list[list[int]], max_new_tokens: int) -
 
 
 @torch.no_grad()
-def hidden_states(target, sequences: list[torch.Tensor], layers: list[int]):
-    """(token ids, the three states per token in bfloat16) of each sequence, from transformers."""
+def hidden_states(target, sequences: list[torch.Tensor], layers: list[int], prompt_lens: list[int]):
+    """(token ids, the three states per token in bfloat16, the prompt's length) of each sequence, from
+    transformers."""
     examples = []
-    for tokens in sequences:
+    for tokens, prompt_len in zip(sequences, prompt_lens, strict=True):
         states = target(tokens[None], output_hidden_states=True).hidden_states  # [i]: entering layer i
-        examples.append((tokens, torch.cat([states[i][0] for i in layers], -1).bfloat16()))
+        examples.append((tokens, torch.cat([states[i][0] for i in layers], -1).bfloat16(), prompt_len))
     return examples
 
 
 def draft_vocabulary(examples, vocab: int, size: int) -> torch.Tensor:
     """The `size` most frequent tokens of the examples, sorted (ties and unseen tokens by id)."""
     counts = torch.zeros(vocab)
-    for tokens, _ in examples:
+    for tokens, _, _ in examples:
         counts += torch.bincount(tokens, minlength=vocab).float()
     return counts.topk(min(size, vocab)).indices.sort().values
+
+
+def draft_labels(
+    tokens: torch.Tensor, prompt_len: int, t2d_index: torch.Tensor, depth: int
+) -> list[torch.Tensor]:
+    """What step s (1..depth) of each row learns, as draft-vocabulary ids: row i's answer is token i + s + 1
+    (the states at i, token i + s read); -100 (not counted) past the sequence's end, where the answer is in
+    the prompt or is the target's first output token (no draft guesses those), or is outside the draft
+    vocabulary."""
+    n = len(tokens) - 1
+    padded = torch.cat([tokens, tokens.new_zeros(depth + 1)])
+    labels = [t2d_index[padded[s + 2 : s + 2 + n]] for s in range(depth)]
+    for s in range(depth):
+        labels[s][max(0, n - 1 - s) :] = -100  # past the end
+        labels[s][: max(0, prompt_len - 1 - s)] = -100  # row i's answer is token i + s + 2 <= prompt_len
+    return labels
 
 
 def train(
     head: Head, embed: torch.Tensor, examples, t2d_index: torch.Tensor, epochs: int, lr: float, depth: int
 ) -> None:
     """Epochs over the examples in a seeded order, one sequence a step, AdamW with a cosine schedule. Step s
-    (1..depth) of row i reads token i + s and learns token i + s + 1; rows past the sequence's end, or whose
-    answer is outside the draft vocabulary, do not count."""
+    (1..depth) of row i reads token i + s and learns token i + s + 1; rows past the sequence's end, whose
+    answer is in the prompt or is the target's first output token (no draft guesses those), or is outside
+    the draft vocabulary, do not count."""
     optimizer = torch.optim.AdamW(head.parameters(), lr=lr)
     total = epochs * len(examples)
     schedule = torch.optim.lr_scheduler.LambdaLR(
@@ -160,16 +180,16 @@ def train(
     order = torch.cat([torch.randperm(len(examples)) for _ in range(epochs)]).tolist()
     correct, counted = torch.zeros(depth), torch.zeros(depth)
     for k, e in enumerate(order):
-        tokens, aux = examples[e]
+        tokens, aux, prompt_len = examples[e]
         n = len(tokens) - 1  # rows: the states at 0..n-1
         if n < depth + 1:
             continue
         padded = torch.cat([tokens, tokens.new_zeros(depth + 1)])
         embeds = [embed[padded[s + 1 : s + 1 + n]] for s in range(depth)]
         logits = head(embeds, aux[:n].float())
-        labels = [t2d_index[padded[s + 2 : s + 2 + n]] for s in range(depth)]
-        for s in range(depth):
-            labels[s][max(0, n - 1 - s) :] = -100  # past the end
+        labels = draft_labels(tokens, prompt_len, t2d_index, depth)
+        if all(bool((lb == -100).all()) for lb in labels):
+            continue  # nothing to learn here (a prompt with too short an output)
         loss = sum(F.cross_entropy(lg, lb, ignore_index=-100) for lg, lb in zip(logits, labels, strict=True))
         optimizer.zero_grad()
         loss.backward()
@@ -260,12 +280,15 @@ def main() -> None:
         texts = chat_questions(args.chat, seed=1, avoid=chat_questions(64, seed=0))
     else:
         texts = [line for line in args.prompts.read_text().splitlines() if line.strip()]
-    sequences = greedy_outputs(path, [chat_ids(tokenizer, t) for t in texts], args.max_new_tokens)
+    prompts = [chat_ids(tokenizer, t) for t in texts]
+    sequences = greedy_outputs(path, prompts, args.max_new_tokens)
     c = target.config
     layers = [2, c.num_hidden_layers // 2, c.num_hidden_layers - 3]  # pagellm's (and vLLM's) default
     if min(layers) < 0:
         raise SystemExit(f"the target has {c.num_hidden_layers} layers; the default layers need at least 3")
-    examples = hidden_states(target.to(getattr(torch, args.states_dtype)), sequences, layers)
+    examples = hidden_states(
+        target.to(getattr(torch, args.states_dtype)), sequences, layers, [len(p) for p in prompts]
+    )
     target.float()
     ids = draft_vocabulary(examples, c.vocab_size, args.draft_vocab)
     t2d_index = torch.full((c.vocab_size,), -100, dtype=torch.long)

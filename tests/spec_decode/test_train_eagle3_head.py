@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from tiny import make_tiny_checkpoint
 
 from pagellm import LLM, SamplingParams
@@ -43,3 +44,16 @@ def test_a_trained_head_loads_and_keeps_the_greedy_tokens(tmp_path, monkeypatch,
         if speculative:
             assert llm.engine.stats().spec_num_draft_tokens > 0
     assert results[0] == results[1]
+
+
+def test_the_drafts_learn_only_what_the_proposer_is_asked_for():
+    """Row i of step s answers token i + s + 1: not counted where that is the prompt's (or the chat
+    template's) or the target's first output token, which no draft guesses, nor past the end."""
+    draft_labels = runpy.run_path(str(EXAMPLE))["draft_labels"]
+    tokens = torch.arange(10)  # a prompt of 4 tokens (0..3), then the target's outputs 4..9
+    t2d_index = torch.arange(10) + 100  # every token in the draft vocabulary, as id + 100
+    labels = draft_labels(tokens, 4, t2d_index, depth=2)
+    # step 1: rows 0..8 answer tokens 2..10; tokens 2..4 are the prompt's or the first output, 10 past the end
+    assert labels[0].tolist() == [-100, -100, -100, 105, 106, 107, 108, 109, -100]
+    # step 2: answers 3..11
+    assert labels[1].tolist() == [-100, -100, 105, 106, 107, 108, 109, -100, -100]
